@@ -1,0 +1,83 @@
+"""Engine configuration: everything that sizes the KV cache and bounds a step."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields
+
+import torch
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+}
+
+
+@dataclass
+class EngineConfig:
+    model: str = "smollm2-135m-instruct"
+    served_model_name: str | None = None
+    device: str = "auto"  # "auto" picks CUDA when present, else CPU
+    dtype: str = "auto"  # auto = float32 on CPU (bf16 GEMMs are slow there), bfloat16 on CUDA
+    block_size: int = 16
+    # KV budget. On CPU an absolute number of bytes; on CUDA, when unset, a fraction
+    # of the memory that is free after the weights are loaded.
+    kv_cache_memory: int | None = None
+    gpu_memory_utilization: float = 0.9
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None  # defaults to the model's own limit
+    enable_chunked_prefill: bool = True
+    # Admission keeps this fraction of blocks free so running sequences can grow
+    # without immediately preempting each other.
+    watermark: float = 0.01
+    enable_prefix_caching: bool = True
+    preemption_mode: str = "recompute"  # or "swap"
+    swap_space: int = 1 << 30  # bytes of CPU memory for swapped-out KV blocks
+    scheduling_policy: str = "fcfs"  # or "priority"
+    attention_backend: str = "auto"  # auto | triton | torch
+    num_threads: int | None = None  # CPU threads; defaults to the cores we may use
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.device == "auto":
+            self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        if self.dtype == "auto":
+            self.dtype = "bfloat16" if self.device.startswith("cuda") else "float32"
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
+            raise ValueError(f"block_size must be a power of two <= 128, got {self.block_size}")
+        if self.max_num_seqs < 1:
+            raise ValueError("max_num_seqs must be >= 1")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_batched_tokens must be >= 1")
+        if self.preemption_mode not in ("recompute", "swap"):
+            raise ValueError("preemption_mode must be 'recompute' or 'swap'")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError("scheduling_policy must be 'fcfs' or 'priority'")
+        if self.attention_backend not in ("auto", "triton", "torch"):
+            raise ValueError("attention_backend must be 'auto', 'triton' or 'torch'")
+        if not 0.0 <= self.watermark < 1.0:
+            raise ValueError("watermark must be in [0, 1)")
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            raise ValueError("kv_cache_memory must be a positive number of bytes")
+        if self.num_threads is None:
+            self.num_threads = len(os.sched_getaffinity(0))
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _DTYPES[self.dtype]
+
+    @classmethod
+    def from_kwargs(cls, **kwargs) -> EngineConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = set(kwargs) - known
+        if unknown:
+            raise TypeError(f"unknown engine arguments: {sorted(unknown)}")
+        return cls(**kwargs)

@@ -1,0 +1,58 @@
+"""Incremental detokenisation and stop conditions.
+
+Decoding the whole output every step is quadratic; instead each sequence keeps
+two offsets into its tokens and decodes only a short window (the classic
+prefix/read offset scheme). A window that ends in an incomplete UTF-8 character
+(decoded as U+FFFD) waits for the next token.
+"""
+
+from __future__ import annotations
+
+from llmserve.engine.sequence import Sequence, SequenceStatus
+
+
+class Detokenizer:
+    def __init__(self, tokenizer, eos_token_ids: set[int]):
+        self.tokenizer = tokenizer
+        self.eos_token_ids = eos_token_ids
+
+    def decode_new_text(self, seq: Sequence) -> str:
+        ids = seq.token_ids
+        skip = seq.params.skip_special_tokens
+        prefix = self.tokenizer.decode(ids[seq.prefix_offset:seq.read_offset],
+                                       skip_special_tokens=skip)
+        full = self.tokenizer.decode(ids[seq.prefix_offset:], skip_special_tokens=skip)
+        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+            seq.prefix_offset = seq.read_offset
+            seq.read_offset = len(ids)
+            return full[len(prefix):]
+        return ""
+
+    def update(self, seq: Sequence, token_id: int) -> SequenceStatus | None:
+        """Account for a newly sampled token; the finishing status if it ends ``seq``."""
+        p = seq.params
+        old_len = len(seq.text)
+        seq.text += self.decode_new_text(seq)
+        if seq.num_output_tokens < p.min_tokens:
+            return None
+        if token_id in p.stop_token_ids:
+            seq.stop_reason = token_id
+            return SequenceStatus.FINISHED_STOPPED
+        if not p.ignore_eos and token_id in self.eos_token_ids:
+            return SequenceStatus.FINISHED_STOPPED
+        if p.stop and self._check_stop_strings(seq, old_len):
+            return SequenceStatus.FINISHED_STOPPED
+        return None
+
+    def _check_stop_strings(self, seq: Sequence, old_len: int) -> bool:
+        text = seq.text
+        # Only a match that overlaps the new text can be new.
+        tail_start = max(0, old_len - max(len(s) for s in seq.params.stop) + 1)
+        for stop in seq.params.stop:
+            at = text.find(stop, tail_start)
+            if at >= 0:
+                keep = at + len(stop) if seq.params.include_stop_str_in_output else at
+                seq.text = text[:keep]
+                seq.stop_reason = stop
+                return True
+        return False

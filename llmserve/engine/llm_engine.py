@@ -1,0 +1,239 @@
+"""The engine step loop (schedule -> run -> postprocess) and the offline ``LLM`` API."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import time
+from collections.abc import Sequence as Seq
+from pathlib import Path
+
+from tqdm import tqdm
+
+from llmserve.engine.block_manager import BlockManager
+from llmserve.engine.config import EngineConfig
+from llmserve.engine.detokenizer import Detokenizer
+from llmserve.engine.model_runner import ModelRunner
+from llmserve.engine.models.loader import load_config, load_tokenizer, resolve_model
+from llmserve.engine.outputs import RequestOutput
+from llmserve.engine.sampler import Sampler
+from llmserve.engine.sampling import SamplingParams
+from llmserve.engine.scheduler import Scheduler
+from llmserve.engine.sequence import Logprob, Request, Sequence, SequenceStatus
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.model_path = resolve_model(config.model)
+        self.hf_config = load_config(self.model_path)
+        self.tokenizer = load_tokenizer(self.model_path)
+        self.model_name = config.served_model_name or config.model
+        model_max = getattr(self.hf_config, "max_position_embeddings", None) or 4096
+        self.max_model_len = min(config.max_model_len or model_max, model_max)
+        if not config.enable_chunked_prefill:
+            # Unchunked, a whole prompt must fit one step's budget.
+            config.max_num_batched_tokens = max(config.max_num_batched_tokens,
+                                                self.max_model_len)
+        self.runner = ModelRunner(config, self.hf_config, self.model_path, self.max_model_len)
+        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size,
+                                          config.enable_prefix_caching, config.watermark)
+        self.scheduler = Scheduler(config, self.block_manager)
+        self.eos_token_ids = self._eos_token_ids()
+        vocab = self.hf_config.vocab_size
+        self.sampler = Sampler(vocab, self.eos_token_ids)
+        self.detokenizer = Detokenizer(self.tokenizer, self.eos_token_ids)
+        self.requests: dict[str, Request] = {}
+        self._ids = itertools.count()
+        self.stats = EngineStats()
+
+    def _eos_token_ids(self) -> set[int]:
+        ids = set()
+        for source in (self.hf_config.eos_token_id, self.tokenizer.eos_token_id):
+            if isinstance(source, int):
+                ids.add(source)
+            elif source:
+                ids.update(source)
+        gen = Path(self.model_path) / "generation_config.json"
+        if gen.is_file():
+            eos = json.loads(gen.read_text()).get("eos_token_id")
+            ids.update([eos] if isinstance(eos, int) else eos or [])
+        return ids
+
+    # --- requests -------------------------------------------------------------
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt)
+        return list(prompt)
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None, priority: int = 0,
+                    prompt_token_ids: list[int] | None = None) -> Request:
+        """Queue a request. Raises ValueError, changing nothing, when it can never run."""
+        params = params or SamplingParams()
+        ids = prompt_token_ids if prompt_token_ids is not None else self.tokenize(prompt)
+        self.validate_prompt(ids, params)
+        if params.max_tokens is None:
+            params.max_tokens = self.max_model_len - len(ids)
+        request_id = request_id or f"req-{next(self._ids)}"
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        text = prompt if isinstance(prompt, str) else None
+        req = Request(request_id, text, list(ids), params, priority=priority)
+        self.requests[request_id] = req
+        for seq in req.sequences:
+            self.scheduler.add(seq)
+        return req
+
+    def validate_prompt(self, ids: list[int], params: SamplingParams) -> None:
+        if not ids:
+            raise ValueError("the prompt is empty")
+        vocab = self.hf_config.vocab_size
+        if min(ids) < 0 or max(ids) >= vocab:
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        total = len(ids) + (params.max_tokens or 0)
+        if len(ids) >= self.max_model_len or total > self.max_model_len:
+            raise ValueError(
+                f"this model's maximum context length is {self.max_model_len} tokens; the "
+                f"prompt has {len(ids)} and max_tokens asks for {params.max_tokens or 0} more")
+        blocks = -(-total // self.config.block_size)
+        if blocks > self.block_manager.num_blocks:
+            raise ValueError(f"the prompt plus max_tokens needs {blocks} KV blocks; the "
+                             f"cache has {self.block_manager.num_blocks}")
+
+    def abort(self, request_id: str) -> bool:
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return False
+        for seq in req.sequences:
+            if not seq.finished:
+                self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
+        req.finished_time = time.monotonic()
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    # --- the step ---------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        if not batch.seqs:
+            return []
+        now = time.monotonic()
+        t0 = time.perf_counter()
+        logits, due = self.runner.run(batch)
+        t1 = time.perf_counter()
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            seq.num_computed_tokens += n
+            self.block_manager.cache_full_blocks(seq)
+            if seq.request.first_scheduled_time is None:
+                seq.request.first_scheduled_time = now
+        touched: dict[str, Request] = {}
+        if due:
+            due_seqs = [batch.seqs[i] for i in due]
+            sampled = self.sampler(logits, due_seqs)
+            for seq, token, lp in zip(due_seqs, sampled.token_ids, sampled.logprobs):
+                self._append(seq, token, lp)
+                touched[seq.request.request_id] = seq.request
+        self.stats.record_step(batch, t1 - t0, time.perf_counter() - t1)
+        outputs = []
+        for req in touched.values():
+            outputs.append(RequestOutput.of(req))
+            if req.finished:
+                req.finished_time = time.monotonic()
+                self.requests.pop(req.request_id, None)
+        return outputs
+
+    def _append(self, seq: Sequence, token: int, lp) -> None:
+        seq.append_token(token)
+        req = seq.request
+        now = time.monotonic()
+        if req.first_token_time is None:
+            req.first_token_time = now
+        req.last_token_time = now
+        if lp is not None:
+            seq.logprobs.append(Logprob(token, lp[0], lp[1]))
+        status = self.detokenizer.update(seq, token)
+        if status is None and (seq.num_output_tokens >= seq.params.max_tokens
+                               or seq.num_tokens >= self.max_model_len):
+            status = SequenceStatus.FINISHED_LENGTH
+        if status is not None:
+            self.scheduler.finish(seq, status)
+
+
+class EngineStats:
+    """Step counters for benchmarks: where the time goes."""
+
+    def __init__(self):
+        self.steps = 0
+        self.tokens = 0
+        self.forward_s = 0.0
+        self.post_s = 0.0
+
+    def record_step(self, batch, forward_s: float, post_s: float) -> None:
+        self.steps += 1
+        self.tokens += batch.num_tokens
+        self.forward_s += forward_s
+        self.post_s += post_s
+
+
+class LLM:
+    """Offline generation, shaped like vLLM's ``LLM``."""
+
+    def __init__(self, model: str = "smollm2-135m-instruct", **engine_args):
+        self.engine = LLMEngine(EngineConfig.from_kwargs(model=model, **engine_args))
+        self.tokenizer = self.engine.tokenizer
+
+    def generate(self, prompts, sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        prompts = _as_prompt_list(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params = [sampling_params or SamplingParams()] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError("need one SamplingParams per prompt")
+        ids = [self.engine.add_request(p, _copy(sp)).request_id
+               for p, sp in zip(prompts, params)]
+        return self._run(ids, use_tqdm)
+
+    def chat(self, messages, sampling_params: SamplingParams | None = None,
+             use_tqdm: bool = False) -> list[RequestOutput]:
+        """One conversation (a list of {"role", "content"}) or a list of them."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [self.engine.tokenizer.encode(render_chat(self.tokenizer, c),
+                                                add_special_tokens=False)
+                   for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        done: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(request_ids), desc="generating", disable=not use_tqdm)
+        while self.engine.has_unfinished():
+            for out in self.engine.step():
+                if out.finished:
+                    done[out.request_id] = out
+                    bar.update(1)
+        bar.close()
+        return [done[i] for i in request_ids]
+
+
+def render_chat(tokenizer, messages: list[dict]) -> str:
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("this model has no chat template")
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+def _as_prompt_list(prompts) -> list:
+    if isinstance(prompts, str):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and isinstance(prompts[0], int):  # one prompt given as token ids
+        return [prompts]
+    return prompts
+
+
+def _copy(params: SamplingParams) -> SamplingParams:
+    # add_request may fill in max_tokens; never mutate the caller's object.
+    from dataclasses import replace
+    return replace(params)

@@ -1,0 +1,131 @@
+"""The only piece that touches device tensors: weights, KV cache, one forward per step."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from llmserve.engine.config import EngineConfig
+from llmserve.engine.models.attention import AttentionMetadata
+from llmserve.engine.models.llama import SUPPORTED_ARCHITECTURES, RotaryEmbedding
+from llmserve.engine.models.loader import load_weights
+from llmserve.engine.scheduler import ScheduledBatch
+from llmserve.kernels.reference import make_attention_plan
+
+log = logging.getLogger(__name__)
+
+DEFAULT_CPU_KV_BYTES = 1 << 30
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, hf_config, model_path, max_model_len: int):
+        self.config = config
+        self.device = torch.device(config.device)
+        self.dtype = config.torch_dtype
+        if self.device.type == "cpu":
+            torch.set_num_threads(config.num_threads)
+        arch = next(a for a in hf_config.architectures if a in SUPPORTED_ARCHITECTURES)
+        with torch.device("meta"):
+            model = SUPPORTED_ARCHITECTURES[arch](hf_config, max_model_len)
+        # Built on the meta device (no random init of 100M+ parameters), then
+        # materialised empty and filled from the checkpoint.
+        model.to_empty(device=self.device)
+        model.tie_weights()
+        load_weights(model, model_path, self.dtype, str(self.device))
+        # cos/sin tables were on meta too; they stay fp32 whatever the weights are.
+        model.model.rotary = RotaryEmbedding(hf_config, max_model_len).to(self.device)
+        self.model = model.eval()
+        self.hf_config = hf_config
+        self.block_size = config.block_size
+        self.num_blocks = self._num_kv_blocks()
+        self.kv_caches = self._allocate_kv_cache(self.num_blocks)
+        self.use_triton = self._want_triton()
+
+    # --- KV cache -----------------------------------------------------------------
+    def kv_bytes_per_block(self) -> int:
+        c = self.hf_config
+        elem = torch.tensor([], dtype=self.dtype).element_size()
+        return 2 * c.num_hidden_layers * self.block_size * c.num_key_value_heads * c.head_dim * elem
+
+    def _num_kv_blocks(self) -> int:
+        budget = self.config.kv_cache_memory
+        if budget is None:
+            if self.device.type == "cuda":
+                free, total = torch.cuda.mem_get_info(self.device)
+                budget = int(free - total * (1 - self.config.gpu_memory_utilization))
+            else:
+                budget = DEFAULT_CPU_KV_BYTES
+        num = budget // self.kv_bytes_per_block()
+        if num < 1:
+            raise ValueError(f"kv_cache_memory={budget} bytes holds no KV block "
+                             f"(one block takes {self.kv_bytes_per_block()} bytes)")
+        return int(num)
+
+    def _allocate_kv_cache(self, num_blocks: int):
+        c = self.hf_config
+        shape = (2, c.num_hidden_layers, num_blocks, self.block_size,
+                 c.num_key_value_heads, c.head_dim)
+        self.kv_storage = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        return [(self.kv_storage[0, i], self.kv_storage[1, i])
+                for i in range(c.num_hidden_layers)]
+
+    def _want_triton(self) -> bool:
+        backend = self.config.attention_backend
+        if backend == "torch":
+            return False
+        if backend == "triton":
+            return True
+        return self.device.type == "cuda"
+
+    # --- one step ---------------------------------------------------------------------
+    def prepare(self, batch: ScheduledBatch):
+        """Flatten the batch into the tensors the model reads."""
+        bs = self.block_size
+        input_ids, positions, slots = [], [], []
+        query_start, seq_lens, sample_rows, due = [0], [], [], []
+        tables = []
+        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
+            start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
+            input_ids += seq.token_ids[start:end]
+            positions += range(start, end)
+            table = seq.block_table
+            slots += [table[p // bs] * bs + p % bs for p in range(start, end)]
+            query_start.append(query_start[-1] + n)
+            seq_lens.append(end)
+            tables.append(table)
+            if end == seq.num_tokens:  # all known tokens computed: due a new one
+                sample_rows.append(query_start[-1] - 1)
+                due.append(i)
+        dev = self.device
+        max_blocks = max(len(t) for t in tables)
+        table_tensor = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables],
+                                    dtype=torch.int32, device=dev)
+        meta = AttentionMetadata(
+            kv_caches=self.kv_caches,
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            query_start_loc=torch.tensor(query_start, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            block_tables=table_tensor,
+            max_query_len=max(batch.num_new_tokens),
+            max_seq_len=max(seq_lens),
+            use_triton=self.use_triton,
+        )
+        if not self.use_triton:
+            meta.plan = make_attention_plan(query_start, seq_lens, table_tensor, bs)
+        ids = torch.tensor(input_ids, dtype=torch.long, device=dev)
+        pos = torch.tensor(positions, dtype=torch.long, device=dev)
+        return ids, pos, meta, sample_rows, due
+
+    @torch.inference_mode()
+    def run(self, batch: ScheduledBatch) -> tuple[torch.Tensor | None, list[int]]:
+        """Forward the batch once; logits only for rows that sample.
+
+        Returns (logits ``[num_sampling, vocab]`` or None, indices into
+        ``batch.seqs`` of the sequences those rows belong to)."""
+        ids, pos, meta, sample_rows, due = self.prepare(batch)
+        hidden = self.model(ids, pos, meta)
+        if not sample_rows:
+            return None, []
+        rows = torch.tensor(sample_rows, device=self.device)
+        return self.model.compute_logits(hidden[rows]), due

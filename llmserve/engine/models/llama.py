@@ -1,0 +1,177 @@
+"""Llama-family decoder (Llama 2/3, Qwen2, Mistral, SmolLM) over a paged KV cache.
+
+The batch is flat: ``input_ids`` and ``positions`` hold the new tokens of every
+scheduled sequence back to back; attention finds each sequence's past through
+the block tables in the step's attention metadata. Parameter names follow the
+Hugging Face checkpoints, so safetensors load by name.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from llmserve.engine.models.attention import paged_attention
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+
+def rope_inv_freq(config) -> torch.Tensor:
+    """Inverse frequencies, with Llama 3's long-context scaling when configured."""
+    dim = config.head_dim
+    base = getattr(config, "rope_theta", None) or _rope_params(config).get("rope_theta", 10000.0)
+    # float32 throughout, as transformers computes it, so positions agree bit for bit.
+    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = _rope_params(config)
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "llama3":
+        factor = scaling["factor"]
+        low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old_len = scaling["original_max_position_embeddings"]
+        low_wavelen, high_wavelen = old_len / low, old_len / high
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        mid = (1 - smooth) * scaled / factor + smooth * scaled
+        is_mid = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        inv_freq = torch.where(is_mid, mid, scaled)
+    elif kind == "linear":
+        inv_freq = inv_freq / scaling["factor"]
+    elif kind not in ("default", None):
+        raise ValueError(f"unsupported rope scaling {kind!r}")
+    return inv_freq.float()
+
+
+def _rope_params(config) -> dict:
+    # transformers 5 keeps these in rope_parameters; 4.x in rope_scaling/rope_theta.
+    return dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
+                or {})
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin table for every position, indexed by the flat batch's positions."""
+
+    def __init__(self, config, max_positions: int):
+        super().__init__()
+        t = torch.arange(max_positions, dtype=torch.float32)
+        freqs = torch.outer(t, rope_inv_freq(config))
+        self.register_buffer("cos", freqs.cos(), persistent=False)
+        self.register_buffer("sin", freqs.sin(), persistent=False)
+
+    def forward(self, positions, q, k):
+        cos = self.cos[positions].unsqueeze(1)  # [T, 1, d/2]
+        sin = self.sin[positions].unsqueeze(1)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x, cos, sin):
+    # Hugging Face's "rotate half" convention: the two halves of each head form pairs.
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, config, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        bias = bool(getattr(config, "attention_bias", False) or config.model_type == "qwen2")
+        hidden = config.hidden_size
+        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden,
+                                bias=bool(getattr(config, "attention_bias", False)))
+        self.scale = self.head_dim ** -0.5
+
+    def forward(self, x, positions, rotary, meta):
+        t = x.shape[0]
+        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        q, k = rotary(positions, q, k)
+        o = paged_attention(q, k, v, meta, self.layer_idx, self.scale)
+        return self.o_proj(o.view(t, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        h, i = config.hidden_size, config.intermediate_size
+        self.gate_proj = nn.Linear(h, i, bias=False)
+        self.up_proj = nn.Linear(h, i, bias=False)
+        self.down_proj = nn.Linear(i, h, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config, layer_idx: int):
+        super().__init__()
+        self.self_attn = Attention(config, layer_idx)
+        self.mlp = MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, x, positions, rotary, meta):
+        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config, max_positions: int):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i)
+                                    for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary = RotaryEmbedding(config, max_positions)
+
+    def forward(self, input_ids, positions, meta):
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(x, positions, self.rotary, meta)
+        return self.norm(x)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, config, max_positions: int):
+        super().__init__()
+        if getattr(config, "head_dim", None) is None:
+            config.head_dim = config.hidden_size // config.num_attention_heads
+        self.config = config
+        self.model = LlamaModel(config, max_positions)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        if getattr(self.config, "tie_word_embeddings", False):
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids, positions, meta) -> torch.Tensor:
+        """Hidden states of every new token, ``[num_tokens, hidden]``."""
+        return self.model(input_ids, positions, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": LlamaForCausalLM,
+}

