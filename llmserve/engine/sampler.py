@@ -102,7 +102,8 @@ class Sampler:
         probs = torch.softmax(logits, dim=-1)
         min_p = [p.min_p for p in params]
         if any(m > 0 for m in min_p):
-            floor = torch.tensor(min_p, device=dev).unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
+            top = probs.max(dim=-1, keepdim=True).values
+            floor = torch.tensor(min_p, device=dev).unsqueeze(1) * top
             probs = probs.masked_fill(probs < floor, 0.0)
         return probs
 

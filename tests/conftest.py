@@ -1,0 +1,66 @@
+"""Shared fixtures: the built-in model and tiny random checkpoints written on the fly."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from llmserve.engine.models.loader import resolve_model
+
+BUILTIN = "smollm2-135m-instruct"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+
+
+@pytest.fixture(scope="session")
+def builtin_path() -> Path:
+    return resolve_model(BUILTIN)
+
+
+def write_tiny_checkpoint(out: Path, builtin: Path, kind: str = "llama", seed: int = 0) -> Path:
+    """A random 2-layer model saved with save_pretrained, sharing the built-in
+    model's tokenizer so text prompts and chat templates work."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    common = dict(vocab_size=49152, hidden_size=64, intermediate_size=128,
+                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  max_position_embeddings=2048, rms_norm_eps=1e-5, initializer_range=0.08,
+                  bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+    if kind == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**common, rope_theta=10000.0))
+    elif kind == "llama3":  # Llama 3 RoPE scaling, GQA 3:1, tied embeddings
+        cfg = dict(common, num_attention_heads=6, num_key_value_heads=2, hidden_size=96,
+                   tie_word_embeddings=True)
+        cfg["rope_scaling"] = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                               "high_freq_factor": 4.0,
+                               "original_max_position_embeddings": 256}
+        model = LlamaForCausalLM(LlamaConfig(**cfg, rope_theta=500000.0))
+    elif kind == "qwen2":
+        model = Qwen2ForCausalLM(Qwen2Config(**common, rope_theta=1000000.0))
+        with torch.no_grad():  # make the QKV biases matter
+            for layer in model.model.layers:
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj,
+                             layer.self_attn.v_proj):
+                    proj.bias.normal_(0, 0.5)
+    else:
+        raise ValueError(kind)
+    model.save_pretrained(out)
+    for name in TOKENIZER_FILES:
+        if (builtin / name).exists():
+            shutil.copy(builtin / name, out / name)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory, builtin_path) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("tiny")
+    return {kind: write_tiny_checkpoint(root / kind, builtin_path, kind)
+            for kind in ("llama", "llama3", "qwen2")}
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tiny_models) -> Path:
+    return tiny_models["llama"]

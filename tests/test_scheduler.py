@@ -1,0 +1,131 @@
+"""Scheduler invariants: budgets, decode-first chunked prefill, preemption, no starvation."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from llmserve.engine.sequence import SequenceStatus
+from tests.sim import make_request, make_scheduler, simulate_step
+
+
+def add(sched, req):
+    for seq in req.sequences:
+        sched.add(seq)
+    return req
+
+
+def test_long_prompt_is_chunked_while_decodes_continue():
+    sched = make_scheduler(num_blocks=128, block_size=4, max_num_batched_tokens=8)
+    short = add(sched, make_request(prompt_len=3, max_tokens=20)).sequences[0]
+    simulate_step(sched, sched.schedule())  # short prefilled, now decoding
+    long = add(sched, make_request(prompt_len=50, max_tokens=2)).sequences[0]
+    chunks = []
+    while long.num_output_tokens == 0:
+        batch = sched.schedule()
+        assert batch.num_tokens <= 8
+        assert short in batch.seqs, "a running decode skipped a step"
+        assert batch.seqs[0] is short, "decodes come before prefill chunks"
+        chunks.append(batch.num_new_tokens[batch.seqs.index(long)])
+        simulate_step(sched, batch)
+    assert sum(chunks) == 50 and max(chunks) == 7 and len(chunks) == 8
+
+
+def test_unchunked_prefill_waits_for_a_whole_budget():
+    sched = make_scheduler(num_blocks=128, block_size=4, max_num_batched_tokens=16,
+                           enable_chunked_prefill=False)
+    add(sched, make_request(prompt_len=10, max_tokens=5))
+    add(sched, make_request(prompt_len=10, max_tokens=5))
+    batch = sched.schedule()
+    assert batch.num_new_tokens == [10]  # the second does not fit this step
+
+
+def test_max_num_seqs_caps_the_batch():
+    sched = make_scheduler(num_blocks=128, max_num_seqs=3, max_num_batched_tokens=100)
+    for _ in range(5):
+        add(sched, make_request(prompt_len=4, max_tokens=3))
+    batch = sched.schedule()
+    assert len(batch) == 3 and len(sched.waiting) == 2
+
+
+def test_admission_respects_the_watermark():
+    sched = make_scheduler(num_blocks=10, block_size=4, watermark=0.2)  # keep 2 free
+    add(sched, make_request(prompt_len=4 * 9, max_tokens=1))
+    assert len(sched.schedule()) == 0, "would leave fewer than the watermark free"
+    sched2 = make_scheduler(num_blocks=10, block_size=4, watermark=0.2)
+    add(sched2, make_request(prompt_len=4 * 8, max_tokens=1))
+    assert len(sched2.schedule()) == 1
+
+
+def test_preemption_picks_the_latest_arrival_and_outputs_resume():
+    sched = make_scheduler(num_blocks=6, block_size=4, watermark=0.0,
+                           max_num_batched_tokens=64)
+    a = add(sched, make_request(prompt_len=8, max_tokens=8)).sequences[0]
+    b = add(sched, make_request(prompt_len=8, max_tokens=8)).sequences[0]
+    simulate_step(sched, sched.schedule())  # both prefilled: 4 of 6 blocks
+    preempted = []
+    for _ in range(40):
+        if not sched.has_work():
+            break
+        batch = sched.schedule()
+        preempted += batch.preempted
+        simulate_step(sched, batch)
+    assert preempted and preempted[0] is b
+    assert a.finished and b.finished
+    assert a.num_output_tokens == 8 and b.num_output_tokens == 8
+    assert b.num_preemptions >= 1
+    sched.bm.check_all_free()
+
+
+def test_priority_policy_orders_waiting_requests():
+    sched = make_scheduler(num_blocks=128, max_num_seqs=1, scheduling_policy="priority")
+    low = add(sched, make_request(prompt_len=4, max_tokens=1, priority=5)).sequences[0]
+    high = add(sched, make_request(prompt_len=4, max_tokens=1, priority=-1)).sequences[0]
+    assert sched.schedule().seqs == [high]
+    assert sched.waiting == [low]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    reqs=st.lists(st.tuples(st.integers(1, 40), st.integers(1, 12), st.integers(0, 6)),
+                  min_size=1, max_size=16),
+    budget=st.integers(1, 48),
+    num_blocks=st.integers(12, 60),
+    max_seqs=st.integers(1, 8),
+    caching=st.booleans(),
+    abort_at=st.lists(st.integers(0, 60), max_size=4),
+)
+def test_random_streams_respect_budgets_and_free_every_block(
+        reqs, budget, num_blocks, max_seqs, caching, abort_at):
+    sched = make_scheduler(num_blocks=num_blocks, block_size=4, max_num_batched_tokens=budget,
+                           max_num_seqs=max_seqs, enable_prefix_caching=caching)
+    # Only requests that can ever fit are admitted (the engine rejects the rest).
+    pending = [(p, m, at) for p, m, at in reqs if -(-(p + m) // 4) <= num_blocks]
+    all_seqs = []
+    for step in range(2000):
+        for p, m, _ in [r for r in pending if r[2] == step]:
+            all_seqs += add(sched, make_request(prompt_len=p, max_tokens=m)).sequences
+        if step in abort_at and sched.running:
+            sched.finish(sched.running[0], SequenceStatus.FINISHED_ABORTED)
+        if not sched.has_work() and step > max(at for _, _, at in pending or [(0, 0, 0)]):
+            break
+        running_before = [s for s in sched.running if s.num_uncomputed_tokens == 1]
+        batch = sched.schedule()
+        assert batch.num_tokens <= budget
+        assert len(sched.running) <= max_seqs
+        assert len(set(map(id, batch.seqs))) == len(batch.seqs)
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            assert n >= 1
+            blocks = len(seq.block_table)
+            assert blocks * 4 >= seq.num_computed_tokens + n  # room for the new tokens
+            assert (blocks - 1) * 4 < seq.num_computed_tokens + n  # waste < one block
+        # Every running decode is scheduled unless it was preempted or the budget
+        # ran out on decodes ahead of it.
+        if len(running_before) <= budget:
+            for seq in running_before:
+                assert seq in batch.seqs or seq in batch.preempted
+        simulate_step(sched, batch)
+    else:
+        raise AssertionError("requests starved: the stream never drained")
+    assert all(s.finished for s in all_seqs)
+    sched.bm.check_all_free()
