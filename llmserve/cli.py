@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
+import logging
+import os
 import sys
 
 from llmserve.engine.models.loader import ModelLoadError
@@ -54,6 +57,51 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def add_server_args(p: argparse.ArgumentParser, port: int) -> None:
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=port)
+    p.add_argument("--api-key", default=os.environ.get("LLMSERVE_API_KEY"),
+                   help="require this Bearer token on /v1 paths (or LLMSERVE_API_KEY)")
+    p.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="seconds in-flight requests may take after SIGTERM")
+    p.add_argument("--log-level", default="INFO")
+
+
+def cmd_serve(args) -> int:
+    from llmserve.engine.llm_engine import LLMEngine
+    from llmserve.engine.server import serve
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    engine = LLMEngine(engine_config(args))
+    asyncio.run(serve(engine, args.host, args.port, args.api_key, args.drain_timeout))
+    return 0
+
+
+def cmd_up(args) -> int:
+    """The whole local platform on one machine: engine (+ gateway once it lands)."""
+    from llmserve.engine.llm_engine import LLMEngine
+    from llmserve.engine.server import serve
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    engine = LLMEngine(engine_config(args))
+
+    async def main() -> None:
+        ready = asyncio.Event()
+        task = asyncio.create_task(serve(engine, args.host, args.port, args.api_key,
+                                         args.drain_timeout, ready))
+        await ready.wait()
+        url = f"http://{args.host}:{args.port}"
+        auth = f" -H 'Authorization: Bearer {args.api_key}'" if args.api_key else ""
+        print(f"\nllmserve is up: {url}  (model {engine.model_name!r})\n"
+              f"try:\n  curl -s {url}/v1/chat/completions -H 'Content-Type: application/json'"
+              f"{auth} -d '{{\"model\": \"{engine.model_name}\", \"messages\": "
+              f"[{{\"role\": \"user\", \"content\": \"Hello!\"}}]}}'\n", flush=True)
+        await task
+
+    asyncio.run(main())
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="llmserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -64,6 +112,14 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--seed", type=int, default=None)
     gen.set_defaults(func=cmd_generate)
+    srv = sub.add_parser("serve", help="one engine behind the OpenAI-compatible HTTP API")
+    add_engine_args(srv)
+    add_server_args(srv, 8000)
+    srv.set_defaults(func=cmd_serve)
+    up = sub.add_parser("up", help="the local platform on the built-in model, one command")
+    add_engine_args(up)
+    add_server_args(up, 8000)
+    up.set_defaults(func=cmd_up)
     args = parser.parse_args(argv)
     try:
         return args.func(args)

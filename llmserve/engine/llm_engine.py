@@ -116,6 +116,7 @@ class LLMEngine:
 
     # --- the step ---------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        ts = time.perf_counter()
         batch = self.scheduler.schedule()
         if not batch.seqs:
             return []
@@ -135,7 +136,7 @@ class LLMEngine:
             for seq, token, lp in zip(due_seqs, sampled.token_ids, sampled.logprobs):
                 self._append(seq, token, lp)
                 touched[seq.request.request_id] = seq.request
-        self.stats.record_step(batch, t1 - t0, time.perf_counter() - t1)
+        self.stats.record_step(batch, t0 - ts, t1 - t0, time.perf_counter() - t1)
         outputs = []
         for req in touched.values():
             outputs.append(RequestOutput.of(req))
@@ -167,12 +168,14 @@ class EngineStats:
     def __init__(self):
         self.steps = 0
         self.tokens = 0
-        self.forward_s = 0.0
-        self.post_s = 0.0
+        self.schedule_s = 0.0
+        self.forward_s = 0.0  # batch preparation + forward + logits
+        self.post_s = 0.0  # sampling + detokenisation + bookkeeping
 
-    def record_step(self, batch, forward_s: float, post_s: float) -> None:
+    def record_step(self, batch, schedule_s: float, forward_s: float, post_s: float) -> None:
         self.steps += 1
         self.tokens += batch.num_tokens
+        self.schedule_s += schedule_s
         self.forward_s += forward_s
         self.post_s += post_s
 

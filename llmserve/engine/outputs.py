@@ -38,4 +38,7 @@ class RequestOutput:
         return cls(request_id=req.request_id, prompt=req.prompt,
                    prompt_token_ids=req.prompt_token_ids,
                    outputs=[CompletionOutput.of(s) for s in req.sequences],
-                   finished=req.finished)
+                   finished=req.finished,
+                   metrics={"arrival_time": req.arrival_time,
+                            "first_scheduled_time": req.first_scheduled_time,
+                            "first_token_time": req.first_token_time})

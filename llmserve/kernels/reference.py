@@ -30,7 +30,7 @@ class AttentionPlan:
     """Index tensors for the torch path, built once per step and shared by all layers."""
     decode_rows: torch.Tensor | None = None  # positions in q of single-token queries
     decode_tables: torch.Tensor | None = None  # [S, max_blocks] long
-    decode_pad: torch.Tensor | None = None  # [S, max_blocks * block_size], True = padding
+    decode_keep: torch.Tensor | None = None  # [S, max_blocks * block_size], False = padding
     # (start, end, seq_len, block ids of the sequence, causal mask or None)
     prefills: list[tuple] = field(default_factory=list)
 
@@ -47,8 +47,8 @@ def make_attention_plan(query_start_loc: list[int], seq_lens: list[int],
         plan.decode_rows = torch.tensor([query_start_loc[i] for i in decodes], device=dev)
         plan.decode_tables = block_tables[index, :max_blocks].long()
         lens = torch.tensor([seq_lens[i] for i in decodes], device=dev)
-        plan.decode_pad = (torch.arange(max_blocks * block_size, device=dev).unsqueeze(0)
-                           >= lens.unsqueeze(1))
+        plan.decode_keep = (torch.arange(max_blocks * block_size, device=dev).unsqueeze(0)
+                            < lens.unsqueeze(1))
     for i in range(num_seqs):
         start, end, seq_len = query_start_loc[i], query_start_loc[i + 1], seq_lens[i]
         n = end - start
@@ -80,8 +80,8 @@ def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     if plan.decode_rows is not None:
         _decode_attention(q, k_cache, v_cache, out, plan, scale)
     for start, end, seq_len, table, mask in plan.prefills:
-        k = k_cache[table].flatten(0, 1)[:seq_len].transpose(0, 1)  # [kvh, L, d]
-        v = v_cache[table].flatten(0, 1)[:seq_len].transpose(0, 1)
+        k = k_cache.index_select(0, table).flatten(0, 1)[:seq_len].transpose(0, 1)  # [kvh,L,d]
+        v = v_cache.index_select(0, table).flatten(0, 1)[:seq_len].transpose(0, 1)
         qs = q[start:end].transpose(0, 1)  # [H, n, d]
         o = F.scaled_dot_product_attention(qs, k, v, attn_mask=mask, is_causal=mask is None,
                                            scale=scale, enable_gqa=True)
@@ -90,16 +90,16 @@ def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
 
 
 def _decode_attention(q, k_cache, v_cache, out, plan: AttentionPlan, scale: float) -> None:
-    """Gather each decode's blocks into a padded ``[S, L, kvh, d]`` tensor; fp32 softmax."""
+    """Gather each decode's blocks into a padded ``[S, L, kvh, d]`` tensor (one
+    index_select, the cheapest gather on CPU) and mask the padding. SDPA reads K/V
+    through strided views, so no further copies are made."""
     _, block_size, num_kv_heads, head_dim = k_cache.shape
-    tables = plan.decode_tables
-    num, max_blocks = tables.shape
-    k = k_cache[tables].view(num, max_blocks * block_size, num_kv_heads, head_dim)
-    v = v_cache[tables].view(num, max_blocks * block_size, num_kv_heads, head_dim)
-    group = q.shape[1] // num_kv_heads
-    qd = q[plan.decode_rows].view(num, num_kv_heads, group, head_dim)
-    scores = torch.matmul(qd, k.permute(0, 2, 3, 1)).float() * scale  # [S, kvh, g, L]
-    scores.masked_fill_(plan.decode_pad[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1).to(v.dtype)
-    o = torch.matmul(probs, v.permute(0, 2, 1, 3))  # [S, kvh, g, d]
-    out[plan.decode_rows] = o.reshape(num, -1, head_dim)
+    num, max_blocks = plan.decode_tables.shape
+    length = max_blocks * block_size
+    flat = plan.decode_tables.reshape(-1)
+    k = k_cache.index_select(0, flat).view(num, length, num_kv_heads, head_dim).transpose(1, 2)
+    v = v_cache.index_select(0, flat).view(num, length, num_kv_heads, head_dim).transpose(1, 2)
+    qd = q[plan.decode_rows].unsqueeze(2)  # [S, H, 1, d]
+    o = F.scaled_dot_product_attention(qd, k, v, attn_mask=plan.decode_keep[:, None, None, :],
+                                       scale=scale, enable_gqa=True)
+    out[plan.decode_rows] = o.squeeze(2)

@@ -1,0 +1,104 @@
+"""Offline throughput: llmserve versus transformers generate() in static batches.
+
+Both run N requests with output lengths uniform in [lo, hi] (ignore_eos), on the
+same model, in the same process, one after the other; throughput counts only the
+tokens each request asked for. Prints tokens/s of each and the ratio, and where
+llmserve's step time goes.
+
+    python benchmarks/offline_throughput.py --num-requests 64 --min-out 20 --max-out 300
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+
+import torch
+
+from llmserve import LLM, SamplingParams
+
+
+def make_workload(n: int, lo: int, hi: int, prompt_lo: int, prompt_hi: int, seed: int):
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(100, 40000) for _ in range(rng.randint(prompt_lo, prompt_hi))]
+               for _ in range(n)]
+    outs = [rng.randint(lo, hi) for _ in range(n)]
+    return prompts, outs
+
+
+def run_llmserve(model: str, prompts, outs, max_num_seqs: int) -> dict:
+    llm = LLM(model, max_num_seqs=max_num_seqs)
+    llm.generate([prompts[0]], SamplingParams(max_tokens=4, ignore_eos=True))  # warm up
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in outs]
+    stats = llm.engine.stats
+    stats.__init__()
+    t0 = time.perf_counter()
+    results = llm.generate(prompts, params)
+    wall = time.perf_counter() - t0
+    generated = sum(len(r.outputs[0].token_ids) for r in results)
+    assert generated == sum(outs)
+    return {"tokens_per_s": generated / wall, "wall_s": wall, "steps": stats.steps,
+            "schedule_s": stats.schedule_s, "forward_s": stats.forward_s,
+            "postprocess_s": stats.post_s,
+            "other_s": wall - stats.schedule_s - stats.forward_s - stats.post_s,
+            "model_path": str(llm.engine.model_path)}
+
+
+def run_transformers(path: str, prompts, outs, batch_size: int) -> dict:
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None  # ignore_eos, like the llmserve run
+    model.generation_config.pad_token_id = 0
+    t0 = time.perf_counter()
+    for start in range(0, len(prompts), batch_size):
+        batch, lens = prompts[start:start + batch_size], outs[start:start + batch_size]
+        width = max(len(p) for p in batch)
+        ids = torch.tensor([[0] * (width - len(p)) + p for p in batch])  # left padding
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+        with torch.inference_mode():
+            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max(lens),
+                           min_new_tokens=max(lens), do_sample=False)
+    wall = time.perf_counter() - t0
+    return {"tokens_per_s": sum(outs) / wall, "wall_s": wall}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--num-requests", type=int, default=64)
+    ap.add_argument("--min-out", type=int, default=20)
+    ap.add_argument("--max-out", type=int, default=300)
+    ap.add_argument("--min-prompt", type=int, default=16)
+    ap.add_argument("--max-prompt", type=int, default=128)
+    ap.add_argument("--max-num-seqs", type=int, default=128)
+    ap.add_argument("--hf-batch-size", type=int, default=32)
+    ap.add_argument("--skip-transformers", action="store_true")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", default=None, help="write the results here")
+    args = ap.parse_args()
+    prompts, outs = make_workload(args.num_requests, args.min_out, args.max_out,
+                                  args.min_prompt, args.max_prompt, args.seed)
+    ours = run_llmserve(args.model, prompts, outs, args.max_num_seqs)
+    print(f"\nllmserve:     {ours['tokens_per_s']:8.1f} tokens/s  ({ours['wall_s']:.1f} s, "
+          f"{ours['steps']} steps)")
+    total = ours["wall_s"]
+    for part in ("schedule_s", "forward_s", "postprocess_s", "other_s"):
+        print(f"  {part[:-2]:<12} {ours[part]:7.2f} s  {100 * ours[part] / total:5.1f} %")
+    result = {"llmserve": ours, "args": vars(args)}
+    if not args.skip_transformers:
+        hf = run_transformers(ours["model_path"], prompts, outs, args.hf_batch_size)
+        ratio = ours["tokens_per_s"] / hf["tokens_per_s"]
+        print(f"transformers: {hf['tokens_per_s']:8.1f} tokens/s  ({hf['wall_s']:.1f} s, "
+              f"static batches of {args.hf_batch_size})")
+        print(f"ratio llmserve / transformers: {ratio:.2f}x")
+        result.update(transformers=hf, ratio=ratio)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

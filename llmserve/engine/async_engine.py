@@ -1,0 +1,157 @@
+"""Asyncio front of the engine.
+
+The step loop runs in its own thread, so model compute never blocks the event
+loop (PyTorch releases the GIL inside its kernels). Requests and aborts reach the
+engine thread through a queue; outputs come back to each request's asyncio.Queue
+through ``call_soon_threadsafe``. Only the engine thread touches the engine's state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from llmserve.engine.llm_engine import LLMEngine
+from llmserve.engine.metrics import EngineMetrics
+from llmserve.engine.outputs import RequestOutput
+from llmserve.engine.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    pass
+
+
+@dataclass
+class _Add:
+    request_id: str
+    prompt_token_ids: list[int]
+    prompt: str | None
+    params: SamplingParams
+    priority: int
+    sink: asyncio.Queue
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+class AsyncLLMEngine:
+    def __init__(self, engine: LLMEngine, metrics: EngineMetrics | None = None):
+        self.engine = engine
+        self.metrics = metrics or EngineMetrics(engine.model_name)
+        self._inbox: queue.Queue = queue.Queue()
+        self._wake = threading.Event()
+        self._sinks: dict[str, asyncio.Queue] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._stop = False
+        self.error: BaseException | None = None
+        self._ids = itertools.count()
+
+    # --- lifecycle ----------------------------------------------------------------
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._thread.start()
+
+    def shutdown(self) -> None:
+        self._stop = True
+        self._wake.set()
+        if self._thread:
+            self._thread.join(timeout=10)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self.error is None
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._sinks)
+
+    # --- requests ----------------------------------------------------------------
+    def new_request_id(self, prefix: str = "req") -> str:
+        return f"{prefix}-{next(self._ids)}-{int(time.time() * 1000)}"
+
+    async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
+                       request_id: str, prompt: str | None = None,
+                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+        """Stream the request's outputs; abort it if the consumer stops early.
+        Raises ValueError (nothing queued) for a request that can never run."""
+        if not self.alive:
+            raise EngineDeadError("the engine is not running")
+        self.engine.validate_prompt(prompt_token_ids, params)
+        sink: asyncio.Queue = asyncio.Queue()
+        self._sinks[request_id] = sink
+        self._inbox.put(_Add(request_id, prompt_token_ids, prompt, params, priority, sink))
+        self._wake.set()
+        finished = False
+        try:
+            while True:
+                item = await sink.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finished:
+                    finished = True
+                    return
+        finally:
+            self._sinks.pop(request_id, None)
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        self._inbox.put(_Abort(request_id))
+        self._wake.set()
+
+    # --- the engine thread ---------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while not self._stop:
+                self._drain_inbox()
+                if not self.engine.has_unfinished():
+                    self.metrics.observe_engine(self.engine)
+                    self._wake.wait(timeout=0.5)
+                    self._wake.clear()
+                    continue
+                outputs = self.engine.step()
+                self.metrics.observe_step(self.engine, outputs)
+                for out in outputs:
+                    self._deliver(out.request_id, out)
+        except BaseException as e:  # noqa: BLE001 - a dead engine must fail every request
+            log.exception("engine loop died")
+            self.error = e
+            for request_id in list(self._sinks):
+                self._deliver(request_id, EngineDeadError(f"engine loop died: {e!r}"))
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                cmd = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(cmd, _Abort):
+                if self.engine.abort(cmd.request_id):
+                    self.metrics.aborted += 1
+                continue
+            if cmd.request_id not in self._sinks:  # cancelled before it got here
+                continue
+            try:
+                req = self.engine.add_request(cmd.prompt, cmd.params, cmd.request_id,
+                                              cmd.priority, prompt_token_ids=cmd.prompt_token_ids)
+                self.metrics.on_arrival(req)
+            except ValueError as e:
+                self._deliver(cmd.request_id, e)
+
+    def _deliver(self, request_id: str, item) -> None:
+        sink = self._sinks.get(request_id)
+        if sink is not None and self._loop is not None:
+            self._loop.call_soon_threadsafe(sink.put_nowait, item)

@@ -1,0 +1,100 @@
+"""Prometheus collectors under vLLM's metric names, so dashboards, KEDA rules, the
+Gateway API Inference Extension and our own gateway/autoscaler read us unchanged."""
+
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+                   2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+
+
+class EngineMetrics:
+    def __init__(self, model_name: str, registry: CollectorRegistry | None = None):
+        self.registry = registry or CollectorRegistry()
+        self.model_name = model_name
+        r, labels = self.registry, ["model_name"]
+
+        def gauge(name, doc):
+            return Gauge(name, doc, labels, registry=r).labels(model_name)
+
+        def counter(name, doc):
+            return Counter(name, doc, labels, registry=r).labels(model_name)
+
+        def hist(name, doc):
+            return Histogram(name, doc, labels, buckets=LATENCY_BUCKETS,
+                             registry=r).labels(model_name)
+
+        self.running = gauge("vllm:num_requests_running", "Requests in the running batch.")
+        self.waiting = gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled.")
+        self.swapped = gauge("vllm:num_requests_swapped", "Requests swapped out to CPU.")
+        self.kv_usage = gauge("vllm:kv_cache_usage_perc", "KV-cache usage, 1 = 100%.")
+        self.prefix_queries = counter("vllm:prefix_cache_queries",
+                                      "Prompt tokens looked up in the prefix cache.")
+        self.prefix_hits = counter("vllm:prefix_cache_hits",
+                                   "Prompt tokens found in the prefix cache.")
+        self.preemptions = counter("vllm:num_preemptions", "Preempted sequences.")
+        self.prompt_tokens = counter("vllm:prompt_tokens", "Prefilled prompt tokens.")
+        self.generation_tokens = counter("vllm:generation_tokens", "Generated tokens.")
+        self.success = Counter("vllm:request_success", "Finished requests.",
+                               ["model_name", "finished_reason"], registry=r)
+        self.ttft = hist("vllm:time_to_first_token_seconds", "Time to first token.")
+        self.itl = hist("vllm:inter_token_latency_seconds", "Time between output tokens.")
+        self.e2e = hist("vllm:e2e_request_latency_seconds", "Arrival to finish.")
+        self.queue_time = hist("vllm:request_queue_time_seconds", "Arrival to first schedule.")
+        self.aborted = 0
+        self._seen_tokens: dict[str, int] = {}
+        self._last_token_at: dict[str, float] = {}
+        self._synced = {"queries": 0, "hits": 0, "preemptions": 0, "aborted": 0}
+
+    def on_arrival(self, request) -> None:
+        self._seen_tokens[request.request_id] = 0
+
+    def observe_engine(self, engine) -> None:
+        """Gauges and cumulative counters read off the engine's state."""
+        sched, bm = engine.scheduler, engine.block_manager
+        self.running.set(len({s.request.request_id for s in sched.running}))
+        self.waiting.set(len({s.request.request_id for s in sched.waiting}))
+        self.swapped.set(len(getattr(sched, "swapped", ())))
+        self.kv_usage.set(bm.usage)
+        self._sync(self.prefix_queries, "queries", bm.prefix_queries)
+        self._sync(self.prefix_hits, "hits", bm.prefix_hits)
+        self._sync(self.preemptions, "preemptions", sched.num_preemptions)
+        if self.aborted > self._synced["aborted"]:
+            self.success.labels(self.model_name, "abort").inc(
+                self.aborted - self._synced["aborted"])
+            self._synced["aborted"] = self.aborted
+        for request_id in list(self._seen_tokens):  # forget aborted requests
+            if request_id not in engine.requests:
+                self._seen_tokens.pop(request_id, None)
+                self._last_token_at.pop(request_id, None)
+
+    def observe_step(self, engine, outputs) -> None:
+        now = time.monotonic()
+        for out in outputs:
+            req_id = out.request_id
+            produced = sum(len(o.token_ids) for o in out.outputs)
+            new = produced - self._seen_tokens.get(req_id, 0)
+            self._seen_tokens[req_id] = produced
+            self.generation_tokens.inc(max(new, 0))
+            if req_id in self._last_token_at:
+                self.itl.observe(now - self._last_token_at[req_id])
+            else:  # first token: the prompt is prefilled
+                self.prompt_tokens.inc(len(out.prompt_token_ids))
+                self.ttft.observe(now - out.metrics["arrival_time"])
+                self.queue_time.observe(out.metrics["first_scheduled_time"]
+                                        - out.metrics["arrival_time"])
+            self._last_token_at[req_id] = now
+            if out.finished:
+                self.e2e.observe(now - out.metrics["arrival_time"])
+                self.success.labels(self.model_name, out.outputs[0].finish_reason).inc()
+                self._seen_tokens.pop(req_id, None)
+                self._last_token_at.pop(req_id, None)
+        self.observe_engine(engine)
+
+    def _sync(self, counter, key: str, total: int) -> None:
+        if total > self._synced[key]:
+            counter.inc(total - self._synced[key])
+            self._synced[key] = total

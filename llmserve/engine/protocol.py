@@ -1,0 +1,192 @@
+"""OpenAI request parsing and validation: JSON bodies -> prompts + SamplingParams.
+
+Every rejection is an APIError carrying OpenAI's error shape; nothing here
+touches the engine, so a bad request changes nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from llmserve.engine.sampling import MAX_LOGPROBS, SamplingParams
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = (
+            status, message, type_, param, code)
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code if self.code is not None else self.status}}
+
+
+def bad_request(message: str, param: str | None = None) -> APIError:
+    return APIError(400, message, "invalid_request_error", param, None)
+
+
+# --- typed field access ------------------------------------------------------------------
+def _get(body: dict, name: str, kinds, default=None, *, nullable: bool = True):
+    value = body.get(name, default)
+    if value is None:
+        if name in body and not nullable:
+            raise bad_request(f"'{name}' must not be null", name)
+        return default
+    if kinds is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if kinds is int and isinstance(value, bool) or not isinstance(value, kinds):
+        names = {int: "an integer", float: "a number", bool: "a boolean", str: "a string",
+                 list: "an array", dict: "an object"}
+        raise bad_request(f"'{name}' must be {names.get(kinds, str(kinds))}, "
+                          f"got {type(value).__name__}", name)
+    return value
+
+
+def _is_token_list(x) -> bool:
+    return isinstance(x, list) and bool(x) and all(
+        isinstance(t, int) and not isinstance(t, bool) for t in x)
+
+
+@dataclass
+class ParsedRequest:
+    prompts: list[str | list[int]]  # one entry per prompt (completions may batch several)
+    params: SamplingParams
+    stream: bool
+    include_usage: bool
+    priority: int
+    logprobs_style: str | None  # "completion" | "chat" | None
+
+
+def parse_sampling(body: dict, *, chat: bool) -> tuple[SamplingParams, str | None]:
+    max_tokens = _get(body, "max_tokens", int)
+    if chat:
+        max_tokens = _get(body, "max_completion_tokens", int, max_tokens)
+    elif "max_tokens" not in body:
+        max_tokens = 16  # OpenAI's completions default
+    if max_tokens is not None and max_tokens < 1:
+        raise bad_request("'max_tokens' must be at least 1", "max_tokens")
+    stop = body.get("stop")
+    if stop is not None and not (isinstance(stop, str) or (
+            isinstance(stop, list) and all(isinstance(s, str) for s in stop))):
+        raise bad_request("'stop' must be a string or an array of strings", "stop")
+    logprobs, style = None, None
+    if chat:
+        if _get(body, "logprobs", bool, False):
+            logprobs, style = _get(body, "top_logprobs", int, 0), "chat"
+        elif body.get("top_logprobs") is not None:
+            raise bad_request("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+    else:
+        logprobs = _get(body, "logprobs", int)
+        style = "completion" if logprobs is not None else None
+    if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
+        raise bad_request(f"logprobs must be in [0, {MAX_LOGPROBS}]",
+                          "top_logprobs" if chat else "logprobs")
+    n = _get(body, "n", int, 1)
+    best_of = _get(body, "best_of", int)
+    if best_of is not None and best_of != n:
+        raise bad_request("'best_of' other than n is not supported", "best_of")
+    if _get(body, "echo", bool, False):
+        raise bad_request("'echo' is not supported", "echo")
+    if _get(body, "logit_bias", dict):
+        raise bad_request("'logit_bias' is not supported", "logit_bias")
+    if _get(body, "suffix", str):
+        raise bad_request("'suffix' is not supported", "suffix")
+    stop_token_ids = body.get("stop_token_ids")
+    if stop_token_ids is not None and not (
+            isinstance(stop_token_ids, list) and all(
+                isinstance(t, int) and not isinstance(t, bool) for t in stop_token_ids)):
+        raise bad_request("'stop_token_ids' must be an array of integers", "stop_token_ids")
+    kwargs = dict(
+        n=n,
+        temperature=_get(body, "temperature", float, 1.0),
+        top_p=_get(body, "top_p", float, 1.0),
+        top_k=_get(body, "top_k", int, -1),
+        min_p=_get(body, "min_p", float, 0.0),
+        seed=_get(body, "seed", int),
+        max_tokens=max_tokens,
+        min_tokens=_get(body, "min_tokens", int, 0),
+        stop=stop,
+        stop_token_ids=stop_token_ids,
+        ignore_eos=_get(body, "ignore_eos", bool, False),
+        logprobs=logprobs,
+        presence_penalty=_get(body, "presence_penalty", float, 0.0),
+        frequency_penalty=_get(body, "frequency_penalty", float, 0.0),
+        repetition_penalty=_get(body, "repetition_penalty", float, 1.0),
+        skip_special_tokens=_get(body, "skip_special_tokens", bool, True),
+        include_stop_str_in_output=_get(body, "include_stop_str_in_output", bool, False),
+    )
+    try:
+        return SamplingParams(**kwargs), style
+    except ValueError as e:
+        raise bad_request(str(e), str(e).split(" ")[0]) from e
+
+
+def parse_common(body, *, chat: bool) -> tuple[SamplingParams, str | None, bool, bool, int]:
+    if not isinstance(body, dict):
+        raise bad_request("the request body must be a JSON object")
+    params, style = parse_sampling(body, chat=chat)
+    stream = _get(body, "stream", bool, False)
+    options = _get(body, "stream_options", dict)
+    include_usage = False
+    if options is not None:
+        include_usage = _get(options, "include_usage", bool, False)
+    priority = _get(body, "priority", int, 0)
+    return params, style, stream, include_usage, priority
+
+
+def parse_completion(body) -> ParsedRequest:
+    params, style, stream, usage, priority = parse_common(body, chat=False)
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        prompts = [prompt]
+    elif _is_token_list(prompt):
+        prompts = [prompt]
+    elif isinstance(prompt, list) and prompt and all(
+            isinstance(p, str) or _is_token_list(p) for p in prompt):
+        prompts = list(prompt)
+    else:
+        raise bad_request("'prompt' must be a string, an array of strings, an array of "
+                          "token ids or an array of such arrays", "prompt")
+    if len(prompts) * params.n > 256:
+        raise bad_request("too many completions in one request (prompts x n > 256)", "prompt")
+    return ParsedRequest(prompts, params, stream, usage, priority, style)
+
+
+CHAT_ROLES = {"system", "developer", "user", "assistant", "tool"}
+
+
+def parse_messages(body) -> list[dict]:
+    messages = body.get("messages") if isinstance(body, dict) else None
+    if not isinstance(messages, list) or not messages:
+        raise bad_request("'messages' must be a non-empty array", "messages")
+    clean = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or m.get("role") not in CHAT_ROLES:
+            raise bad_request(f"messages[{i}] must be an object with a 'role' in "
+                              f"{sorted(CHAT_ROLES)}", "messages")
+        content = m.get("content")
+        if isinstance(content, list):  # content parts: text only
+            texts = []
+            for part in content:
+                if not (isinstance(part, dict) and part.get("type") == "text"
+                        and isinstance(part.get("text"), str)):
+                    raise bad_request(f"messages[{i}].content: only text parts are supported",
+                                      "messages")
+                texts.append(part["text"])
+            content = "".join(texts)
+        if content is None and m["role"] == "assistant":
+            content = ""
+        if not isinstance(content, str):
+            raise bad_request(f"messages[{i}].content must be a string or text parts",
+                              "messages")
+        role = "system" if m["role"] == "developer" else m["role"]
+        clean.append({"role": role, "content": content})
+    return clean
+
+
+def parse_chat(body) -> tuple[ParsedRequest, list[dict]]:
+    params, style, stream, usage, priority = parse_common(body, chat=True)
+    messages = parse_messages(body)
+    return ParsedRequest([], params, stream, usage, priority, style), messages

@@ -1,0 +1,417 @@
+"""OpenAI-compatible HTTP server (aiohttp) over the async engine.
+
+Routes: /v1/completions, /v1/chat/completions (SSE when stream=true), /v1/models,
+/health, /metrics, /tokenize, /detokenize, /version, /openapi.json.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import signal
+import time
+import uuid
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from llmserve import __version__
+from llmserve.engine.async_engine import AsyncLLMEngine, EngineDeadError
+from llmserve.engine.llm_engine import LLMEngine, render_chat
+from llmserve.engine.openapi import openapi_document
+from llmserve.engine.outputs import CompletionOutput, RequestOutput
+from llmserve.engine.protocol import (
+    APIError,
+    ParsedRequest,
+    bad_request,
+    parse_chat,
+    parse_completion,
+)
+
+log = logging.getLogger("llmserve.server")
+
+ENGINE = web.AppKey("engine", AsyncLLMEngine)
+STATE = web.AppKey("state", dict)
+
+
+# --- middlewares ---------------------------------------------------------------------
+@web.middleware
+async def errors_middleware(request: web.Request, handler):
+    try:
+        return await handler(request)
+    except APIError as e:
+        return web.json_response(e.body(), status=e.status)
+    except web.HTTPRequestEntityTooLarge as e:
+        return web.json_response(APIError(413, f"request body too large: {e.text}",
+                                          code="request_too_large").body(), status=413)
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        type_ = "not_found_error" if e.status == 404 else "invalid_request_error"
+        return web.json_response(APIError(e.status, e.reason, type_).body(), status=e.status)
+    except EngineDeadError as e:
+        return web.json_response(APIError(503, str(e), "service_unavailable").body(),
+                                 status=503)
+
+
+def auth_middleware(api_key: str | None):
+    @web.middleware
+    async def check(request: web.Request, handler):
+        if api_key and request.path.startswith("/v1/"):
+            header = request.headers.get("Authorization", "")
+            token = header[7:] if header.startswith("Bearer ") else ""
+            if not hmac.compare_digest(token.encode(), api_key.encode()):
+                raise APIError(401, "invalid or missing API key", "authentication_error",
+                               code="invalid_api_key")
+        return await handler(request)
+    return check
+
+
+# --- helpers ------------------------------------------------------------------------------
+async def read_json(request: web.Request):
+    raw = await request.read()
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise bad_request(f"invalid JSON body: {e}") from e
+
+
+def check_model(request: web.Request, body) -> str:
+    engine = request.app[ENGINE].engine
+    model = body.get("model") if isinstance(body, dict) else None
+    if model is not None and not isinstance(model, str):
+        raise bad_request("'model' must be a string", "model")
+    if model and model != engine.model_name:
+        raise APIError(404, f"the model '{model}' does not exist; this server serves "
+                            f"'{engine.model_name}'", "not_found_error", "model",
+                       "model_not_found")
+    return engine.model_name
+
+
+def check_admitting(request: web.Request) -> None:
+    if request.app[STATE]["draining"]:
+        raise APIError(503, "the server is shutting down", "service_unavailable")
+
+
+def tokenize_prompt(engine: LLMEngine, prompt) -> list[int]:
+    ids = engine.tokenize(prompt)
+    vocab = engine.hf_config.vocab_size
+    if ids and (min(ids) < 0 or max(ids) >= vocab):
+        raise bad_request(f"token ids must be in [0, {vocab})", "prompt")
+    return ids
+
+
+def usage(prompt_lens: list[int], outputs: list[CompletionOutput]) -> dict:
+    p, c = sum(prompt_lens), sum(len(o.token_ids) for o in outputs)
+    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+
+# --- generation driving -------------------------------------------------------------------
+async def run_requests(app: web.Application, prompt_ids: list[list[int]], prompts,
+                       parsed: ParsedRequest):
+    """Start one engine request per prompt and yield (prompt index, RequestOutput) as
+    outputs arrive, from all prompts interleaved. Closing this generator aborts them."""
+    engine = app[ENGINE]
+    base = f"{uuid.uuid4().hex[:16]}"
+    gens = []
+    for i, ids in enumerate(prompt_ids):
+        try:
+            engine.engine.validate_prompt(ids, parsed.params)
+        except ValueError as e:
+            raise bad_request(str(e), "messages" if parsed.logprobs_style == "chat"
+                              else "prompt") from e
+        gens.append(engine.generate(ids, _copy_params(parsed.params), f"{base}-{i}",
+                                    prompts[i] if isinstance(prompts[i], str) else None,
+                                    parsed.priority))
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i, gen):
+        try:
+            async for out in gen:
+                await queue.put((i, out))
+        except BaseException as e:  # noqa: BLE001 - forwarded to the consumer
+            await queue.put((i, e))
+        finally:
+            await queue.put((i, None))
+
+    tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(gens)]
+    try:
+        live = len(tasks)
+        while live:
+            i, item = await queue.get()
+            if item is None:
+                live -= 1
+            elif isinstance(item, BaseException):
+                if isinstance(item, ValueError):
+                    raise bad_request(str(item))
+                raise item
+            else:
+                yield i, item
+    finally:
+        # Cancelling a pump raises inside its generator, whose cleanup aborts the request.
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _copy_params(params):
+    from dataclasses import replace
+    return replace(params)
+
+
+class StreamText:
+    """Text deltas of one choice. With stop strings, the last characters that could
+    still turn out to be the start of a stop string are held back until the next
+    token or the end, so a stop string is never half-sent."""
+
+    def __init__(self, stops: list[str], include_stop: bool):
+        self.sent = 0
+        self.hold = 0 if include_stop or not stops else max(map(len, stops)) - 1
+
+    def delta(self, out: CompletionOutput) -> str:
+        end = len(out.text) if out.finish_reason else max(self.sent, len(out.text) - self.hold)
+        d = out.text[self.sent:end]
+        self.sent = end
+        return d
+
+
+def sse(data) -> bytes:
+    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n".encode()
+
+
+def chunk(rid: str, obj: str, created: int, model: str, choice: dict) -> bytes:
+    return sse({"id": rid, "object": obj, "created": created, "model": model,
+                "choices": [choice]})
+
+
+# --- /v1/completions and /v1/chat/completions --------------------------------------------
+async def completions(request: web.Request) -> web.StreamResponse:
+    check_admitting(request)
+    body = await read_json(request)
+    model = check_model(request, body)
+    parsed = parse_completion(body)
+    engine = request.app[ENGINE].engine
+    prompt_ids = [tokenize_prompt(engine, p) for p in parsed.prompts]
+    return await respond(request, model, parsed, parsed.prompts, prompt_ids, chat=False)
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    check_admitting(request)
+    body = await read_json(request)
+    model = check_model(request, body)
+    parsed, messages = parse_chat(body)
+    engine = request.app[ENGINE].engine
+    try:
+        text = render_chat(engine.tokenizer, messages)
+    except Exception as e:  # noqa: BLE001 - template errors are the request's fault
+        raise bad_request(f"cannot apply the chat template: {e}", "messages") from e
+    ids = engine.tokenizer.encode(text, add_special_tokens=False)
+    return await respond(request, model, parsed, [text], [ids], chat=True)
+
+
+async def respond(request, model, parsed: ParsedRequest, prompts, prompt_ids, chat: bool):
+    rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+    created = int(time.time())
+    n = parsed.params.n
+    gen = run_requests(request.app, prompt_ids, prompts, parsed)
+    if not parsed.stream:
+        finals: dict[int, RequestOutput] = {}
+        async with contextlib.aclosing(gen):
+            async for i, out in gen:
+                if out.finished:
+                    finals[i] = out
+        outputs = [c for i in range(len(prompt_ids)) for c in finals[i].outputs]
+        choices = [choice_body(request, parsed, chat, i * n + c.index, c, None)
+                   for i in range(len(prompt_ids)) for c in finals[i].outputs]
+        return web.json_response({
+            "id": rid, "object": "chat.completion" if chat else "text_completion",
+            "created": created, "model": model, "choices": choices,
+            "usage": usage([len(p) for p in prompt_ids], outputs)})
+    return await stream_response(request, rid, created, model, parsed, gen, prompt_ids, chat)
+
+
+async def stream_response(request, rid, created, model, parsed, gen, prompt_ids, chat):
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                       "Cache-Control": "no-cache"})
+    n, obj = parsed.params.n, "chat.completion.chunk" if chat else "text_completion"
+    texts: dict[int, StreamText] = {}
+    tokens_sent: dict[int, int] = {}
+    done: set[int] = set()
+    last: dict[int, RequestOutput] = {}
+    started = False
+    async with contextlib.aclosing(gen):
+        async for i, out in gen:
+            if not started:  # errors before the first output still become JSON errors
+                await resp.prepare(request)
+                started = True
+                if chat:
+                    for idx in range(len(prompt_ids) * n):
+                        await resp.write(chunk(rid, obj, created, model, {
+                            "index": idx, "logprobs": None, "finish_reason": None,
+                            "delta": {"role": "assistant", "content": ""}}))
+            last[i] = out
+            for c in out.outputs:
+                idx = i * n + c.index
+                prev = tokens_sent.get(idx, 0)
+                if idx in done or (c.finish_reason is None and len(c.token_ids) == prev):
+                    continue  # nothing new for this choice in this output
+                st = texts.setdefault(idx, StreamText(parsed.params.stop,
+                                                      parsed.params.include_stop_str_in_output))
+                delta = st.delta(c)
+                tokens_sent[idx] = len(c.token_ids)
+                if c.finish_reason is not None:
+                    done.add(idx)
+                elif not delta and parsed.logprobs_style is None:
+                    continue  # held back (partial character or possible stop string)
+                choice = choice_body(request, parsed, chat, idx, c, (prev, len(c.token_ids)),
+                                     delta=delta)
+                await resp.write(chunk(rid, obj, created, model, choice))
+    if not started:
+        await resp.prepare(request)
+    if parsed.include_usage:
+        outputs = [c for o in last.values() for c in o.outputs]
+        await resp.write(sse({"id": rid, "object": obj, "created": created, "model": model,
+                              "choices": [],
+                              "usage": usage([len(p) for p in prompt_ids], outputs)}))
+    await resp.write(b"data: [DONE]\n\n")
+    await resp.write_eof()
+    return resp
+
+
+def choice_body(request, parsed: ParsedRequest, chat: bool, index: int, c: CompletionOutput,
+                lp_range: tuple[int, int] | None, delta: str | None = None) -> dict:
+    tok = request.app[ENGINE].engine.tokenizer
+    start, end = lp_range or (0, len(c.token_ids))
+    logprobs = None
+    if parsed.logprobs_style == "chat":
+        logprobs = {"content": [
+            {"token": (t := tok.decode([lp.token_id])), "logprob": lp.logprob,
+             "bytes": list(t.encode()),
+             "top_logprobs": [{"token": (a := tok.decode([tid])), "logprob": v,
+                               "bytes": list(a.encode())} for tid, v in lp.top]}
+            for lp in (c.logprobs or [])[start:end]]}
+    elif parsed.logprobs_style == "completion":
+        lps = (c.logprobs or [])[start:end]
+        logprobs = {"tokens": [tok.decode([lp.token_id]) for lp in lps],
+                    "token_logprobs": [lp.logprob for lp in lps],
+                    "top_logprobs": [{tok.decode([t]): v for t, v in lp.top} for lp in lps],
+                    "text_offset": []}
+    body = {"index": index, "logprobs": logprobs, "finish_reason": c.finish_reason}
+    if c.finish_reason == "stop" and c.stop_reason is not None:
+        body["stop_reason"] = c.stop_reason
+    if chat:
+        if delta is None:
+            body["message"] = {"role": "assistant", "content": c.text}
+        else:
+            body["delta"] = {"content": delta} if delta or c.finish_reason is None else {}
+    else:
+        body["text"] = c.text if delta is None else delta
+    return body
+
+
+# --- the small endpoints ----------------------------------------------------------------------
+async def models(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE].engine
+    return web.json_response({"object": "list", "data": [{
+        "id": engine.model_name, "object": "model", "created": request.app[STATE]["started"],
+        "owned_by": "llmserve", "root": str(engine.config.model),
+        "max_model_len": engine.max_model_len}]})
+
+
+async def health(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE]
+    if request.app[STATE]["draining"]:
+        return web.json_response({"status": "draining"}, status=503)
+    if not engine.alive:
+        return web.json_response({"status": "engine dead"}, status=503)
+    return web.json_response({"status": "ok"})
+
+
+async def metrics(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE]
+    body = generate_latest(engine.metrics.registry)
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+async def tokenize(request: web.Request) -> web.Response:
+    body = await read_json(request)
+    check_model(request, body)
+    engine = request.app[ENGINE].engine
+    if isinstance(body, dict) and "messages" in body:
+        from llmserve.engine.protocol import parse_messages
+        text = render_chat(engine.tokenizer, parse_messages(body))
+        ids = engine.tokenizer.encode(text, add_special_tokens=False)
+    elif isinstance(body, dict) and isinstance(body.get("prompt"), str):
+        ids = engine.tokenizer.encode(body["prompt"])
+    else:
+        raise bad_request("give 'prompt' (a string) or 'messages'", "prompt")
+    return web.json_response({"tokens": ids, "count": len(ids),
+                              "max_model_len": engine.max_model_len})
+
+
+async def detokenize(request: web.Request) -> web.Response:
+    body = await read_json(request)
+    check_model(request, body)
+    engine = request.app[ENGINE].engine
+    tokens = body.get("tokens") if isinstance(body, dict) else None
+    if not isinstance(tokens, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+        raise bad_request("'tokens' must be an array of integers", "tokens")
+    tokenize_prompt(engine, tokens)
+    return web.json_response({"prompt": engine.tokenizer.decode(tokens)})
+
+
+async def version(request: web.Request) -> web.Response:
+    return web.json_response({"version": __version__})
+
+
+async def openapi(request: web.Request) -> web.Response:
+    return web.json_response(openapi_document())
+
+
+# --- app ----------------------------------------------------------------------------------------
+def build_app(engine: AsyncLLMEngine, api_key: str | None = None,
+              max_body_bytes: int = 4 << 20) -> web.Application:
+    app = web.Application(client_max_size=max_body_bytes,
+                          middlewares=[errors_middleware, auth_middleware(api_key)])
+    app[ENGINE] = engine
+    app[STATE] = {"draining": False, "started": int(time.time())}
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_post("/tokenize", tokenize)
+    app.router.add_post("/detokenize", detokenize)
+    app.router.add_get("/version", version)
+    app.router.add_get("/openapi.json", openapi)
+    return app
+
+
+async def serve(engine: LLMEngine, host: str, port: int, api_key: str | None = None,
+                drain_timeout: float = 30.0, ready: asyncio.Event | None = None) -> None:
+    """Serve until SIGTERM/SIGINT, then drain: refuse new requests (503), let
+    in-flight ones finish up to ``drain_timeout`` seconds, and return."""
+    front = AsyncLLMEngine(engine)
+    front.start()
+    app = build_app(front, api_key)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, host, port).start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    log.info("serving %s on http://%s:%d", engine.model_name, host, port)
+    if ready is not None:
+        ready.set()
+    await stop.wait()
+    app[STATE]["draining"] = True
+    deadline = loop.time() + drain_timeout
+    while front.num_in_flight and loop.time() < deadline:
+        await asyncio.sleep(0.05)
+    await runner.cleanup()
+    front.shutdown()
