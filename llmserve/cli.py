@@ -22,7 +22,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-memory", type=int, default=None, help="KV cache bytes")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     g.add_argument("--max-num-seqs", type=int, default=128)
-    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    g.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="token budget per step (default 2048 on CUDA, 512 on CPU)")
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--no-chunked-prefill", dest="enable_chunked_prefill", action="store_false")
     g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
@@ -68,33 +69,35 @@ def add_server_args(p: argparse.ArgumentParser, port: int) -> None:
 
 
 def cmd_serve(args) -> int:
-    from llmserve.engine.llm_engine import LLMEngine
     from llmserve.engine.server import serve
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    engine = LLMEngine(engine_config(args))
-    asyncio.run(serve(engine, args.host, args.port, args.api_key, args.drain_timeout))
+    asyncio.run(serve(engine_config(args), args.host, args.port, args.api_key,
+                      args.drain_timeout))
     return 0
 
 
 def cmd_up(args) -> int:
     """The whole local platform on one machine: engine (+ gateway once it lands)."""
-    from llmserve.engine.llm_engine import LLMEngine
     from llmserve.engine.server import serve
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    engine = LLMEngine(engine_config(args))
+    config = engine_config(args)
 
     async def main() -> None:
         ready = asyncio.Event()
-        task = asyncio.create_task(serve(engine, args.host, args.port, args.api_key,
+        task = asyncio.create_task(serve(config, args.host, args.port, args.api_key,
                                          args.drain_timeout, ready))
-        await ready.wait()
+        done, _ = await asyncio.wait([task, asyncio.create_task(ready.wait())],
+                                     return_when=asyncio.FIRST_COMPLETED)
+        if task in done:  # failed to start: re-raise its error
+            task.result()
         url = f"http://{args.host}:{args.port}"
+        name = config.served_model_name or config.model
         auth = f" -H 'Authorization: Bearer {args.api_key}'" if args.api_key else ""
-        print(f"\nllmserve is up: {url}  (model {engine.model_name!r})\n"
+        print(f"\nllmserve is up: {url}  (model {name!r})\n"
               f"try:\n  curl -s {url}/v1/chat/completions -H 'Content-Type: application/json'"
-              f"{auth} -d '{{\"model\": \"{engine.model_name}\", \"messages\": "
+              f"{auth} -d '{{\"model\": \"{name}\", \"messages\": "
               f"[{{\"role\": \"user\", \"content\": \"Hello!\"}}]}}'\n", flush=True)
         await task
 

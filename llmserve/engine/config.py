@@ -30,7 +30,9 @@ class EngineConfig:
     kv_cache_memory: int | None = None
     gpu_memory_utilization: float = 0.9
     max_num_seqs: int = 128
-    max_num_batched_tokens: int = 2048
+    # Token budget per step. vLLM's 2048 suits a GPU; on a CPU one 2048-token step
+    # takes seconds, stalling every running stream, so the CPU default is smaller.
+    max_num_batched_tokens: int | None = None
     max_model_len: int | None = None  # defaults to the model's own limit
     enable_chunked_prefill: bool = True
     # Admission keeps this fraction of blocks free so running sequences can grow
@@ -53,6 +55,8 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
             raise ValueError(f"block_size must be a power of two <= 128, got {self.block_size}")
+        if self.max_num_batched_tokens is None:
+            self.max_num_batched_tokens = 2048 if self.device.startswith("cuda") else 512
         if self.max_num_seqs < 1:
             raise ValueError("max_num_seqs must be >= 1")
         if self.max_num_batched_tokens < 1:

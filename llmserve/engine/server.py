@@ -20,6 +20,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from llmserve import __version__
 from llmserve.engine.async_engine import AsyncLLMEngine, EngineDeadError
+from llmserve.engine.config import EngineConfig
 from llmserve.engine.llm_engine import LLMEngine, render_chat
 from llmserve.engine.openapi import openapi_document
 from llmserve.engine.outputs import CompletionOutput, RequestOutput
@@ -391,12 +392,13 @@ def build_app(engine: AsyncLLMEngine, api_key: str | None = None,
     return app
 
 
-async def serve(engine: LLMEngine, host: str, port: int, api_key: str | None = None,
+async def serve(config: EngineConfig, host: str, port: int, api_key: str | None = None,
                 drain_timeout: float = 30.0, ready: asyncio.Event | None = None) -> None:
     """Serve until SIGTERM/SIGINT, then drain: refuse new requests (503), let
     in-flight ones finish up to ``drain_timeout`` seconds, and return."""
-    front = AsyncLLMEngine(engine)
-    front.start()
+    front = AsyncLLMEngine(config)
+    await front.start()
+    engine = front.engine
     app = build_app(front, api_key)
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
