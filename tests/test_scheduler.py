@@ -6,13 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from llmserve.engine.sequence import SequenceStatus
-from tests.sim import make_request, make_scheduler, simulate_step
-
-
-def add(sched, req):
-    for seq in req.sequences:
-        sched.add(seq)
-    return req
+from tests.sim import add, make_request, make_scheduler, simulate_step
 
 
 def test_long_prompt_is_chunked_while_decodes_continue():
@@ -85,34 +79,124 @@ def test_priority_policy_orders_waiting_requests():
     assert sched.waiting == [low]
 
 
-@settings(max_examples=60, deadline=None)
+def test_swap_preemption_moves_blocks_out_and_back():
+    sched = make_scheduler(num_blocks=6, block_size=4, watermark=0.0, num_cpu_blocks=16,
+                           preemption_mode="swap", max_num_batched_tokens=64)
+    a = add(sched, make_request(prompt_len=8, max_tokens=8)).sequences[0]
+    b = add(sched, make_request(prompt_len=8, max_tokens=8)).sequences[0]
+    simulate_step(sched, sched.schedule())
+    swapped_out = swapped_in = 0
+    for _ in range(60):
+        if not sched.has_work():
+            break
+        batch = sched.schedule()
+        swapped_out += len(batch.swap_out)
+        swapped_in += len(batch.swap_in)
+        if batch.swap_out:
+            assert b.status.value == "swapped" and b.cpu_block_table
+            assert b.num_computed_tokens > 0, "swap keeps the computed KV"
+        simulate_step(sched, batch)
+    assert swapped_out > 0 and swapped_in == swapped_out
+    assert sched.num_swapped_out >= 1
+    assert a.num_output_tokens == b.num_output_tokens == 8
+    sched.bm.check_all_free()
+
+
+def test_swap_falls_back_to_recompute_when_cpu_space_is_full():
+    sched = make_scheduler(num_blocks=6, block_size=4, watermark=0.0, num_cpu_blocks=1,
+                           preemption_mode="swap", max_num_batched_tokens=64)
+    add(sched, make_request(prompt_len=8, max_tokens=8))
+    b = add(sched, make_request(prompt_len=8, max_tokens=8)).sequences[0]
+    simulate_step(sched, sched.schedule())
+    while b.num_preemptions == 0:
+        simulate_step(sched, sched.schedule())
+    assert b.status.value == "waiting" and b.num_computed_tokens == 0
+    assert sched.num_swapped_out == 0
+
+
+def test_priority_preemption_makes_room_for_an_urgent_request():
+    sched = make_scheduler(num_blocks=8, block_size=4, watermark=0.0,
+                           scheduling_policy="priority", max_num_batched_tokens=64)
+    low = add(sched, make_request(prompt_len=24, max_tokens=8, priority=10)).sequences[0]
+    simulate_step(sched, sched.schedule())
+    urgent = add(sched, make_request(prompt_len=16, max_tokens=4, priority=0)).sequences[0]
+    batch = sched.schedule()
+    assert urgent in batch.seqs and low in batch.preempted and low not in batch.seqs
+    while sched.has_work():
+        simulate_step(sched, batch)
+        batch = sched.schedule()
+    assert urgent.finished and low.finished
+    sched.bm.check_all_free()
+
+
+def test_fcfs_never_preempts_for_waiting_requests():
+    sched = make_scheduler(num_blocks=8, block_size=4, watermark=0.0,
+                           max_num_batched_tokens=64)
+    first = add(sched, make_request(prompt_len=24, max_tokens=8, priority=10)).sequences[0]
+    simulate_step(sched, sched.schedule())
+    add(sched, make_request(prompt_len=16, max_tokens=4, priority=0))
+    batch = sched.schedule()
+    assert batch.seqs == [first] and not batch.preempted
+
+
+def test_parallel_samples_share_prompt_blocks_copy_on_write():
+    sched = make_scheduler(num_blocks=32, block_size=4)
+    req = add(sched, make_request(prompt_len=10, max_tokens=3, n=3))
+    parent, *children = req.sequences
+    simulate_step(sched, sched.schedule())  # prefill; the samples fork here
+    assert all(c.block_table == parent.block_table for c in children)
+    assert [sched.bm.blocks[b].ref_count for b in parent.block_table] == [3, 3, 3]
+    batch = sched.schedule()  # each sample writes its first token into block 2
+    assert len(batch.copies) == 2, "two of the three samples copy the shared tail block"
+    tails = {s.block_table[2] for s in req.sequences}
+    assert len(tails) == 3
+    assert all(sched.bm.blocks[s.block_table[0]].ref_count == 3 for s in req.sequences)
+    simulate_step(sched, batch)
+    while sched.has_work():
+        simulate_step(sched, sched.schedule())
+    assert all(s.num_output_tokens == 3 for s in req.sequences)
+    sched.bm.check_all_free()
+
+
+@settings(max_examples=80, deadline=None)
 @given(
-    reqs=st.lists(st.tuples(st.integers(1, 40), st.integers(1, 12), st.integers(0, 6)),
+    reqs=st.lists(st.tuples(st.integers(1, 40), st.integers(1, 12), st.integers(0, 6),
+                            st.integers(1, 3), st.integers(0, 3)),
                   min_size=1, max_size=16),
     budget=st.integers(1, 48),
     num_blocks=st.integers(12, 60),
     max_seqs=st.integers(1, 8),
     caching=st.booleans(),
+    mode=st.sampled_from(["recompute", "swap"]),
+    policy=st.sampled_from(["fcfs", "priority"]),
+    cpu_blocks=st.integers(0, 40),
     abort_at=st.lists(st.integers(0, 60), max_size=4),
 )
 def test_random_streams_respect_budgets_and_free_every_block(
-        reqs, budget, num_blocks, max_seqs, caching, abort_at):
+        reqs, budget, num_blocks, max_seqs, caching, mode, policy, cpu_blocks, abort_at):
     sched = make_scheduler(num_blocks=num_blocks, block_size=4, max_num_batched_tokens=budget,
-                           max_num_seqs=max_seqs, enable_prefix_caching=caching)
+                           max_num_seqs=max_seqs, enable_prefix_caching=caching,
+                           preemption_mode=mode, scheduling_policy=policy,
+                           num_cpu_blocks=cpu_blocks)
     # Only requests that can ever fit are admitted (the engine rejects the rest).
-    pending = [(p, m, at) for p, m, at in reqs if -(-(p + m) // 4) <= num_blocks]
-    all_seqs = []
-    for step in range(2000):
-        for p, m, _ in [r for r in pending if r[2] == step]:
-            all_seqs += add(sched, make_request(prompt_len=p, max_tokens=m)).sequences
+    pending = [r for r in reqs if -(-(r[0] + r[1]) // 4) <= num_blocks]
+    last_arrival = max((r[2] for r in pending), default=0)
+    all_reqs = []
+    for step in range(3000):
+        for p, m, _, n, prio in [r for r in pending if r[2] == step]:
+            all_reqs.append(add(sched, make_request(prompt_len=p, max_tokens=m, n=n,
+                                                    priority=prio)))
         if step in abort_at and sched.running:
-            sched.finish(sched.running[0], SequenceStatus.FINISHED_ABORTED)
-        if not sched.has_work() and step > max(at for _, _, at in pending or [(0, 0, 0)]):
+            victim = sched.running[0].request
+            for seq in victim.sequences:
+                if not seq.finished:
+                    sched.finish(seq, SequenceStatus.FINISHED_ABORTED)
+        if not sched.has_work() and step > last_arrival:
             break
         running_before = [s for s in sched.running if s.num_uncomputed_tokens == 1]
         batch = sched.schedule()
         assert batch.num_tokens <= budget
-        assert len(sched.running) <= max_seqs
+        assert len(sched.running) <= max(max_seqs, 3)
         assert len(set(map(id, batch.seqs))) == len(batch.seqs)
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             assert n >= 1
@@ -127,5 +211,5 @@ def test_random_streams_respect_budgets_and_free_every_block(
         simulate_step(sched, batch)
     else:
         raise AssertionError("requests starved: the stream never drained")
-    assert all(s.finished for s in all_seqs)
+    assert all(s.finished for r in all_reqs for s in r.sequences)
     sched.bm.check_all_free()

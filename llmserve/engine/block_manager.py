@@ -47,7 +47,7 @@ class Block:
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 watermark: float = 0.01):
+                 watermark: float = 0.01, num_cpu_blocks: int = 0):
         if num_blocks < 1:
             raise ValueError("the KV cache needs at least one block")
         self.block_size = block_size
@@ -58,6 +58,9 @@ class BlockManager:
         # block id -> None, in eviction order (front is evicted first)
         self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.cached: dict[bytes, int] = {}  # block hash -> block id
+        # CPU swap space: plain free list, no caching.
+        self.num_cpu_blocks = num_cpu_blocks
+        self.free_cpu_blocks: list[int] = list(range(num_cpu_blocks - 1, -1, -1))
         # Counters (tokens), read by the metrics endpoint.
         self.prefix_queries = 0
         self.prefix_hits = 0
@@ -73,8 +76,18 @@ class BlockManager:
         return 1.0 - self.num_free_blocks / self.num_blocks
 
     def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
-        """New blocks ``seq`` needs for its first ``num_tokens`` tokens to have slots."""
-        return max(0, -(-num_tokens // self.block_size) - len(seq.block_table))
+        """New blocks ``seq`` needs for its first ``num_tokens`` tokens to have slots,
+        counting the copy of a shared block it is about to write into."""
+        grow = max(0, -(-num_tokens // self.block_size) - len(seq.block_table))
+        return grow + (1 if self._shared_write_block(seq) is not None else 0)
+
+    def _shared_write_block(self, seq: Sequence) -> int | None:
+        """Index in the block table of the block the next write lands in, if that
+        block is shared with another sequence (copy-on-write needed)."""
+        i = seq.num_computed_tokens // self.block_size
+        if i < len(seq.block_table) and self.blocks[seq.block_table[i]].ref_count > 1:
+            return i
+        return None
 
     def can_allocate(self, num_blocks: int, use_watermark: bool) -> bool:
         reserve = self.watermark_blocks if use_watermark else 0
@@ -138,11 +151,51 @@ class BlockManager:
         seq.num_cached_blocks = num_full
 
     # --- allocation --------------------------------------------------------
-    def allocate(self, seq: Sequence, num_tokens: int) -> None:
-        """Grow ``seq``'s block table so its first ``num_tokens`` tokens have slots.
+    def allocate(self, seq: Sequence, num_tokens: int) -> list[tuple[int, int]]:
+        """Make ``seq``'s first ``num_tokens`` tokens writable: copy the shared
+        block the next write lands in (copy-on-write), then grow the table.
+        Returns the (src, dst) block copies to perform before the forward.
         The caller checked can_allocate."""
-        for _ in range(self.blocks_needed(seq, num_tokens)):
+        copies = []
+        i = self._shared_write_block(seq)
+        if i is not None:
+            src = seq.block_table[i]
+            dst = self._take_free_block()
+            self._release(src)
+            seq.block_table[i] = dst
+            copies.append((src, dst))
+        while len(seq.block_table) * self.block_size < num_tokens:
             seq.block_table.append(self._take_free_block())
+        return copies
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """``child`` starts as a copy of ``parent`` sharing every block (n > 1)."""
+        for block_id in parent.block_table:
+            self._acquire(block_id)
+        child.block_table = list(parent.block_table)
+        child.num_computed_tokens = parent.num_computed_tokens
+        child.block_hashes = list(parent.block_hashes)
+        child.num_cached_blocks = parent.num_cached_blocks
+
+    # --- swap ----------------------------------------------------------------
+    def can_swap_out(self, seq: Sequence) -> bool:
+        return len(self.free_cpu_blocks) >= len(seq.block_table)
+
+    def swap_out(self, seq: Sequence) -> list[tuple[int, int]]:
+        """Move ``seq``'s blocks to CPU; returns (device block, cpu block) copies."""
+        mapping = [(b, self.free_cpu_blocks.pop()) for b in seq.block_table]
+        self.free(seq)
+        seq.cpu_block_table = [c for _, c in mapping]
+        return mapping
+
+    def swap_in(self, seq: Sequence) -> list[tuple[int, int]]:
+        """Bring ``seq``'s blocks back; returns (cpu block, device block) copies."""
+        mapping = [(c, self._take_free_block()) for c in seq.cpu_block_table]
+        self.free_cpu_blocks.extend(reversed(seq.cpu_block_table))
+        seq.block_table = [b for _, b in mapping]
+        seq.cpu_block_table = []
+        seq.num_cached_blocks = 0  # new block ids: register them again as they qualify
+        return mapping
 
     def free(self, seq: Sequence) -> None:
         """Release every block of ``seq``, tail first (see the module docstring)."""
@@ -184,3 +237,4 @@ class BlockManager:
         held = [b for b in self.blocks if b.ref_count != 0]
         assert not held, f"blocks still referenced: {held[:8]}"
         assert len(self.free_queue) == self.num_blocks
+        assert len(self.free_cpu_blocks) == self.num_cpu_blocks, "swap blocks leaked"

@@ -37,7 +37,8 @@ class LLMEngine:
                                                 self.max_model_len)
         self.runner = ModelRunner(config, self.hf_config, self.model_path, self.max_model_len)
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size,
-                                          config.enable_prefix_caching, config.watermark)
+                                          config.enable_prefix_caching, config.watermark,
+                                          self.runner.num_cpu_blocks)
         self.scheduler = Scheduler(config, self.block_manager)
         self.eos_token_ids = self._eos_token_ids()
         vocab = self.hf_config.vocab_size
@@ -81,8 +82,9 @@ class LLMEngine:
         text = prompt if isinstance(prompt, str) else None
         req = Request(request_id, text, list(ids), params, priority=priority)
         self.requests[request_id] = req
-        for seq in req.sequences:
-            self.scheduler.add(seq)
+        # Parallel samples: only the first is prefilled; the others fork from it when
+        # it samples its first token and share its blocks (copy-on-write).
+        self.scheduler.add(req.sequences[0])
         return req
 
     def validate_prompt(self, ids: list[int], params: SamplingParams) -> None:
@@ -118,6 +120,8 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         ts = time.perf_counter()
         batch = self.scheduler.schedule()
+        if batch.has_block_ops:
+            self.runner.apply_block_ops(batch)
         if not batch.seqs:
             return []
         now = time.monotonic()
@@ -132,6 +136,13 @@ class LLMEngine:
         touched: dict[str, Request] = {}
         if due:
             due_seqs = [batch.seqs[i] for i in due]
+            rows = list(range(len(due_seqs)))
+            for row, seq in enumerate(list(due_seqs)):
+                for child in self.scheduler.fork_children(seq):
+                    due_seqs.append(child)
+                    rows.append(row)  # the child samples from its parent's logits
+            if len(rows) > len(due):
+                logits = logits[rows]
             sampled = self.sampler(logits, due_seqs)
             for seq, token, lp in zip(due_seqs, sampled.token_ids, sampled.logprobs):
                 self._append(seq, token, lp)

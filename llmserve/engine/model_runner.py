@@ -40,6 +40,7 @@ class ModelRunner:
         self.block_size = config.block_size
         self.num_blocks = self._num_kv_blocks()
         self.kv_caches = self._allocate_kv_cache(self.num_blocks)
+        self.num_cpu_blocks, self.cpu_storage = self._allocate_swap_space()
         self.use_triton = self._want_triton()
 
     # --- KV cache -----------------------------------------------------------------
@@ -69,6 +70,32 @@ class ModelRunner:
         self.kv_storage = torch.zeros(shape, dtype=self.dtype, device=self.device)
         return [(self.kv_storage[0, i], self.kv_storage[1, i])
                 for i in range(c.num_hidden_layers)]
+
+    def _allocate_swap_space(self):
+        if self.config.preemption_mode != "swap":
+            return 0, None
+        num = int(self.config.swap_space // self.kv_bytes_per_block())
+        shape = (*self.kv_storage.shape[:2], num, *self.kv_storage.shape[3:])
+        # torch.empty: pages are committed only when a block is swapped out.
+        pin = self.device.type == "cuda"
+        return num, torch.empty(shape, dtype=self.dtype, pin_memory=pin)
+
+    @torch.inference_mode()
+    def apply_block_ops(self, batch: ScheduledBatch) -> None:
+        """Swap-outs, then swap-ins, then copy-on-write copies; all layers at once."""
+        if batch.swap_out:
+            src, dst = self._index_pair(batch.swap_out)
+            self.cpu_storage[:, :, dst.cpu()] = self.kv_storage[:, :, src].cpu()
+        if batch.swap_in:
+            src, dst = self._index_pair(batch.swap_in)
+            self.kv_storage[:, :, dst] = self.cpu_storage[:, :, src.cpu()].to(self.device)
+        if batch.copies:
+            src, dst = self._index_pair(batch.copies)
+            self.kv_storage[:, :, dst] = self.kv_storage[:, :, src]
+
+    def _index_pair(self, pairs: list[tuple[int, int]]):
+        t = torch.tensor(pairs, dtype=torch.long, device=self.device)
+        return t[:, 0], t[:, 1]
 
     def _want_triton(self) -> bool:
         backend = self.config.attention_backend

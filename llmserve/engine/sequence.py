@@ -54,6 +54,7 @@ class Sequence:
         # token_ids[num_computed_tokens:] before this sequence can sample again.
         self.num_computed_tokens = 0
         self.block_table: list[int] = []
+        self.cpu_block_table: list[int] = []  # while swapped out
         self.block_hashes: list[bytes] = []  # prefix-cache keys of full token blocks
         self.num_cached_blocks = 0  # leading blocks registered in the prefix cache
         self.status = SequenceStatus.WAITING
@@ -109,7 +110,6 @@ class Sequence:
         """Forget the KV cache: the whole sequence (prompt and the tokens generated
         so far) is prefilled again when it is rescheduled, so outputs do not change."""
         self.num_computed_tokens = 0
-        self.num_preemptions += 1
 
     def __repr__(self) -> str:
         return (f"Sequence(id={self.seq_id}, req={self.request.request_id}, "
