@@ -41,6 +41,7 @@ class _Add:
     prompt: str | None
     params: SamplingParams
     priority: int
+    cache_salt: str | None
     sink: asyncio.Queue
 
 
@@ -94,8 +95,8 @@ class AsyncLLMEngine:
         return f"{prefix}-{next(self._ids)}-{int(time.time() * 1000)}"
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
-                       request_id: str, prompt: str | None = None,
-                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+                       request_id: str, prompt: str | None = None, priority: int = 0,
+                       cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
         """Stream the request's outputs; abort it if the consumer stops early.
         Raises ValueError (nothing queued) for a request that can never run."""
         if not self.alive:
@@ -103,7 +104,8 @@ class AsyncLLMEngine:
         self.engine.validate_prompt(prompt_token_ids, params)
         sink: asyncio.Queue = asyncio.Queue()
         self._sinks[request_id] = sink
-        self._inbox.put(_Add(request_id, prompt_token_ids, prompt, params, priority, sink))
+        self._inbox.put(_Add(request_id, prompt_token_ids, prompt, params, priority,
+                             cache_salt, sink))
         self._wake.set()
         finished = False
         try:
@@ -166,7 +168,8 @@ class AsyncLLMEngine:
                 continue
             try:
                 req = self.engine.add_request(cmd.prompt, cmd.params, cmd.request_id,
-                                              cmd.priority, prompt_token_ids=cmd.prompt_token_ids)
+                                              cmd.priority, prompt_token_ids=cmd.prompt_token_ids,
+                                              cache_salt=cmd.cache_salt)
                 self.metrics.on_arrival(req)
             except ValueError as e:
                 self._deliver(cmd.request_id, e)

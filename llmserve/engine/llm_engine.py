@@ -69,7 +69,8 @@ class LLMEngine:
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None, priority: int = 0,
-                    prompt_token_ids: list[int] | None = None) -> Request:
+                    prompt_token_ids: list[int] | None = None,
+                    cache_salt: str | None = None) -> Request:
         """Queue a request. Raises ValueError, changing nothing, when it can never run."""
         params = params or SamplingParams()
         ids = prompt_token_ids if prompt_token_ids is not None else self.tokenize(prompt)
@@ -80,7 +81,8 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         text = prompt if isinstance(prompt, str) else None
-        req = Request(request_id, text, list(ids), params, priority=priority)
+        req = Request(request_id, text, list(ids), params, priority=priority,
+                      cache_salt=(cache_salt or "").encode())
         self.requests[request_id] = req
         # Parallel samples: only the first is prefilled; the others fork from it when
         # it samples its first token and share its blocks (copy-on-write).

@@ -36,6 +36,8 @@ class EngineMetrics:
         self.prefix_hits = counter("vllm:prefix_cache_hits",
                                    "Prompt tokens found in the prefix cache.")
         self.preemptions = counter("vllm:num_preemptions", "Preempted sequences.")
+        self.swap_outs = counter("llmserve:swapped_out_sequences",
+                                 "Sequences preempted by swapping their KV blocks to CPU.")
         self.prompt_tokens = counter("vllm:prompt_tokens", "Prefilled prompt tokens.")
         self.generation_tokens = counter("vllm:generation_tokens", "Generated tokens.")
         self.success = Counter("vllm:request_success", "Finished requests.",
@@ -47,7 +49,8 @@ class EngineMetrics:
         self.aborted = 0
         self._seen_tokens: dict[str, int] = {}
         self._last_token_at: dict[str, float] = {}
-        self._synced = {"queries": 0, "hits": 0, "preemptions": 0, "aborted": 0}
+        self._synced = {"queries": 0, "hits": 0, "preemptions": 0, "swap_outs": 0,
+                        "aborted": 0}
 
     def on_arrival(self, request) -> None:
         self._seen_tokens[request.request_id] = 0
@@ -62,6 +65,7 @@ class EngineMetrics:
         self._sync(self.prefix_queries, "queries", bm.prefix_queries)
         self._sync(self.prefix_hits, "hits", bm.prefix_hits)
         self._sync(self.preemptions, "preemptions", sched.num_preemptions)
+        self._sync(self.swap_outs, "swap_outs", sched.num_swapped_out)
         if self.aborted > self._synced["aborted"]:
             self.success.labels(self.model_name, "abort").inc(
                 self.aborted - self._synced["aborted"])

@@ -30,6 +30,7 @@ _SAMPLING = {
     "ignore_eos": {"type": "boolean"},
     "min_tokens": {"type": "integer", "minimum": 0},
     "priority": {"type": "integer"},
+    "cache_salt": {"type": "string"},
 }
 
 _MESSAGE = {"type": "object", "required": ["role", "content"], "properties": {

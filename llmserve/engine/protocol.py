@@ -57,6 +57,7 @@ class ParsedRequest:
     include_usage: bool
     priority: int
     logprobs_style: str | None  # "completion" | "chat" | None
+    cache_salt: str | None = None
 
 
 def parse_sampling(body: dict, *, chat: bool) -> tuple[SamplingParams, str | None]:
@@ -123,7 +124,7 @@ def parse_sampling(body: dict, *, chat: bool) -> tuple[SamplingParams, str | Non
         raise bad_request(str(e), str(e).split(" ")[0]) from e
 
 
-def parse_common(body, *, chat: bool) -> tuple[SamplingParams, str | None, bool, bool, int]:
+def parse_common(body, *, chat: bool) -> tuple:
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object")
     params, style = parse_sampling(body, chat=chat)
@@ -133,11 +134,12 @@ def parse_common(body, *, chat: bool) -> tuple[SamplingParams, str | None, bool,
     if options is not None:
         include_usage = _get(options, "include_usage", bool, False)
     priority = _get(body, "priority", int, 0)
-    return params, style, stream, include_usage, priority
+    cache_salt = _get(body, "cache_salt", str)
+    return params, style, stream, include_usage, priority, cache_salt
 
 
 def parse_completion(body) -> ParsedRequest:
-    params, style, stream, usage, priority = parse_common(body, chat=False)
+    params, style, stream, usage, priority, salt = parse_common(body, chat=False)
     prompt = body.get("prompt")
     if isinstance(prompt, str):
         prompts = [prompt]
@@ -151,7 +153,7 @@ def parse_completion(body) -> ParsedRequest:
                           "token ids or an array of such arrays", "prompt")
     if len(prompts) * params.n > 256:
         raise bad_request("too many completions in one request (prompts x n > 256)", "prompt")
-    return ParsedRequest(prompts, params, stream, usage, priority, style)
+    return ParsedRequest(prompts, params, stream, usage, priority, style, salt)
 
 
 CHAT_ROLES = {"system", "developer", "user", "assistant", "tool"}
@@ -187,6 +189,6 @@ def parse_messages(body) -> list[dict]:
 
 
 def parse_chat(body) -> tuple[ParsedRequest, list[dict]]:
-    params, style, stream, usage, priority = parse_common(body, chat=True)
+    params, style, stream, usage, priority, salt = parse_common(body, chat=True)
     messages = parse_messages(body)
-    return ParsedRequest([], params, stream, usage, priority, style), messages
+    return ParsedRequest([], params, stream, usage, priority, style, salt), messages

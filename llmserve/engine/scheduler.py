@@ -160,8 +160,7 @@ class Scheduler:
                     continue  # something less urgent made room: try again
                 break
             self.waiting.pop(0)
-            if hits:
-                self.bm.take_prefix(seq, hits)
+            self.bm.take_prefix(seq, hits)  # also counts the lookup for the metrics
             batch.copies += self.bm.allocate(seq, seq.num_computed_tokens + num_new)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)

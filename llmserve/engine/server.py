@@ -126,7 +126,7 @@ async def run_requests(app: web.Application, prompt_ids: list[list[int]], prompt
                               else "prompt") from e
         gens.append(engine.generate(ids, _copy_params(parsed.params), f"{base}-{i}",
                                     prompts[i] if isinstance(prompts[i], str) else None,
-                                    parsed.priority))
+                                    parsed.priority, parsed.cache_salt))
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(i, gen):
