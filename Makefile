@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 run: $(STAMP)
-	$(VENV)/bin/llmserve generate
+	$(VENV)/bin/llmserve up
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check llmserve tests benchmarks

@@ -1,0 +1,287 @@
+"""Triton kernels: paged KV-cache writes and varlen paged attention.
+
+Cache layout per layer: ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+
+``unified_attention`` serves a batch that mixes prefill chunks and decodes.
+Each program owns one KV head and a tile of BLOCK_Q query tokens of one
+sequence; the query heads that share the KV head are packed into the M
+dimension (BLOCK_M = BLOCK_Q x padded group size), so every K/V tile is loaded
+once for the whole group (GQA). A program finds its sequence by binary search
+over the query start offsets. Keys are visited one cache block at a time with
+an fp32 online softmax; a row whose keys are all masked keeps a zero output.
+
+For decode-only batches with few sequences and long contexts the grid above has
+too few programs to fill a GPU, so a split-KV variant gives each
+(sequence, KV head) several programs over disjoint key ranges and a second
+kernel merges their partial results by log-sum-exp.
+
+The PyTorch references live in ``reference.py``; tests compare the two under
+``TRITON_INTERPRET=1`` on CPU.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+# --- KV-cache write -------------------------------------------------------------------------
+@triton.jit
+def _write_kv_kernel(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+                     key_stride, value_stride, ROW: tl.constexpr, BLOCK: tl.constexpr):
+    token = tl.program_id(0)
+    slot = tl.load(slot_ptr + token).to(tl.int64)
+    if slot < 0:  # padding token: nothing to store
+        return
+    offs = tl.arange(0, BLOCK)
+    mask = offs < ROW
+    k = tl.load(key_ptr + token.to(tl.int64) * key_stride + offs, mask=mask)
+    v = tl.load(value_ptr + token.to(tl.int64) * value_stride + offs, mask=mask)
+    tl.store(k_cache_ptr + slot * ROW + offs, k, mask=mask)
+    tl.store(v_cache_ptr + slot * ROW + offs, v, mask=mask)
+
+
+def write_kv_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+                   v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Store token t's K/V (``[T, kv_heads, head_dim]``) at flat slot
+    ``slot_mapping[t]`` = block * block_size + offset; negative slots are skipped."""
+    num_tokens = key.shape[0]
+    if num_tokens == 0:
+        return
+    row = k_cache.shape[2] * k_cache.shape[3]
+    key, value = key.reshape(num_tokens, row), value.reshape(num_tokens, row)
+    assert key.stride(1) == 1 and value.stride(1) == 1 and k_cache.is_contiguous()
+    _write_kv_kernel[(num_tokens,)](key, value, k_cache, v_cache, slot_mapping,
+                                    key.stride(0), value.stride(0), ROW=row,
+                                    BLOCK=triton.next_power_of_2(row))
+
+
+# --- attention ------------------------------------------------------------------------------------
+@triton.jit
+def _find_seq(query_start_loc_ptr, q_block, num_seqs, BLOCK_Q: tl.constexpr):
+    """Index of the sequence whose q-blocks contain global q-block ``q_block``.
+    Sequence s owns q-blocks starting at query_start_loc[s] // BLOCK_Q + s."""
+    lo = 0
+    hi = num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        start = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
+        if start <= q_block:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@triton.jit
+def _attend_blocks(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, block_table_ptr,
+                   kv_head, first_block, last_block, seq_len, context_len, query_pos,
+                   stride_kb, stride_ks, stride_kh, scale,
+                   BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
+                   HEAD_DIM_P: tl.constexpr):
+    """Online softmax over cache blocks [first_block, last_block)."""
+    offs_s = tl.arange(0, BLOCK_SIZE)
+    offs_d = tl.arange(0, HEAD_DIM_P)
+    d_mask = offs_d < HEAD_DIM
+    for j in range(first_block, last_block):
+        block = tl.load(block_table_ptr + j).to(tl.int64)  # int64: large pools
+        key_pos = j * BLOCK_SIZE + offs_s
+        base = block * stride_kb + kv_head * stride_kh
+        kv_off = base + offs_s[:, None] * stride_ks + offs_d[None, :]
+        kv_mask = (key_pos[:, None] < seq_len) & d_mask[None, :]
+        k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+        v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k)) * scale  # [BLOCK_M, BLOCK_SIZE], fp32
+        visible = (key_pos[None, :] < seq_len) & \
+                  (key_pos[None, :] <= context_len + query_pos[:, None])
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        # A row with nothing visible yet has m_new = -inf: subtract 0 instead.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m_i - m_safe)
+        p = tl.exp(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _unified_attention_kernel(
+        q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, query_start_loc_ptr, seq_lens_ptr,
+        block_tables_ptr, num_seqs, scale,
+        stride_qt, stride_qh, stride_ot, stride_oh,
+        stride_kb, stride_ks, stride_kh, stride_bt,
+        NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_P: tl.constexpr,
+        HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+        BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr):
+    q_block = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    seq = _find_seq(query_start_loc_ptr, q_block, num_seqs, BLOCK_Q)
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    local = q_block - (q_start // BLOCK_Q + seq)
+    if local * BLOCK_Q >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    context_len = seq_len - q_len
+
+    offs_m = tl.arange(0, BLOCK_M)
+    query_pos = local * BLOCK_Q + offs_m // GROUP_P
+    head_in_group = offs_m % GROUP_P
+    head = kv_head * GROUP + head_in_group
+    offs_d = tl.arange(0, HEAD_DIM_P)
+    row_mask = (query_pos < q_len) & (head_in_group < GROUP)
+    token = (q_start + query_pos).to(tl.int64)
+    q_off = token[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :]
+    io_mask = row_mask[:, None] & (offs_d[None, :] < HEAD_DIM)
+    q = tl.load(q_ptr + q_off, mask=io_mask, other=0.0)
+
+    # Keys this tile can see: up to the causal limit of its last query row.
+    last_query = tl.minimum(local * BLOCK_Q + BLOCK_Q, q_len) - 1
+    num_blocks = tl.cdiv(context_len + last_query + 1, BLOCK_SIZE)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_P], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc, m_i, l_i = _attend_blocks(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr,
+                                   block_tables_ptr + seq.to(tl.int64) * stride_bt, kv_head,
+                                   0, num_blocks, seq_len, context_len, query_pos,
+                                   stride_kb, stride_ks, stride_kh, scale,
+                                   BLOCK_SIZE, HEAD_DIM, HEAD_DIM_P)
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    o_off = token[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
+    tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty), mask=io_mask)
+
+
+@triton.jit
+def _split_decode_kernel(
+        q_ptr, k_cache_ptr, v_cache_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
+        query_start_loc_ptr, seq_lens_ptr, block_tables_ptr, scale,
+        stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt,
+        NUM_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr, GROUP: tl.constexpr,
+        GROUP_P: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Decode-only: program (seq, kv head, split) attends one share of the keys."""
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    token = tl.load(query_start_loc_ptr + seq).to(tl.int64)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    offs_m = tl.arange(0, BLOCK_M)
+    head_in_group = offs_m % GROUP_P
+    head = kv_head * GROUP + head_in_group
+    row_mask = (offs_m < GROUP_P) & (head_in_group < GROUP)
+    offs_d = tl.arange(0, HEAD_DIM_P)
+    d_mask = offs_d < HEAD_DIM
+    q = tl.load(q_ptr + token * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+                mask=row_mask[:, None] & d_mask[None, :], other=0.0)
+    total_blocks = tl.cdiv(seq_len, BLOCK_SIZE)
+    per_split = tl.cdiv(total_blocks, NUM_SPLITS)
+    first = split * per_split
+    last = tl.minimum(first + per_split, total_blocks)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_P], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    query_pos = tl.zeros([BLOCK_M], dtype=tl.int32)  # a decode is query 0 of context seq_len-1
+    acc, m_i, l_i = _attend_blocks(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr,
+                                   block_tables_ptr + seq.to(tl.int64) * stride_bt, kv_head,
+                                   first, last, seq_len, seq_len - 1, query_pos,
+                                   stride_kb, stride_ks, stride_kh, scale,
+                                   BLOCK_SIZE, HEAD_DIM, HEAD_DIM_P)
+    part = (seq.to(tl.int64) * NUM_SPLITS + split) * NUM_HEADS + head
+    tl.store(part_acc_ptr + part[:, None] * HEAD_DIM_P + offs_d[None, :], acc,
+             mask=row_mask[:, None])
+    tl.store(part_m_ptr + part, m_i, mask=row_mask)
+    tl.store(part_l_ptr + part, l_i, mask=row_mask)
+
+
+@triton.jit
+def _split_reduce_kernel(part_acc_ptr, part_m_ptr, part_l_ptr, out_ptr, query_start_loc_ptr,
+                         stride_ot, stride_oh, NUM_HEADS: tl.constexpr,
+                         NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                         HEAD_DIM_P: tl.constexpr):
+    """Merge the splits of one (sequence, head) by log-sum-exp."""
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    offs_s = tl.arange(0, NUM_SPLITS)
+    offs_d = tl.arange(0, HEAD_DIM_P)
+    part = (seq.to(tl.int64) * NUM_SPLITS + offs_s) * NUM_HEADS + head
+    m = tl.load(part_m_ptr + part)
+    l = tl.load(part_l_ptr + part)  # noqa: E741
+    m_max = tl.max(m, axis=0)
+    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
+    w = tl.exp(m - m_max)  # empty splits have m = -inf: weight 0
+    acc = tl.load(part_acc_ptr + part[:, None] * HEAD_DIM_P + offs_d[None, :])
+    total = tl.sum(acc * w[:, None], axis=0)
+    denom = tl.sum(l * w, axis=0)
+    out = total / tl.where(denom == 0.0, 1.0, denom)
+    token = tl.load(query_start_loc_ptr + seq).to(tl.int64)
+    tl.store(out_ptr + token * stride_ot + head * stride_oh + offs_d,
+             out.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
+
+
+def _choose_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, block_size: int) -> int:
+    """Split the keys only when (sequences x KV heads) leaves most of the GPU idle
+    and each split still gets a few blocks."""
+    programs = num_seqs * num_kv_heads
+    if programs >= 128 or max_seq_len < 512:
+        return 1
+    splits = triton.next_power_of_2(max(1, 256 // programs))
+    return int(max(1, min(splits, 32, max_seq_len // (4 * block_size))))
+
+
+def unified_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      out: torch.Tensor, *, query_start_loc: torch.Tensor,
+                      seq_lens: torch.Tensor, block_tables: torch.Tensor, max_query_len: int,
+                      max_seq_len: int, scale: float, num_splits: int | None = None
+                      ) -> torch.Tensor:
+    """Causal paged attention of each sequence's new tokens over its cached keys.
+
+    ``num_splits`` forces the split-KV path (decode-only batches) with that many
+    splits (a power of two); by default it is chosen from the batch shape."""
+    num_tokens, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    num_seqs = seq_lens.shape[0]
+    group = num_heads // num_kv_heads
+    group_p = triton.next_power_of_2(group)
+    head_dim_p = triton.next_power_of_2(head_dim)
+    assert k_cache.stride(3) == 1 and q.stride(2) == 1 and out.stride(2) == 1
+    if num_splits is None:
+        num_splits = (_choose_splits(num_seqs, num_kv_heads, max_seq_len, block_size)
+                      if max_query_len == 1 else 1)
+    if max_query_len == 1 and num_splits > 1:
+        _split_decode(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables,
+                      scale, num_splits, group, group_p, head_dim, head_dim_p)
+        return out
+    block_m = max(16, group_p)
+    block_q = block_m // group_p
+    grid = (num_tokens // block_q + num_seqs, num_kv_heads)
+    _unified_attention_kernel[grid](
+        q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables, num_seqs, scale,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        NUM_HEADS=num_heads, GROUP=group, GROUP_P=group_p, HEAD_DIM=head_dim,
+        HEAD_DIM_P=head_dim_p, BLOCK_SIZE=block_size, BLOCK_Q=block_q, BLOCK_M=block_m)
+    return out
+
+
+def _split_decode(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables, scale,
+                  num_splits, group, group_p, head_dim, head_dim_p):
+    num_heads = q.shape[1]
+    num_seqs = seq_lens.shape[0]
+    num_kv_heads = k_cache.shape[2]
+    assert num_splits == triton.next_power_of_2(num_splits), "num_splits: a power of two"
+    part_acc = torch.empty((num_seqs, num_splits, num_heads, head_dim_p), dtype=torch.float32,
+                           device=q.device)
+    part_m = torch.empty((num_seqs, num_splits, num_heads), dtype=torch.float32, device=q.device)
+    part_l = torch.empty_like(part_m)
+    _split_decode_kernel[(num_seqs, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, part_acc, part_m, part_l, query_start_loc, seq_lens, block_tables,
+        scale, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
+        k_cache.stride(2), block_tables.stride(0), NUM_HEADS=num_heads, NUM_SPLITS=num_splits,
+        GROUP=group, GROUP_P=group_p, HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p,
+        BLOCK_SIZE=k_cache.shape[1], BLOCK_M=max(16, group_p))
+    _split_reduce_kernel[(num_seqs, num_heads)](
+        part_acc, part_m, part_l, out, query_start_loc, out.stride(0), out.stride(1),
+        NUM_HEADS=num_heads, NUM_SPLITS=num_splits, HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p)
