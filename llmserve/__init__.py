@@ -1,9 +1,24 @@
-"""llmserve: a Kubernetes-native LLM serving platform."""
+"""llmserve: a Kubernetes-native LLM serving platform.
+
+The offline API (``LLM``, ``SamplingParams``, ...) is imported lazily, so the
+gateway and the operator start without loading PyTorch.
+"""
 
 __version__ = "0.1.0"
 
-from llmserve.engine.llm_engine import LLM, LLMEngine  # noqa: E402
-from llmserve.engine.outputs import CompletionOutput, RequestOutput  # noqa: E402
-from llmserve.engine.sampling import SamplingParams  # noqa: E402
+_LAZY = {
+    "LLM": "llmserve.engine.llm_engine",
+    "LLMEngine": "llmserve.engine.llm_engine",
+    "SamplingParams": "llmserve.engine.sampling",
+    "RequestOutput": "llmserve.engine.outputs",
+    "CompletionOutput": "llmserve.engine.outputs",
+}
 
-__all__ = ["LLM", "LLMEngine", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = list(_LAZY)
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'llmserve' has no attribute {name!r}")

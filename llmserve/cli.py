@@ -77,31 +77,100 @@ def cmd_serve(args) -> int:
     return 0
 
 
-def cmd_up(args) -> int:
-    """The whole local platform on one machine: engine (+ gateway once it lands)."""
-    from llmserve.engine.server import serve
+def add_gateway_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("gateway")
+    g.add_argument("--policy", choices=["prefix-hash", "least-load", "round-robin"],
+                   default="prefix-hash")
+    g.add_argument("--load-factor", type=float, default=1.25,
+                   help="prefix-hash: an endpoint takes a request while its in-flight "
+                        "load is within this factor of the mean")
+    g.add_argument("--prefix-chars", type=int, default=100,
+                   help="leading prompt characters that form the routing key")
+    g.add_argument("--max-attempts", type=int, default=3)
+    g.add_argument("--scrape-interval", type=float, default=2.0)
+    g.add_argument("--max-waiting", type=float, default=16,
+                   help="skip endpoints whose vllm:num_requests_waiting is above this")
+    g.add_argument("--max-kv-usage", type=float, default=0.95,
+                   help="skip endpoints whose vllm:kv_cache_usage_perc is above this")
+    g.add_argument("--api-key-file", default=None,
+                   help="file with one accepted API key per line (e.g. a mounted Secret); "
+                        "LLMSERVE_API_KEYS (comma-separated) adds more")
+    g.add_argument("--upstream-api-key", default=os.environ.get("LLMSERVE_UPSTREAM_API_KEY"))
+
+
+def gateway_config(args, backends: list[str]):
+    from llmserve.gateway.server import GatewayConfig
+    return GatewayConfig(backends=backends, k8s_service=getattr(args, "k8s_service", None),
+                         k8s_port_name=getattr(args, "k8s_port_name", None),
+                         policy=args.policy, load_factor=args.load_factor,
+                         prefix_chars=args.prefix_chars, max_attempts=args.max_attempts,
+                         scrape_interval=args.scrape_interval, max_waiting=args.max_waiting,
+                         max_kv_usage=args.max_kv_usage, api_key_file=args.api_key_file,
+                         upstream_api_key=args.upstream_api_key,
+                         drain_timeout=args.drain_timeout)
+
+
+def cmd_gateway(args) -> int:
+    from llmserve.gateway.server import serve_gateway
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    config = engine_config(args)
+    if not args.backend and not args.k8s_service:
+        raise ValueError("give --backend URL (repeatable) or --k8s-service NAMESPACE/NAME")
+    if args.k8s_service and "/" not in args.k8s_service:
+        raise ValueError("--k8s-service must be NAMESPACE/NAME")
+    asyncio.run(serve_gateway(gateway_config(args, args.backend or []), args.host, args.port))
+    return 0
 
-    async def main() -> None:
-        ready = asyncio.Event()
-        task = asyncio.create_task(serve(config, args.host, args.port, args.api_key,
-                                         args.drain_timeout, ready))
-        done, _ = await asyncio.wait([task, asyncio.create_task(ready.wait())],
-                                     return_when=asyncio.FIRST_COMPLETED)
-        if task in done:  # failed to start: re-raise its error
-            task.result()
-        url = f"http://{args.host}:{args.port}"
-        name = config.served_model_name or config.model
-        auth = f" -H 'Authorization: Bearer {args.api_key}'" if args.api_key else ""
-        print(f"\nllmserve is up: {url}  (model {name!r})\n"
-              f"try:\n  curl -s {url}/v1/chat/completions -H 'Content-Type: application/json'"
-              f"{auth} -d '{{\"model\": \"{name}\", \"messages\": "
-              f"[{{\"role\": \"user\", \"content\": \"Hello!\"}}]}}'\n", flush=True)
-        await task
 
-    asyncio.run(main())
+def cmd_up(args) -> int:
+    """The local platform on one machine: engine processes behind the gateway."""
+    import subprocess
+
+    from llmserve.gateway.server import serve_gateway
+    from llmserve.launcher import ServerProcess
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    engine_args = ["serve", "--log-level", "WARNING"]
+    for key in ENGINE_KEYS:
+        value = getattr(args, key)
+        flag = "--" + key.replace("_", "-")
+        if key == "enable_chunked_prefill":
+            engine_args += [] if value else ["--no-chunked-prefill"]
+        elif key == "enable_prefix_caching":
+            engine_args += [] if value else ["--no-prefix-caching"]
+        elif value is not None:
+            engine_args += [flag, str(value)]
+    if args.api_key:
+        os.environ["LLMSERVE_API_KEYS"] = args.api_key  # the gateway checks keys
+    print(f"starting {args.engines} engine(s) with {args.model} ...", flush=True)
+    engines = []
+    try:
+        for _ in range(args.engines):
+            engines.append(ServerProcess(engine_args, "127.0.0.1", stdout=subprocess.DEVNULL))
+        config = gateway_config(args, [e.url for e in engines])
+        name = args.served_model_name or args.model
+
+        async def main() -> None:
+            ready = asyncio.Event()
+            task = asyncio.create_task(serve_gateway(config, args.host, args.port, ready))
+            done, _ = await asyncio.wait([task, asyncio.create_task(ready.wait())],
+                                         return_when=asyncio.FIRST_COMPLETED)
+            if task in done:
+                task.result()
+            url = f"http://{args.host}:{args.port}"
+            key = os.environ.get("LLMSERVE_API_KEYS", "").split(",")[0]
+            auth = f" -H 'Authorization: Bearer {key}'" if key else ""
+            print(f"\nllmserve is up: {url}  (model {name!r}, {len(engines)} engine(s): "
+                  f"{', '.join(e.url for e in engines)})\n"
+                  f"try:\n  curl -s {url}/v1/chat/completions -H 'Content-Type: "
+                  f"application/json'{auth} -d '{{\"model\": \"{name}\", \"messages\": "
+                  f"[{{\"role\": \"user\", \"content\": \"Hello!\"}}]}}'\n", flush=True)
+            await task
+
+        asyncio.run(main())
+    finally:
+        for e in engines:
+            e.stop()
     return 0
 
 
@@ -122,7 +191,17 @@ def main(argv: list[str] | None = None) -> int:
     up = sub.add_parser("up", help="the local platform on the built-in model, one command")
     add_engine_args(up)
     add_server_args(up, 8000)
+    add_gateway_args(up)
+    up.add_argument("--engines", type=int, default=1, help="engine processes behind the gateway")
     up.set_defaults(func=cmd_up)
+    gw = sub.add_parser("gateway", help="prefix-aware router in front of engines")
+    gw.add_argument("--backend", action="append", help="engine base URL (repeatable)")
+    gw.add_argument("--k8s-service", default=None,
+                    help="NAMESPACE/NAME: follow the EndpointSlices of this Service")
+    gw.add_argument("--k8s-port-name", default=None, help="EndpointSlice port to use")
+    add_server_args(gw, 8080)
+    add_gateway_args(gw)
+    gw.set_defaults(func=cmd_gateway)
     args = parser.parse_args(argv)
     try:
         return args.func(args)

@@ -1,0 +1,1 @@
+"""Prefix-aware aiohttp gateway in front of llmserve (or vLLM) engines."""

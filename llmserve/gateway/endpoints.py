@@ -1,0 +1,120 @@
+"""Backend endpoints: their set (from discovery), load, scraped metrics and health.
+
+In-flight counts are the gateway's own (exact and immediate); queue depth and KV
+usage are scraped from each engine's /metrics under vLLM's names, so real vLLM
+pods work too. An endpoint that fails a request before the first byte is ejected
+for a while and re-admitted once its /health answers 200.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+
+import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
+
+from llmserve.gateway.routing import Candidate
+
+log = logging.getLogger(__name__)
+
+WAITING = "vllm:num_requests_waiting"
+KV_USAGE = "vllm:kv_cache_usage_perc"
+
+
+@dataclass
+class Endpoint:
+    url: str
+    in_flight: int = 0
+    waiting: float | None = None  # scraped; None until the first scrape
+    kv_usage: float | None = None
+    ejected_until: float = 0.0
+    consecutive_failures: int = 0
+
+    @property
+    def ejected(self) -> bool:
+        return time.monotonic() < self.ejected_until
+
+
+def parse_engine_metrics(text: str) -> dict[str, float]:
+    """Queue depth and KV usage from Prometheus text, summed over label sets
+    (a pod may export several engines)."""
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in (WAITING, KV_USAGE):
+                out[sample.name] = out.get(sample.name, 0.0) + sample.value
+    return out
+
+
+class EndpointPool:
+    def __init__(self, max_waiting: float = 16, max_kv_usage: float = 0.95,
+                 eject_seconds: float = 10.0):
+        self.endpoints: dict[str, Endpoint] = {}
+        self.max_waiting = max_waiting
+        self.max_kv_usage = max_kv_usage
+        self.eject_seconds = eject_seconds
+        self.changed = asyncio.Event()
+
+    # --- membership (discovery calls this) --------------------------------------------
+    def set_urls(self, urls) -> None:
+        urls = {u.rstrip("/") for u in urls}
+        for url in list(self.endpoints):
+            if url not in urls:
+                del self.endpoints[url]
+        for url in urls:
+            self.endpoints.setdefault(url, Endpoint(url))
+        self.changed.set()
+
+    # --- what routing sees ----------------------------------------------------------------
+    def saturated(self, ep: Endpoint) -> bool:
+        return ((ep.waiting is not None and ep.waiting > self.max_waiting)
+                or (ep.kv_usage is not None and ep.kv_usage > self.max_kv_usage))
+
+    def candidates(self, exclude: set[str] = frozenset()) -> list[Candidate]:
+        live = [e for e in self.endpoints.values() if not e.ejected and e.url not in exclude]
+        return [Candidate(e.url, e.in_flight, self.saturated(e)) for e in live]
+
+    # --- outcomes -----------------------------------------------------------------------------
+    def failed(self, url: str) -> None:
+        ep = self.endpoints.get(url)
+        if ep is not None:
+            ep.consecutive_failures += 1
+            ep.ejected_until = time.monotonic() + self.eject_seconds
+            log.warning("ejecting %s for %.0f s", url, self.eject_seconds)
+
+    def succeeded(self, url: str) -> None:
+        ep = self.endpoints.get(url)
+        if ep is not None:
+            ep.consecutive_failures = 0
+
+    # --- background scraping --------------------------------------------------------------
+    async def scrape_forever(self, session: aiohttp.ClientSession, interval: float) -> None:
+        while True:
+            await asyncio.gather(*(self.scrape(session, ep) for ep in
+                                   list(self.endpoints.values())), return_exceptions=True)
+            await asyncio.sleep(interval)
+
+    async def scrape(self, session: aiohttp.ClientSession, ep: Endpoint) -> None:
+        timeout = aiohttp.ClientTimeout(total=2)
+        try:
+            if ep.ejected_until:  # re-admit once healthy again
+                async with session.get(ep.url + "/health", timeout=timeout) as r:
+                    if r.status == 200:
+                        ep.ejected_until = 0.0
+                        log.info("re-admitting %s", ep.url)
+                    else:
+                        ep.ejected_until = time.monotonic() + self.eject_seconds
+                        return
+            async with session.get(ep.url + "/metrics", timeout=timeout) as r:
+                if r.status != 200:
+                    return
+                values = parse_engine_metrics(await r.text())
+            ep.waiting = values.get(WAITING)
+            ep.kv_usage = values.get(KV_USAGE)
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+            if ep.ejected_until:
+                ep.ejected_until = time.monotonic() + self.eject_seconds
+            ep.waiting = ep.kv_usage = None  # unknown: never treat a dead scrape as load

@@ -1,0 +1,300 @@
+"""The gateway's HTTP side: authenticate, pick an endpoint, proxy, stream back.
+
+A request is retried on another endpoint when the chosen one fails before the
+first byte reached the client (connection error or 5xx); after that the bytes
+pass through unchanged, chunk by chunk. A client that goes away cancels the
+handler, which closes the upstream connection, and the engine aborts the request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import os
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import aiohttp
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from llmserve.engine.protocol import APIError
+from llmserve.gateway.endpoints import EndpointPool
+from llmserve.gateway.metrics import GatewayMetrics
+from llmserve.gateway.prefix import prefix_key
+from llmserve.gateway.routing import make_policy
+
+log = logging.getLogger("llmserve.gateway")
+
+GATEWAY = web.AppKey("gateway", object)
+HOP_HEADERS = {"connection", "keep-alive", "transfer-encoding", "content-length", "host",
+               "content-encoding", "authorization"}
+
+
+@dataclass
+class GatewayConfig:
+    backends: list[str]
+    k8s_service: str | None = None  # "namespace/name"
+    k8s_port_name: str | None = None
+    policy: str = "prefix-hash"
+    load_factor: float = 1.25
+    prefix_chars: int = 100
+    max_attempts: int = 3
+    scrape_interval: float = 2.0
+    max_waiting: float = 16
+    max_kv_usage: float = 0.95
+    eject_seconds: float = 10.0
+    api_key_file: str | None = None
+    upstream_api_key: str | None = None
+    max_body_bytes: int = 4 << 20
+    drain_timeout: float = 30.0
+
+
+class ApiKeys:
+    """Keys from a file (one per line; re-read when it changes, as a mounted Secret
+    does) and from LLMSERVE_API_KEYS (comma-separated). None configured = open."""
+
+    def __init__(self, path: str | None, env: str | None):
+        self.path = Path(path) if path else None
+        self.env_keys = {k.strip() for k in (env or "").split(",") if k.strip()}
+        self._file_keys: set[str] = set()
+        self._mtime = None
+
+    def keys(self) -> set[str]:
+        if self.path is not None:
+            mtime = self.path.stat().st_mtime_ns if self.path.exists() else None
+            if mtime != self._mtime:
+                self._mtime = mtime
+                text = self.path.read_text() if mtime is not None else ""
+                self._file_keys = {k.strip() for k in text.splitlines() if k.strip()}
+        return self.env_keys | self._file_keys
+
+    @property
+    def enabled(self) -> bool:
+        return self.path is not None or bool(self.env_keys)
+
+    def check(self, header: str) -> bool:
+        token = header[7:].strip() if header.startswith("Bearer ") else ""
+        return any(hmac.compare_digest(token.encode(), k.encode()) for k in self.keys())
+
+
+class Gateway:
+    def __init__(self, config: GatewayConfig):
+        self.config = config
+        self.pool = EndpointPool(config.max_waiting, config.max_kv_usage, config.eject_seconds)
+        self.policy = make_policy(config.policy, config.load_factor)
+        self.metrics = GatewayMetrics()
+        self.keys = ApiKeys(config.api_key_file, os.environ.get("LLMSERVE_API_KEYS"))
+        self.session: aiohttp.ClientSession | None = None
+        self.draining = False
+        self.in_flight = 0
+        self._tasks: list[asyncio.Task] = []
+
+    # --- lifecycle ---------------------------------------------------------------------------
+    async def start(self) -> None:
+        connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=60)
+        self.session = aiohttp.ClientSession(
+            connector=connector, timeout=aiohttp.ClientTimeout(total=None, sock_connect=5),
+            auto_decompress=False)
+        if self.config.backends:
+            self.pool.set_urls(self.config.backends)
+        if self.config.k8s_service:
+            from llmserve.gateway.discovery import watch_endpoint_slices
+            namespace, name = self.config.k8s_service.split("/", 1)
+            self._tasks.append(asyncio.create_task(watch_endpoint_slices(
+                namespace, name, self.pool.set_urls, self.config.k8s_port_name)))
+        self._tasks.append(asyncio.create_task(
+            self.pool.scrape_forever(self.session, self.config.scrape_interval)))
+
+    async def close(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self.session:
+            await self.session.close()
+
+    # --- proxying ---------------------------------------------------------------------------------
+    def upstream_headers(self, request: web.Request) -> dict:
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_HEADERS}
+        if self.config.upstream_api_key:
+            headers["Authorization"] = f"Bearer {self.config.upstream_api_key}"
+        return headers
+
+    async def proxy(self, request: web.Request, body: bytes | None, key: str
+                    ) -> web.StreamResponse:
+        tried: set[str] = set()
+        last_error = "no endpoint is available"
+        for attempt in range(self.config.max_attempts):
+            candidates = self.pool.candidates(exclude=tried)
+            if not candidates:
+                break
+            decision = self.policy.choose(candidates, key)
+            url = decision.url
+            tried.add(url)
+            if attempt:
+                self.metrics.retries.inc()
+            self.metrics.decisions.labels(url, decision.reason).inc()
+            result = await self._forward(request, body, url)
+            if isinstance(result, web.StreamResponse):
+                return result
+            last_error = result
+        raise APIError(503, f"no engine could serve the request: {last_error}",
+                       "service_unavailable")
+
+    async def _forward(self, request: web.Request, body: bytes | None, url: str):
+        """The streamed response, or an error string when the endpoint failed before
+        anything was sent to the client (so another endpoint may be tried)."""
+        ep = self.pool.endpoints.get(url)
+        if ep is None:
+            return "endpoint left"
+        ep.in_flight += 1
+        gauge = self.metrics.in_flight.labels(url)
+        gauge.inc()
+        upstream = None
+        try:
+            t0 = time.perf_counter()
+            try:
+                upstream = await self.session.request(
+                    request.method, url + request.rel_url.path_qs, data=body,
+                    headers=self.upstream_headers(request))
+            except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+                self._failed(url)
+                return f"{url}: {e!r}"
+            self.metrics.upstream_latency.observe(time.perf_counter() - t0)
+            if upstream.status >= 500:
+                self._failed(url)
+                return f"{url}: HTTP {upstream.status}"
+            self.pool.succeeded(url)
+            return await self._stream_back(request, upstream)
+        finally:
+            ep.in_flight -= 1
+            gauge.dec()
+            if upstream is not None:
+                upstream.close()  # never reuse a half-read connection
+
+    def _failed(self, url: str) -> None:
+        self.metrics.upstream_errors.labels(url).inc()
+        self.pool.failed(url)
+
+    async def _stream_back(self, request, upstream) -> web.StreamResponse:
+        headers = {k: v for k, v in upstream.headers.items() if k.lower() not in HOP_HEADERS}
+        resp = web.StreamResponse(status=upstream.status, headers=headers)
+        await resp.prepare(request)
+        try:
+            async for chunk in upstream.content.iter_any():
+                await resp.write(chunk)
+        except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as e:
+            # The engine died mid-stream: nothing can be retried once bytes went out.
+            log.warning("upstream broke mid-stream: %r", e)
+            self.metrics.upstream_errors.labels(str(upstream.url.origin())).inc()
+            return resp
+        await resp.write_eof()
+        return resp
+
+
+# --- handlers -----------------------------------------------------------------------------------
+@web.middleware
+async def middleware(request: web.Request, handler):
+    gw: Gateway = request.app[GATEWAY]
+    status = 500
+    try:
+        if gw.keys.enabled and request.path.startswith("/v1/") and \
+                not gw.keys.check(request.headers.get("Authorization", "")):
+            raise APIError(401, "invalid or missing API key", "authentication_error",
+                           code="invalid_api_key")
+        resp = await handler(request)
+        status = resp.status
+        return resp
+    except APIError as e:
+        status = e.status
+        return web.json_response(e.body(), status=e.status)
+    except web.HTTPRequestEntityTooLarge as e:
+        status = 413
+        return web.json_response(APIError(413, f"request body too large: {e.text}",
+                                          code="request_too_large").body(), status=413)
+    except web.HTTPException as e:
+        status = e.status
+        if e.status < 400:
+            raise
+        type_ = "not_found_error" if e.status == 404 else "invalid_request_error"
+        return web.json_response(APIError(e.status, e.reason, type_).body(), status=e.status)
+    finally:
+        gw.metrics.requests.labels(request.path if request.path.startswith("/v1/")
+                                   else "other", str(status)).inc()
+
+
+async def generate(request: web.Request) -> web.StreamResponse:
+    gw: Gateway = request.app[GATEWAY]
+    if gw.draining:
+        raise APIError(503, "the gateway is shutting down", "service_unavailable")
+    body = await request.read()
+    try:
+        payload = json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise APIError(400, f"invalid JSON body: {e}") from e
+    gw.in_flight += 1
+    try:
+        return await gw.proxy(request, body, prefix_key(payload, gw.config.prefix_chars))
+    finally:
+        gw.in_flight -= 1
+
+
+async def models(request: web.Request) -> web.StreamResponse:
+    return await request.app[GATEWAY].proxy(request, None, "")
+
+
+async def health(request: web.Request) -> web.Response:
+    gw: Gateway = request.app[GATEWAY]
+    live = [e for e in gw.pool.endpoints.values() if not e.ejected]
+    if gw.draining or not live:
+        return web.json_response({"status": "draining" if gw.draining else "no endpoints",
+                                  "endpoints": len(gw.pool.endpoints)}, status=503)
+    return web.json_response({"status": "ok", "endpoints": len(live)})
+
+
+async def metrics(request: web.Request) -> web.Response:
+    gw: Gateway = request.app[GATEWAY]
+    eps = list(gw.pool.endpoints.values())
+    gw.metrics.endpoints.labels("ejected").set(sum(e.ejected for e in eps))
+    gw.metrics.endpoints.labels("ready").set(sum(not e.ejected for e in eps))
+    return web.Response(body=generate_latest(gw.metrics.registry),
+                        headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+def build_app(gw: Gateway) -> web.Application:
+    app = web.Application(client_max_size=gw.config.max_body_bytes, middlewares=[middleware])
+    app[GATEWAY] = gw
+    app.router.add_post("/v1/completions", generate)
+    app.router.add_post("/v1/chat/completions", generate)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)
+    return app
+
+
+async def serve_gateway(config: GatewayConfig, host: str, port: int,
+                        ready: asyncio.Event | None = None) -> None:
+    """Serve until SIGTERM/SIGINT, then drain in-flight requests and return."""
+    gw = Gateway(config)
+    await gw.start()
+    runner = web.AppRunner(build_app(gw), handler_cancellation=True, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, host, port).start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    log.info("gateway on http://%s:%d (%s)", host, port, config.policy)
+    if ready is not None:
+        ready.set()
+    await stop.wait()
+    gw.draining = True
+    deadline = loop.time() + config.drain_timeout
+    while gw.in_flight and loop.time() < deadline:
+        await asyncio.sleep(0.05)
+    await runner.cleanup()
+    await gw.close()
