@@ -52,10 +52,9 @@ def prefix_ttft(args, rng) -> dict:
 
 
 def block_bytes(model: str, block_size: int = 16) -> int:
-    from llmserve.engine.models.loader import load_config, resolve_model
-    c = load_config(resolve_model(model))
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    return 2 * c.num_hidden_layers * block_size * c.num_key_value_heads * head_dim * 4
+    """fp32 bytes of one KV block of ``model``."""
+    from llmserve.engine.models.loader import kv_block_bytes, load_config, resolve_model
+    return kv_block_bytes(load_config(resolve_model(model)), block_size, 4)
 
 
 def pressure_throughput(args, rng) -> dict:

@@ -31,12 +31,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--swap-space", type=int, default=1 << 30, help="CPU swap bytes")
     g.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="fcfs")
     g.add_argument("--attention-backend", choices=["auto", "triton", "torch"], default="auto")
+    g.add_argument("--num-threads", type=int, default=None,
+                   help="CPU threads for the model (default: all cores we may use)")
 
 
 ENGINE_KEYS = ("model", "served_model_name", "device", "dtype", "block_size", "kv_cache_memory",
                "gpu_memory_utilization", "max_num_seqs", "max_num_batched_tokens",
                "max_model_len", "enable_chunked_prefill", "enable_prefix_caching",
-               "preemption_mode", "swap_space", "scheduling_policy", "attention_backend")
+               "preemption_mode", "swap_space", "scheduling_policy", "attention_backend",
+               "num_threads")
 
 
 def engine_config(args):

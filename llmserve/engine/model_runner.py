@@ -9,7 +9,7 @@ import torch
 from llmserve.engine.config import EngineConfig
 from llmserve.engine.models.attention import AttentionMetadata
 from llmserve.engine.models.llama import SUPPORTED_ARCHITECTURES, RotaryEmbedding
-from llmserve.engine.models.loader import load_weights
+from llmserve.engine.models.loader import kv_block_bytes, load_weights
 from llmserve.engine.scheduler import ScheduledBatch
 from llmserve.kernels.reference import make_attention_plan
 
@@ -45,9 +45,8 @@ class ModelRunner:
 
     # --- KV cache -----------------------------------------------------------------
     def kv_bytes_per_block(self) -> int:
-        c = self.hf_config
         elem = torch.tensor([], dtype=self.dtype).element_size()
-        return 2 * c.num_hidden_layers * self.block_size * c.num_key_value_heads * c.head_dim * elem
+        return kv_block_bytes(self.hf_config, self.block_size, elem)
 
     def _num_kv_blocks(self) -> int:
         budget = self.config.kv_cache_memory

@@ -155,6 +155,7 @@ class Gateway:
         gauge = self.metrics.in_flight.labels(url)
         gauge.inc()
         upstream = None
+        done = False
         try:
             t0 = time.perf_counter()
             try:
@@ -169,12 +170,16 @@ class Gateway:
                 self._failed(url)
                 return f"{url}: HTTP {upstream.status}"
             self.pool.succeeded(url)
-            return await self._stream_back(request, upstream)
+            response = await self._stream_back(request, upstream)
+            done = upstream.content.at_eof()
+            return response
         finally:
             ep.in_flight -= 1
             gauge.dec()
             if upstream is not None:
-                upstream.close()  # never reuse a half-read connection
+                # Reuse the connection only when the response was read to the end; closing
+                # it otherwise also tells the engine to abort (client gone, error).
+                upstream.release() if done else upstream.close()
 
     def _failed(self, url: str) -> None:
         self.metrics.upstream_errors.labels(url).inc()

@@ -96,6 +96,14 @@ def load_config(path: Path):
     return config
 
 
+def kv_block_bytes(hf_config, block_size: int, element_size: int) -> int:
+    """Bytes of one KV block across all layers (K and V)."""
+    head_dim = (getattr(hf_config, "head_dim", None)
+                or hf_config.hidden_size // hf_config.num_attention_heads)
+    return (2 * hf_config.num_hidden_layers * block_size * hf_config.num_key_value_heads
+            * head_dim * element_size)
+
+
 def load_tokenizer(path: Path):
     from transformers import AutoTokenizer
     try:
