@@ -73,9 +73,9 @@ def main() -> None:
     ap.add_argument("--engines", type=int, default=3)
     ap.add_argument("--tenants", type=int, default=12)
     ap.add_argument("--system-words", type=int, default=400)
-    ap.add_argument("--requests-per-tenant", type=int, default=6)
-    ap.add_argument("--concurrency", type=int, default=6)
-    ap.add_argument("--kv-blocks", type=int, default=160,
+    ap.add_argument("--requests-per-tenant", type=int, default=16)
+    ap.add_argument("--concurrency", type=int, default=3)
+    ap.add_argument("--kv-blocks", type=int, default=240,
                     help="KV blocks per engine (16 tokens each)")
     ap.add_argument("--policies", nargs="+", default=["prefix-hash", "round-robin", "least-load"])
     ap.add_argument("--seed", type=int, default=0)

@@ -99,6 +99,9 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
                    help="file with one accepted API key per line (e.g. a mounted Secret); "
                         "LLMSERVE_API_KEYS (comma-separated) adds more")
     g.add_argument("--upstream-api-key", default=os.environ.get("LLMSERVE_UPSTREAM_API_KEY"))
+    g.add_argument("--no-endpoint-wait", type=float, default=0.0,
+                   help="seconds a request waits for an endpoint when none exists "
+                        "(scale from zero)")
 
 
 def gateway_config(args, backends: list[str]):
@@ -110,7 +113,8 @@ def gateway_config(args, backends: list[str]):
                          scrape_interval=args.scrape_interval, max_waiting=args.max_waiting,
                          max_kv_usage=args.max_kv_usage, api_key_file=args.api_key_file,
                          upstream_api_key=args.upstream_api_key,
-                         drain_timeout=args.drain_timeout)
+                         drain_timeout=args.drain_timeout,
+                         no_endpoint_wait=args.no_endpoint_wait)
 
 
 def cmd_gateway(args) -> int:
@@ -177,6 +181,19 @@ def cmd_up(args) -> int:
     return 0
 
 
+def cmd_operator(args) -> int:
+    """The kopf operator (what `kopf run` would do, with our handlers)."""
+    import kopf
+
+    import llmserve.operator.handlers  # noqa: F401 - registers the handlers
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    namespaces = args.namespace or []
+    kopf.run(standalone=True, clusterwide=not namespaces, namespaces=namespaces,
+             liveness_endpoint=f"http://0.0.0.0:{args.health_port}/healthz")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="llmserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -205,6 +222,12 @@ def main(argv: list[str] | None = None) -> int:
     add_server_args(gw, 8080)
     add_gateway_args(gw)
     gw.set_defaults(func=cmd_gateway)
+    op = sub.add_parser("operator", help="the kopf operator for LLMDeployment resources")
+    op.add_argument("--namespace", action="append",
+                    help="watch only this namespace (repeatable; default: all)")
+    op.add_argument("--health-port", type=int, default=8081)
+    op.add_argument("--log-level", default="INFO")
+    op.set_defaults(func=cmd_operator)
     args = parser.parse_args(argv)
     try:
         return args.func(args)

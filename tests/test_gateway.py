@@ -202,3 +202,32 @@ def test_killed_backend_fails_no_request_that_had_not_started(tiny_llama):
     not_ok = [r for r in results if r[0] != "ok"]
     assert all(started for _, started in not_ok), f"a request failed before streaming: {not_ok}"
     assert sum(r[0] == "ok" for r in results) >= 12
+
+
+async def test_requests_wait_for_an_endpoint_at_zero_replicas(engines):
+    """Scale from zero: with no endpoint the gateway holds the request (and says so
+    in its metrics) until discovery brings one."""
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from llmserve.gateway.server import Gateway, GatewayConfig, build_app
+    gw = Gateway(GatewayConfig(backends=[], no_endpoint_wait=30, scrape_interval=0.2))
+    await gw.start()
+    client = TestClient(TestServer(build_app(gw)))
+    await client.start_server()
+    try:
+        pending = asyncio.create_task(client.post("/v1/completions", json={
+            "model": "tiny", "prompt": "wake up", "max_tokens": 2}))
+        await asyncio.sleep(0.5)
+        assert not pending.done()
+        metrics = await (await client.get("/metrics")).text()
+        assert "llmserve_gateway_queued_requests 1.0" in metrics
+        gw.pool.set_urls([engines[0].url])  # what EndpointSlice discovery does
+        resp = await asyncio.wait_for(pending, 30)
+        assert resp.status == 200 and (await resp.json())["usage"]["completion_tokens"] >= 1
+        gw.config.no_endpoint_wait = 0.3
+        gw.pool.set_urls([])
+        resp = await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 1})
+        assert resp.status == 503
+    finally:
+        await client.close()
+        await gw.close()

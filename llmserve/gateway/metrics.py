@@ -20,6 +20,9 @@ class GatewayMetrics:
                                  ["endpoint", "reason"], registry=r)
         self.in_flight = Gauge("llmserve_gateway_in_flight", "In-flight requests per endpoint.",
                                ["endpoint"], registry=r)
+        self.queued = Gauge("llmserve_gateway_queued_requests",
+                            "Requests waiting for any endpoint to exist (scale from zero).",
+                            registry=r)
         self.endpoints = Gauge("llmserve_gateway_endpoints", "Known endpoints by state.",
                                ["state"], registry=r)
         self.upstream_latency = Histogram(

@@ -52,6 +52,8 @@ class GatewayConfig:
     upstream_api_key: str | None = None
     max_body_bytes: int = 4 << 20
     drain_timeout: float = 30.0
+    # Seconds a request may wait for an endpoint to exist (scale from zero).
+    no_endpoint_wait: float = 0.0
 
 
 class ApiKeys:
@@ -124,8 +126,22 @@ class Gateway:
             headers["Authorization"] = f"Bearer {self.config.upstream_api_key}"
         return headers
 
+    async def wait_for_endpoint(self) -> None:
+        """Hold the request while no endpoint exists (e.g. scaled to zero); the
+        operator reads llmserve_gateway_queued_requests and scales up."""
+        if self.pool.candidates() or self.config.no_endpoint_wait <= 0:
+            return
+        self.metrics.queued.inc()
+        try:
+            deadline = time.monotonic() + self.config.no_endpoint_wait
+            while not self.pool.candidates() and time.monotonic() < deadline:
+                await asyncio.sleep(0.25)
+        finally:
+            self.metrics.queued.dec()
+
     async def proxy(self, request: web.Request, body: bytes | None, key: str
                     ) -> web.StreamResponse:
+        await self.wait_for_endpoint()
         tried: set[str] = set()
         last_error = "no endpoint is available"
         for attempt in range(self.config.max_attempts):

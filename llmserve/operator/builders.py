@@ -1,0 +1,299 @@
+"""Desired state: an LLMDeployment -> the manifests of its children.
+
+Pure functions of the resource (no API calls), so they are unit tested directly and
+applying them twice changes nothing. Every child carries an owner reference to the
+LLMDeployment, so deleting it garbage-collects them.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+BUILTIN_MODELS = {"smollm2-135m-instruct"}
+DEFAULT_IMAGE = os.environ.get("LLMSERVE_IMAGE", "ghcr.io/llmserve/llmserve:0.1.0")
+DEFAULT_GPU_IMAGE = os.environ.get("LLMSERVE_GPU_IMAGE", "ghcr.io/llmserve/llmserve-cuda:0.1.0")
+DEFAULT_VLLM_IMAGE = os.environ.get("LLMSERVE_VLLM_IMAGE", "vllm/vllm-openai:latest")
+OPERATOR_LABELS = {"app.kubernetes.io/name": "llmserve-operator"}
+MANAGED_BY = {"app.kubernetes.io/managed-by": "llmserve-operator"}
+GATEWAY_PORT = 8080
+MODELS_DIR = "/models"
+
+
+class SpecError(ValueError):
+    """The spec cannot be realised; the message goes into the Degraded condition."""
+
+
+@dataclass
+class Owner:
+    name: str
+    namespace: str
+    uid: str
+    spec: dict
+    generation: int = 1
+
+    @property
+    def ref(self) -> dict:
+        return {"apiVersion": "serving.llmserve.io/v1alpha1", "kind": "LLMDeployment",
+                "name": self.name, "uid": self.uid, "controller": True,
+                "blockOwnerDeletion": True}
+
+    @property
+    def model_name(self) -> str:
+        return self.spec.get("model", {}).get("name") or self.name
+
+
+def names(owner: Owner) -> dict[str, str]:
+    n = owner.name
+    return {"engine": f"{n}-engine", "gateway": f"{n}-gateway",
+            "gateway_sa": f"{n}-gateway", "netpol": f"{n}-engine"}
+
+
+def labels(owner: Owner, component: str) -> dict[str, str]:
+    return {"app.kubernetes.io/name": f"llmserve-{component}",
+            "app.kubernetes.io/instance": owner.name,
+            "app.kubernetes.io/component": component,
+            "app.kubernetes.io/part-of": "llmserve",
+            "serving.llmserve.io/deployment": owner.name, **MANAGED_BY}
+
+
+def selector(owner: Owner, component: str) -> dict[str, str]:
+    return {"serving.llmserve.io/deployment": owner.name,
+            "app.kubernetes.io/component": component}
+
+
+def selector_string(owner: Owner) -> str:
+    return ",".join(f"{k}={v}" for k, v in selector(owner, "engine").items())
+
+
+def meta(owner: Owner, name: str, component: str) -> dict:
+    return {"name": name, "namespace": owner.namespace, "labels": labels(owner, component),
+            "ownerReferences": [owner.ref]}
+
+
+def endpoint_url(owner: Owner) -> str:
+    port = owner.spec.get("gateway", {}).get("port", 80)
+    return f"http://{names(owner)['gateway']}.{owner.namespace}.svc:{port}"
+
+
+# --- security -------------------------------------------------------------------
+POD_SECURITY = {"runAsNonRoot": True, "runAsUser": 10001, "runAsGroup": 10001,
+                "fsGroup": 10001, "seccompProfile": {"type": "RuntimeDefault"}}
+CONTAINER_SECURITY = {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+                      "privileged": False, "capabilities": {"drop": ["ALL"]}}
+
+
+# --- model source ---------------------------------------------------------------
+def model_source(owner: Owner) -> tuple[str, list[dict], list[dict]]:
+    """(value for --model, extra volumes, extra volume mounts) for the source URI."""
+    source = owner.spec["model"]["source"]
+    kind = owner.spec.get("engine", {}).get("kind", "llmserve")
+    if source.startswith("hf://"):
+        return source if kind == "llmserve" else source[len("hf://"):].split("@")[0], [], []
+    if source.startswith("pvc://"):
+        claim, _, path = source[len("pvc://"):].partition("/")
+        if not claim:
+            raise SpecError(f"model.source {source!r}: pvc:// needs a claim name")
+        volume = {"name": "model", "persistentVolumeClaim": {"claimName": claim,
+                                                              "readOnly": True}}
+        mount = {"name": "model", "mountPath": MODELS_DIR, "readOnly": True}
+        return f"{MODELS_DIR}/{path}".rstrip("/"), [volume], [mount]
+    if source.startswith("file:///"):
+        return source[len("file://"):], [], []
+    if "://" in source:
+        raise SpecError(f"model.source {source!r}: unsupported scheme")
+    if kind == "llmserve" and source not in BUILTIN_MODELS:
+        raise SpecError(f"model.source {source!r} is not a built-in model "
+                        f"(built-in: {', '.join(sorted(BUILTIN_MODELS))}); use hf://, "
+                        f"pvc:// or file:///")
+    return source, [], []
+
+
+# --- engine ---------------------------------------------------------------------
+def engine_container(owner: Owner) -> dict:
+    spec, engine = owner.spec, owner.spec.get("engine", {})
+    kind = engine.get("kind", "llmserve")
+    port = engine.get("port", 8000)
+    model, _, mounts = model_source(owner)
+    gpus = spec.get("resources", {}).get("gpus", 0)
+    dtype = engine.get("dtype", "auto")
+    if kind == "llmserve":
+        image = engine.get("image") or (DEFAULT_GPU_IMAGE if gpus else DEFAULT_IMAGE)
+        command = ["llmserve", "serve"]
+        args = ["--model", model, "--served-model-name", owner.model_name,
+                "--host", "0.0.0.0", "--port", str(port), "--dtype", dtype]
+        flags = {"maxNumSeqs": "--max-num-seqs", "maxNumBatchedTokens":
+                 "--max-num-batched-tokens", "maxModelLen": "--max-model-len",
+                 "kvCacheMemory": "--kv-cache-memory"}
+    else:  # the vLLM OpenAI server, with equivalent arguments
+        image = engine.get("image") or DEFAULT_VLLM_IMAGE
+        command = ["vllm", "serve", model]
+        args = ["--served-model-name", owner.model_name, "--host", "0.0.0.0",
+                "--port", str(port), "--dtype", dtype]
+        flags = {"maxNumSeqs": "--max-num-seqs", "maxNumBatchedTokens":
+                 "--max-num-batched-tokens", "maxModelLen": "--max-model-len"}
+        if gpus > 1:
+            args += ["--tensor-parallel-size", str(gpus)]
+    for key, flag in flags.items():
+        if engine.get(key) is not None:
+            args += [flag, str(engine[key])]
+    args += list(engine.get("args", []))
+    probe = {"httpGet": {"path": "/health", "port": "http"}}
+    return {
+        "name": "engine", "image": image, "command": command, "args": args,
+        "ports": [{"name": "http", "containerPort": port, "protocol": "TCP"}],
+        "env": [{"name": "HOME", "value": "/cache"},
+                {"name": "LLMSERVE_CACHE", "value": "/cache/llmserve"},
+                {"name": "HF_HOME", "value": "/cache/huggingface"}],
+        "resources": resources(spec.get("resources", {})),
+        "readinessProbe": {**probe, "periodSeconds": 2, "failureThreshold": 2},
+        "startupProbe": {**probe, "periodSeconds": 2, "failureThreshold": 900},
+        "livenessProbe": {**probe, "periodSeconds": 10, "failureThreshold": 6},
+        "securityContext": CONTAINER_SECURITY,
+        "volumeMounts": [{"name": "cache", "mountPath": "/cache"},
+                         {"name": "tmp", "mountPath": "/tmp"}, *mounts],
+    }
+
+
+def resources(res: dict) -> dict:
+    requests, limits = {}, {}
+    for key in ("cpu", "memory"):
+        if res.get(key) is not None:
+            requests[key] = limits[key] = str(res[key])
+    if res.get("gpus"):
+        requests["nvidia.com/gpu"] = limits["nvidia.com/gpu"] = str(res["gpus"])
+    return {k: v for k, v in (("requests", requests), ("limits", limits)) if v}
+
+
+def engine_deployment(owner: Owner, replicas: int) -> dict:
+    spec = owner.spec
+    _, volumes, _ = model_source(owner)
+    res = spec.get("resources", {})
+    pod_spec = {
+        "securityContext": POD_SECURITY,
+        "automountServiceAccountToken": False,
+        "enableServiceLinks": False,
+        "terminationGracePeriodSeconds": 60,
+        "containers": [engine_container(owner)],
+        "volumes": [{"name": "cache", "emptyDir": {}},
+                    {"name": "tmp", "emptyDir": {"medium": "Memory", "sizeLimit": "256Mi"}},
+                    *volumes],
+    }
+    if res.get("nodeSelector"):
+        pod_spec["nodeSelector"] = dict(res["nodeSelector"])
+    if res.get("tolerations"):
+        pod_spec["tolerations"] = list(res["tolerations"])
+    return {
+        "apiVersion": "apps/v1", "kind": "Deployment",
+        "metadata": meta(owner, names(owner)["engine"], "engine"),
+        "spec": {
+            "replicas": replicas,
+            "selector": {"matchLabels": selector(owner, "engine")},
+            "strategy": {"type": "RollingUpdate",
+                         "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}},
+            "template": {"metadata": {"labels": labels(owner, "engine")}, "spec": pod_spec},
+        },
+    }
+
+
+def engine_service(owner: Owner) -> dict:
+    """Headless: the gateway reads its EndpointSlices and talks to pods directly."""
+    port = owner.spec.get("engine", {}).get("port", 8000)
+    return {"apiVersion": "v1", "kind": "Service",
+            "metadata": meta(owner, names(owner)["engine"], "engine"),
+            "spec": {"clusterIP": "None", "selector": selector(owner, "engine"),
+                     "publishNotReadyAddresses": False,
+                     "ports": [{"name": "http", "port": port, "targetPort": "http"}]}}
+
+
+# --- gateway --------------------------------------------------------------------
+def gateway_deployment(owner: Owner) -> dict:
+    gw = owner.spec.get("gateway", {})
+    n = names(owner)
+    args = ["--k8s-service", f"{owner.namespace}/{n['engine']}", "--k8s-port-name", "http",
+            "--host", "0.0.0.0", "--port", str(GATEWAY_PORT),
+            "--policy", gw.get("policy", "prefix-hash"),
+            "--load-factor", str(gw.get("loadFactor", 1.25)),
+            "--prefix-chars", str(gw.get("prefixChars", 100))]
+    mounts, volumes = [], []
+    secret = gw.get("apiKeySecret")
+    if secret:
+        key = secret.get("key", "api-keys")
+        volumes.append({"name": "api-keys", "secret": {"secretName": secret["name"],
+                                                        "items": [{"key": key, "path": key}]}})
+        mounts.append({"name": "api-keys", "mountPath": "/etc/llmserve/keys", "readOnly": True})
+        args += ["--api-key-file", f"/etc/llmserve/keys/{key}"]
+    probe = {"httpGet": {"path": "/metrics", "port": "http"}}
+    container = {
+        "name": "gateway", "image": gw.get("image") or DEFAULT_IMAGE,
+        "command": ["llmserve", "gateway"], "args": args,
+        "ports": [{"name": "http", "containerPort": GATEWAY_PORT, "protocol": "TCP"}],
+        "readinessProbe": {**probe, "periodSeconds": 2},
+        "livenessProbe": {**probe, "periodSeconds": 10},
+        "resources": {"requests": {"cpu": "100m", "memory": "128Mi"},
+                      "limits": {"memory": "512Mi"}},
+        "securityContext": CONTAINER_SECURITY,
+        "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}, *mounts],
+    }
+    return {
+        "apiVersion": "apps/v1", "kind": "Deployment",
+        "metadata": meta(owner, n["gateway"], "gateway"),
+        "spec": {
+            "replicas": gw.get("replicas", 1),
+            "selector": {"matchLabels": selector(owner, "gateway")},
+            "template": {"metadata": {"labels": labels(owner, "gateway")}, "spec": {
+                "serviceAccountName": n["gateway_sa"],
+                "securityContext": POD_SECURITY, "enableServiceLinks": False,
+                "containers": [container],
+                "volumes": [{"name": "tmp", "emptyDir": {"medium": "Memory",
+                                                          "sizeLimit": "64Mi"}}, *volumes]}},
+        },
+    }
+
+
+def gateway_service(owner: Owner) -> dict:
+    gw = owner.spec.get("gateway", {})
+    return {"apiVersion": "v1", "kind": "Service",
+            "metadata": meta(owner, names(owner)["gateway"], "gateway"),
+            "spec": {"type": gw.get("serviceType", "ClusterIP"),
+                     "selector": selector(owner, "gateway"),
+                     "ports": [{"name": "http", "port": gw.get("port", 80),
+                                "targetPort": "http"}]}}
+
+
+def gateway_rbac(owner: Owner) -> list[dict]:
+    """The gateway may read EndpointSlices in its namespace, nothing else."""
+    n = names(owner)["gateway_sa"]
+    return [
+        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": meta(owner, n, "gateway")},
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role",
+         "metadata": meta(owner, n, "gateway"),
+         "rules": [{"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"],
+                    "verbs": ["get", "list", "watch"]}]},
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
+         "metadata": meta(owner, n, "gateway"),
+         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": n},
+         "subjects": [{"kind": "ServiceAccount", "name": n, "namespace": owner.namespace}]},
+    ]
+
+
+def network_policy(owner: Owner) -> dict:
+    """Only this deployment's gateway (and the operator, which scrapes metrics) may
+    reach the engines."""
+    port = owner.spec.get("engine", {}).get("port", 8000)
+    return {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+            "metadata": meta(owner, names(owner)["netpol"], "engine"),
+            "spec": {"podSelector": {"matchLabels": selector(owner, "engine")},
+                     "policyTypes": ["Ingress"],
+                     "ingress": [{"from": [
+                         {"podSelector": {"matchLabels": selector(owner, "gateway")}},
+                         {"namespaceSelector": {}, "podSelector": {"matchLabels":
+                                                                   OPERATOR_LABELS}}],
+                         "ports": [{"protocol": "TCP", "port": port}]}]}}
+
+
+def children(owner: Owner, engine_replicas: int) -> list[dict]:
+    """Every child, in the order they are applied."""
+    return [*gateway_rbac(owner), engine_service(owner),
+            engine_deployment(owner, engine_replicas), network_policy(owner),
+            gateway_deployment(owner), gateway_service(owner)]

@@ -1,0 +1,220 @@
+"""kopf handlers for LLMDeployment.
+
+Reconciling is level-based: every pass computes the whole desired state from the
+spec (``builders``) and server-side-applies it, so it is idempotent, repairs
+drift, and an operator restarted at any point converges to the same state. A
+timer per LLMDeployment re-applies, scrapes the engines' /metrics, runs the
+autoscaler decision (``autoscaler.decide``) and keeps the status current.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import logging
+import time
+
+import aiohttp
+import kopf
+from kubernetes_asyncio import client
+
+from llmserve.gateway.endpoints import KV_USAGE, WAITING
+from llmserve.operator import kube
+from llmserve.operator.autoscaler import History, Observation, Policy, decide
+from llmserve.operator.builders import (
+    Owner,
+    SpecError,
+    children,
+    endpoint_url,
+    names,
+    selector_string,
+)
+
+GROUP, VERSION, PLURAL = "serving.llmserve.io", "v1alpha1", "llmdeployments"
+RUNNING = "vllm:num_requests_running"
+log = logging.getLogger("llmserve.operator")
+
+_histories: dict[str, History] = {}  # uid -> autoscaler memory
+
+
+@kopf.on.startup()
+async def startup(settings: kopf.OperatorSettings, **_) -> None:
+    await kube.load_config()
+    settings.persistence.finalizer = "serving.llmserve.io/finalizer"
+    settings.posting.level = logging.INFO
+    settings.watching.server_timeout = 270
+
+
+def owner_of(body) -> Owner:
+    meta = body["metadata"]
+    return Owner(meta["name"], meta["namespace"], meta["uid"], dict(body["spec"]),
+                 meta.get("generation", 1))
+
+
+def condition(type_: str, ok: bool, reason: str, message: str, generation: int) -> dict:
+    return {"type": type_, "status": "True" if ok else "False", "reason": reason,
+            "message": message, "observedGeneration": generation,
+            "lastTransitionTime": now_iso()}
+
+
+def now_iso() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def merge_conditions(old: list, new: list) -> list:
+    """Keep lastTransitionTime when a condition's status did not change."""
+    before = {c["type"]: c for c in old or []}
+    out = []
+    for c in new:
+        prev = before.get(c["type"])
+        if prev and prev.get("status") == c["status"]:
+            c = {**c, "lastTransitionTime": prev.get("lastTransitionTime", c["lastTransitionTime"])}
+        out.append(c)
+    return out
+
+
+async def engine_replicas(api, o: Owner, status: dict) -> int:
+    """Replicas to apply: spec.replicas without autoscaling; with it, what the
+    autoscaler last decided (or the live Deployment's, or minReplicas)."""
+    auto = o.spec.get("autoscaling") or {}
+    if not auto.get("enabled"):
+        return int(o.spec.get("replicas", 1))
+    if status.get("desiredReplicas") is not None:
+        return int(status["desiredReplicas"])
+    dep = await kube.get_deployment(api, o.namespace, names(o)["engine"])
+    if dep is not None:
+        return int(dep["spec"].get("replicas") or 0)
+    return max(int(auto.get("minReplicas", 1)), 1)
+
+
+async def reconcile(body, patch, logger) -> None:
+    o = owner_of(body)
+    status = dict(body.get("status") or {})
+    conditions = []
+    async with client.ApiClient() as api:
+        try:
+            replicas = await engine_replicas(api, o, status)
+            desired = children(o, replicas)
+        except SpecError as e:
+            kopf.warn(body, reason="InvalidSpec", message=str(e))
+            conditions = [condition("Degraded", True, "InvalidSpec", str(e), o.generation),
+                          condition("Ready", False, "InvalidSpec", str(e), o.generation),
+                          condition("Progressing", False, "InvalidSpec", str(e), o.generation)]
+            patch.status["conditions"] = merge_conditions(status.get("conditions"), conditions)
+            patch.status["observedGeneration"] = o.generation
+            return
+        try:
+            for manifest in desired:
+                await kube.apply(api, manifest)
+        except client.exceptions.ApiException as e:
+            message = f"applying children failed: {e.status} {e.reason}"
+            kopf.warn(body, reason="ApplyFailed", message=message)
+            patch.status["conditions"] = merge_conditions(status.get("conditions"), [
+                condition("Degraded", True, "ApplyFailed", message, o.generation)])
+            raise kopf.TemporaryError(message, delay=10) from e
+        engine = await kube.get_deployment(api, o.namespace, names(o)["engine"]) or {}
+        gateway = await kube.get_deployment(api, o.namespace, names(o)["gateway"]) or {}
+    ready = int((engine.get("status") or {}).get("readyReplicas") or 0)
+    gw_ready = int((gateway.get("status") or {}).get("readyReplicas") or 0)
+    current = int((engine.get("status") or {}).get("replicas") or 0)
+    is_ready = (ready >= 1 or replicas == 0) and gw_ready >= 1
+    progressing = ready < replicas or gw_ready < 1
+    message = f"{ready}/{replicas} engine replicas ready, {gw_ready} gateway ready"
+    conditions = [
+        condition("Ready", is_ready, "Serving" if is_ready else "Starting", message,
+                  o.generation),
+        condition("Progressing", progressing, "ScalingOrStarting" if progressing else "Stable",
+                  message, o.generation),
+        condition("Degraded", False, "AsExpected", "", o.generation),
+    ]
+    patch.status.update({
+        "observedGeneration": o.generation, "replicas": current, "readyReplicas": ready,
+        "desiredReplicas": replicas, "selector": selector_string(o),
+        "endpoint": endpoint_url(o),
+        "conditions": merge_conditions(status.get("conditions"), conditions)})
+
+
+@kopf.on.create(GROUP, VERSION, PLURAL)
+@kopf.on.update(GROUP, VERSION, PLURAL, field="spec")
+@kopf.on.resume(GROUP, VERSION, PLURAL)
+async def on_change(body, patch, logger, **_) -> None:
+    await reconcile(body, patch, logger)
+
+
+@kopf.on.delete(GROUP, VERSION, PLURAL, optional=True)
+async def on_delete(body, **_) -> None:
+    _histories.pop(body["metadata"]["uid"], None)  # children go by garbage collection
+
+
+@kopf.timer(GROUP, VERSION, PLURAL, interval=10.0, initial_delay=5.0)
+async def tick(body, patch, logger, **_) -> None:
+    """Re-apply (drift repair), scrape, autoscale, refresh the status."""
+    o = owner_of(body)
+    auto = o.spec.get("autoscaling") or {}
+    if auto.get("enabled"):
+        await autoscale(body, patch, o, auto)
+        body = {**body, "status": {**(body.get("status") or {}), **patch.status}}
+    else:
+        await observe_only(body, patch, o)
+    await reconcile(body, patch, logger)
+
+
+async def scrape(session: aiohttp.ClientSession, url: str) -> dict[str, float] | None:
+    from prometheus_client.parser import text_string_to_metric_families
+    try:
+        async with session.get(url, timeout=aiohttp.ClientTimeout(total=3)) as r:
+            if r.status != 200:
+                return None
+            text = await r.text()
+    except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+        return None
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out[s.name] = out.get(s.name, 0.0) + s.value
+    return out
+
+
+async def observe(o: Owner) -> Observation | None:
+    """Sum the engines' queues, average their KV usage; None if any ready engine
+    could not be scraped (a partial view must not drive a decision)."""
+    port = o.spec.get("engine", {}).get("port", 8000)
+    async with client.ApiClient() as api:
+        ips = await kube.ready_pod_ips(api, o.namespace, selector_string(o))
+    async with aiohttp.ClientSession() as session:
+        results = await asyncio.gather(*(scrape(session, f"http://{ip}:{port}/metrics")
+                                         for ip in ips))
+        gateway = await scrape(session, f"{endpoint_url(o)}/metrics")
+    demand = (gateway or {}).get("llmserve_gateway_queued_requests", 0.0)
+    if not ips:
+        return Observation(0, 0, 0, 0, demand_at_zero=demand)
+    if any(r is None for r in results):
+        return None
+    return Observation(waiting=sum(r.get(WAITING, 0.0) for r in results),
+                       running=sum(r.get(RUNNING, 0.0) for r in results),
+                       kv_usage=sum(r.get(KV_USAGE, 0.0) for r in results) / len(results),
+                       ready_replicas=len(ips), demand_at_zero=demand)
+
+
+async def observe_only(body, patch, o: Owner) -> None:
+    obs = await observe(o)
+    if obs is not None and obs.ready_replicas:
+        patch.status["queueDepth"] = obs.waiting
+        patch.status["kvCacheUtilization"] = f"{100 * obs.kv_usage:.0f}%"
+
+
+async def autoscale(body, patch, o: Owner, auto: dict) -> None:
+    status = body.get("status") or {}
+    current = int(status.get("desiredReplicas", status.get("replicas", 0)) or 0)
+    obs = await observe(o)
+    history = _histories.setdefault(o.uid, History())
+    decision = decide(current, obs, Policy.from_spec(o.spec), history, time.monotonic())
+    if obs is not None and obs.ready_replicas:
+        patch.status["queueDepth"] = obs.waiting
+        patch.status["kvCacheUtilization"] = f"{100 * obs.kv_usage:.0f}%"
+    patch.status["desiredReplicas"] = decision.replicas
+    if decision.replicas != current:
+        patch.status["lastScaleTime"] = now_iso()
+        patch.status["lastScaleReason"] = decision.reason
+        kopf.info(body, reason="Scaled",
+                  message=f"engine replicas {current} -> {decision.replicas}: {decision.reason}")

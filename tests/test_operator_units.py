@@ -1,0 +1,181 @@
+"""Desired-state builders and the autoscaler decision table (pure functions)."""
+
+from __future__ import annotations
+
+import pytest
+
+from llmserve.operator.autoscaler import Decision, History, Observation, Policy, decide
+from llmserve.operator.builders import Owner, SpecError, children, endpoint_url, model_source
+
+
+def owner(**spec) -> Owner:
+    base = {"model": {"source": "smollm2-135m-instruct", "name": "smol"}}
+    base.update(spec)
+    return Owner("chat", "team-a", "uid-123", base)
+
+
+def by_kind(objs):
+    out = {}
+    for o in objs:
+        out.setdefault(o["kind"], []).append(o)
+    return out
+
+
+def test_every_child_is_owned_and_labelled():
+    objs = children(owner(), 2)
+    kinds = sorted(o["kind"] for o in objs)
+    assert kinds == ["Deployment", "Deployment", "NetworkPolicy", "Role", "RoleBinding",
+                     "Service", "Service", "ServiceAccount"]
+    for o in objs:
+        ref = o["metadata"]["ownerReferences"][0]
+        assert ref == {"apiVersion": "serving.llmserve.io/v1alpha1", "kind": "LLMDeployment",
+                       "name": "chat", "uid": "uid-123", "controller": True,
+                       "blockOwnerDeletion": True}
+        assert o["metadata"]["namespace"] == "team-a"
+        assert o["metadata"]["labels"]["app.kubernetes.io/managed-by"] == "llmserve-operator"
+
+
+def test_engine_deployment_runs_llmserve_with_the_spec():
+    spec = {"engine": {"maxNumSeqs": 32, "args": ["--block-size", "32"]},
+            "resources": {"cpu": "2", "memory": "4Gi", "nodeSelector": {"pool": "cpu"},
+                          "tolerations": [{"key": "k", "operator": "Exists"}]}}
+    dep = by_kind(children(owner(**spec), 3))["Deployment"][0]
+    assert dep["metadata"]["name"] == "chat-engine" and dep["spec"]["replicas"] == 3
+    pod = dep["spec"]["template"]["spec"]
+    c = pod["containers"][0]
+    assert c["command"] == ["llmserve", "serve"]
+    args = c["args"]
+    assert args[args.index("--model") + 1] == "smollm2-135m-instruct"
+    assert args[args.index("--served-model-name") + 1] == "smol"
+    assert args[args.index("--max-num-seqs") + 1] == "32"
+    assert args[-2:] == ["--block-size", "32"]
+    assert c["resources"] == {"requests": {"cpu": "2", "memory": "4Gi"},
+                              "limits": {"cpu": "2", "memory": "4Gi"}}
+    assert pod["nodeSelector"] == {"pool": "cpu"} and pod["tolerations"][0]["key"] == "k"
+    assert c["readinessProbe"]["httpGet"]["path"] == "/health"
+    template_labels = dep["spec"]["template"]["metadata"]["labels"]
+    assert template_labels | dep["spec"]["selector"]["matchLabels"] == template_labels
+
+
+def test_security_context_everywhere():
+    for dep in by_kind(children(owner(), 1))["Deployment"]:
+        pod = dep["spec"]["template"]["spec"]
+        assert pod["securityContext"]["runAsNonRoot"] is True
+        for c in pod["containers"]:
+            sc = c["securityContext"]
+            assert sc["readOnlyRootFilesystem"] is True
+            assert sc["allowPrivilegeEscalation"] is False
+            assert sc["capabilities"] == {"drop": ["ALL"]}
+        mounts = {m["mountPath"] for c in pod["containers"] for m in c["volumeMounts"]}
+        assert "/tmp" in mounts  # writable scratch on a read-only root
+
+
+def test_gpu_vllm_variant():
+    o = owner(model={"source": "hf://Qwen/Qwen2.5-7B-Instruct@main", "name": "qwen"},
+              engine={"kind": "vllm", "maxModelLen": 8192}, resources={"gpus": 2})
+    c = by_kind(children(o, 1))["Deployment"][0]["spec"]["template"]["spec"]["containers"][0]
+    assert c["command"] == ["vllm", "serve", "Qwen/Qwen2.5-7B-Instruct"]
+    assert "--tensor-parallel-size" in c["args"] and "--max-model-len" in c["args"]
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == "2"
+    assert "vllm" in c["image"]
+
+
+def test_model_sources():
+    assert model_source(owner(model={"source": "file:///data/m"}))[0] == "/data/m"
+    src, vols, mounts = model_source(owner(model={"source": "pvc://models/llama/3b"}))
+    assert src == "/models/llama/3b"
+    assert vols[0]["persistentVolumeClaim"]["claimName"] == "models"
+    assert mounts[0]["readOnly"] is True
+    assert model_source(owner(model={"source": "hf://a/b"}))[0] == "hf://a/b"
+    with pytest.raises(SpecError, match="not a built-in model"):
+        model_source(owner(model={"source": "gpt-5"}))
+    with pytest.raises(SpecError):
+        model_source(owner(model={"source": "s3://bucket/x"}))
+
+
+def test_gateway_children():
+    o = owner(gateway={"replicas": 2, "policy": "least-load", "serviceType": "LoadBalancer",
+                       "apiKeySecret": {"name": "keys", "key": "k"}})
+    objs = by_kind(children(o, 1))
+    gw = objs["Deployment"][1]
+    assert gw["spec"]["replicas"] == 2
+    pod = gw["spec"]["template"]["spec"]
+    assert pod["serviceAccountName"] == "chat-gateway"
+    args = pod["containers"][0]["args"]
+    assert args[args.index("--k8s-service") + 1] == "team-a/chat-engine"
+    assert args[args.index("--policy") + 1] == "least-load"
+    assert args[args.index("--api-key-file") + 1] == "/etc/llmserve/keys/k"
+    assert pod["volumes"][-1]["secret"]["secretName"] == "keys"
+    svc = [s for s in objs["Service"] if s["metadata"]["name"] == "chat-gateway"][0]
+    assert svc["spec"]["type"] == "LoadBalancer"
+    engine_svc = [s for s in objs["Service"] if s["metadata"]["name"] == "chat-engine"][0]
+    assert engine_svc["spec"]["clusterIP"] == "None"
+    role = objs["Role"][0]
+    assert role["rules"] == [{"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"],
+                              "verbs": ["get", "list", "watch"]}]
+    assert objs["RoleBinding"][0]["subjects"][0]["name"] == "chat-gateway"
+    netpol = objs["NetworkPolicy"][0]["spec"]
+    assert netpol["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "engine"
+    assert netpol["ingress"][0]["from"][0]["podSelector"]["matchLabels"][
+        "app.kubernetes.io/component"] == "gateway"
+    assert endpoint_url(o) == "http://chat-gateway.team-a.svc:80"
+
+
+# --- autoscaler -------------------------------------------------------------------------------
+POLICY = Policy(min_replicas=1, max_replicas=6, target_queue_depth=4, target_kv_utilization=0.8,
+                tolerance=0.1, scale_up_window=0, scale_down_window=60, scale_to_zero_after=0)
+
+
+def obs(waiting=0.0, running=0.0, kv=0.0, ready=1) -> Observation:
+    return Observation(waiting, running, kv, ready)
+
+
+@pytest.mark.parametrize("current,o,want", [
+    (2, obs(waiting=16, ready=2), 4),        # 8 waiting per replica vs 4: double
+    (2, obs(waiting=8.4, ready=2), 2),       # ratio 1.05: inside the tolerance band
+    (2, obs(kv=0.96, ready=2), 3),           # KV 0.96 / 0.8 = 1.2 -> ceil(2.4)
+    (2, obs(waiting=16, kv=0.96, ready=2), 4),  # the larger ask wins
+    (4, obs(waiting=200, ready=4), 6),       # clamped to maxReplicas
+    (1, obs(), 1),                           # idle, never below minReplicas
+])
+def test_decision_table(current, o, want):
+    assert decide(current, o, POLICY, History(), now=0.0).replicas == want
+
+
+def test_missing_metrics_hold():
+    d = decide(3, None, POLICY, History(), now=0.0)
+    assert d == Decision(3, "metrics unavailable: holding")
+
+
+def test_scale_down_waits_for_the_window():
+    h = History()
+    assert decide(4, obs(waiting=16, ready=4), POLICY, h, now=0).replicas == 4
+    # load vanishes: proposals drop to 1, but the 60 s window remembers the 4
+    assert decide(4, obs(ready=4), POLICY, h, now=30).replicas == 4
+    assert decide(4, obs(ready=4), POLICY, h, now=59).replicas == 4
+    assert decide(4, obs(ready=4), POLICY, h, now=61).replicas == 1
+
+
+def test_scale_up_window_takes_the_smallest_recent_proposal():
+    p = Policy(**{**POLICY.__dict__, "scale_up_window": 30})
+    h = History()
+    assert decide(2, obs(ready=2, running=2), p, h, now=0).replicas == 2
+    assert decide(2, obs(waiting=32, ready=2), p, h, now=10).replicas == 2  # a spike waits
+    assert decide(2, obs(waiting=32, ready=2), p, h, now=35).replicas == 6  # sustained
+
+
+def test_scale_to_zero_after_idle_and_back():
+    p = Policy(**{**POLICY.__dict__, "min_replicas": 0, "scale_to_zero_after": 120,
+                  "scale_down_window": 0})
+    h = History()
+    assert decide(1, obs(running=1), p, h, now=0).replicas == 1
+    assert decide(1, obs(), p, h, now=100).replicas == 1
+    d = decide(1, obs(), p, h, now=121)
+    assert d.replicas == 0 and "zero" in d.reason
+    assert decide(0, None, p, h, now=200).replicas == 0
+    woken = decide(0, Observation(0, 0, 0, 0, demand_at_zero=3), p, h, now=210)
+    assert woken.replicas == 1
+
+
+def test_zero_replicas_without_scale_to_zero_returns_to_min():
+    assert decide(0, None, POLICY, History(), now=0).replicas == 1
