@@ -142,8 +142,9 @@ def engine_container(owner: Owner) -> dict:
     return {
         "name": "engine", "image": image, "command": command, "args": args,
         "ports": [{"name": "http", "containerPort": port, "protocol": "TCP"}],
+        # The image bakes the built-in model's converted cache (LLMSERVE_CACHE);
+        # anything downloaded at run time goes to the writable /cache volume.
         "env": [{"name": "HOME", "value": "/cache"},
-                {"name": "LLMSERVE_CACHE", "value": "/cache/llmserve"},
                 {"name": "HF_HOME", "value": "/cache/huggingface"}],
         "resources": resources(spec.get("resources", {})),
         "readinessProbe": {**probe, "periodSeconds": 2, "failureThreshold": 2},

