@@ -189,8 +189,9 @@ def cmd_operator(args) -> int:
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     namespaces = args.namespace or []
+    liveness = f"http://0.0.0.0:{args.health_port}/healthz" if args.health_port else None
     kopf.run(standalone=True, clusterwide=not namespaces, namespaces=namespaces,
-             liveness_endpoint=f"http://0.0.0.0:{args.health_port}/healthz")
+             liveness_endpoint=liveness)
     return 0
 
 
@@ -225,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     op = sub.add_parser("operator", help="the kopf operator for LLMDeployment resources")
     op.add_argument("--namespace", action="append",
                     help="watch only this namespace (repeatable; default: all)")
-    op.add_argument("--health-port", type=int, default=8081)
+    op.add_argument("--health-port", type=int, default=8081, help="0 disables /healthz")
     op.add_argument("--log-level", default="INFO")
     op.set_defaults(func=cmd_operator)
     args = parser.parse_args(argv)

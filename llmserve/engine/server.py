@@ -38,7 +38,7 @@ ENGINE = web.AppKey("engine", AsyncLLMEngine)
 STATE = web.AppKey("state", dict)
 
 
-# --- middlewares ---------------------------------------------------------------------
+# --- middlewares --------------------------------------------
 @web.middleware
 async def errors_middleware(request: web.Request, handler):
     try:
@@ -71,7 +71,7 @@ def auth_middleware(api_key: str | None):
     return check
 
 
-# --- helpers ------------------------------------------------------------------------------
+# --- helpers --------------------------------------------
 async def read_json(request: web.Request):
     raw = await request.read()
     try:
@@ -110,7 +110,7 @@ def usage(prompt_lens: list[int], outputs: list[CompletionOutput]) -> dict:
     return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
 
-# --- generation driving -------------------------------------------------------------------
+# --- generation driving --------------------------------------------
 async def run_requests(app: web.Application, prompt_ids: list[list[int]], prompts,
                        parsed: ParsedRequest):
     """Start one engine request per prompt and yield (prompt index, RequestOutput) as
@@ -313,7 +313,7 @@ def choice_body(request, parsed: ParsedRequest, chat: bool, index: int, c: Compl
     return body
 
 
-# --- the small endpoints ----------------------------------------------------------------------
+# --- the small endpoints --------------------------------------------
 async def models(request: web.Request) -> web.Response:
     engine = request.app[ENGINE].engine
     return web.json_response({"object": "list", "data": [{
@@ -373,7 +373,7 @@ async def openapi(request: web.Request) -> web.Response:
     return web.json_response(openapi_document())
 
 
-# --- app ----------------------------------------------------------------------------------------
+# --- app --------------------------------------------
 def build_app(engine: AsyncLLMEngine, api_key: str | None = None,
               max_body_bytes: int = 4 << 20) -> web.Application:
     app = web.Application(client_max_size=max_body_bytes,

@@ -96,7 +96,7 @@ class Gateway:
         self.in_flight = 0
         self._tasks: list[asyncio.Task] = []
 
-    # --- lifecycle ---------------------------------------------------------------------------
+    # --- lifecycle --------------------------------------------
     async def start(self) -> None:
         connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=60)
         self.session = aiohttp.ClientSession(
@@ -119,7 +119,7 @@ class Gateway:
         if self.session:
             await self.session.close()
 
-    # --- proxying ---------------------------------------------------------------------------------
+    # --- proxying --------------------------------------------
     def upstream_headers(self, request: web.Request) -> dict:
         headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_HEADERS}
         if self.config.upstream_api_key:
@@ -217,7 +217,7 @@ class Gateway:
         return resp
 
 
-# --- handlers -----------------------------------------------------------------------------------
+# --- handlers --------------------------------------------
 @web.middleware
 async def middleware(request: web.Request, handler):
     gw: Gateway = request.app[GATEWAY]

@@ -76,14 +76,14 @@ def endpoint_url(owner: Owner) -> str:
     return f"http://{names(owner)['gateway']}.{owner.namespace}.svc:{port}"
 
 
-# --- security -------------------------------------------------------------------
+# --- security --------------------------------------------
 POD_SECURITY = {"runAsNonRoot": True, "runAsUser": 10001, "runAsGroup": 10001,
                 "fsGroup": 10001, "seccompProfile": {"type": "RuntimeDefault"}}
 CONTAINER_SECURITY = {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
                       "privileged": False, "capabilities": {"drop": ["ALL"]}}
 
 
-# --- model source ---------------------------------------------------------------
+# --- model source --------------------------------------------
 def model_source(owner: Owner) -> tuple[str, list[dict], list[dict]]:
     """(value for --model, extra volumes, extra volume mounts) for the source URI."""
     source = owner.spec["model"]["source"]
@@ -109,7 +109,7 @@ def model_source(owner: Owner) -> tuple[str, list[dict], list[dict]]:
     return source, [], []
 
 
-# --- engine ---------------------------------------------------------------------
+# --- engine --------------------------------------------
 def engine_container(owner: Owner) -> dict:
     spec, engine = owner.spec, owner.spec.get("engine", {})
     kind = engine.get("kind", "llmserve")
@@ -207,7 +207,7 @@ def engine_service(owner: Owner) -> dict:
                      "ports": [{"name": "http", "port": port, "targetPort": "http"}]}}
 
 
-# --- gateway --------------------------------------------------------------------
+# --- gateway --------------------------------------------
 def gateway_deployment(owner: Owner) -> dict:
     gw = owner.spec.get("gateway", {})
     n = names(owner)

@@ -1,0 +1,117 @@
+"""A real control plane for the whole e2e session, plus the pod runner."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from e2e.cluster import Cluster
+from e2e.podrunner import PodRunner
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+class RunnerThread(threading.Thread):
+    def __init__(self, runner: PodRunner):
+        super().__init__(daemon=True, name="podrunner")
+        self.runner = runner
+        self.loop = asyncio.new_event_loop()
+
+    def run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.task = self.loop.create_task(self.runner.run())
+        try:
+            self.loop.run_until_complete(self.task)
+        except asyncio.CancelledError:
+            pass
+
+    def stop(self) -> None:
+        self.loop.call_soon_threadsafe(self.task.cancel)
+        self.join(timeout=60)
+
+
+@pytest.fixture(scope="session")
+def cluster(tmp_path_factory):
+    t0 = time.monotonic()
+    c = Cluster(tmp_path_factory.mktemp("cluster")).up()
+    from llmserve.engine.models.loader import cache_root, resolve_model
+    resolve_model("smollm2-135m-instruct")  # warm the "image's" model cache once
+    os.environ["LLMSERVE_CACHE"] = str(cache_root())
+    runner = PodRunner(c.kubeconfig, c.server, c.dir / "certs" / "ca.crt", c.dir)
+    thread = RunnerThread(runner)
+    thread.start()
+    c.runner = runner
+    print(f"\n[e2e] control plane ready in {time.monotonic() - t0:.1f} s "
+          f"({json.dumps(c.timings)})", file=sys.stderr)
+    yield c
+    thread.stop()
+    c.down()
+
+
+@pytest.fixture(scope="session")
+def kubectl(cluster):
+    def run(*args, check=True, input=None):
+        r = cluster.kubectl(*args, check=False, input=input)
+        if check and r.returncode != 0:
+            raise AssertionError(f"kubectl {' '.join(args)} failed:\n{r.stderr}")
+        return r
+    return run
+
+
+def wait_for(predicate, timeout=120.0, interval=0.5, what="condition"):
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        last = predicate()
+        if last:
+            return last
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what} (last: {last!r})")
+
+
+def get_json(kubectl, *args):
+    return json.loads(kubectl("get", *args, "-o", "json").stdout)
+
+
+@pytest.fixture(scope="session")
+def crd(kubectl):
+    kubectl("apply", "--server-side", "-f", str(ROOT / "crds"))
+    wait_for(lambda: kubectl("get", "llmd", check=False).returncode == 0, 60, what="CRD")
+
+
+class OperatorProcess:
+    """`llmserve operator` run as a local process with the admin kubeconfig."""
+
+    def __init__(self, cluster, namespace: str):
+        self.args = [sys.executable, "-m", "llmserve.cli", "operator", "--namespace", namespace,
+                     "--health-port", "0"]
+        self.env = {**os.environ, "KUBECONFIG": str(cluster.kubeconfig)}
+        self.env.pop("KUBERNETES_SERVICE_HOST", None)
+        self.log = cluster.dir / f"operator-{namespace}.log"
+        self.proc = None
+
+    def start(self):
+        self.proc = subprocess.Popen(self.args, env=self.env, stdout=open(self.log, "a"),
+                                     stderr=subprocess.STDOUT)
+        return self
+
+    def kill(self):
+        if self.proc and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def stop(self):
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.kill()

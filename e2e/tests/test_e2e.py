@@ -1,0 +1,209 @@
+"""The user's path on a real control plane: helm install -> kubectl apply an
+LLMDeployment -> pods -> gateway -> tokens. Pods run as local processes (podrunner)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from pathlib import Path
+
+import aiohttp
+import openai
+import pytest
+
+from e2e.cluster import BIN_DIR
+from e2e.tests.conftest import get_json, wait_for
+
+ROOT = Path(__file__).resolve().parents[2]
+NS = "llm"
+OPERATOR_NS = "llmserve-system"
+PHASES: dict[str, float] = {}
+
+
+def phase(name: str, t0: float) -> None:
+    PHASES[name] = round(time.monotonic() - t0, 1)
+    print(f"[e2e] {name}: {PHASES[name]} s", flush=True)
+
+
+def helm(cluster, *args, check=True):
+    import subprocess
+    r = subprocess.run([str(BIN_DIR / "helm"), f"--kubeconfig={cluster.kubeconfig}", *args],
+                       capture_output=True, text=True)
+    if check and r.returncode != 0:
+        raise AssertionError(f"helm {' '.join(args)}:\n{r.stderr}")
+    return r
+
+
+def pods(kubectl, ns, selector):
+    return get_json(kubectl, "pods", "-n", ns, "-l", selector)["items"]
+
+
+def ready_ips(kubectl, ns, selector):
+    return sorted(p["status"].get("podIP") for p in pods(kubectl, ns, selector)
+                  if any(c["type"] == "Ready" and c["status"] == "True"
+                         for c in p["status"].get("conditions", []))
+                  and not p["metadata"].get("deletionTimestamp"))
+
+
+@pytest.fixture(scope="module")
+def installed(cluster, kubectl):
+    t0 = time.monotonic()
+    helm(cluster, "install", "llmserve", str(ROOT / "charts" / "llmserve"), "--namespace",
+         OPERATOR_NS, "--create-namespace", "--wait", "--timeout", "180s")
+    kubectl("create", "namespace", NS)
+    wait_for(lambda: ready_ips(kubectl, OPERATOR_NS, "app.kubernetes.io/name=llmserve-operator"),
+             120, what="the operator pod ready")
+    phase("helm install -> operator running", t0)
+    yield
+    helm(cluster, "uninstall", "llmserve", "--namespace", OPERATOR_NS, check=False)
+
+
+def test_operator_runs_under_the_charts_service_account(cluster, kubectl, installed):
+    pod = pods(kubectl, OPERATOR_NS, "app.kubernetes.io/name=llmserve-operator")[0]
+    assert pod["spec"]["serviceAccountName"] == "llmserve"
+    assert any("llmserve" in p for p in cluster.runner.running_pods())
+    # The chart grants no more than it must: e.g. no Secrets.
+    r = kubectl("auth", "can-i", "list", "secrets", "--as",
+                f"system:serviceaccount:{OPERATOR_NS}:llmserve", check=False)
+    assert r.stdout.strip() == "no"
+
+
+@pytest.fixture(scope="module")
+def smollm(kubectl, installed):
+    t0 = time.monotonic()
+    kubectl("apply", "-n", NS, "-f", str(ROOT / "examples" / "builtin-cpu.yaml"))
+    wait_for(lambda: any(c["type"] == "Ready" and c["status"] == "True" for c in
+                         get_json(kubectl, "llmd", "smollm2", "-n", NS)
+                         .get("status", {}).get("conditions", [])),
+             300, 1.0, what="LLMDeployment Ready")
+    phase("kubectl apply -> Ready", t0)
+    return "smollm2"
+
+
+def gateway_url(kubectl):
+    ips = wait_for(lambda: ready_ips(kubectl, NS, "app.kubernetes.io/component=gateway,"
+                                                  "serving.llmserve.io/deployment=smollm2"),
+                   120, what="gateway pod")
+    return f"http://{ips[0]}:8080"
+
+
+def test_chat_completion_streams_through_the_gateway(kubectl, smollm):
+    printed = kubectl("get", "llmd", "-n", NS).stdout
+    assert "smollm2" in printed and "Serving" in printed
+    client = openai.OpenAI(base_url=gateway_url(kubectl) + "/v1", api_key="x", max_retries=2)
+    stream = client.chat.completions.create(
+        model="smollm2-135m-instruct", stream=True, max_tokens=20, temperature=0,
+        messages=[{"role": "user", "content": "What is the capital of France?"}])
+    text = "".join(ev.choices[0].delta.content or "" for ev in stream if ev.choices)
+    assert "Paris" in text
+
+
+def engine_hits(kubectl):
+    out = {}
+    for ip in ready_ips(kubectl, NS, "app.kubernetes.io/component=engine,"
+                                     "serving.llmserve.io/deployment=smollm2"):
+        from llmserve.launcher import scrape_metrics
+        out[ip] = scrape_metrics(f"http://{ip}:8000").get("vllm:request_success_total", 0)
+    return out
+
+
+def test_scaling_to_two_replicas_adds_the_engine_to_routing(kubectl, smollm):
+    t0 = time.monotonic()
+    kubectl("scale", "llmd", "smollm2", "-n", NS, "--replicas", "2")
+    wait_for(lambda: len(ready_ips(kubectl, NS, "app.kubernetes.io/component=engine")) == 2,
+             240, 1.0, what="two ready engines")
+    phase("kubectl scale -> 2 engines ready", t0)
+    url = gateway_url(kubectl)
+    before = engine_hits(kubectl)
+
+    async def burst():
+        async with aiohttp.ClientSession() as s:
+            async def one(i):
+                body = {"model": "smollm2-135m-instruct", "max_tokens": 2,
+                        "messages": [{"role": "user", "content": f"tenant {i} says hi"}]}
+                async with s.post(url + "/v1/chat/completions", json=body) as r:
+                    assert r.status == 200
+            await asyncio.gather(*(one(i) for i in range(12)))
+
+    wait_for(lambda: asyncio.run(burst()) or all(
+        v > before.get(k, 0) for k, v in engine_hits(kubectl).items()), 90, 2.0,
+        what="both engines to serve requests routed by the gateway")
+
+
+def test_invalid_rejected_and_unrealisable_degraded(kubectl, installed):
+    bad = {"apiVersion": "serving.llmserve.io/v1alpha1", "kind": "LLMDeployment",
+           "metadata": {"name": "bad", "namespace": NS},
+           "spec": {"model": {"source": "smollm2-135m-instruct"},
+                    "autoscaling": {"enabled": True, "minReplicas": 3, "maxReplicas": 1}}}
+    r = kubectl("apply", "-f", "-", input=json.dumps(bad), check=False)
+    assert r.returncode != 0 and "minReplicas must not exceed" in r.stderr
+    ghost = {**bad, "metadata": {"name": "ghost", "namespace": NS},
+             "spec": {"model": {"source": "not-a-model"}}}
+    kubectl("apply", "-f", "-", input=json.dumps(ghost))
+    wait_for(lambda: any(c["type"] == "Degraded" and c["status"] == "True" for c in
+                         get_json(kubectl, "llmd", "ghost", "-n", NS)
+                         .get("status", {}).get("conditions", [])), 60, what="Degraded")
+    kubectl("delete", "llmd", "ghost", "-n", NS)
+
+
+def test_autoscaling_up_under_load_and_back_down(kubectl, installed):
+    t0 = time.monotonic()
+    spec = {"apiVersion": "serving.llmserve.io/v1alpha1", "kind": "LLMDeployment",
+            "metadata": {"name": "auto", "namespace": NS},
+            "spec": {"model": {"source": "smollm2-135m-instruct", "name": "auto"},
+                     "engine": {"maxNumSeqs": 2},
+                     "autoscaling": {"enabled": True, "minReplicas": 1, "maxReplicas": 2,
+                                     "targetQueueDepth": 1, "targetKVUtilization": 0.9,
+                                     "scaleDownStabilizationSeconds": 20}}}
+    kubectl("apply", "-f", "-", input=json.dumps(spec))
+    sel = "app.kubernetes.io/component=engine,serving.llmserve.io/deployment=auto"
+    wait_for(lambda: len(ready_ips(kubectl, NS, sel)) == 1, 240, 1.0, what="first engine")
+    gw = wait_for(lambda: ready_ips(kubectl, NS, "app.kubernetes.io/component=gateway,"
+                                                 "serving.llmserve.io/deployment=auto"), 120)
+    url = f"http://{gw[0]}:8080"
+
+    async def load(seconds):
+        deadline = time.monotonic() + seconds
+        async with aiohttp.ClientSession() as s:
+            async def worker(i):
+                while time.monotonic() < deadline:
+                    body = {"model": "auto", "prompt": f"load {i}", "max_tokens": 64,
+                            "ignore_eos": True}
+                    async with s.post(url + "/v1/completions", json=body) as r:
+                        await r.read()
+            await asyncio.gather(*(worker(i) for i in range(12)))
+
+    asyncio.run(load(35))
+    status = get_json(kubectl, "llmd", "auto", "-n", NS)["status"]
+    assert status["desiredReplicas"] == 2, status
+    assert "queue depth" in status["lastScaleReason"]
+    events = get_json(kubectl, "events", "-n", NS,
+                      "--field-selector", "involvedObject.name=auto")["items"]
+    assert any(e["reason"] == "Scaled" for e in events)
+    phase("burst -> scaled up", t0)
+    wait_for(lambda: get_json(kubectl, "llmd", "auto", "-n", NS)["status"]
+             ["desiredReplicas"] == 1, 120, 2.0, what="scale back down after the window")
+    phase("load stopped -> scaled down", t0)
+    kubectl("delete", "llmd", "auto", "-n", NS)
+
+
+def test_deleting_removes_every_child_and_process(cluster, kubectl, smollm):
+    kubectl("delete", "llmd", "smollm2", "-n", NS, "--wait=true", "--timeout=60s")
+    wait_for(lambda: not get_json(kubectl, "deployments,services,networkpolicies,roles",
+                                  "-n", NS, "-l", "serving.llmserve.io/deployment=smollm2")
+             ["items"], 90, what="garbage collection")
+    wait_for(lambda: not [p for p in cluster.runner.running_pods()
+                          if p.startswith(f"{NS}/smollm2")], 90, what="pod processes to end")
+
+
+def test_operator_killed_and_restarted_converges(cluster, kubectl, installed):
+    kubectl("apply", "-n", NS, "-f", str(ROOT / "examples" / "builtin-cpu.yaml"))
+    op = pods(kubectl, OPERATOR_NS, "app.kubernetes.io/name=llmserve-operator")[0]
+    kubectl("delete", "pod", op["metadata"]["name"], "-n", OPERATOR_NS, "--wait=false")
+    wait_for(lambda: ready_ips(kubectl, OPERATOR_NS, "app.kubernetes.io/name=llmserve-operator"),
+             120, what="a new operator pod")
+    wait_for(lambda: len(get_json(kubectl, "deployments,services", "-n", NS, "-l",
+                                  "serving.llmserve.io/deployment=smollm2")["items"]) == 4,
+             120, what="children after the restart")
+    print(f"[e2e] phases: {json.dumps(PHASES)}")
