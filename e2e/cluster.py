@@ -202,6 +202,9 @@ class Cluster:
                                              "message": "processes stand in for containers"}]}}
         self.kubectl("patch", "node", name, "--subresource=status", "--type=merge",
                      "-p", json.dumps(status))
+        # The API server taints new nodes not-ready; the node lifecycle controller, which
+        # would lift it, is off (fake nodes send no heartbeats), so lift it here.
+        self.kubectl("patch", "node", name, "--type=merge", "-p", '{"spec": {"taints": null}}')
 
     def down(self) -> None:
         for name in reversed(list(self.procs)):

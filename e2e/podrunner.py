@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import datetime
-import json
 import logging
 import os
 import shutil
@@ -166,36 +165,48 @@ class PodRunner:
                 ref = var["valueFrom"]["secretKeyRef"]
                 secret = await core.read_namespaced_secret(ref["name"], p.namespace)
                 env[var["name"]] = base64.b64decode(secret.data[ref["key"]]).decode()
-        if pod["spec"].get("automountServiceAccountToken", True) is not False:
-            env["KUBECONFIG"] = str(await self.service_account_kubeconfig(p))
+        # As the kubelet does: where the API server is, for in-cluster clients.
+        host, _, port = self.server.removeprefix("https://").partition(":")
+        env.update(KUBERNETES_SERVICE_HOST=host, KUBERNETES_SERVICE_PORT=port)
         return env
 
-    async def service_account_kubeconfig(self, p: PodProcess) -> Path:
+    async def service_account_token(self, p: PodProcess, expiration: int) -> str:
+        """A token bound to this pod, from the TokenRequest API."""
         sa = p.spec.get("serviceAccountName") or "default"
         core = client.CoreV1Api(self.api)
         request = {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest",
-                   "spec": {"audiences": [], "expirationSeconds": 3600,
+                   "spec": {"expirationSeconds": max(expiration, 3600),
                             "boundObjectRef": {"apiVersion": "v1", "kind": "Pod",
                                                "name": p.name, "uid": p.uid}}}
         token = await core.create_namespaced_service_account_token(sa, p.namespace, request)
-        path = p.dir / "kubeconfig"
-        path.write_text(json.dumps({
-            "apiVersion": "v1", "kind": "Config", "current-context": "pod",
-            "clusters": [{"name": "c", "cluster": {"server": self.server,
-                                                    "certificate-authority": str(self.ca)}}],
-            "users": [{"name": "sa", "user": {"token": token.status.token}}],
-            "contexts": [{"name": "pod", "context": {"cluster": "c", "user": "sa",
-                                                     "namespace": p.namespace}}]}))
-        return path
+        return token.status.token
+
+    async def projected(self, p: PodProcess, d: Path, sources: list[dict]) -> None:
+        """The ServiceAccount volume the API server injects: token, CA, namespace."""
+        for src in sources:
+            if "serviceAccountToken" in src:
+                sat = src["serviceAccountToken"]
+                token = await self.service_account_token(p, sat.get("expirationSeconds", 3600))
+                (d / sat["path"]).write_text(token)
+            elif "configMap" in src and src["configMap"]["name"] == "kube-root-ca.crt":
+                for item in src["configMap"].get("items", []):
+                    (d / item["path"]).write_text(self.ca.read_text())
+            elif "downwardAPI" in src:
+                for item in src["downwardAPI"].get("items", []):
+                    if item.get("fieldRef", {}).get("fieldPath") == "metadata.namespace":
+                        (d / item["path"]).write_text(p.namespace)
 
     async def volumes(self, p: PodProcess) -> list[tuple[str, str]]:
-        """(host dir, mountPath) bind mounts for emptyDir and Secret volumes."""
+        """(host dir, mountPath) bind mounts for emptyDir, Secret and the
+        ServiceAccount's projected volumes."""
         core = client.CoreV1Api(self.api)
         sources = {}
         for vol in p.spec.get("volumes", []) or []:
             d = p.dir / "volumes" / vol["name"]
             d.mkdir(parents=True, exist_ok=True)
-            if "secret" in vol:
+            if "projected" in vol:
+                await self.projected(p, d, vol["projected"].get("sources", []))
+            elif "secret" in vol:
                 secret = await core.read_namespaced_secret(vol["secret"]["secretName"],
                                                            p.namespace)
                 items = vol["secret"].get("items") or [{"key": k, "path": k}

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -45,7 +46,10 @@ def cluster(tmp_path_factory):
     from llmserve.engine.models.loader import cache_root, resolve_model
     resolve_model("smollm2-135m-instruct")  # warm the "image's" model cache once
     os.environ["LLMSERVE_CACHE"] = str(cache_root())
-    runner = PodRunner(c.kubeconfig, c.server, c.dir / "certs" / "ca.crt", c.dir)
+    # Pod directories live outside /tmp: a pod's emptyDir mounted at /tmp must not
+    # hide the sources of its other mounts.
+    pods_dir = Path(tempfile.mkdtemp(prefix="llmserve-e2e-pods-", dir="/var/tmp"))
+    runner = PodRunner(c.kubeconfig, c.server, c.dir / "certs" / "ca.crt", pods_dir)
     thread = RunnerThread(runner)
     thread.start()
     c.runner = runner

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime
+import json
 import logging
 import time
 
@@ -103,11 +104,13 @@ async def reconcile(body, patch, logger) -> None:
             patch.status["conditions"] = merge_conditions(status.get("conditions"), conditions)
             patch.status["observedGeneration"] = o.generation
             return
+        manifest = None
         try:
             for manifest in desired:
                 await kube.apply(api, manifest)
         except client.exceptions.ApiException as e:
-            message = f"applying children failed: {e.status} {e.reason}"
+            what = f"{manifest['kind']} {manifest['metadata']['name']}"
+            message = f"applying {what} failed: {e.status} {e.reason}: {api_message(e)}"
             kopf.warn(body, reason="ApplyFailed", message=message)
             patch.status["conditions"] = merge_conditions(status.get("conditions"), [
                 condition("Degraded", True, "ApplyFailed", message, o.generation)])
@@ -132,6 +135,13 @@ async def reconcile(body, patch, logger) -> None:
         "desiredReplicas": replicas, "selector": selector_string(o),
         "endpoint": endpoint_url(o),
         "conditions": merge_conditions(status.get("conditions"), conditions)})
+
+
+def api_message(e: client.exceptions.ApiException) -> str:
+    try:
+        return json.loads(e.body).get("message", "")[:300]
+    except (TypeError, ValueError):
+        return ""
 
 
 @kopf.on.create(GROUP, VERSION, PLURAL)
