@@ -69,6 +69,7 @@ class PodRunner:
         self.pods: dict[str, PodProcess] = {}
         self.free_ips = [f"10.244.0.{i}" for i in range(254, 1, -1)]
         self.api: client.ApiClient | None = None
+        self._stopping: set[asyncio.Task] = set()
 
     # --- main loop --------------------------------------------
     async def run(self) -> None:
@@ -97,7 +98,10 @@ class PodRunner:
         if kind == "DELETED" or pod.metadata.deletion_timestamp is not None:
             if uid in self.pods and not self.pods[uid].stopping:
                 grace = pod.metadata.deletion_grace_period_seconds
-                asyncio.create_task(self.stop(self.pods[uid], grace, remove=kind != "DELETED"))
+                task = asyncio.create_task(self.stop(self.pods[uid], grace,
+                                                     remove=kind != "DELETED"))
+                self._stopping.add(task)
+                task.add_done_callback(self._stopping.discard)
             return
         if uid not in self.pods and pod.status.phase in (None, "Pending"):
             await self.start(self.api.sanitize_for_serialization(pod))
@@ -310,8 +314,9 @@ class PodRunner:
         log.info("stopped %s/%s", p.namespace, p.name)
 
     async def stop_all(self) -> None:
-        await asyncio.gather(*(self.stop(p, 5, remove=False) for p in list(self.pods.values())),
-                             return_exceptions=True)
+        await asyncio.gather(*self._stopping, return_exceptions=True)
+        await asyncio.gather(*(self.stop(p, 5, remove=False) for p in list(self.pods.values())
+                               if not p.stopping), return_exceptions=True)
 
     def running_pods(self) -> list[str]:
         return [f"{p.namespace}/{p.name}" for p in self.pods.values()

@@ -19,8 +19,11 @@ stamp() { date +%s; }
 t0=$(stamp)
 
 want=(kube-apiserver kube-controller-manager kube-scheduler etcd helm)
+# The binaries are rebuilt when this script changes (the Go caches keep that quick).
+recipe=$(sha256sum "$0" | cut -c1-16)
 missing=0
 for b in "${want[@]}"; do [ -x "$BIN_DIR/$b" ] || missing=1; done
+[ "$(cat "$BIN_DIR/.recipe" 2>/dev/null)" = "$recipe" ] || missing=1
 if [ "$missing" = 0 ] && [ "${FORCE:-0}" != 1 ]; then
   echo "control plane binaries present in $BIN_DIR"
   exit 0
@@ -100,7 +103,14 @@ cd "$WORK/helm"
 go mod tidy -e >/dev/null 2>&1 || true
 echo "building helm $HELM_VERSION ..."
 t=$(stamp)
-go build -tags tools -ldflags "-s -w -X helm.sh/helm/v3/internal/version.version=$HELM_VERSION" \
-  -o "$BIN_DIR/helm" helm.sh/helm/v3/cmd/helm
+# Stamp the Kubernetes version helm assumes without a cluster (`helm template`),
+# as helm's own Makefile does, from the client-go it is built with.
+kminor=$(go list -m -f '{{.Version}}' k8s.io/client-go | cut -d. -f2)
+hl="-s -w -X helm.sh/helm/v3/internal/version.version=$HELM_VERSION"
+for p in helm.sh/helm/v3/pkg/lint/rules helm.sh/helm/v3/pkg/chartutil; do
+  hl="$hl -X $p.k8sVersionMajor=1 -X $p.k8sVersionMinor=$kminor"
+done
+go build -tags tools -ldflags "$hl" -o "$BIN_DIR/helm" helm.sh/helm/v3/cmd/helm
 echo "  helm: $(( $(stamp) - t )) s"
+echo "$recipe" > "$BIN_DIR/.recipe"
 echo "control plane built in $(( $(stamp) - t0 )) s -> $BIN_DIR"

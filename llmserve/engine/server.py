@@ -11,7 +11,6 @@ import contextlib
 import hmac
 import json
 import logging
-import signal
 import time
 import uuid
 
@@ -31,6 +30,7 @@ from llmserve.engine.protocol import (
     parse_chat,
     parse_completion,
 )
+from llmserve.http_serving import http_error_response, serve_until_signal
 
 log = logging.getLogger("llmserve.server")
 
@@ -45,14 +45,10 @@ async def errors_middleware(request: web.Request, handler):
         return await handler(request)
     except APIError as e:
         return web.json_response(e.body(), status=e.status)
-    except web.HTTPRequestEntityTooLarge as e:
-        return web.json_response(APIError(413, f"request body too large: {e.text}",
-                                          code="request_too_large").body(), status=413)
     except web.HTTPException as e:
         if e.status < 400:
             raise
-        type_ = "not_found_error" if e.status == 404 else "invalid_request_error"
-        return web.json_response(APIError(e.status, e.reason, type_).body(), status=e.status)
+        return http_error_response(e)
     except EngineDeadError as e:
         return web.json_response(APIError(503, str(e), "service_unavailable").body(),
                                  status=503)
@@ -400,20 +396,8 @@ async def serve(config: EngineConfig, host: str, port: int, api_key: str | None 
     await front.start()
     engine = front.engine
     app = build_app(front, api_key)
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
-    await runner.setup()
-    await web.TCPSite(runner, host, port).start()
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
     log.info("serving %s on http://%s:%d", engine.model_name, host, port)
-    if ready is not None:
-        ready.set()
-    await stop.wait()
-    app[STATE]["draining"] = True
-    deadline = loop.time() + drain_timeout
-    while front.num_in_flight and loop.time() < deadline:
-        await asyncio.sleep(0.05)
-    await runner.cleanup()
+    await serve_until_signal(app, host, port, ready=ready, drain_timeout=drain_timeout,
+                             start_draining=lambda: app[STATE].update(draining=True),
+                             in_flight=lambda: front.num_in_flight)
     front.shutdown()

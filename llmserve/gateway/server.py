@@ -13,7 +13,6 @@ import hmac
 import json
 import logging
 import os
-import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +26,7 @@ from llmserve.gateway.endpoints import EndpointPool
 from llmserve.gateway.metrics import GatewayMetrics
 from llmserve.gateway.prefix import prefix_key
 from llmserve.gateway.routing import make_policy
+from llmserve.http_serving import http_error_response, serve_until_signal
 
 log = logging.getLogger("llmserve.gateway")
 
@@ -233,16 +233,11 @@ async def middleware(request: web.Request, handler):
     except APIError as e:
         status = e.status
         return web.json_response(e.body(), status=e.status)
-    except web.HTTPRequestEntityTooLarge as e:
-        status = 413
-        return web.json_response(APIError(413, f"request body too large: {e.text}",
-                                          code="request_too_large").body(), status=413)
     except web.HTTPException as e:
         status = e.status
         if e.status < 400:
             raise
-        type_ = "not_found_error" if e.status == 404 else "invalid_request_error"
-        return web.json_response(APIError(e.status, e.reason, type_).body(), status=e.status)
+        return http_error_response(e)
     finally:
         gw.metrics.requests.labels(request.path if request.path.startswith("/v1/")
                                    else "other", str(status)).inc()
@@ -302,20 +297,14 @@ async def serve_gateway(config: GatewayConfig, host: str, port: int,
     """Serve until SIGTERM/SIGINT, then drain in-flight requests and return."""
     gw = Gateway(config)
     await gw.start()
-    runner = web.AppRunner(build_app(gw), handler_cancellation=True, access_log=None)
-    await runner.setup()
-    await web.TCPSite(runner, host, port).start()
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
     log.info("gateway on http://%s:%d (%s)", host, port, config.policy)
-    if ready is not None:
-        ready.set()
-    await stop.wait()
-    gw.draining = True
-    deadline = loop.time() + config.drain_timeout
-    while gw.in_flight and loop.time() < deadline:
-        await asyncio.sleep(0.05)
-    await runner.cleanup()
-    await gw.close()
+
+    def start_draining() -> None:
+        gw.draining = True
+
+    try:
+        await serve_until_signal(build_app(gw), host, port, ready=ready,
+                                 drain_timeout=config.drain_timeout,
+                                 start_draining=start_draining, in_flight=lambda: gw.in_flight)
+    finally:
+        await gw.close()

@@ -1,0 +1,58 @@
+"""helm lint / template on the built helm binary; the values schema rejects bad values."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from e2e.cluster import BIN_DIR
+
+CHART = Path(__file__).resolve().parents[2] / "charts" / "llmserve"
+
+
+def helm(*args):
+    return subprocess.run([str(BIN_DIR / "helm"), *args], capture_output=True, text=True)
+
+
+def test_helm_lint_is_clean():
+    r = helm("lint", "--strict", str(CHART))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "0 chart(s) failed" in r.stdout
+
+
+def test_template_renders_labelled_least_privilege_objects():
+    r = helm("template", "rel", str(CHART), "--namespace", "ops", "--include-crds",
+             "--set", "serviceMonitor.enabled=true", "--set", "operator.watchNamespaces={a,b}")
+    assert r.returncode == 0, r.stderr
+    docs = [d for d in yaml.safe_load_all(r.stdout) if d]
+    kinds = sorted(d["kind"] for d in docs)
+    assert kinds == ["ClusterRole", "ClusterRoleBinding", "CustomResourceDefinition",
+                     "Deployment", "PodMonitor", "ServiceAccount"]
+    for d in docs:
+        if d["kind"] != "CustomResourceDefinition":
+            labels = d["metadata"]["labels"]
+            assert labels["app.kubernetes.io/managed-by"] == "Helm"
+            assert labels["app.kubernetes.io/instance"] == "rel"
+    role = next(d for d in docs if d["kind"] == "ClusterRole")
+    verbs = {v for rule in role["rules"] for v in rule["verbs"]}
+    assert "*" not in verbs and "delete" not in verbs
+    resources = {r for rule in role["rules"] for r in rule["resources"]}
+    assert "secrets" not in resources
+    dep = next(d for d in docs if d["kind"] == "Deployment")
+    args = dep["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--namespace=a" in args and "--namespace=b" in args
+
+
+@pytest.mark.parametrize("bad", [
+    ["--set", "operator.replicas=3"],
+    ["--set", "operator.logLevel=LOUD"],
+    ["--set", "image.pullPolicy=Sometimes"],
+    ["--set", "serviceMonitor.interval=often"],
+    ["--set", "unknownKey=1"],
+])
+def test_schema_rejects_bad_values(bad):
+    r = helm("template", "rel", str(CHART), *bad)
+    assert r.returncode != 0 and "values don't meet the specifications of the schema" in r.stderr
