@@ -29,6 +29,7 @@ BRIDGE = "llmbr0"
 BRIDGE_IP = "10.244.0.1"  # only on our own bridge; pods get 10.244.0.2 .. .254
 POD_PREFIX = 24
 SERVICE_CIDR = "10.96.0.0/16"
+POD_NETNS_PREFIX = "llmpod-"
 
 
 def binary(name: str) -> Path:
@@ -49,14 +50,20 @@ def sh(*args: str, check: bool = True) -> subprocess.CompletedProcess:
 
 
 # --- network: one bridge that pod namespaces attach to ---------------------------------------
-def ensure_bridge() -> None:
-    if sh("ip", "link", "show", BRIDGE, check=False).returncode != 0:
-        sh("ip", "link", "add", BRIDGE, "type", "bridge")
-        sh("ip", "addr", "add", f"{BRIDGE_IP}/{POD_PREFIX}", "dev", BRIDGE)
+def fresh_network() -> None:
+    """Remove pod namespaces and the bridge a crashed run may have left (a stale pod
+    holding an address would answer for the new one), then make the bridge anew."""
+    remove_network()
+    sh("ip", "link", "add", BRIDGE, "type", "bridge")
+    sh("ip", "addr", "add", f"{BRIDGE_IP}/{POD_PREFIX}", "dev", BRIDGE)
     sh("ip", "link", "set", BRIDGE, "up")
 
 
-def remove_bridge() -> None:
+def remove_network() -> None:
+    for line in sh("ip", "netns", "list", check=False).stdout.splitlines():
+        name = line.split()[0] if line.strip() else ""
+        if name.startswith(POD_NETNS_PREFIX):
+            sh("ip", "netns", "del", name, check=False)
     sh("ip", "link", "del", BRIDGE, check=False)
 
 
@@ -116,7 +123,7 @@ class Cluster:
         t0 = time.monotonic()
         certs = self.dir / "certs"
         make_certs(certs)
-        ensure_bridge()
+        fresh_network()
         etcd_port, etcd_peer = free_port(), free_port()
         self._start("etcd", [str(binary("etcd")), "--data-dir", str(self.dir / "etcd"),
                              "--listen-client-urls", f"http://127.0.0.1:{etcd_port}",
@@ -217,6 +224,7 @@ class Cluster:
             except subprocess.TimeoutExpired:
                 os.killpg(p.pid, signal.SIGKILL)
         self.procs.clear()
+        remove_network()
 
 
 def main() -> int:

@@ -31,7 +31,7 @@ from pathlib import Path
 import aiohttp
 from kubernetes_asyncio import client, config, watch
 
-from e2e.cluster import BRIDGE, BRIDGE_IP, POD_PREFIX
+from e2e.cluster import BRIDGE, BRIDGE_IP, POD_NETNS_PREFIX, POD_PREFIX
 
 log = logging.getLogger("podrunner")
 NODE_PREFIX = "e2e-node-"
@@ -111,7 +111,7 @@ class PodRunner:
         meta, spec = pod["metadata"], pod["spec"]
         uid = meta["uid"]
         ip = self.free_ips.pop()
-        p = PodProcess(uid, meta["namespace"], meta["name"], ip, f"pod-{uid[:12]}",
+        p = PodProcess(uid, meta["namespace"], meta["name"], ip, f"{POD_NETNS_PREFIX}{uid[:12]}",
                        self.workdir / "pods" / uid, spec)
         self.pods[uid] = p
         p.dir.mkdir(parents=True, exist_ok=True)

@@ -87,7 +87,8 @@ def get_json(kubectl, *args):
 
 @pytest.fixture(scope="session")
 def crd(kubectl):
-    kubectl("apply", "--server-side", "-f", str(ROOT / "crds"))
+    # --force-conflicts: helm may have installed the same CRD earlier in the session.
+    kubectl("apply", "--server-side", "--force-conflicts", "-f", str(ROOT / "crds"))
     wait_for(lambda: kubectl("get", "llmd", check=False).returncode == 0, 60, what="CRD")
 
 

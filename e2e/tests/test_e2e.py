@@ -192,9 +192,9 @@ def test_deleting_removes_every_child_and_process(cluster, kubectl, smollm):
     kubectl("delete", "llmd", "smollm2", "-n", NS, "--wait=true", "--timeout=60s")
     wait_for(lambda: not get_json(kubectl, "deployments,services,networkpolicies,roles",
                                   "-n", NS, "-l", "serving.llmserve.io/deployment=smollm2")
-             ["items"], 90, what="garbage collection")
+             ["items"], 180, what="garbage collection")
     wait_for(lambda: not [p for p in cluster.runner.running_pods()
-                          if p.startswith(f"{NS}/smollm2")], 90, what="pod processes to end")
+                          if p.startswith(f"{NS}/smollm2")], 180, what="pod processes to end")
 
 
 def test_operator_killed_and_restarted_converges(cluster, kubectl, installed):
