@@ -117,7 +117,7 @@ class PodRunner:
         p.dir.mkdir(parents=True, exist_ok=True)
         self.make_netns(p)
         env = await self.environment(p, pod)
-        mounts = await self.volumes(p)
+        mounts = self.unshadowed(await self.volumes(p), env, p)
         container = spec["containers"][0]
         argv = [*container.get("command", []), *container.get("args", [])]
         if argv and not os.path.isabs(argv[0]) and (VENV_BIN / argv[0]).exists():
@@ -132,6 +132,22 @@ class PodRunner:
         p.tasks.append(asyncio.create_task(self.probe_loop(p, container)))
         p.tasks.append(asyncio.create_task(self.restart_loop(p)))
         log.info("started %s/%s at %s: %s", p.namespace, p.name, ip, " ".join(argv))
+
+    @staticmethod
+    def unshadowed(mounts, env: dict, p: PodProcess) -> list[tuple[str, str]]:
+        """Drop mounts that would hide this checkout or its virtualenv (e.g. an
+        emptyDir at /tmp when the repository lives under /tmp): the processes stand in
+        for an image and must still find their code. /tmp becomes TMPDIR instead."""
+        keep = [str(Path(sys.prefix).resolve()), str(Path(__file__).resolve().parents[1])]
+        out = []
+        for src, dst in mounts:
+            d = dst.rstrip("/") or "/"
+            if any(k == d or k.startswith(d + "/") for k in keep):
+                if d == "/tmp":
+                    env["TMPDIR"] = src
+                continue
+            out.append((src, dst))
+        return out
 
     def launch(self, p: PodProcess) -> None:
         out = open(p.dir / "container.log", "ab")
