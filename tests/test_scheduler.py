@@ -43,12 +43,16 @@ def test_max_num_seqs_caps_the_batch():
 
 
 def test_admission_respects_the_watermark():
-    sched = make_scheduler(num_blocks=10, block_size=4, watermark=0.2)  # keep 2 free
-    add(sched, make_request(prompt_len=4 * 9, max_tokens=1))
-    assert len(sched.schedule()) == 0, "would leave fewer than the watermark free"
-    sched2 = make_scheduler(num_blocks=10, block_size=4, watermark=0.2)
-    add(sched2, make_request(prompt_len=4 * 8, max_tokens=1))
-    assert len(sched2.schedule()) == 1
+    sched = make_scheduler(num_blocks=12, block_size=4, watermark=0.2)  # keep 2 free
+    small = add(sched, make_request(prompt_len=4, max_tokens=3)).sequences[0]
+    simulate_step(sched, sched.schedule())  # small runs: 1 block
+    add(sched, make_request(prompt_len=4 * 9, max_tokens=1))  # 9 blocks: 2 left < 2 + 1
+    assert sched.schedule().seqs == [small], "would leave fewer than the watermark free"
+    sched2 = make_scheduler(num_blocks=12, block_size=4, watermark=0.2)
+    add(sched2, make_request(prompt_len=4, max_tokens=3))
+    simulate_step(sched2, sched2.schedule())
+    add(sched2, make_request(prompt_len=4 * 8, max_tokens=1))  # 8 blocks: 3 left
+    assert len(sched2.schedule()) == 2
 
 
 def test_preemption_picks_the_latest_arrival_and_outputs_resume():
@@ -212,4 +216,68 @@ def test_random_streams_respect_budgets_and_free_every_block(
     else:
         raise AssertionError("requests starved: the stream never drained")
     assert all(s.finished for r in all_reqs for s in r.sequences)
+    sched.bm.check_all_free()
+
+
+PREFIXES = [[(7 * k + i) % 500 + 3 for i in range(24)] for k in range(3)]
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    reqs=st.lists(st.tuples(st.integers(0, 3), st.integers(1, 30), st.integers(1, 14),
+                            st.integers(0, 10), st.integers(1, 3), st.integers(0, 3)),
+                  min_size=1, max_size=14),
+    budget=st.integers(1, 40),
+    num_blocks=st.integers(8, 40),
+    max_seqs=st.integers(1, 8),
+    caching=st.booleans(),
+    chunked=st.booleans(),
+    mode=st.sampled_from(["recompute", "swap"]),
+    policy=st.sampled_from(["fcfs", "priority"]),
+    cpu_blocks=st.integers(0, 40),
+    abort_at=st.lists(st.integers(0, 60), max_size=3),
+)
+def test_kv_contents_survive_every_schedule(reqs, budget, num_blocks, max_seqs, caching,
+                                            chunked, mode, policy, cpu_blocks, abort_at):
+    """Shared prefixes, n > 1, priorities, swap and recompute under tight memory: every
+    sequence always finds exactly its own KV (checked by fingerprint in simulate_step)."""
+    if not chunked:
+        budget = max(budget, 80)  # unchunked, a whole sequence must fit one step (recompute)
+    sched = make_scheduler(num_blocks=num_blocks, block_size=4, max_num_batched_tokens=budget,
+                           max_num_seqs=max_seqs, enable_prefix_caching=caching,
+                           enable_chunked_prefill=chunked, preemption_mode=mode,
+                           scheduling_policy=policy, num_cpu_blocks=cpu_blocks, watermark=0.0)
+    pending = []
+    for prefix, tail, max_tokens, arrival, n, prio in reqs:
+        prompt = (PREFIXES[prefix] if prefix < 3 else []) + [900 + tail + i for i in range(tail)]
+        if -(-(len(prompt) + max_tokens) // 4) <= num_blocks:
+            pending.append((arrival, prompt, max_tokens, n, prio))
+    all_reqs = []
+    for step in range(3000):
+        for arrival, prompt, max_tokens, n, prio in pending:
+            if arrival == step:
+                all_reqs.append(add(sched, make_request(0, max_tokens, prio, n, prompt)))
+        if step in abort_at and sched.running:
+            for seq in sched.running[-1].request.sequences:
+                if not seq.finished:
+                    sched.finish(seq, SequenceStatus.FINISHED_ABORTED)
+        if not sched.has_work() and step > 10:
+            break
+        simulate_step(sched, sched.schedule())
+    else:
+        raise AssertionError("requests starved: the stream never drained")
+    assert all(s.finished for r in all_reqs for s in r.sequences)
+    sched.bm.check_all_free()
+
+
+def test_a_request_that_fills_the_pool_starts_when_nothing_else_runs():
+    """The watermark is for running sequences to grow into; alone, a request that fits
+    the pool but not the pool minus the watermark must still run (it used to wait
+    forever)."""
+    sched = make_scheduler(num_blocks=20, block_size=4, watermark=0.1,
+                           enable_chunked_prefill=False, max_num_batched_tokens=128)
+    req = add(sched, make_request(prompt_len=79, max_tokens=1))
+    for _ in range(5):
+        simulate_step(sched, sched.schedule())
+    assert req.finished
     sched.bm.check_all_free()

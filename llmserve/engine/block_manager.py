@@ -10,6 +10,12 @@ The free queue is in least-recently-freed order: allocation evicts from its
 front; a hit "touches" a free block and removes it from the queue in O(1)
 (an OrderedDict is a doubly linked list with a hash index). Sequences free their
 blocks tail first, so among blocks freed together the chain tail is evicted first.
+
+Block operations (swap-out, swap-in, copy-on-write copy) are not performed here:
+they are appended to ``ops``, the step's log, in the order the decisions were
+taken, and the KV cache applies them in that order before the forward (see
+``kv_cache.py``). So any sequence of decisions in one step is safe: a block freed
+by one op and reused by a later one is read before it is overwritten.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict
+from typing import NamedTuple
 
 from llmserve.engine.sequence import Sequence
 
@@ -31,6 +38,14 @@ def hash_block(parent: bytes, token_ids, extra: bytes = b"") -> bytes:
     h.update(array("q", token_ids).tobytes())
     h.update(extra)
     return h.digest()
+
+
+class BlockOp(NamedTuple):
+    """One block move: ``swap_out`` (device -> CPU), ``swap_in`` (CPU -> device) or
+    ``copy`` (device -> device, copy-on-write)."""
+    kind: str
+    src: int
+    dst: int
 
 
 class Block:
@@ -61,6 +76,7 @@ class BlockManager:
         # CPU swap space: plain free list, no caching.
         self.num_cpu_blocks = num_cpu_blocks
         self.free_cpu_blocks: list[int] = list(range(num_cpu_blocks - 1, -1, -1))
+        self.ops: list[BlockOp] = []  # this step's block moves, in decision order
         # Counters (tokens), read by the metrics endpoint.
         self.prefix_queries = 0
         self.prefix_hits = 0
@@ -151,22 +167,24 @@ class BlockManager:
         seq.num_cached_blocks = num_full
 
     # --- allocation --------------------------------------------------------
-    def allocate(self, seq: Sequence, num_tokens: int) -> list[tuple[int, int]]:
+    def allocate(self, seq: Sequence, num_tokens: int) -> None:
         """Make ``seq``'s first ``num_tokens`` tokens writable: copy the shared
         block the next write lands in (copy-on-write), then grow the table.
-        Returns the (src, dst) block copies to perform before the forward.
         The caller checked can_allocate."""
-        copies = []
         i = self._shared_write_block(seq)
         if i is not None:
             src = seq.block_table[i]
             dst = self._take_free_block()
+            self.ops.append(BlockOp("copy", src, dst))
             self._release(src)
             seq.block_table[i] = dst
-            copies.append((src, dst))
         while len(seq.block_table) * self.block_size < num_tokens:
             seq.block_table.append(self._take_free_block())
-        return copies
+
+    def take_ops(self) -> list[BlockOp]:
+        """Hand the step's block moves to the caller, which must apply them in order."""
+        ops, self.ops = self.ops, []
+        return ops
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """``child`` starts as a copy of ``parent`` sharing every block (n > 1)."""
@@ -181,21 +199,26 @@ class BlockManager:
     def can_swap_out(self, seq: Sequence) -> bool:
         return len(self.free_cpu_blocks) >= len(seq.block_table)
 
-    def swap_out(self, seq: Sequence) -> list[tuple[int, int]]:
-        """Move ``seq``'s blocks to CPU; returns (device block, cpu block) copies."""
-        mapping = [(b, self.free_cpu_blocks.pop()) for b in seq.block_table]
+    def swap_out(self, seq: Sequence) -> None:
+        """Move ``seq``'s blocks to CPU (each block gets its own CPU copy, even one
+        shared with a sibling sample)."""
+        seq.cpu_block_table = [self.free_cpu_blocks.pop() for _ in seq.block_table]
+        self.ops += [BlockOp("swap_out", b, c)
+                     for b, c in zip(seq.block_table, seq.cpu_block_table)]
         self.free(seq)
-        seq.cpu_block_table = [c for _, c in mapping]
-        return mapping
 
-    def swap_in(self, seq: Sequence) -> list[tuple[int, int]]:
-        """Bring ``seq``'s blocks back; returns (cpu block, device block) copies."""
-        mapping = [(c, self._take_free_block()) for c in seq.cpu_block_table]
-        self.free_cpu_blocks.extend(reversed(seq.cpu_block_table))
-        seq.block_table = [b for _, b in mapping]
-        seq.cpu_block_table = []
+    def swap_in(self, seq: Sequence) -> None:
+        """Bring ``seq``'s blocks back into new device blocks."""
+        seq.block_table = [self._take_free_block() for _ in seq.cpu_block_table]
+        self.ops += [BlockOp("swap_in", c, b)
+                     for c, b in zip(seq.cpu_block_table, seq.block_table)]
+        self.free_swapped(seq)
         seq.num_cached_blocks = 0  # new block ids: register them again as they qualify
-        return mapping
+
+    def free_swapped(self, seq: Sequence) -> None:
+        """Give back the CPU blocks of a swapped-out sequence."""
+        self.free_cpu_blocks.extend(reversed(seq.cpu_block_table))
+        seq.cpu_block_table = []
 
     def free(self, seq: Sequence) -> None:
         """Release every block of ``seq``, tail first (see the module docstring)."""

@@ -7,6 +7,7 @@ import logging
 import torch
 
 from llmserve.engine.config import EngineConfig
+from llmserve.engine.kv_cache import KVCache
 from llmserve.engine.models.attention import AttentionMetadata
 from llmserve.engine.models.llama import SUPPORTED_ARCHITECTURES, RotaryEmbedding
 from llmserve.engine.models.loader import kv_block_bytes, load_weights
@@ -39,8 +40,11 @@ class ModelRunner:
         self.hf_config = hf_config
         self.block_size = config.block_size
         self.num_blocks = self._num_kv_blocks()
-        self.kv_caches = self._allocate_kv_cache(self.num_blocks)
-        self.num_cpu_blocks, self.cpu_storage = self._allocate_swap_space()
+        c = hf_config
+        self.kv_cache = KVCache(c.num_hidden_layers, self.num_blocks, self.block_size,
+                                c.num_key_value_heads, c.head_dim, self.dtype, self.device,
+                                self._num_swap_blocks(), config.check_kv_integrity)
+        self.num_cpu_blocks = self.kv_cache.num_cpu_blocks
         self.use_triton = self._want_triton()
 
     # --- KV cache -----------------------------------------------------------------
@@ -62,39 +66,14 @@ class ModelRunner:
                              f"(one block takes {self.kv_bytes_per_block()} bytes)")
         return int(num)
 
-    def _allocate_kv_cache(self, num_blocks: int):
-        c = self.hf_config
-        shape = (2, c.num_hidden_layers, num_blocks, self.block_size,
-                 c.num_key_value_heads, c.head_dim)
-        self.kv_storage = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        return [(self.kv_storage[0, i], self.kv_storage[1, i])
-                for i in range(c.num_hidden_layers)]
-
-    def _allocate_swap_space(self):
+    def _num_swap_blocks(self) -> int:
         if self.config.preemption_mode != "swap":
-            return 0, None
-        num = int(self.config.swap_space // self.kv_bytes_per_block())
-        shape = (*self.kv_storage.shape[:2], num, *self.kv_storage.shape[3:])
-        # torch.empty: pages are committed only when a block is swapped out.
-        pin = self.device.type == "cuda"
-        return num, torch.empty(shape, dtype=self.dtype, pin_memory=pin)
+            return 0
+        return int(self.config.swap_space // self.kv_bytes_per_block())
 
-    @torch.inference_mode()
     def apply_block_ops(self, batch: ScheduledBatch) -> None:
-        """Swap-outs, then swap-ins, then copy-on-write copies; all layers at once."""
-        if batch.swap_out:
-            src, dst = self._index_pair(batch.swap_out)
-            self.cpu_storage[:, :, dst.cpu()] = self.kv_storage[:, :, src].cpu()
-        if batch.swap_in:
-            src, dst = self._index_pair(batch.swap_in)
-            self.kv_storage[:, :, dst] = self.cpu_storage[:, :, src.cpu()].to(self.device)
-        if batch.copies:
-            src, dst = self._index_pair(batch.copies)
-            self.kv_storage[:, :, dst] = self.kv_storage[:, :, src]
-
-    def _index_pair(self, pairs: list[tuple[int, int]]):
-        t = torch.tensor(pairs, dtype=torch.long, device=self.device)
-        return t[:, 0], t[:, 1]
+        """Swap-outs, swap-ins and copy-on-write copies, in the order they were decided."""
+        self.kv_cache.apply(batch.block_ops)
 
     def _want_triton(self) -> bool:
         backend = self.config.attention_backend
@@ -128,7 +107,7 @@ class ModelRunner:
         table_tensor = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables],
                                     dtype=torch.int32, device=dev)
         meta = AttentionMetadata(
-            kv_caches=self.kv_caches,
+            kv_caches=self.kv_cache.layers,
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
             query_start_loc=torch.tensor(query_start, dtype=torch.int32, device=dev),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),

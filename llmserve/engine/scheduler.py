@@ -1,20 +1,31 @@
 """Iteration-level scheduler: one batch per engine step.
 
 Each step spends a token budget (``max_num_batched_tokens``) over at most
-``max_num_seqs`` running sequences:
+``max_num_seqs`` running sequences, in one pass over the candidates in order:
 
-1. running sequences that decode (one new token each), most urgent first;
-2. running sequences still prefilling a long prompt, one chunk each;
-3. waiting sequences, in order, each admitted with a first prefill chunk when
-   its blocks fit above the watermark; the first that does not fit stops
-   admission, so a big request is not starved by small ones behind it.
+- ``fcfs``: running sequences (oldest first), then swapped-out ones, then waiting
+  ones; nothing waiting is admitted while something is swapped out.
+- ``priority``: running, swapped and waiting sequences merged by urgency (priority
+  number, then arrival), so an urgent request is placed before less urgent work.
 
-When a running sequence cannot get a block, the least urgent running sequence
-(lowest priority, then latest arrival) is preempted — swapped to CPU or dropped
-for recompute, per ``preemption_mode`` — and no new request is admitted in that
-step. Swapped sequences come back, most urgent first, before any waiting request
-is admitted. Under the ``priority`` policy a waiting request that does not fit
-may preempt running ones that are less urgent than itself.
+Running decodes are served first within the budget: a prefill chunk (of a running
+sequence or an admitted one) only gets what is left after one token for every
+running decode. A swapped or waiting candidate needs its blocks to fit above a
+watermark; the first that does not fit stops admission, so a big request is not
+starved by small ones behind it.
+
+When a running sequence cannot get a block, the least urgent running sequence that
+is not yet scheduled in this step is preempted (swapped to CPU or dropped for
+recompute, per ``preemption_mode``); that can be the sequence itself. Under
+``priority`` an admission candidate may likewise preempt running sequences of a
+strictly less urgent priority. Because candidates come in urgency order, every
+victim is one this step has not scheduled yet: the scheduler never undoes in a step
+what it did earlier in it. After a preemption nothing is admitted, except, under
+``priority``, candidates more urgent than every sequence preempted in the step.
+
+Block moves are logged by the block manager in decision order and applied in that
+order (``kv_cache.py``), so a block freed by a move and reused by a later one in the
+same step is always read before it is overwritten.
 """
 
 from __future__ import annotations
@@ -22,7 +33,7 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass, field
 
-from llmserve.engine.block_manager import BlockManager
+from llmserve.engine.block_manager import BlockManager, BlockOp
 from llmserve.engine.config import EngineConfig
 from llmserve.engine.sequence import Sequence, SequenceStatus
 
@@ -32,14 +43,27 @@ class ScheduledBatch:
     seqs: list[Sequence] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
-    # Block moves the model runner performs before the forward, in this order.
-    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, cpu)
-    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu, device)
-    copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst)
+    # Block moves to apply before the forward, in this order.
+    block_ops: list[BlockOp] = field(default_factory=list)
 
     @property
     def has_block_ops(self) -> bool:
-        return bool(self.swap_out or self.swap_in or self.copies)
+        return bool(self.block_ops)
+
+    def ops_of(self, kind: str) -> list[tuple[int, int]]:
+        return [(op.src, op.dst) for op in self.block_ops if op.kind == kind]
+
+    @property
+    def swap_out(self) -> list[tuple[int, int]]:  # (device, cpu)
+        return self.ops_of("swap_out")
+
+    @property
+    def swap_in(self) -> list[tuple[int, int]]:  # (cpu, device)
+        return self.ops_of("swap_in")
+
+    @property
+    def copies(self) -> list[tuple[int, int]]:  # copy-on-write (src, dst)
+        return self.ops_of("copy")
 
     @property
     def num_tokens(self) -> int:
@@ -52,10 +76,26 @@ class ScheduledBatch:
         self.seqs.append(seq)
         self.num_new_tokens.append(num_new)
 
-    def remove(self, seq: Sequence) -> int:
-        i = self.seqs.index(seq)
-        self.seqs.pop(i)
-        return self.num_new_tokens.pop(i)
+
+class _Step:
+    """What one schedule() pass has spent so far."""
+
+    def __init__(self, budget: int, running: list[Sequence]):
+        self.batch = ScheduledBatch()
+        self.budget = budget
+        self.scheduled: set[int] = set()  # seq ids in the batch
+        # Running decodes not yet placed: a prefill chunk leaves one token for each.
+        self.decodes_left = sum(1 for s in running if s.num_uncomputed_tokens == 1)
+        self.admitting = True
+
+    @property
+    def prefill_budget(self) -> int:
+        return max(0, self.budget - self.decodes_left)
+
+    def add(self, seq: Sequence, num_new: int) -> None:
+        self.batch.add(seq, num_new)
+        self.scheduled.add(seq.seq_id)
+        self.budget -= num_new
 
 
 class Scheduler:
@@ -88,84 +128,129 @@ class Scheduler:
 
     # --- the step ------------------------------------------------------------
     def schedule(self) -> ScheduledBatch:
-        batch = ScheduledBatch()
-        budget = self.config.max_num_batched_tokens
         self.running.sort(key=self.urgency)
-        decodes = [s for s in self.running if s.num_uncomputed_tokens == 1]
-        prefills = [s for s in self.running if s.num_uncomputed_tokens > 1]
-        for seq in decodes + prefills:
-            if budget == 0:
+        step = _Step(self.config.max_num_batched_tokens, self.running)
+        merged = self.config.scheduling_policy == "priority"
+        to_run = iter(list(self.running))
+        seq = next(to_run, None)
+        while True:
+            while seq is not None and seq.status is not SequenceStatus.RUNNING:
+                seq = next(to_run, None)  # preempted earlier in this step
+            candidate = self._next_candidate(step)
+            if candidate is not None and (seq is None or (
+                    merged and self.urgency(candidate) < self.urgency(seq))):
+                if not self._admit(candidate, step):
+                    step.admitting = False
+            elif seq is not None:
+                self._schedule_running(seq, step)
+                seq = next(to_run, None)
+            else:
                 break
-            if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this step
-                continue
-            num_new = min(seq.num_uncomputed_tokens, budget)
-            if not self._make_room(seq, num_new, batch):
-                continue
-            batch.copies += self.bm.allocate(seq, seq.num_computed_tokens + num_new)
-            batch.add(seq, num_new)
-            budget -= num_new
-        if not batch.preempted:
-            budget = self._swap_in(batch, budget)
-            if not self.swapped:
-                self._admit_waiting(batch, budget)
-        return batch
+        step.batch.block_ops = self.bm.take_ops()
+        return step.batch
 
-    def _make_room(self, seq: Sequence, num_new: int, batch: ScheduledBatch) -> bool:
-        """Preempt the least urgent running sequences until ``seq`` can grow by
-        ``num_new`` tokens. False if ``seq`` itself had to go."""
+    def _next_candidate(self, step: _Step) -> Sequence | None:
+        """The swapped or waiting sequence to try next, or None."""
+        if not step.admitting:
+            return None
+        if self.config.scheduling_policy == "fcfs":
+            head = self.swapped[0] if self.swapped else self.waiting[0] if self.waiting else None
+        else:
+            heads = [q[0] for q in (self.swapped, self.waiting) if q]
+            head = min(heads, key=self.urgency) if heads else None
+        if head is None or not self._may_admit_after_preemption(head, step):
+            return None
+        return head
+
+    def _may_admit_after_preemption(self, seq: Sequence, step: _Step) -> bool:
+        """As vLLM: a step that preempted admits nothing, so the room it made goes to
+        the sequences that needed it. Under ``priority``, a candidate more urgent than
+        every victim of the step may still come in (that is what priority is for)."""
+        victims = step.batch.preempted
+        if not victims:
+            return True
+        if self.config.scheduling_policy != "priority":
+            return False
+        return seq.priority < min(v.priority for v in victims)
+
+    def _schedule_running(self, seq: Sequence, step: _Step) -> None:
+        decode = seq.num_uncomputed_tokens == 1
+        if decode:
+            num_new = min(1, step.budget)
+        else:
+            num_new = min(seq.num_uncomputed_tokens, step.prefill_budget)
+        if num_new and self._make_room(seq, num_new, step):
+            self.bm.allocate(seq, seq.num_computed_tokens + num_new)
+            step.add(seq, num_new)
+        if decode and seq.status is SequenceStatus.RUNNING:
+            step.decodes_left -= 1  # (preempt() counted it if it had to go)
+
+    def _make_room(self, seq: Sequence, num_new: int, step: _Step) -> bool:
+        """Preempt the least urgent unscheduled running sequences until ``seq`` can
+        grow by ``num_new`` tokens. False if ``seq`` itself had to go."""
         while not self.bm.can_allocate(
                 self.bm.blocks_needed(seq, seq.num_computed_tokens + num_new), False):
-            victim = max((s for s in self.running if s not in batch.seqs), key=self.urgency)
-            self.preempt(victim, batch)
+            victim = self._least_urgent_unscheduled(step)
+            self.preempt(victim, step)
             if victim is seq:
                 return False
         return True
 
-    def _swap_in(self, batch: ScheduledBatch, budget: int) -> int:
-        """Bring swapped sequences back, most urgent first, while they fit."""
-        while self.swapped and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            seq = self.swapped[0]
-            num_new = min(seq.num_uncomputed_tokens, budget)
-            need = max(len(seq.cpu_block_table),
-                       -(-(seq.num_computed_tokens + num_new) // self.bm.block_size))
-            if not self.bm.can_allocate(need, use_watermark=True):
-                break
-            self.swapped.pop(0)
-            batch.swap_in += self.bm.swap_in(seq)
-            seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
-            batch.copies += self.bm.allocate(seq, seq.num_computed_tokens + num_new)
-            batch.add(seq, num_new)
-            budget -= num_new
-        return budget
+    def _least_urgent_unscheduled(self, step: _Step) -> Sequence | None:
+        return max((s for s in self.running if s.seq_id not in step.scheduled),
+                   key=self.urgency, default=None)
 
-    def _admit_waiting(self, batch: ScheduledBatch, budget: int) -> None:
-        chunked = self.config.enable_chunked_prefill
-        while self.waiting and budget > 0:
-            seq = self.waiting[0]
-            if not self._has_seq_slots(seq):
+    def _admit(self, seq: Sequence, step: _Step) -> bool:
+        """Swap in or admit the candidate ``seq`` with its next chunk. False stops
+        admission for this step."""
+        swapped = seq.status is SequenceStatus.SWAPPED
+        while True:
+            plan = self._admission_plan(seq, step, swapped)
+            if plan is None:
+                return False
+            num_new, need, hits = plan
+            # The watermark keeps room for running sequences to grow; with none
+            # running it would only stop a request that fits from ever starting.
+            if self.bm.can_allocate(need, use_watermark=bool(self.running)):
                 break
-            hits = self.bm.match_prefix(seq)
-            num_computed = len(hits) * self.bm.block_size
-            num_new = seq.num_tokens - num_computed
-            if num_new > budget:
-                if not chunked:
-                    break
-                num_new = budget
-            need = (-(-(num_computed + num_new) // self.bm.block_size) - len(hits)
-                    + self.bm.num_free_among(hits))
-            if not self.bm.can_allocate(need, use_watermark=True):
-                if self._preempt_for(seq, batch):
-                    budget = self.config.max_num_batched_tokens - batch.num_tokens
-                    continue  # something less urgent made room: try again
-                break
-            self.waiting.pop(0)
+            if not self._preempt_for(seq, step):
+                return False
+        if swapped:
+            self.swapped.remove(seq)
+            self.bm.swap_in(seq)
+        else:
+            self.waiting.remove(seq)
             self.bm.take_prefix(seq, hits)  # also counts the lookup for the metrics
-            batch.copies += self.bm.allocate(seq, seq.num_computed_tokens + num_new)
-            seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
-            batch.add(seq, num_new)
-            budget -= num_new
+        self.bm.allocate(seq, seq.num_computed_tokens + num_new)
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+        step.add(seq, num_new)
+        return True
+
+    def _admission_plan(self, seq: Sequence, step: _Step, swapped: bool):
+        """(tokens to compute, blocks to take, prefix hits) for admitting ``seq`` now,
+        or None if the sequence cap or the budget does not allow it."""
+        bs = self.bm.block_size
+        avail = step.prefill_budget
+        if swapped:
+            if len(self.running) >= self.config.max_num_seqs:
+                return None
+            num_new = min(seq.num_uncomputed_tokens, avail)
+            if num_new == 0:
+                return None
+            need = max(len(seq.cpu_block_table), -(-(seq.num_computed_tokens + num_new) // bs))
+            return num_new, need, []
+        if not self._has_seq_slots(seq):
+            return None
+        hits = self.bm.match_prefix(seq)
+        num_computed = len(hits) * bs
+        num_new = seq.num_tokens - num_computed
+        if num_new > avail:
+            if not self.config.enable_chunked_prefill or avail == 0:
+                return None
+            num_new = avail
+        need = -(-(num_computed + num_new) // bs) - len(hits) + self.bm.num_free_among(hits)
+        return num_new, need, hits
 
     def fork_children(self, parent: Sequence) -> list[Sequence]:
         """Parallel samples (n > 1): once the first sample has prefilled the prompt
@@ -192,31 +277,32 @@ class Scheduler:
         used = sum(slots(s) for s in self.running)
         return used + slots(seq) <= self.config.max_num_seqs or not self.running
 
-    def _preempt_for(self, seq: Sequence, batch: ScheduledBatch) -> bool:
-        """Priority policy: preempt the least urgent running sequence if it is less
-        urgent than the waiting ``seq``. True if one was preempted."""
-        if self.config.scheduling_policy != "priority" or not self.running:
+    def _preempt_for(self, seq: Sequence, step: _Step) -> bool:
+        """Priority policy: preempt the least urgent unscheduled running sequence if
+        its priority is strictly less urgent than the candidate's. True if one was."""
+        if self.config.scheduling_policy != "priority":
             return False
-        victim = max(self.running, key=self.urgency)
-        if victim.priority <= seq.priority:
+        victim = self._least_urgent_unscheduled(step)
+        if victim is None or victim.priority <= seq.priority:
             return False
-        if victim in batch.seqs:
-            batch.remove(victim)
-        self.preempt(victim, batch)
+        self.preempt(victim, step)
         return True
 
     # --- preemption and finishing ------------------------------------------------
-    def preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
+    def preempt(self, seq: Sequence, step: _Step) -> None:
         """Swap ``seq`` to CPU, or drop its KV cache for recompute (also the
         fallback when the swap space is full). Recomputed sequences keep their
         tokens, and the freed blocks keep their prefix-cache keys, so the
         re-prefill mostly hits the cache and the output does not change."""
+        assert seq.seq_id not in step.scheduled, "a step never undoes its own decisions"
         self.running.remove(seq)
+        if seq.num_uncomputed_tokens == 1:
+            step.decodes_left -= 1
         self.num_preemptions += 1
         seq.num_preemptions += 1
-        batch.preempted.append(seq)
+        step.batch.preempted.append(seq)
         if self.config.preemption_mode == "swap" and self.bm.can_swap_out(seq):
-            batch.swap_out += self.bm.swap_out(seq)
+            self.bm.swap_out(seq)
             seq.status = SequenceStatus.SWAPPED
             self.num_swapped_out += 1
             bisect.insort(self.swapped, seq, key=self.urgency)
@@ -232,7 +318,6 @@ class Scheduler:
                 queue.remove(seq)
                 break
         if seq.status is SequenceStatus.SWAPPED:
-            self.bm.free_cpu_blocks.extend(reversed(seq.cpu_block_table))
-            seq.cpu_block_table = []
+            self.bm.free_swapped(seq)
         seq.status = status
         self.bm.free(seq)

@@ -1,0 +1,102 @@
+"""KV cache storage: device blocks of every layer, the CPU swap space, and the
+application of a step's block moves.
+
+Storage is one tensor ``[2 (K, V), layers, blocks, block_size, kv_heads, head_dim]``
+so a block move covers all layers in one indexed copy.
+
+Invariant of a step's block ops (the block manager logs them in decision order):
+they are applied in that order. Consecutive ops of one kind are batched into one
+gather-then-scatter only while no block in the run is written twice or read after
+being written; a gather reads every source before the scatter writes, so a run that
+reads a block and later overwrites it (write after read) is safe in one batch.
+With that, a block freed by one decision and reused by a later one in the same step
+always has its old contents read before they are overwritten.
+
+``check_integrity`` (a debug flag, off by default) hashes each CPU block when a
+swap-out writes it and checks the hash when the swap-in reads it back.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+
+from llmserve.engine.block_manager import BlockOp
+
+# kind -> (space read, space written)
+_SPACES = {"swap_out": ("device", "cpu"), "swap_in": ("cpu", "device"),
+           "copy": ("device", "device")}
+
+
+class KVIntegrityError(RuntimeError):
+    """KV contents changed where the engine's bookkeeping says they could not."""
+
+
+class KVCache:
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
+                 head_dim: int, dtype: torch.dtype, device: torch.device,
+                 num_cpu_blocks: int = 0, check_integrity: bool = False):
+        shape = (2, num_layers, num_blocks, block_size, num_kv_heads, head_dim)
+        self.storage = torch.zeros(shape, dtype=dtype, device=device)
+        self.layers = [(self.storage[0, i], self.storage[1, i]) for i in range(num_layers)]
+        self.num_cpu_blocks = num_cpu_blocks
+        self.cpu_storage = None
+        if num_cpu_blocks:
+            # torch.empty: pages are committed only when a block is swapped out.
+            self.cpu_storage = torch.empty((*shape[:2], num_cpu_blocks, *shape[3:]),
+                                           dtype=dtype, pin_memory=device.type == "cuda")
+        self.check_integrity = check_integrity
+        self._cpu_digests: dict[int, bytes] = {}
+
+    @torch.inference_mode()
+    def apply(self, ops: list[BlockOp]) -> None:
+        for kind, pairs in coalesce(ops):
+            if kind == "swap_in" and self.check_integrity:
+                self._check_swapped(pairs)
+            src = torch.tensor([s for s, _ in pairs], dtype=torch.long)
+            dst = torch.tensor([d for _, d in pairs], dtype=torch.long)
+            if kind == "swap_out":
+                self.cpu_storage[:, :, dst] = self.storage[:, :, src.to(self.storage.device)].cpu()
+            elif kind == "swap_in":
+                dev = self.storage.device
+                self.storage[:, :, dst.to(dev)] = self.cpu_storage[:, :, src].to(dev)
+            else:
+                dev = self.storage.device
+                self.storage[:, :, dst.to(dev)] = self.storage[:, :, src.to(dev)]
+            if kind == "swap_out" and self.check_integrity:
+                for _, cpu_block in pairs:
+                    self._cpu_digests[cpu_block] = digest(self.cpu_storage[:, :, cpu_block])
+
+    def _check_swapped(self, pairs: list[tuple[int, int]]) -> None:
+        for cpu_block, device_block in pairs:
+            want = self._cpu_digests.pop(cpu_block, None)
+            if want is not None and digest(self.cpu_storage[:, :, cpu_block]) != want:
+                raise KVIntegrityError(
+                    f"CPU block {cpu_block} changed between its swap-out and the swap-in "
+                    f"into device block {device_block}")
+
+    def block_digest(self, block_id: int, num_slots: int) -> bytes:
+        """Hash of the first ``num_slots`` slots of a device block, all layers."""
+        return digest(self.storage[:, :, block_id, :num_slots])
+
+
+def digest(t: torch.Tensor) -> bytes:
+    data = t.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes()
+    return hashlib.blake2b(data, digest_size=16).digest()
+
+
+def coalesce(ops: list[BlockOp]) -> list[tuple[str, list[tuple[int, int]]]]:
+    """Split the ordered ops into runs of one kind that are safe to run as one
+    batched copy: no block of the run is read or written after the run wrote it."""
+    runs: list[tuple[str, list[tuple[int, int]]]] = []
+    written: set[tuple[str, int]] = set()
+    for op in ops:
+        read_space, write_space = _SPACES[op.kind]
+        src, dst = (read_space, op.src), (write_space, op.dst)
+        if not runs or runs[-1][0] != op.kind or src in written or dst in written:
+            runs.append((op.kind, []))
+            written = set()
+        runs[-1][1].append((op.src, op.dst))
+        written.add(dst)
+    return runs
