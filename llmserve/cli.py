@@ -33,13 +33,16 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--attention-backend", choices=["auto", "triton", "torch"], default="auto")
     g.add_argument("--num-threads", type=int, default=None,
                    help="CPU threads for the model (default: all cores we may use)")
+    g.add_argument("--check-kv-integrity", action="store_true",
+                   help="debug: hash KV blocks across swaps and copy-on-write, fail loudly "
+                        "on a mismatch (slow)")
 
 
 ENGINE_KEYS = ("model", "served_model_name", "device", "dtype", "block_size", "kv_cache_memory",
                "gpu_memory_utilization", "max_num_seqs", "max_num_batched_tokens",
                "max_model_len", "enable_chunked_prefill", "enable_prefix_caching",
                "preemption_mode", "swap_space", "scheduling_policy", "attention_backend",
-               "num_threads")
+               "num_threads", "check_kv_integrity")
 
 
 def engine_config(args):

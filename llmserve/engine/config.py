@@ -45,6 +45,9 @@ class EngineConfig:
     attention_backend: str = "auto"  # auto | triton | torch
     num_threads: int | None = None  # CPU threads; defaults to the cores we may use
     seed: int = 0
+    # Debug: hash KV blocks across swap-out/swap-in and copy-on-write and raise
+    # KVIntegrityError on a mismatch. Costs a hash of every moved block; off by default.
+    check_kv_integrity: bool = False
 
     def __post_init__(self) -> None:
         if self.device == "auto":

@@ -13,6 +13,7 @@ from tqdm import tqdm
 from llmserve.engine.block_manager import BlockManager
 from llmserve.engine.config import EngineConfig
 from llmserve.engine.detokenizer import Detokenizer
+from llmserve.engine.kv_integrity import SequenceKVCheck
 from llmserve.engine.model_runner import ModelRunner
 from llmserve.engine.models.loader import load_config, load_tokenizer, resolve_model
 from llmserve.engine.outputs import RequestOutput
@@ -40,6 +41,8 @@ class LLMEngine:
                                           config.enable_prefix_caching, config.watermark,
                                           self.runner.num_cpu_blocks)
         self.scheduler = Scheduler(config, self.block_manager)
+        self.kv_check = (SequenceKVCheck(self.runner.kv_cache, config.block_size)
+                         if config.check_kv_integrity else None)
         self.eos_token_ids = self._eos_token_ids()
         vocab = self.hf_config.vocab_size
         self.sampler = Sampler(vocab, self.eos_token_ids)
@@ -124,6 +127,8 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if batch.has_block_ops:
             self.runner.apply_block_ops(batch)
+        if self.kv_check:
+            self.kv_check.before_forward(batch)
         if not batch.seqs:
             return []
         now = time.monotonic()
@@ -135,12 +140,16 @@ class LLMEngine:
             self.block_manager.cache_full_blocks(seq)
             if seq.request.first_scheduled_time is None:
                 seq.request.first_scheduled_time = now
+        if self.kv_check:
+            self.kv_check.after_forward(batch)
         touched: dict[str, Request] = {}
         if due:
             due_seqs = [batch.seqs[i] for i in due]
             rows = list(range(len(due_seqs)))
             for row, seq in enumerate(list(due_seqs)):
                 for child in self.scheduler.fork_children(seq):
+                    if self.kv_check:
+                        self.kv_check.forked(seq, child)
                     due_seqs.append(child)
                     rows.append(row)  # the child samples from its parent's logits
             if len(rows) > len(due):
@@ -240,13 +249,39 @@ def render_chat(tokenizer, messages: list[dict]) -> str:
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
 
-def _as_prompt_list(prompts) -> list:
-    if isinstance(prompts, str):
-        return [prompts]
-    prompts = list(prompts)
-    if prompts and isinstance(prompts[0], int):  # one prompt given as token ids
-        return [prompts]
-    return prompts
+PROMPT_FORMS = ("a string, a list of token ids, {'prompt': str} or "
+                "{'prompt_token_ids': [int, ...]}, or a list of these")
+
+
+def _as_prompt_list(prompts) -> list[str | list[int]]:
+    """vLLM's prompt forms (TextPrompt / TokensPrompt dicts included) as strings or
+    token-id lists; anything else is a ValueError that says what is accepted."""
+    if isinstance(prompts, (str, dict)):
+        return [_one_prompt(prompts)]
+    try:
+        prompts = list(prompts)
+    except TypeError:
+        raise ValueError(f"prompts must be {PROMPT_FORMS}; got {type(prompts).__name__}") from None
+    if prompts and all(isinstance(t, int) and not isinstance(t, bool) for t in prompts):
+        return [prompts]  # one prompt given as token ids
+    return [_one_prompt(p) for p in prompts]
+
+
+def _one_prompt(prompt) -> str | list[int]:
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, dict):
+        keys = set(prompt)
+        if keys == {"prompt"} and isinstance(prompt["prompt"], str):
+            return prompt["prompt"]
+        if keys == {"prompt_token_ids"}:
+            return _one_prompt(list(prompt["prompt_token_ids"]))
+        raise ValueError(f"a prompt dict must be {{'prompt': str}} or "
+                         f"{{'prompt_token_ids': [int, ...]}}; got keys {sorted(keys)}")
+    if isinstance(prompt, (list, tuple)) and prompt and all(
+            isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return list(prompt)
+    raise ValueError(f"each prompt must be {PROMPT_FORMS}; got {prompt!r:.80}")
 
 
 def _copy(params: SamplingParams) -> SamplingParams:
