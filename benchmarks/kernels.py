@@ -8,9 +8,19 @@
 4. End-to-end decode throughput of a ~1B-parameter Llama-shaped model with random
    weights (bf16) at batch 64 and 256.
 
-Writes JSON and a markdown table. On a machine without CUDA it says so and exits 0
-(``--smoke`` runs a tiny version on CPU through Triton's interpreter, to check the
-script itself).
+Kernel times come from CUDA events (``triton.testing.do_bench``: median, L2 flushed
+between calls), so they include the host's launch overhead whenever that is longer
+than the kernel; the decode sweep also times the Triton call replayed from a CUDA
+graph (``do_bench_cudagraph``), which is the kernels alone (with a warm L2, so small
+shapes can exceed the HBM roofline). The e2e numbers are wall clock by nature (the
+whole engine step).
+
+The JSON and markdown are rewritten after every section, and a section that fails
+records its error (``{"error": ...}``) and the next one runs, so a late crash or a
+timeout keeps what was measured before it; a decode shape that fails (say, out of
+memory) records its error in its row. Exit status 1 when a section or shape failed.
+On a machine without CUDA it says so and exits 0 (``--smoke`` runs a tiny version
+on CPU through Triton's interpreter, timed by the host clock, to check the script).
 
     python benchmarks/kernels.py --out benchmarks/results/kernels
 """
@@ -23,26 +33,33 @@ import os
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 
 HBM_BYTES_PER_S = 4.8e12  # H200 HBM3e peak
+SECTIONS = ("decode", "mixed", "correctness", "e2e")
 
 
-def bench(fn, device, iters=20, warmup=3) -> float:
-    """Median seconds per call."""
-    import torch
-    for _ in range(warmup):
-        fn()
+def bench(fn, device) -> float:
+    """Median seconds per call: CUDA events on a GPU, the host clock on CPU (smoke)."""
+    if device == "cuda":
+        from triton.testing import do_bench
+        return do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e-3
+    fn()
     times = []
-    for _ in range(iters):
-        if device == "cuda":
-            torch.cuda.synchronize()
+    for _ in range(3):
         t0 = time.perf_counter()
         fn()
-        if device == "cuda":
-            torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
-    return sorted(times)[len(times) // 2]
+    return sorted(times)[1]
+
+
+def bench_graph(fn, device) -> float | None:
+    """Median seconds per call replayed from a CUDA graph (no launch overhead)."""
+    if device != "cuda":
+        return None
+    from triton.testing import do_bench_cudagraph
+    return do_bench_cudagraph(fn, rep=20, return_mode="median") * 1e-3
 
 
 def make_decode_batch(batch, ctx, heads, kv_heads, head_dim, block_size, dtype, device):
@@ -65,32 +82,47 @@ def decode_sweep(args, device, dtype) -> list[dict]:
     import torch
     import torch.nn.functional as F
 
-    from llmserve.kernels.triton_attention import unified_attention
+    from llmserve.kernels.triton_attention import _choose_splits, unified_attention
     rows = []
     heads, kv_heads, head_dim, block_size = 32, 8, 128, 16
     for batch in args.batches:
         for ctx in args.contexts:
-            b = make_decode_batch(batch, ctx, heads, kv_heads, head_dim, block_size, dtype, device)
-            out = torch.empty_like(b["q"])
-            t = bench(lambda b=b, out=out: unified_attention(out=out, **b), device)
-            kv_bytes = 2 * kv_heads * head_dim * b["k_cache"].element_size() * batch * ctx
-            # Baseline: SDPA over the same keys laid out contiguously per sequence.
-            k = b["k_cache"][b["block_tables"].long()].flatten(1, 2)[:, :ctx].transpose(1, 2)
-            v = b["v_cache"][b["block_tables"].long()].flatten(1, 2)[:, :ctx].transpose(1, 2)
-            qs = b["q"].unsqueeze(2)
-            t_sdpa = bench(lambda qs=qs, k=k, v=v: F.scaled_dot_product_attention(
-                qs, k, v, enable_gqa=True), device)
-            rows.append({"batch": batch, "context": ctx, "triton_us": t * 1e6,
-                         "sdpa_contiguous_us": t_sdpa * 1e6,
-                         "triton_over_sdpa": t / t_sdpa,
-                         "bytes_per_s": kv_bytes / t,
-                         "hbm_fraction": kv_bytes / t / HBM_BYTES_PER_S})
-            r = rows[-1]
-            print(f"decode B={batch:4} ctx={ctx:6}: {r['triton_us']:9.1f} us  "
-                  f"{r['bytes_per_s'] / 1e12:6.2f} TB/s ({100 * r['hbm_fraction']:5.1f}% HBM)  "
-                  f"SDPA {r['sdpa_contiguous_us']:9.1f} us  ratio {r['triton_over_sdpa']:.2f}",
-                  flush=True)
-            del b, k, v
+            row = {"batch": batch, "context": ctx,
+                   "num_splits": _choose_splits(batch, kv_heads, ctx, block_size)}
+            rows.append(row)
+            b = k = v = None
+            try:  # one shape failing (e.g. out of memory) leaves the others
+                b = make_decode_batch(batch, ctx, heads, kv_heads, head_dim, block_size, dtype,
+                                      device)
+                out = torch.empty_like(b["q"])
+                call = (lambda b=b, out=out: unified_attention(out=out, **b))
+                t = bench(call, device)
+                kv_bytes = 2 * kv_heads * head_dim * b["k_cache"].element_size() * batch * ctx
+                row.update(triton_us=t * 1e6, bytes_per_s=kv_bytes / t,
+                           hbm_fraction=kv_bytes / t / HBM_BYTES_PER_S)
+                t_graph = bench_graph(call, device)
+                row["triton_graph_us"] = t_graph * 1e6 if t_graph else None
+                # Baseline: SDPA over the same keys laid out contiguously per sequence.
+                k = b["k_cache"][b["block_tables"].long()].flatten(1, 2)[:, :ctx].transpose(1, 2)
+                v = b["v_cache"][b["block_tables"].long()].flatten(1, 2)[:, :ctx].transpose(1, 2)
+                qs = b["q"].unsqueeze(2)
+                t_sdpa = bench(lambda qs=qs, k=k, v=v: F.scaled_dot_product_attention(
+                    qs, k, v, enable_gqa=True), device)
+                row.update(sdpa_contiguous_us=t_sdpa * 1e6, triton_over_sdpa=t / t_sdpa)
+                graph = f"{row['triton_graph_us']:9.1f}" if t_graph else "        -"
+                print(f"decode B={batch:4} ctx={ctx:6} splits={row['num_splits']:2}: "
+                      f"{row['triton_us']:9.1f} us (graph {graph} us)  "
+                      f"{row['bytes_per_s'] / 1e12:6.2f} TB/s "
+                      f"({100 * row['hbm_fraction']:5.1f}% HBM)  "
+                      f"SDPA {row['sdpa_contiguous_us']:9.1f} us  "
+                      f"ratio {row['triton_over_sdpa']:.2f}", flush=True)
+            except Exception as e:  # noqa: BLE001
+                row["error"] = f"{type(e).__name__}: {e}"
+                print(f"decode B={batch:4} ctx={ctx:6}: FAILED {row['error']}", flush=True)
+            finally:
+                del b, k, v
+                if device == "cuda":
+                    torch.cuda.empty_cache()
     return rows
 
 
@@ -100,10 +132,14 @@ def correctness(device, dtype) -> list[dict]:
     from llmserve.kernels.reference import unified_attention_ref
     from llmserve.kernels.triton_attention import unified_attention
     results = []
-    cases = {"mixed": [(1, 1328), (5, 18), (129, 463)], "decode": [(1, 523), (1, 37), (1, 2011)]}
-    for name, shapes in cases.items():
-        for heads in ((4, 4), (8, 2), (6, 1), (9, 3)):
-            for splits in ((None, 4) if name == "decode" else (None,)):
+    all_heads = ((4, 4), (8, 2), (6, 1), (9, 3))
+    cases = {"mixed": ([(1, 1328), (5, 18), (129, 463)], all_heads, (None,)),
+             "decode": ([(1, 523), (1, 37), (1, 2011)], all_heads, (None, 4)),
+             # issue #18: default splits for one 576-token decode of Llama-3-8B's shape
+             "decode576": ([(1, 576)], ((32, 8),), (None,))}
+    for name, (shapes, head_configs, split_options) in cases.items():
+        for heads in head_configs:
+            for splits in split_options:
                 b = random_batch(shapes, *heads, 128, 16, dtype, device)
                 out = torch.empty_like(b["q"])
                 unified_attention(out=out, num_splits=splits, **b)
@@ -114,7 +150,7 @@ def correctness(device, dtype) -> list[dict]:
                 err = (out.float() - ref).abs().max().item()
                 results.append({"case": name, "heads": heads, "num_splits": splits,
                                 "max_abs_err": err, "ok": err < 1.5e-2})
-                print(f"bf16 {name:6} heads={heads} splits={splits}: max err {err:.2e} "
+                print(f"bf16 {name:9} heads={heads} splits={splits}: max err {err:.2e} "
                       f"{'ok' if err < 1.5e-2 else 'FAIL'}", flush=True)
     return results
 
@@ -216,8 +252,10 @@ def e2e_decode(args, device) -> list[dict]:
             prompts = [[100 + (i * 7 + j) % 30000 for j in range(128)] for i in range(batch)]
             params = SamplingParams(max_tokens=args.e2e_tokens, temperature=0, ignore_eos=True)
             llm.generate(prompts[:2], SamplingParams(max_tokens=4, ignore_eos=True))
+            _sync(device)
             t0 = time.perf_counter()
             llm.generate(prompts, params)
+            _sync(device)
             wall = time.perf_counter() - t0
             rows.append({"batch": batch, "tokens_per_s": batch * args.e2e_tokens / wall,
                          "wall_s": wall})
@@ -226,26 +264,69 @@ def e2e_decode(args, device) -> list[dict]:
     return rows
 
 
+def _sync(device) -> None:
+    if device == "cuda":
+        import torch
+        torch.cuda.synchronize()
+
+
 def markdown(report: dict) -> str:
-    lines = ["| batch | context | Triton µs | TB/s | % HBM | SDPA (contiguous) µs | Triton/SDPA |",
-             "|---|---|---|---|---|---|---|"]
-    for r in report["decode"]:
-        lines.append(f"| {r['batch']} | {r['context']} | {r['triton_us']:.1f} | "
-                     f"{r['bytes_per_s'] / 1e12:.2f} | {100 * r['hbm_fraction']:.1f} | "
-                     f"{r['sdpa_contiguous_us']:.1f} | {r['triton_over_sdpa']:.2f} |")
-    m = report["mixed"]
-    lines += ["", f"Mixed batch {m['shapes']}: {m['us']:.1f} µs ({m['tflops']:.1f} TFLOP/s)", ""]
-    ok = sum(c["ok"] for c in report["correctness"])
-    lines.append(f"bf16 correctness: {ok}/{len(report['correctness'])} cases within 1.5e-2")
-    lines += ["", "| e2e batch | tokens/s |", "|---|---|"]
-    lines += [f"| {r['batch']} | {r['tokens_per_s']:.0f} |" for r in report["e2e"]]
+    """The sections measured so far; a failed section shows its error."""
+    def failed(name):
+        sec = report.get(name)
+        return isinstance(sec, dict) and ("error" in sec or "skipped" in sec)
+
+    def note(name):
+        sec = report[name]
+        return f"{name}: {sec.get('error') or 'skipped (' + sec['skipped'] + ')'}"
+
+    lines = [f"{report['device']}, torch {report['torch']}, triton {report['triton']}", ""]
+    if "decode" in report:
+        if failed("decode"):
+            lines.append(note("decode"))
+        else:
+            lines += ["| batch | context | splits | Triton µs | graph µs | TB/s | % HBM "
+                      "| SDPA (contiguous) µs | Triton/SDPA |",
+                      "|---|---|---|---|---|---|---|---|---|"]
+            for r in report["decode"]:
+                if "error" in r or "sdpa_contiguous_us" not in r:
+                    lines.append(f"| {r['batch']} | {r['context']} | {r['num_splits']} | "
+                                 f"{r.get('error', 'incomplete')} | | | | | |")
+                    continue
+                graph = r.get("triton_graph_us")
+                lines.append(f"| {r['batch']} | {r['context']} | {r['num_splits']} | "
+                             f"{r['triton_us']:.1f} | {f'{graph:.1f}' if graph else '-'} | "
+                             f"{r['bytes_per_s'] / 1e12:.2f} | {100 * r['hbm_fraction']:.1f} | "
+                             f"{r['sdpa_contiguous_us']:.1f} | {r['triton_over_sdpa']:.2f} |")
+    if "mixed" in report:
+        m = report["mixed"]
+        lines += ["", note("mixed") if failed("mixed") else
+                  f"Mixed batch {m['shapes']}: {m['us']:.1f} µs ({m['tflops']:.1f} TFLOP/s)"]
+    if "correctness" in report:
+        c = report["correctness"]
+        lines += ["", note("correctness") if failed("correctness") else
+                  f"bf16 correctness: {sum(x['ok'] for x in c)}/{len(c)} cases within 1.5e-2"]
+    if "e2e" in report:
+        if failed("e2e"):
+            lines += ["", note("e2e")]
+        else:
+            lines += ["", "| e2e batch | tokens/s |", "|---|---|"]
+            lines += [f"| {r['batch']} | {r['tokens_per_s']:.0f} |" for r in report["e2e"]]
     return "\n".join(lines) + "\n"
+
+
+def save(report: dict, out: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(report, indent=2, default=str))
+    out.with_suffix(".md").write_text(markdown(report))
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "kernels"))
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "kernels"),
+                    help="path without suffix: writes OUT.json and OUT.md")
+    ap.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS))
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64, 256])
     ap.add_argument("--contexts", type=int, nargs="+", default=[512, 2048, 8192, 32768])
     ap.add_argument("--e2e-batches", type=int, nargs="+", default=[64, 256])
@@ -256,6 +337,7 @@ def main() -> int:
     if args.smoke:
         os.environ.setdefault("TRITON_INTERPRET", "1")
     import torch
+    import triton
     if not torch.cuda.is_available() and not args.smoke:
         print("CUDA is not available: the kernel benchmark needs a GPU; nothing measured.")
         return 0
@@ -264,18 +346,41 @@ def main() -> int:
     if args.smoke:
         args.batches, args.contexts, args.e2e_batches, args.e2e_tokens = [2], [64], [2], 4
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    report = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu (smoke)",
-              "torch": torch.__version__}
-    report["decode"] = decode_sweep(args, device, dtype)
-    report["mixed"] = mixed(device, dtype) if not args.smoke else {
-        "shapes": "skipped", "us": 0.0, "tflops": 0.0}
-    report["correctness"] = correctness(device, dtype) if not args.smoke else []
-    report["e2e"] = e2e_decode(args, device)
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(report, indent=2))
-    out.with_suffix(".md").write_text(markdown(report))
+    report = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu (smoke)",
+              "torch": torch.__version__, "triton": triton.__version__,
+              "timing": "cuda events (do_bench, median)" if device == "cuda" else "host clock",
+              "failed_sections": [], "section_seconds": {}}
+    runners = {"decode": lambda: decode_sweep(args, device, dtype),
+               "mixed": lambda: mixed(device, dtype),
+               "correctness": lambda: correctness(device, dtype),
+               "e2e": lambda: e2e_decode(args, device)}
+    # In smoke mode these shapes would take minutes in the interpreter.
+    smoke_skips = {"mixed", "correctness"} if args.smoke else set()
+    for name in args.sections:
+        t0 = time.perf_counter()
+        if name in smoke_skips:
+            report[name] = {"skipped": "smoke"}
+        else:
+            print(f"--- {name}", flush=True)
+            try:
+                report[name] = runners[name]()
+            except Exception as e:  # noqa: BLE001 - record it and go on with the next
+                traceback.print_exc()
+                report[name] = {"error": f"{type(e).__name__}: {e}"}
+                report["failed_sections"].append(name)
+            if name == "decode" and isinstance(report[name], list):
+                bad = sum("error" in r for r in report[name])
+                if bad:
+                    report["failed_sections"].append(f"decode ({bad} shapes)")
+            if device == "cuda":
+                torch.cuda.empty_cache()
+        report["section_seconds"][name] = round(time.perf_counter() - t0, 1)
+        save(report, out)
     print(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.md')}")
+    if report["failed_sections"]:
+        print(f"failed sections: {report['failed_sections']}")
+        return 1
     return 0
 
 

@@ -1,22 +1,31 @@
-"""Triton kernels against their PyTorch references, run on CPU by Triton's
-interpreter (fp32 and fp16; the interpreter's bf16 arithmetic is wrong)."""
+"""Triton kernels against their PyTorch references. Without CUDA they run on CPU
+in Triton's interpreter (fp32 and fp16; the interpreter's bf16 arithmetic is
+wrong); with CUDA (and TRITON_INTERPRET unset) they run on the GPU, bf16 included."""
 
 from __future__ import annotations
 
 import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # must be set before triton is imported
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # must be set before triton is imported
 
 import pytest  # noqa: E402
-import torch  # noqa: E402
 
 from llmserve.kernels.reference import unified_attention_ref, write_kv_cache_ref  # noqa: E402
 
 triton_attention = pytest.importorskip("llmserve.kernels.triton_attention")
 
+INTERPRETED = triton_attention.INTERPRETED
+DEVICE = "cpu" if INTERPRETED else "cuda"
+on_gpu_only = pytest.mark.skipif(INTERPRETED, reason="the interpreter computes bf16 wrongly")
+
 MIXED = [(1, 1328), (5, 18), (129, 463)]
 DECODE = [(1, 523), (1, 37), (1, 2011)]
-TOL = {torch.float32: 2e-4, torch.float16: 2e-2}
+# On a GPU, fp32 tl.dot rounds its inputs to TF32 (an fp16-sized mantissa).
+TOL = {torch.float32: 2e-4 if INTERPRETED else 2e-2, torch.float16: 2e-2,
+       torch.bfloat16: 3e-2}
 
 
 def make_batch(shapes, num_heads, num_kv_heads, head_dim, block_size, dtype,
@@ -40,10 +49,11 @@ def make_batch(shapes, num_heads, num_kv_heads, head_dim, block_size, dtype,
     for q, _ in shapes:
         qsl.append(qsl[-1] + q)
     q = torch.randn(qsl[-1], num_heads, head_dim, generator=g).to(dtype)
-    return dict(q=q, k_cache=k_cache, v_cache=v_cache,
-                query_start_loc=torch.tensor(qsl, dtype=torch.int32),
-                seq_lens=torch.tensor([s for _, s in shapes], dtype=torch.int32),
-                block_tables=tables, max_query_len=max(q for q, _ in shapes),
+    return dict(q=q.to(DEVICE), k_cache=k_cache.to(DEVICE), v_cache=v_cache.to(DEVICE),
+                query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=DEVICE),
+                seq_lens=torch.tensor([s for _, s in shapes], dtype=torch.int32,
+                                      device=DEVICE),
+                block_tables=tables.to(DEVICE), max_query_len=max(q for q, _ in shapes),
                 max_seq_len=max(s for _, s in shapes), scale=head_dim ** -0.5)
 
 
@@ -82,25 +92,137 @@ def test_split_kv_with_head_dim_128_and_block_32():
     check(batch, torch.float32, num_splits=8)
 
 
+# --- the default path: num_splits=None, chosen by the kernel wrapper -----------------------
+def test_issue_18_llama3_8b_decode_576_tokens_default_splits():
+    """Issue #18: one decode of 576 tokens, 32 query / 8 KV heads, head_dim 128,
+    block 16. The split choice was min(32, 32, 576 // 64) = 9 splits, not a power of
+    two, and _split_decode asserted; now 8."""
+    check(make_batch([(1, 576)], 32, 8, 128, 16, torch.float32), torch.float32)
+
+
+# (shapes, query heads, KV heads, head_dim, block_size, dtype): few query heads per KV
+# head, since the interpreter's cost grows with (sequences x KV heads x key blocks).
+# The comment gives the path chosen today (split count, or single pass).
+DEFAULT_DECODE = [
+    ([(1, 2100)], 2, 1, 64, 16, torch.float32),  # 32 splits (the cap)
+    ([(1, 1000)], 12, 4, 64, 32, torch.float32),  # 4: 1000 // 128 = 7 rounded down
+    ([(1, 17)], 4, 2, 80, 16, torch.float32),  # short context: single pass
+    ([(1, 1)], 2, 1, 128, 32, torch.float32),  # one key: single pass
+    ([(1, 1), (1, 2100)], 4, 2, 80, 32, torch.float32),  # 16
+    ([(1, 576), (1, 17)], 16, 8, 64, 32, torch.float32),  # 4
+    ([(1, 1), (1, 17), (1, 576), (1, 2100), (1, 300)], 4, 4, 128, 16, torch.float16),  # 16
+    ([(1, 576), (1, 1), (1, 17), (1, 33), (1, 700)], 24, 8, 80, 16, torch.float32),  # 8
+]
+DEFAULT_MIXED = [
+    ([(1, 2100), (17, 17), (33, 576), (1, 1)], 4, 2, 80, 16, torch.float32),
+    ([(1, 576), (5, 2100), (17, 17)], 8, 8, 128, 32, torch.float16),
+]
+
+
+def _case_id(case):
+    shapes, heads, kv_heads, head_dim, block_size, dtype = case
+    ctx = ",".join(str(s) for _, s in shapes)
+    return f"seqs{len(shapes)}-ctx{ctx}-h{heads}kv{kv_heads}-d{head_dim}-b{block_size}"
+
+
+@pytest.mark.parametrize("case", DEFAULT_DECODE + DEFAULT_MIXED, ids=_case_id)
+def test_default_path_decode_and_mixed(case):
+    shapes, heads, kv_heads, head_dim, block_size, dtype = case
+    check(make_batch(shapes, heads, kv_heads, head_dim, block_size, dtype), dtype)
+
+
+@on_gpu_only
+@pytest.mark.parametrize("case", DEFAULT_DECODE + DEFAULT_MIXED, ids=_case_id)
+def test_default_path_bf16(case):
+    shapes, heads, kv_heads, head_dim, block_size, _ = case
+    dtype = torch.bfloat16
+    check(make_batch(shapes, heads, kv_heads, head_dim, block_size, dtype), dtype)
+
+
+def test_choose_splits_is_a_supported_power_of_two():
+    """Whatever the batch, the split count is a power of two in [1, MAX_SPLITS] (the
+    reduce kernel's tl.arange length) and leaves every split >= 4 blocks."""
+    choose, max_splits = triton_attention._choose_splits, triton_attention.MAX_SPLITS
+    lengths = [*range(1, 70000, 97), 511, 512, 576, 1000, 2100, 1 << 17]
+    for block_size in (16, 32, 64, 128):
+        for num_seqs in (1, 2, 3, 5, 7, 13, 31, 64, 127, 128, 300):
+            for kv_heads in (1, 2, 4, 8, 16):
+                for max_seq_len in lengths:
+                    n = choose(num_seqs, kv_heads, max_seq_len, block_size)
+                    assert 1 <= n <= max_splits and n & (n - 1) == 0, n
+                    assert n == 1 or max_seq_len // block_size >= 4 * n
+    assert choose(1, 8, 576, 16) == 8  # the issue #18 shape
+    assert choose(128, 8, 4096, 16) == 1  # enough programs already
+
+
+@pytest.mark.parametrize("num_splits", [None, 4])
+def test_split_kv_skips_sequences_without_a_query(num_splits):
+    """A sequence with no new token (padding) in a decode-only batch: its
+    query_start_loc is the next sequence's row (or one past the end), which the split
+    path must not write. Before the guard the trailing case wrote past ``out``."""
+    batch = make_batch([(1, 600), (0, 16), (1, 300), (0, 0)], 4, 2, 64, 16, torch.float32)
+    check(batch, torch.float32, num_splits=num_splits)
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(block_size=8), "block_size must be a power of two >= 16"),
+    (dict(block_size=48), "block_size must be a power of two >= 16"),
+    (dict(head_dim=8), "head_dim must be in"),
+    (dict(head_dim=512), "head_dim must be in"),
+    (dict(num_heads=6, num_kv_heads=4), "must be a positive multiple of num_kv_heads"),
+    (dict(dtype=torch.float64), "dtype must be"),
+])
+def test_check_supported_rejects_with_a_clear_message(kw, match):
+    args = dict(block_size=16, head_dim=128, num_heads=32, num_kv_heads=8) | kw
+    with pytest.raises(ValueError, match=match):
+        triton_attention.check_supported(**args)
+
+
+@pytest.mark.parametrize("block_size,head_dim,heads", [
+    (16, 128, (32, 8)), (32, 80, (6, 2)), (128, 256, (8, 1)), (16, 16, (9, 3))])
+def test_check_supported_accepts(block_size, head_dim, heads):
+    for dtype in (None, torch.float16, torch.float32):
+        triton_attention.check_supported(block_size=block_size, head_dim=head_dim,
+                                         num_heads=heads[0], num_kv_heads=heads[1],
+                                         dtype=dtype)
+    triton_attention.check_supported(block_size=block_size)  # the rest unchecked
+    if INTERPRETED:
+        with pytest.raises(ValueError, match="bfloat16"):
+            triton_attention.check_supported(block_size=16, dtype=torch.bfloat16)
+
+
+def test_unified_attention_rejects_unsupported_num_splits_and_block_size():
+    batch = make_batch([(1, 100)], 4, 2, 64, 16, torch.float32)
+    out = torch.empty_like(batch["q"])
+    for bad in (3, 0, 64):
+        with pytest.raises(ValueError, match="num_splits must be a power of two"):
+            triton_attention.unified_attention(out=out, **batch, num_splits=bad)
+    small = make_batch([(1, 100)], 4, 2, 64, 8, torch.float32)
+    with pytest.raises(ValueError, match="block_size"):
+        triton_attention.unified_attention(out=torch.empty_like(small["q"]), **small)
+
+
 def test_large_block_pool_no_int32_overflow():
     """Offsets past 2**31 elements: a wrong int32 product would read elsewhere."""
     head_dim, kv_heads, block_size = 64, 2, 16
     elems_per_block = block_size * kv_heads * head_dim
     num_blocks = 2 ** 31 // elems_per_block + 64  # the last blocks lie beyond 2**31 elements
-    k_cache = torch.empty(num_blocks, block_size, kv_heads, head_dim, dtype=torch.float16)
+    k_cache = torch.empty(num_blocks, block_size, kv_heads, head_dim, dtype=torch.float16,
+                          device=DEVICE)
     v_cache = torch.empty_like(k_cache)
     g = torch.Generator().manual_seed(1)
-    high = torch.arange(num_blocks - 40, num_blocks)
-    k_cache[high] = torch.randn(40, block_size, kv_heads, head_dim, generator=g).half()
-    v_cache[high] = torch.randn(40, block_size, kv_heads, head_dim, generator=g).half()
+    high = torch.arange(num_blocks - 40, num_blocks, device=DEVICE)
+    k_cache[high] = torch.randn(40, block_size, kv_heads, head_dim, generator=g).half().to(DEVICE)
+    v_cache[high] = torch.randn(40, block_size, kv_heads, head_dim, generator=g).half().to(DEVICE)
     shapes = [(3, 300), (1, 250)]
-    tables = torch.zeros(2, 19, dtype=torch.int32)
+    tables = torch.zeros(2, 19, dtype=torch.int32, device=DEVICE)
     tables[0, :19] = high[:19].int()
     tables[1, :16] = high[20:36].int()
-    q = torch.randn(4, 4, head_dim, generator=g).half()
+    q = torch.randn(4, 4, head_dim, generator=g).half().to(DEVICE)
     batch = dict(q=q, k_cache=k_cache, v_cache=v_cache,
-                 query_start_loc=torch.tensor([0, 3, 4], dtype=torch.int32),
-                 seq_lens=torch.tensor([s for _, s in shapes], dtype=torch.int32),
+                 query_start_loc=torch.tensor([0, 3, 4], dtype=torch.int32, device=DEVICE),
+                 seq_lens=torch.tensor([s for _, s in shapes], dtype=torch.int32,
+                                       device=DEVICE),
                  block_tables=tables, max_query_len=3, max_seq_len=300, scale=0.125)
     # The reference reads a compact copy of the 40 blocks in use (same contents).
     compact = dict(batch, k_cache=k_cache[high].clone(), v_cache=v_cache[high].clone(),
@@ -115,11 +237,11 @@ def test_fully_masked_padding_rows_stay_finite():
 
 def test_write_kv_cache_skips_negative_slots():
     g = torch.Generator().manual_seed(0)
-    k_cache = torch.zeros(8, 16, 2, 64)
-    v_cache = torch.zeros(8, 16, 2, 64)
-    key = torch.randn(6, 2, 64, generator=g)
-    value = torch.randn(6, 2, 64, generator=g)
-    slots = torch.tensor([5, -1, 17, 127, -1, 40])
+    k_cache = torch.zeros(8, 16, 2, 64, device=DEVICE)
+    v_cache = torch.zeros(8, 16, 2, 64, device=DEVICE)
+    key = torch.randn(6, 2, 64, generator=g).to(DEVICE)
+    value = torch.randn(6, 2, 64, generator=g).to(DEVICE)
+    slots = torch.tensor([5, -1, 17, 127, -1, 40], device=DEVICE)
     ref_k, ref_v = k_cache.clone(), v_cache.clone()
     write_kv_cache_ref(key, value, ref_k, ref_v, slots)
     triton_attention.write_kv_cache(key, value, k_cache, v_cache, slots)
@@ -145,8 +267,40 @@ def test_engine_greedy_output_same_with_triton_and_reference(tiny_llama):
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     outs = {}
     for backend in ("torch", "triton"):
+        # float32: on a GPU the default bf16 could flip a greedy token between backends
         llm = LLM(str(tiny_llama), attention_backend=backend, kv_cache_memory=8 << 20,
-                  max_num_batched_tokens=32)
+                  max_num_batched_tokens=32, dtype="float32")
         assert llm.engine.runner.use_triton == (backend == "triton")
         outs[backend] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     assert outs["triton"] == outs["torch"]
+
+
+def test_reachable_splits_cover_every_default_choice():
+    """The warm-up compiles these; a split count the engine can choose but the warm-up
+    skipped would compile (or fail) at a user's first long request."""
+    from llmserve.kernels.triton_attention import _choose_splits, reachable_splits
+    for kv_heads in (1, 2, 3, 4, 8, 16, 64):
+        for block_size in (16, 32, 128):
+            for max_len in (256, 600, 2048, 8192, 131072):
+                reach = set(reachable_splits(kv_heads, max_len, block_size))
+                chosen = {_choose_splits(n, kv_heads, length, block_size)
+                          for n in (1, 2, 3, 5, 16, 64, 256)
+                          for length in range(1, max_len + 1, max(1, max_len // 97))}
+                assert chosen <= reach, (kv_heads, block_size, max_len, chosen - reach)
+
+
+def test_warm_up_launches_every_variant():
+    from llmserve.kernels.triton_attention import reachable_splits, warm_up
+    launches = warm_up(num_heads=4, num_kv_heads=2, head_dim=32, block_size=16,
+                       dtype=torch.float32, device=torch.device(DEVICE), max_seq_len=1024,
+                       max_num_seqs=2)
+    splits = reachable_splits(2, 1024, 16)
+    assert splits == [1, 2, 4, 8, 16]
+    assert launches == 2 * (len(splits) + 1)  # batch sizes 1 and 2: decode splits + prefill
+
+
+def test_engine_config_refuses_blocks_the_kernels_cannot_tile():
+    from llmserve.engine.config import EngineConfig
+    with pytest.raises(ValueError, match="block_size must be a power of two >= 16"):
+        EngineConfig(model="none", device="cpu", attention_backend="triton", block_size=8)
+    EngineConfig(model="none", device="cpu", attention_backend="torch", block_size=8)

@@ -15,6 +15,9 @@ too few programs to fill a GPU, so a split-KV variant gives each
 (sequence, KV head) several programs over disjoint key ranges and a second
 kernel merges their partial results by log-sum-exp.
 
+Shapes the kernels support are checked by ``check_supported`` (a ValueError
+that names the violated limit); ``unified_attention`` calls it on every call.
+
 The PyTorch references live in ``reference.py``; tests compare the two under
 ``TRITON_INTERPRET=1`` on CPU.
 """
@@ -24,6 +27,12 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+# Limits of the kernels below (see ``check_supported``).
+MIN_BLOCK_SIZE = 16  # BLOCK_SIZE is the K dimension of tl.dot(p, v): K >= 16 for 16-bit
+MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256  # head_dim is padded to a power of two in [16, 256]
+MAX_SPLITS = 32  # split-KV: NUM_SPLITS is a tl.arange length, so a power of two <= this
+_SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 # --- KV-cache write -------------------------------------------------------------------------
@@ -167,6 +176,8 @@ def _split_decode_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     token = tl.load(query_start_loc_ptr + seq).to(tl.int64)
+    if tl.load(query_start_loc_ptr + seq + 1) == token:  # no query (padding): no output row
+        return
     seq_len = tl.load(seq_lens_ptr + seq)
     offs_m = tl.arange(0, BLOCK_M)
     head_in_group = offs_m % GROUP_P
@@ -204,6 +215,9 @@ def _split_reduce_kernel(part_acc_ptr, part_m_ptr, part_l_ptr, out_ptr, query_st
     """Merge the splits of one (sequence, head) by log-sum-exp."""
     seq = tl.program_id(0)
     head = tl.program_id(1)
+    token = tl.load(query_start_loc_ptr + seq).to(tl.int64)
+    if tl.load(query_start_loc_ptr + seq + 1) == token:  # no query: that row is not ours
+        return
     offs_s = tl.arange(0, NUM_SPLITS)
     offs_d = tl.arange(0, HEAD_DIM_P)
     part = (seq.to(tl.int64) * NUM_SPLITS + offs_s) * NUM_HEADS + head
@@ -216,19 +230,113 @@ def _split_reduce_kernel(part_acc_ptr, part_m_ptr, part_l_ptr, out_ptr, query_st
     total = tl.sum(acc * w[:, None], axis=0)
     denom = tl.sum(l * w, axis=0)
     out = total / tl.where(denom == 0.0, 1.0, denom)
-    token = tl.load(query_start_loc_ptr + seq).to(tl.int64)
     tl.store(out_ptr + token * stride_ot + head * stride_oh + offs_d,
              out.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
 
 
+def check_supported(*, block_size: int | None = None, head_dim: int | None = None,
+                    num_heads: int | None = None, num_kv_heads: int | None = None,
+                    dtype: torch.dtype | None = None) -> None:
+    """Raise ValueError, naming every violated limit, if the Triton kernels cannot
+    serve this shape; arguments left None are not checked (a config can check
+    ``block_size`` and ``dtype`` before the model's head shape is known).
+
+    * ``block_size``: a power of two >= 16. A cache block is one key tile
+      (``tl.arange``) and the K dimension of ``tl.dot(p, v)``, which Triton compiles
+      only for K >= 16 with 16-bit inputs (older releases want M, N, K >= 16). The
+      interpreter does not check this, so CPU tests cannot catch it.
+    * ``head_dim``: 16 .. 256, any value (80, 96, 112 ... are padded to the next power
+      of two; the padded width is the K dimension of ``tl.dot(q, k^T)``). 256 is the
+      widest tile tried; wider ones need more registers and shared memory per program.
+    * ``num_heads`` a multiple of ``num_kv_heads`` (GQA groups of equal size; the
+      group size itself need not be a power of two).
+    * ``dtype`` (optional): float16, bfloat16 or float32; bfloat16 is refused when the
+      kernels run in Triton's CPU interpreter, whose bf16 arithmetic is wrong.
+    """
+    problems = []
+    if block_size is not None and (block_size < MIN_BLOCK_SIZE or block_size & (block_size - 1)):
+        problems.append(f"block_size must be a power of two >= {MIN_BLOCK_SIZE} "
+                        f"(a key tile of tl.dot), got {block_size}")
+    if head_dim is not None and not MIN_HEAD_DIM <= head_dim <= MAX_HEAD_DIM:
+        problems.append(f"head_dim must be in [{MIN_HEAD_DIM}, {MAX_HEAD_DIM}], got {head_dim}")
+    if num_heads is not None and num_kv_heads is not None and (
+            num_kv_heads < 1 or num_heads < 1 or num_heads % num_kv_heads):
+        problems.append(f"num_heads ({num_heads}) must be a positive multiple of "
+                        f"num_kv_heads ({num_kv_heads})")
+    if dtype is not None and dtype not in _SUPPORTED_DTYPES:
+        problems.append(f"dtype must be float16, bfloat16 or float32, got {dtype}")
+    if dtype == torch.bfloat16 and INTERPRETED:
+        problems.append("bfloat16 is computed wrongly by Triton's interpreter "
+                        "(TRITON_INTERPRET=1); use float16 or float32 there")
+    if problems:
+        raise ValueError("Triton attention kernels do not support this shape: "
+                         + "; ".join(problems))
+
+
+def _prev_power_of_2(n: int) -> int:
+    return 1 << (max(1, n).bit_length() - 1)
+
+
 def _choose_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, block_size: int) -> int:
-    """Split the keys only when (sequences x KV heads) leaves most of the GPU idle
-    and each split still gets a few blocks."""
+    """Split-KV count for a decode-only batch: always a power of two in [1, MAX_SPLITS].
+
+    It must be a power of two because the reduce kernel loads the splits of one head
+    as ``tl.arange(0, NUM_SPLITS)``; and since NUM_SPLITS is a compile-time constant,
+    powers of two also bound the kernel variants to six. Split only when
+    (sequences x KV heads) leaves most of the GPU idle (aim for ~256 programs), and
+    only as far as every split still gets >= 4 cache blocks of the longest sequence
+    (shorter sequences leave their last splits empty, which the merge ignores)."""
     programs = num_seqs * num_kv_heads
     if programs >= 128 or max_seq_len < 512:
         return 1
-    splits = triton.next_power_of_2(max(1, 256 // programs))
-    return int(max(1, min(splits, 32, max_seq_len // (4 * block_size))))
+    wanted = triton.next_power_of_2(256 // programs)
+    by_length = max_seq_len // (4 * block_size)  # splits of >= 4 blocks
+    return _prev_power_of_2(min(wanted, MAX_SPLITS, by_length))
+
+
+def reachable_splits(num_kv_heads: int, max_seq_len: int, block_size: int) -> list[int]:
+    """Every split count ``_choose_splits`` can return for this model and context limit."""
+    if num_kv_heads >= 128 or max_seq_len < 512:
+        return [1]
+    top = _prev_power_of_2(min(triton.next_power_of_2(256 // num_kv_heads), MAX_SPLITS,
+                               max_seq_len // (4 * block_size)))
+    return [1 << i for i in range(top.bit_length())]
+
+
+def warm_up(*, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
+            dtype: torch.dtype, device: torch.device, max_seq_len: int,
+            max_num_seqs: int) -> int:
+    """Compile every kernel variant the engine can launch, on tiny inputs: prefill and
+    decode, each split count of split-KV decode, and the batch sizes Triton specialises
+    integer arguments on (1, multiples of 16, others). Returns the number of launches."""
+    check_supported(block_size=block_size, head_dim=head_dim, num_heads=num_heads,
+                    num_kv_heads=num_kv_heads, dtype=dtype)
+    batch_sizes = sorted({n for n in (1, 2, 16) if n <= max_num_seqs})
+    num_blocks = max(batch_sizes) * 2
+    cache = torch.zeros((2, num_blocks, block_size, num_kv_heads, head_dim), dtype=dtype,
+                        device=device)
+    launches = 0
+    for num_seqs in batch_sizes:
+        for query_len in (1, 2):
+            num_tokens = num_seqs * query_len
+            q = torch.zeros((num_tokens, num_heads, head_dim), dtype=dtype, device=device)
+            kv = torch.zeros((num_tokens, num_kv_heads, head_dim), dtype=dtype, device=device)
+            slots = torch.arange(num_tokens, device=device) * 2  # inside each seq's 1st block
+            write_kv_cache(kv, kv, cache[0], cache[1], slots)
+            starts = torch.arange(num_seqs + 1, dtype=torch.int32, device=device) * query_len
+            lens = torch.full((num_seqs,), query_len, dtype=torch.int32, device=device)
+            tables = torch.arange(num_blocks, dtype=torch.int32, device=device).view(
+                num_seqs, -1)
+            splits = reachable_splits(num_kv_heads, max_seq_len, block_size)
+            for num_splits in (splits if query_len == 1 else [1]):
+                unified_attention(q, cache[0], cache[1], torch.empty_like(q),
+                                  query_start_loc=starts, seq_lens=lens, block_tables=tables,
+                                  max_query_len=query_len, max_seq_len=query_len,
+                                  scale=head_dim ** -0.5, num_splits=num_splits)
+                launches += 1
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return launches
 
 
 def unified_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -239,9 +347,16 @@ def unified_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     """Causal paged attention of each sequence's new tokens over its cached keys.
 
     ``num_splits`` forces the split-KV path (decode-only batches) with that many
-    splits (a power of two); by default it is chosen from the batch shape."""
+    splits (a power of two <= MAX_SPLITS); by default it is chosen from the batch
+    shape. Raises ValueError for shapes outside ``check_supported``."""
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
+    check_supported(block_size=block_size, head_dim=head_dim, num_heads=num_heads,
+                    num_kv_heads=num_kv_heads, dtype=q.dtype)
+    if num_splits is not None and not (1 <= num_splits <= MAX_SPLITS
+                                       and num_splits & (num_splits - 1) == 0):
+        raise ValueError(f"num_splits must be a power of two in [1, {MAX_SPLITS}], "
+                         f"got {num_splits}")
     num_seqs = seq_lens.shape[0]
     group = num_heads // num_kv_heads
     group_p = triton.next_power_of_2(group)
@@ -271,7 +386,6 @@ def _split_decode(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tab
     num_heads = q.shape[1]
     num_seqs = seq_lens.shape[0]
     num_kv_heads = k_cache.shape[2]
-    assert num_splits == triton.next_power_of_2(num_splits), "num_splits: a power of two"
     part_acc = torch.empty((num_seqs, num_splits, num_heads, head_dim_p), dtype=torch.float32,
                            device=q.device)
     part_m = torch.empty((num_seqs, num_splits, num_heads), dtype=torch.float32, device=q.device)
@@ -285,3 +399,8 @@ def _split_decode(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tab
     _split_reduce_kernel[(num_seqs, num_heads)](
         part_acc, part_m, part_l, out, query_start_loc, out.stride(0), out.stride(1),
         NUM_HEADS=num_heads, NUM_SPLITS=num_splits, HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p)
+
+
+# True when this module's kernels were built for Triton's CPU interpreter
+# (TRITON_INTERPRET=1 when it was imported): they then take CPU tensors.
+INTERPRETED = type(_unified_attention_kernel).__name__ == "InterpretedFunction"
