@@ -3,7 +3,14 @@
 FROM nvidia/cuda:12.8.1-runtime-ubuntu24.04
 ENV PIP_NO_CACHE_DIR=1 PYTHONUNBUFFERED=1 HOME=/cache LLMSERVE_CACHE=/cache/llmserve \
     PIP_BREAK_SYSTEM_PACKAGES=1
-RUN apt-get update && apt-get install -y --no-install-recommends python3 python3-pip \
+# Triton compiles a small C launcher for each kernel signature on its first call, so
+# the image keeps a C compiler, the C library headers and the headers of this python3
+# (python3-dev is the one matching the distribution's python3; Triton links libcuda.so.1,
+# which the NVIDIA container runtime mounts). No build-essential: no g++, make or
+# dpkg-dev. The compiled launchers and kernels are cached under $HOME/.triton (/cache).
+RUN apt-get update \
+ && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
+      python3 python3-pip python3-dev gcc libc6-dev \
  && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
 COPY pyproject.toml README.md ./

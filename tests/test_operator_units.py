@@ -93,6 +93,83 @@ def test_model_sources():
         model_source(owner(model={"source": "s3://bucket/x"}))
 
 
+def engine_pod(o: Owner) -> dict:
+    return by_kind(children(o, 1))["Deployment"][0]["spec"]["template"]["spec"]
+
+
+def env_of(container: dict) -> dict:
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in container["env"]}
+
+
+@pytest.mark.parametrize("kind", ["llmserve", "vllm"])
+def test_hf_token_secret_becomes_hf_token(kind):
+    o = owner(model={"source": "hf://meta-llama/Llama-3.2-1B-Instruct", "name": "llama",
+                     "hfTokenSecret": {"name": "hf"}}, engine={"kind": kind})
+    env = env_of(engine_pod(o)["containers"][0])
+    assert env["HF_TOKEN"] == {"secretKeyRef": {"name": "hf", "key": "token"}}
+    o.spec["model"]["hfTokenSecret"] = {"name": "creds", "key": "hf-token"}
+    env = env_of(engine_pod(o)["containers"][0])
+    assert env["HF_TOKEN"] == {"secretKeyRef": {"name": "creds", "key": "hf-token"}}
+    # no secret, no HF_TOKEN (and never a literal token in the pod spec)
+    del o.spec["model"]["hfTokenSecret"]
+    assert "HF_TOKEN" not in env_of(engine_pod(o)["containers"][0])
+
+
+def test_hf_token_secret_needs_a_name():
+    o = owner(model={"source": "hf://a/b", "hfTokenSecret": {"key": "token"}})
+    with pytest.raises(SpecError, match="hfTokenSecret needs the name of a Secret"):
+        children(o, 1)
+
+
+@pytest.mark.parametrize("kind", ["llmserve", "vllm"])
+def test_hf_cache_is_on_a_writable_volume(kind):
+    """The root filesystem is read-only: HF_HOME (and HOME) must be on a mounted volume
+    that is not the read-only model volume."""
+    pod = engine_pod(owner(model={"source": "hf://a/b"}, engine={"kind": kind}))
+    c = pod["containers"][0]
+    assert c["securityContext"]["readOnlyRootFilesystem"] is True
+    env = env_of(c)
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    for var in ("HF_HOME", "HOME"):
+        mount = next(m for m in c["volumeMounts"]
+                     if (env[var] + "/").startswith(m["mountPath"].rstrip("/") + "/"))
+        assert not mount.get("readOnly")
+        assert "emptyDir" in volumes[mount["name"]]
+    assert env["HF_HOME"] == "/cache/huggingface"
+
+
+def test_hf_sources_per_engine_kind():
+    llmserve = owner(model={"source": "hf://Qwen/Qwen2.5-0.5B-Instruct@v1.0"})
+    args = engine_pod(llmserve)["containers"][0]["args"]
+    assert args[args.index("--model") + 1] == "hf://Qwen/Qwen2.5-0.5B-Instruct@v1.0"
+    assert "--revision" not in args  # the loader reads @REV from the URI
+    vllm = owner(model={"source": "hf://Qwen/Qwen2.5-0.5B-Instruct@v1.0"},
+                 engine={"kind": "vllm"})
+    c = engine_pod(vllm)["containers"][0]
+    assert c["command"] == ["vllm", "serve", "Qwen/Qwen2.5-0.5B-Instruct"]
+    assert c["args"][c["args"].index("--revision") + 1] == "v1.0"
+    assert c["args"][c["args"].index("--tokenizer-revision") + 1] == "v1.0"
+    unpinned = owner(model={"source": "hf://Qwen/Qwen2.5-0.5B-Instruct"},
+                     engine={"kind": "vllm"})
+    assert "--revision" not in engine_pod(unpinned)["containers"][0]["args"]
+
+
+def test_crd_declares_hf_token_secret():
+    from pathlib import Path
+
+    import yaml
+    crd = (Path(__file__).resolve().parent.parent / "crds"
+           / "llmdeployments.serving.llmserve.io.yaml")
+    schema = yaml.safe_load(crd.read_text())["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    model = schema["properties"]["spec"]["properties"]["model"]
+    secret = model["properties"]["hfTokenSecret"]
+    assert secret["type"] == "object" and secret["required"] == ["name"]
+    assert "x-kubernetes-preserve-unknown-fields" not in secret  # unknown fields are pruned
+    assert set(secret["properties"]) == {"name", "key"}
+    assert all(p["type"] == "string" for p in secret["properties"].values())
+    assert secret["properties"]["key"]["default"] == "token"
+
+
 def test_gateway_children():
     o = owner(gateway={"replicas": 2, "policy": "least-load", "serviceType": "LoadBalancer",
                        "apiKeySecret": {"name": "keys", "key": "k"}})

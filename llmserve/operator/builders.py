@@ -89,6 +89,7 @@ def model_source(owner: Owner) -> tuple[str, list[dict], list[dict]]:
     source = owner.spec["model"]["source"]
     kind = owner.spec.get("engine", {}).get("kind", "llmserve")
     if source.startswith("hf://"):
+        # llmserve takes the URI itself; vLLM takes the repo id and --revision.
         return source if kind == "llmserve" else source[len("hf://"):].split("@")[0], [], []
     if source.startswith("pvc://"):
         claim, _, path = source[len("pvc://"):].partition("/")
@@ -107,6 +108,33 @@ def model_source(owner: Owner) -> tuple[str, list[dict], list[dict]]:
                         f"(built-in: {', '.join(sorted(BUILTIN_MODELS))}); use hf://, "
                         f"pvc:// or file:///")
     return source, [], []
+
+
+def hf_revision(owner: Owner) -> str | None:
+    """The @REVISION of an hf:// source, if it names one."""
+    source = owner.spec["model"]["source"]
+    if not source.startswith("hf://") or "@" not in source:
+        return None
+    return source.split("@", 1)[1] or None
+
+
+# Where the engine container keeps what it downloads (huggingface_hub's cache, Triton's
+# kernel cache): the writable `cache` volume, since the root filesystem is read-only.
+CACHE_DIR = "/cache"
+HF_HOME = f"{CACHE_DIR}/huggingface"
+
+
+def engine_env(owner: Owner) -> list[dict]:
+    env = [{"name": "HOME", "value": CACHE_DIR}, {"name": "HF_HOME", "value": HF_HOME}]
+    secret = owner.spec["model"].get("hfTokenSecret")
+    if secret:
+        if not secret.get("name"):
+            raise SpecError("model.hfTokenSecret needs the name of a Secret")
+        # Both engines (and huggingface_hub under them) read HF_TOKEN. A missing Secret or
+        # key keeps the pod from starting (CreateContainerConfigError), which is visible.
+        env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {
+            "name": secret["name"], "key": secret.get("key") or "token"}}})
+    return env
 
 
 # --- engine --------------------------------------------
@@ -134,6 +162,9 @@ def engine_container(owner: Owner) -> dict:
                  "--max-num-batched-tokens", "maxModelLen": "--max-model-len"}
         if gpus > 1:
             args += ["--tensor-parallel-size", str(gpus)]
+        revision = hf_revision(owner)
+        if revision:  # the tokenizer from the same commit as the weights
+            args += ["--revision", revision, "--tokenizer-revision", revision]
     for key, flag in flags.items():
         if engine.get(key) is not None:
             args += [flag, str(engine[key])]
@@ -143,15 +174,14 @@ def engine_container(owner: Owner) -> dict:
         "name": "engine", "image": image, "command": command, "args": args,
         "ports": [{"name": "http", "containerPort": port, "protocol": "TCP"}],
         # The image bakes the built-in model's converted cache (LLMSERVE_CACHE);
-        # anything downloaded at run time goes to the writable /cache volume.
-        "env": [{"name": "HOME", "value": "/cache"},
-                {"name": "HF_HOME", "value": "/cache/huggingface"}],
+        # anything downloaded at run time (hf:// snapshots) goes to the /cache volume.
+        "env": engine_env(owner),
         "resources": resources(spec.get("resources", {})),
         "readinessProbe": {**probe, "periodSeconds": 2, "failureThreshold": 2},
         "startupProbe": {**probe, "periodSeconds": 2, "failureThreshold": 900},
         "livenessProbe": {**probe, "periodSeconds": 10, "failureThreshold": 6},
         "securityContext": CONTAINER_SECURITY,
-        "volumeMounts": [{"name": "cache", "mountPath": "/cache"},
+        "volumeMounts": [{"name": "cache", "mountPath": CACHE_DIR},
                          {"name": "tmp", "mountPath": "/tmp"}, *mounts],
     }
 

