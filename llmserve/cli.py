@@ -8,6 +8,7 @@ import logging
 import os
 import sys
 
+from llmserve.engine.async_engine import EngineStartError
 from llmserve.engine.models.loader import ModelLoadError
 
 
@@ -238,6 +239,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ModelLoadError, ValueError) as e:
         print(f"llmserve: error: {e}", file=sys.stderr)
         return 2
+    except EngineStartError as e:
+        print(f"llmserve: error: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -34,6 +34,10 @@ class EngineDeadError(RuntimeError):
     pass
 
 
+class EngineStartError(RuntimeError):
+    """The engine was built but could not run a step (e.g. a kernel did not compile)."""
+
+
 @dataclass
 class _Add:
     request_id: str
@@ -130,6 +134,7 @@ class AsyncLLMEngine:
     def _run(self) -> None:
         try:
             self.engine = LLMEngine(self.config)
+            self._warm_up()
             self.metrics = EngineMetrics(self.engine.model_name)
         except BaseException as e:  # noqa: BLE001 - reported by start()
             self.error = e
@@ -153,6 +158,17 @@ class AsyncLLMEngine:
             self.error = e
             for request_id in list(self._sinks):
                 self._deliver(request_id, EngineDeadError(f"engine loop died: {e!r}"))
+
+    def _warm_up(self) -> None:
+        """Before start() returns, i.e. before the server listens and /health answers."""
+        t0 = time.perf_counter()
+        try:
+            self.engine.warm_up()
+        except Exception as e:
+            backend = "triton" if self.engine.runner.use_triton else "torch"
+            raise EngineStartError(f"the engine failed its warm-up on {self.config.device} "
+                                   f"with the {backend} attention backend: {e}") from e
+        log.info("warm-up done in %.1f s", time.perf_counter() - t0)
 
     def _drain_inbox(self) -> None:
         while True:

@@ -58,6 +58,9 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
             raise ValueError(f"block_size must be a power of two <= 128, got {self.block_size}")
+        if self.uses_triton:
+            from llmserve.kernels.triton_attention import check_supported
+            check_supported(block_size=self.block_size)  # ValueError naming the limit
         if self.max_num_batched_tokens is None:
             self.max_num_batched_tokens = 2048 if self.device.startswith("cuda") else 512
         if self.max_num_seqs < 1:
@@ -76,6 +79,13 @@ class EngineConfig:
             raise ValueError("kv_cache_memory must be a positive number of bytes")
         if self.num_threads is None:
             self.num_threads = len(os.sched_getaffinity(0))
+
+    @property
+    def uses_triton(self) -> bool:
+        """Triton attention kernels: on CUDA by default, or when asked for."""
+        if self.attention_backend == "auto":
+            return self.device.startswith("cuda")
+        return self.attention_backend == "triton"
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -121,6 +121,36 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
 
+    def warm_up(self) -> None:
+        """Run a prefill, a mixed prefill + decode step, greedy and sampled decodes,
+        and every attention kernel variant the config can reach, before serving: a
+        kernel that cannot compile fails the start-up, not the first request, and the
+        first request does not pay for compilation. Leaves no trace: blocks are freed,
+        nothing enters the prefix cache, counters start at zero."""
+        assert not self.has_unfinished(), "warm up before serving"
+        bm = self.block_manager
+        caching, bm.enable_prefix_caching = bm.enable_prefix_caching, False
+        try:
+            capacity = bm.num_blocks * bm.block_size // 4
+            prompt_len = max(1, min(64, self.config.max_num_batched_tokens, capacity,
+                                    self.max_model_len - 4))
+            first = list(range(3, 3 + prompt_len))
+            self.add_request(first, SamplingParams(temperature=0, max_tokens=3,
+                                                   ignore_eos=True), "warmup-greedy")
+            self.step()  # a prefill (chunked if the budget is small)
+            self.add_request(first[:max(1, prompt_len // 2)],
+                             SamplingParams(temperature=1.0, top_p=0.9, max_tokens=3,
+                                            ignore_eos=True, seed=0), "warmup-sampled")
+            while self.has_unfinished():  # a mixed step, then decodes
+                self.step()
+        finally:
+            bm.enable_prefix_caching = caching
+        self.runner.warm_up_kernels(self.max_model_len, self.config.max_num_seqs)
+        bm.check_all_free()
+        bm.prefix_queries = bm.prefix_hits = 0
+        self.scheduler.num_preemptions = self.scheduler.num_swapped_out = 0
+        self.stats = EngineStats()
+
     # --- the step ---------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         ts = time.perf_counter()

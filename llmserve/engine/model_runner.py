@@ -28,9 +28,10 @@ class ModelRunner:
             torch.set_num_threads(config.num_threads)
         arch = next(a for a in hf_config.architectures if a in SUPPORTED_ARCHITECTURES)
         with torch.device("meta"):
-            model = SUPPORTED_ARCHITECTURES[arch](hf_config, max_model_len)
+            model = SUPPORTED_ARCHITECTURES[arch](hf_config, max_model_len).to(self.dtype)
         # Built on the meta device (no random init of 100M+ parameters), then
-        # materialised empty and filled from the checkpoint.
+        # materialised empty in the serving dtype (never an fp32 copy first: that would
+        # double the peak memory of a bf16 model on a GPU) and filled from the checkpoint.
         model.to_empty(device=self.device)
         model.tie_weights()
         load_weights(model, model_path, self.dtype, str(self.device))
@@ -75,13 +76,27 @@ class ModelRunner:
         """Swap-outs, swap-ins and copy-on-write copies, in the order they were decided."""
         self.kv_cache.apply(batch.block_ops)
 
+    def warm_up_kernels(self, max_model_len: int, max_num_seqs: int) -> None:
+        """Compile every Triton attention variant this engine can launch (the split
+        counts of split-KV decode depend on batch size and context length, which a
+        warm-up request alone cannot cover). Nothing to do on the torch path."""
+        if not self.use_triton:
+            return
+        from llmserve.kernels.triton_attention import warm_up
+        c = self.hf_config
+        warm_up(num_heads=c.num_attention_heads, num_kv_heads=c.num_key_value_heads,
+                head_dim=c.head_dim, block_size=self.block_size, dtype=self.dtype,
+                device=self.device, max_seq_len=max_model_len, max_num_seqs=max_num_seqs)
+
     def _want_triton(self) -> bool:
-        backend = self.config.attention_backend
-        if backend == "torch":
+        if not self.config.uses_triton:
             return False
-        if backend == "triton":
-            return True
-        return self.device.type == "cuda"
+        from llmserve.kernels.triton_attention import check_supported
+        c = self.hf_config
+        check_supported(block_size=self.block_size, head_dim=c.head_dim,
+                        num_heads=c.num_attention_heads, num_kv_heads=c.num_key_value_heads,
+                        dtype=self.dtype)
+        return True
 
     # --- one step ---------------------------------------------------------------------
     def prepare(self, batch: ScheduledBatch):

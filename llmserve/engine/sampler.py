@@ -39,10 +39,10 @@ class Sampler:
         want_logprobs = any(p.logprobs is not None for p in params)
         logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
 
-        greedy = torch.tensor([p.greedy for p in params], device=dev)
-        if bool(greedy.all()):
+        if all(p.greedy for p in params):  # decided on the host: no device sync
             tokens = logits.argmax(dim=-1)
         else:
+            greedy = torch.tensor([p.greedy for p in params], device=dev)
             temps = torch.tensor([1.0 if p.greedy else p.temperature for p in params],
                                  device=dev).unsqueeze(1)
             probs = self._filtered_probs(logits / temps, params)
