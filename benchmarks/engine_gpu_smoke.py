@@ -33,8 +33,8 @@ def write_checkpoint(out: Path, smoke: bool) -> Path:
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
         model = LlamaForCausalLM(config).to(torch.bfloat16 if not smoke else torch.float32)
     model.save_pretrained(out)
-    from transformers import PreTrainedTokenizerFast
     from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
     tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(32000)}, unk_token="t0"))
     PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="t2").save_pretrained(out)
     return out
