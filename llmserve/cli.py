@@ -34,6 +34,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--attention-backend", choices=["auto", "triton", "torch"], default="auto")
     g.add_argument("--num-threads", type=int, default=None,
                    help="CPU threads for the model (default: all cores we may use)")
+    g.add_argument("--quantization", choices=["none", "int8", "int4"], default="none",
+                   help="CPU: weight-only int8/int4 linear layers (bf16 activations); "
+                        "fastest for few concurrent streams")
+    g.add_argument("--compile", action="store_true",
+                   help="torch.compile the decoder layers (CPU: fewer, fused ops per step; "
+                        "compiled during the start-up warm-up, cached on disk)")
     g.add_argument("--check-kv-integrity", action="store_true",
                    help="debug: hash KV blocks across swaps and copy-on-write, fail loudly "
                         "on a mismatch (slow)")
@@ -43,7 +49,7 @@ ENGINE_KEYS = ("model", "served_model_name", "device", "dtype", "block_size", "k
                "gpu_memory_utilization", "max_num_seqs", "max_num_batched_tokens",
                "max_model_len", "enable_chunked_prefill", "enable_prefix_caching",
                "preemption_mode", "swap_space", "scheduling_policy", "attention_backend",
-               "num_threads", "check_kv_integrity")
+               "num_threads", "quantization", "compile", "check_kv_integrity")
 
 
 def engine_config(args):

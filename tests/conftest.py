@@ -12,6 +12,11 @@ if not torch.cuda.is_available():
     # Without a GPU, Triton kernels run in Triton's interpreter (fp32/fp16 only).
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Engines run in float32 unless a test asks for another dtype, whatever this CPU's
+# automatic choice (bf16 where it has native bf16): outputs then compare exactly with
+# transformers and across batch shapes. Inherited by the servers the tests start.
+os.environ.setdefault("LLMSERVE_CPU_DTYPE", "float32")
+
 import pytest  # noqa: E402
 
 from llmserve.engine.models.loader import resolve_model  # noqa: E402

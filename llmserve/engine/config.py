@@ -23,7 +23,8 @@ class EngineConfig:
     model: str = "smollm2-135m-instruct"
     served_model_name: str | None = None
     device: str = "auto"  # "auto" picks CUDA when present, else CPU
-    dtype: str = "auto"  # auto = float32 on CPU (bf16 GEMMs are slow there), bfloat16 on CUDA
+    # auto: bfloat16 on CUDA and on CPUs with native bf16 (AMX / AVX512-BF16), else float32
+    dtype: str = "auto"
     block_size: int = 16
     # KV budget. On CPU an absolute number of bytes; on CUDA, when unset, a fraction
     # of the memory that is free after the weights are loaded.
@@ -45,6 +46,11 @@ class EngineConfig:
     attention_backend: str = "auto"  # auto | triton | torch
     num_threads: int | None = None  # CPU threads; defaults to the cores we may use
     seed: int = 0
+    # torch.compile each decoder layer (one shared graph, dynamic token count); the
+    # compile happens during the start-up warm-up and is cached on disk.
+    compile: bool = False
+    # Weight-only quantisation of the linear layers on CPU: none | int8 | int4.
+    quantization: str = "none"
     # Debug: hash KV blocks across swap-out/swap-in and copy-on-write and raise
     # KVIntegrityError on a mismatch. Costs a hash of every moved block; off by default.
     check_kv_integrity: bool = False
@@ -53,7 +59,8 @@ class EngineConfig:
         if self.device == "auto":
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
         if self.dtype == "auto":
-            self.dtype = "bfloat16" if self.device.startswith("cuda") else "float32"
+            from llmserve.engine.quantization import auto_dtype
+            self.dtype = auto_dtype(self.device)
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
@@ -71,6 +78,11 @@ class EngineConfig:
             raise ValueError("preemption_mode must be 'recompute' or 'swap'")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError("scheduling_policy must be 'fcfs' or 'priority'")
+        if self.quantization not in ("none", "int8", "int4"):
+            raise ValueError("quantization must be 'none', 'int8' or 'int4'")
+        if self.quantization != "none" and self.device.startswith("cuda"):
+            raise ValueError("--quantization int8/int4 uses CPU kernels; on CUDA serve a "
+                             "bf16 or fp16 model")
         if self.attention_backend not in ("auto", "triton", "torch"):
             raise ValueError("attention_backend must be 'auto', 'triton' or 'torch'")
         if not 0.0 <= self.watermark < 1.0:

@@ -1,8 +1,10 @@
 """KV cache storage: device blocks of every layer, the CPU swap space, and the
 application of a step's block moves.
 
-Storage is one tensor ``[2 (K, V), layers, blocks, block_size, kv_heads, head_dim]``
-so a block move covers all layers in one indexed copy.
+Storage is one tensor ``[layers, 2 (K, V), blocks, block_size, kv_heads, head_dim]``:
+a block move covers all layers in one indexed copy (dimension 2), and each layer's
+cache ``storage[i]`` is contiguous, so the CPU attention gathers a block's K and V
+rows in one ``index_select``.
 
 Invariant of a step's block ops (the block manager logs them in decision order):
 they are applied in that order. Consecutive ops of one kind are batched into one
@@ -37,9 +39,8 @@ class KVCache:
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
                  head_dim: int, dtype: torch.dtype, device: torch.device,
                  num_cpu_blocks: int = 0, check_integrity: bool = False):
-        shape = (2, num_layers, num_blocks, block_size, num_kv_heads, head_dim)
-        self.storage = torch.zeros(shape, dtype=dtype, device=device)
-        self.layers = [(self.storage[0, i], self.storage[1, i]) for i in range(num_layers)]
+        shape = (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
+        self.storage = _zeroed(shape, dtype, device)
         self.num_cpu_blocks = num_cpu_blocks
         self.cpu_storage = None
         if num_cpu_blocks:
@@ -79,6 +80,23 @@ class KVCache:
     def block_digest(self, block_id: int, num_slots: int) -> bytes:
         """Hash of the first ``num_slots`` slots of a device block, all layers."""
         return digest(self.storage[:, :, block_id, :num_slots])
+
+
+# Above this size a CPU allocation is a fresh anonymous mapping (glibc mmaps anything
+# over 32 MiB whatever its dynamic threshold), which the kernel hands out zero-filled.
+_FRESH_MAPPING_BYTES = 64 << 20
+
+
+def _zeroed(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero KV storage. On a CPU a big one is left to the kernel's zero pages, so only
+    blocks that are ever written count in the process's memory (an idle engine with a
+    1 GiB cache does not hold 1 GiB). Padding reads of never-written blocks see zeros."""
+    numel = 1
+    for n in shape:
+        numel *= n
+    if device.type == "cpu" and numel * dtype.itemsize >= _FRESH_MAPPING_BYTES:
+        return torch.empty(shape, dtype=dtype, device=device)
+    return torch.zeros(shape, dtype=dtype, device=device)
 
 
 def digest(t: torch.Tensor) -> bytes:

@@ -8,11 +8,12 @@ import torch
 
 from llmserve.engine.config import EngineConfig
 from llmserve.engine.kv_cache import KVCache
-from llmserve.engine.models.attention import AttentionMetadata
+from llmserve.engine.models.attention import AttentionMetadata, forward_context
 from llmserve.engine.models.llama import SUPPORTED_ARCHITECTURES, RotaryEmbedding
 from llmserve.engine.models.loader import kv_block_bytes, load_weights
+from llmserve.engine.quantization import quantize_model
 from llmserve.engine.scheduler import ScheduledBatch
-from llmserve.kernels.reference import make_attention_plan
+from llmserve.kernels.cpu_attention import make_cpu_plan
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +38,8 @@ class ModelRunner:
         load_weights(model, model_path, self.dtype, str(self.device))
         # cos/sin tables were on meta too; they stay fp32 whatever the weights are.
         model.model.rotary = RotaryEmbedding(hf_config, max_model_len).to(self.device)
+        model.fuse()
+        quantize_model(model, config.quantization)
         self.model = model.eval()
         self.hf_config = hf_config
         self.block_size = config.block_size
@@ -46,6 +49,9 @@ class ModelRunner:
                                 c.num_key_value_heads, c.head_dim, self.dtype, self.device,
                                 self._num_swap_blocks(), config.check_kv_integrity)
         self.num_cpu_blocks = self.kv_cache.num_cpu_blocks
+        self.model.bind_kv_cache(self.kv_cache.storage)
+        if config.compile:
+            self.model.model.compile_layers()
         self.use_triton = self._want_triton()
 
     # --- KV cache -----------------------------------------------------------------
@@ -122,7 +128,6 @@ class ModelRunner:
         table_tensor = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables],
                                     dtype=torch.int32, device=dev)
         meta = AttentionMetadata(
-            kv_caches=self.kv_cache.layers,
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
             query_start_loc=torch.tensor(query_start, dtype=torch.int32, device=dev),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
@@ -132,10 +137,15 @@ class ModelRunner:
             use_triton=self.use_triton,
         )
         if not self.use_triton:
-            meta.plan = make_attention_plan(query_start, seq_lens, table_tensor, bs)
+            meta.plan = make_cpu_plan(query_start, seq_lens, tables, bs, self.num_blocks)
         ids = torch.tensor(input_ids, dtype=torch.long, device=dev)
         pos = torch.tensor(positions, dtype=torch.long, device=dev)
         return ids, pos, meta, sample_rows, due
+
+    def forward(self, ids: torch.Tensor, pos: torch.Tensor, meta: AttentionMetadata):
+        """Hidden states of the batch's tokens (the model, under the step's metadata)."""
+        with forward_context(meta):
+            return self.model(ids, pos)
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> tuple[torch.Tensor | None, list[int]]:
@@ -144,7 +154,7 @@ class ModelRunner:
         Returns (logits ``[num_sampling, vocab]`` or None, indices into
         ``batch.seqs`` of the sequences those rows belong to)."""
         ids, pos, meta, sample_rows, due = self.prepare(batch)
-        hidden = self.model(ids, pos, meta)
+        hidden = self.forward(ids, pos, meta)
         if not sample_rows:
             return None, []
         rows = torch.tensor(sample_rows, device=self.device)

@@ -60,7 +60,7 @@ def _rope_params(config) -> dict:
 
 
 class RotaryEmbedding(nn.Module):
-    """cos/sin table for every position, indexed by the flat batch's positions."""
+    """cos/sin table for every position; a step gathers its rows once for all layers."""
 
     def __init__(self, config, max_positions: int):
         super().__init__()
@@ -69,14 +69,13 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", freqs.cos(), persistent=False)
         self.register_buffer("sin", freqs.sin(), persistent=False)
 
-    def forward(self, positions, q, k):
-        cos = self.cos[positions].unsqueeze(1)  # [T, 1, d/2]
-        sin = self.sin[positions].unsqueeze(1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)  # [T,1,d/2]
 
 
-def _rotate(x, cos, sin):
-    # Hugging Face's "rotate half" convention: the two halves of each head form pairs.
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Hugging Face's "rotate half" convention (the two halves of each head form
+    pairs), computed in float32 as transformers does."""
     x1, x2 = x.float().chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
 
@@ -90,20 +89,27 @@ class Attention(nn.Module):
         self.head_dim = config.head_dim
         bias = bool(getattr(config, "attention_bias", False) or config.model_type == "qwen2")
         hidden = config.hidden_size
+        # Loaded under the checkpoint's names, then fused into one GEMM (fuse()).
         self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=bias)
         self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
+        self.qkv_proj: nn.Linear | None = None
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden,
                                 bias=bool(getattr(config, "attention_bias", False)))
         self.scale = self.head_dim ** -0.5
+        self.kv_cache: torch.Tensor | None = None  # [2, blocks, block_size, kv_heads, d]
 
-    def forward(self, x, positions, rotary, meta):
+    def fuse(self) -> None:
+        self.qkv_proj = fuse_linears(self.q_proj, self.k_proj, self.v_proj)
+        del self.q_proj, self.k_proj, self.v_proj
+
+    def forward(self, x, cos, sin):
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        q, k = rotary(positions, q, k)
-        o = paged_attention(q, k, v, meta, self.layer_idx, self.scale)
+        qkv = self.qkv_proj(x).view(t, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
+        qk = apply_rotary(qkv[:, :self.num_heads + self.num_kv_heads], cos, sin)
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        v = qkv[:, self.num_heads + self.num_kv_heads:]
+        o = paged_attention(q, k, v, self.kv_cache, self.scale)
         return self.o_proj(o.view(t, -1))
 
 
@@ -111,12 +117,33 @@ class MLP(nn.Module):
     def __init__(self, config):
         super().__init__()
         h, i = config.hidden_size, config.intermediate_size
+        self.intermediate = i
         self.gate_proj = nn.Linear(h, i, bias=False)
         self.up_proj = nn.Linear(h, i, bias=False)
+        self.gate_up_proj: nn.Linear | None = None
         self.down_proj = nn.Linear(i, h, bias=False)
 
+    def fuse(self) -> None:
+        self.gate_up_proj = fuse_linears(self.gate_proj, self.up_proj)
+        del self.gate_proj, self.up_proj
+
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+def fuse_linears(*linears: nn.Linear) -> nn.Linear:
+    """One Linear computing the given ones side by side (their outputs concatenated):
+    one GEMM instead of several. The parts' storage is released by the caller."""
+    first = linears[0]
+    out_features = sum(lin.out_features for lin in linears)
+    fused = nn.Linear(first.in_features, out_features, bias=first.bias is not None,
+                      device=first.weight.device, dtype=first.weight.dtype)
+    with torch.no_grad():
+        fused.weight.copy_(torch.cat([lin.weight for lin in linears]))
+        if first.bias is not None:
+            fused.bias.copy_(torch.cat([lin.bias for lin in linears]))
+    return fused
 
 
 class DecoderLayer(nn.Module):
@@ -127,8 +154,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x, positions, rotary, meta):
-        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, meta)
+    def forward(self, x, cos, sin):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -140,12 +167,24 @@ class LlamaModel(nn.Module):
                                     for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config, max_positions)
+        self.run_layer = _run_layer  # or its torch.compile'd version (compile_layers)
 
-    def forward(self, input_ids, positions, meta):
+    def forward(self, input_ids, positions):
         x = self.embed_tokens(input_ids)
+        cos, sin = self.rotary(positions)
         for layer in self.layers:
-            x = layer(x, positions, self.rotary, meta)
+            x = self.run_layer(layer, x, cos, sin)
         return self.norm(x)
+
+    def compile_layers(self) -> None:
+        """One compiled graph for a decoder layer, shared by every layer (their weights
+        and caches are the graph's inputs), with the token count dynamic. (One graph for
+        the whole stack was tried: 158 s to compile cold, no faster a step.)"""
+        self.run_layer = torch.compile(_run_layer, dynamic=True)
+
+
+def _run_layer(layer: DecoderLayer, x, cos, sin):
+    return layer(x, cos, sin)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -162,9 +201,22 @@ class LlamaForCausalLM(nn.Module):
         if getattr(self.config, "tie_word_embeddings", False):
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, input_ids, positions, meta) -> torch.Tensor:
-        """Hidden states of every new token, ``[num_tokens, hidden]``."""
-        return self.model(input_ids, positions, meta)
+    def fuse(self) -> None:
+        """After loading: fused QKV and gate/up projections (fewer, larger GEMMs)."""
+        for layer in self.model.layers:
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
+
+    def forward(self, input_ids, positions) -> torch.Tensor:
+        """Hidden states of every new token, ``[num_tokens, hidden]``; the attention
+        metadata comes from ``attention.forward_context``."""
+        return self.model(input_ids, positions)
+
+    def bind_kv_cache(self, storage: torch.Tensor) -> None:
+        """Give each layer its cache ``storage[i]`` of the KV storage
+        ``[layers, 2, blocks, block_size, kv_heads, head_dim]``."""
+        for i, layer in enumerate(self.model.layers):
+            layer.self_attn.kv_cache = storage[i]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

@@ -1,0 +1,173 @@
+"""What the CPU can do fast, and the dtype the engine serves in.
+
+bf16 pays on a CPU only where it has native bf16 arithmetic: AMX-BF16 (Intel Xeon
+Sapphire Rapids and later) or AVX512-BF16 (AMD Zen 4, Intel Cooper Lake). Measured on
+these machines, ``F.linear`` [M,576]x[576,1536]: AVX512-BF16 EPYC fp32 0.42 ms vs bf16
+0.19 ms at M=32; AMX Xeon fp32 174 vs bf16 717 GFLOP/s at M=64; but on an AVX2-only
+EPYC bf16 ran at 1.2 GFLOP/s, far below fp32. So ``--dtype auto`` is bf16 with native
+bf16 support and fp32 elsewhere.
+
+The choice honours the knobs that restrict the kernels' instruction set:
+``ATEN_CPU_CAPABILITY`` (ATen's own vector kernels) and ``ONEDNN_MAX_CPU_ISA`` (oneDNN's
+GEMMs): a machine told to act as AVX2 gets the AVX2 choice, which is also how CI tests
+both paths on one machine. ``LLMSERVE_CPU_DTYPE`` overrides the automatic CPU
+choice for a whole process tree (the test suite sets float32, so outputs compare
+exactly with transformers on any machine; bf16 is tested where a test asks for it).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+# oneDNN ISA names below AVX512_CORE_BF16 (see oneDNN's cpu_isa_t): no native bf16.
+_ONEDNN_WITHOUT_BF16 = ("SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE",
+                        "AVX512_CORE_VNNI")
+
+
+@dataclass(frozen=True)
+class CpuFeatures:
+    aten_isa: str  # what ATen's vector kernels use: DEFAULT, AVX2, AVX512 ...
+    amx_bf16: bool
+    avx512_bf16: bool
+    onednn_max_isa: str | None
+
+    @property
+    def native_bf16(self) -> bool:
+        if not (self.amx_bf16 or self.avx512_bf16) or self.aten_isa not in ("AVX512",):
+            return False
+        return (self.onednn_max_isa or "ALL").upper() not in _ONEDNN_WITHOUT_BF16
+
+    def describe(self) -> str:
+        extras = [name for name, on in (("amx_bf16", self.amx_bf16),
+                                        ("avx512_bf16", self.avx512_bf16)) if on]
+        return f"{self.aten_isa}{'+' + '+'.join(extras) if extras else ''}"
+
+
+def cpu_features() -> CpuFeatures:
+    caps = torch.cpu.get_capabilities() if hasattr(torch.cpu, "get_capabilities") else {}
+    return CpuFeatures(aten_isa=torch.backends.cpu.get_cpu_capability(),
+                       amx_bf16=bool(caps.get("amx_bf16")),
+                       avx512_bf16=bool(caps.get("avx512_bf16")),
+                       onednn_max_isa=os.environ.get("ONEDNN_MAX_CPU_ISA"))
+
+
+def auto_dtype(device: str) -> str:
+    """``--dtype auto``: bf16 on CUDA and on CPUs with native bf16, else float32."""
+    if device.startswith("cuda"):
+        return "bfloat16"
+    if os.environ.get("LLMSERVE_CPU_DTYPE"):
+        return os.environ["LLMSERVE_CPU_DTYPE"]
+    if cpu_features().native_bf16:
+        return "bfloat16"
+    return "float32"
+
+
+# --- weight-only quantisation ---------------------------------------------------------
+QUANTIZATION_MODES = ("none", "int8", "int4")
+INT4_GROUP = 32  # as GGUF Q4_0/Q4_1: a Q4_1 checkpoint re-encodes (nearly) exactly
+
+
+class QuantizedLinear(torch.nn.Module):
+    """A Linear whose weight is stored as int8 (per output channel, symmetric) or int4
+    (groups of 32 inputs, asymmetric), multiplied by ATen's weight-only CPU kernels.
+
+    Those kernels are vectorised (AVX2 / AVX-512) only for bf16 activations, so inputs
+    are computed in bf16 and the output is returned in the input's dtype. Reading a
+    quarter (int8) or an eighth (int4) of the fp32 bytes is what makes a single stream
+    fast: decoding one token reads every weight once.
+    """
+
+    def __init__(self, linear: torch.nn.Linear, bits: int):
+        super().__init__()
+        self.bits = bits
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        w = linear.weight.detach().float()
+        if bits == 8:
+            scale = (w.abs().amax(dim=1) / 127).clamp(min=1e-8)
+            self.register_buffer("qweight", (w / scale[:, None]).round().clamp(-127, 127)
+                                 .to(torch.int8))
+            self.register_buffer("scales", scale.to(torch.bfloat16))
+        else:
+            q, scales_zeros = _quantize_int4(w, INT4_GROUP)
+            self.register_buffer("qweight",
+                                 torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 2))
+            self.register_buffer("scales", scales_zeros)
+        bias = linear.bias
+        self.register_buffer("bias", None if bias is None else bias.detach().to(torch.bfloat16))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = weight_only_mm(x.to(torch.bfloat16), self.qweight, self.scales, self.bits)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, int{self.bits}"
+
+
+def weight_only_mm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                   bits: int) -> torch.Tensor:
+    """ATen's weight-only kernel, as an op opaque to torch.compile: inductor would
+    otherwise lower it its own way, measured slower than ATen's (int4 decode step 37 vs
+    19 ms). Eagerly the kernel is called directly (a custom op's dispatch costs more
+    than the int4 GEMM of a decode)."""
+    if torch.compiler.is_compiling():
+        return torch.ops.llmserve.weight_only_mm(x, qweight, scales, bits)
+    return _weight_only_mm(x, qweight, scales, bits)
+
+
+@torch.library.custom_op("llmserve::weight_only_mm", mutates_args=())
+def _weight_only_mm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                    bits: int) -> torch.Tensor:
+    if bits == 8:
+        return torch.ops.aten._weight_int8pack_mm(x, qweight, scales)
+    return torch.ops.aten._weight_int4pack_mm_for_cpu(x, qweight, INT4_GROUP, scales)
+
+
+@_weight_only_mm.register_fake
+def _(x, qweight, scales, bits):
+    return x.new_empty((x.shape[0], scales.shape[0] if bits == 8 else scales.shape[1]))
+
+
+def _quantize_int4(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Asymmetric per group: w ~ (q - 8) * scale + zero with q in 0..15. Returns the
+    int32 codes [N, K] and the kernel's [K / group, N, 2] bf16 (scale, zero) table."""
+    n, k = w.shape
+    wg = w.view(n, k // group, group)
+    low, high = wg.amin(dim=-1), wg.amax(dim=-1)
+    scale = ((high - low) / 15).clamp(min=1e-8)
+    q = ((wg - low[..., None]) / scale[..., None]).round().clamp(0, 15)
+    zero = low + scale * 8
+    scales_zeros = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous()
+    return q.to(torch.int32).view(n, k), scales_zeros.to(torch.bfloat16)
+
+
+def quantizable(linear: torch.nn.Linear, bits: int) -> bool:
+    if bits == 4:  # the int4 packing tiles K by 32 and groups by INT4_GROUP
+        return linear.in_features % INT4_GROUP == 0 and linear.out_features % 8 == 0
+    return True
+
+
+def quantize_model(model: torch.nn.Module, mode: str) -> int:
+    """Replace the decoder's projections and the LM head by weight-only quantised ones
+    (the LM head is 21% of the built-in model's weights). The token embedding stays
+    dense: a lookup reads a handful of rows. Returns how many layers were quantised."""
+    if mode == "none":
+        return 0
+    bits = 8 if mode == "int8" else 4
+    count = 0
+    for layer in model.model.layers:
+        for parent, name in ((layer.self_attn, "qkv_proj"), (layer.self_attn, "o_proj"),
+                             (layer.mlp, "gate_up_proj"), (layer.mlp, "down_proj")):
+            linear = getattr(parent, name)
+            if quantizable(linear, bits):
+                setattr(parent, name, QuantizedLinear(linear, bits))
+                count += 1
+    # The LM head stays int8 even in int4 mode (as llama.cpp keeps Q8_0 outputs):
+    # int4 there costs more quality than it saves time (measured on the built-in model:
+    # perplexity 21.5 with an int4 head versus fp32's 20.3).
+    model.lm_head = QuantizedLinear(model.lm_head, 8)
+    return count + 1

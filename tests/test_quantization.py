@@ -1,0 +1,61 @@
+"""Faster CPU modes (bf16, weight-only int8 / int4) keep the built-in model's quality:
+greedy agreement with fp32 and perplexity on a fixed text the repo ships. Bounds are
+loose enough to be stable across CPUs, tight enough to catch a broken dequantisation
+(which sends perplexity into the hundreds)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from llmserve import LLM, SamplingParams
+from llmserve.engine.quantization import QuantizedLinear
+from llmserve.engine.scoring import perplexity
+
+TEXT = (Path(__file__).parents[1] / "benchmarks" / "data" / "declaration.txt").read_text()
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a",
+           "The three laws of thermodynamics are"]
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_quantized_linear_matches_its_dequantized_weights(bits):
+    torch.manual_seed(bits)
+    linear = torch.nn.Linear(128, 96, bias=True)
+    q = QuantizedLinear(linear, bits)
+    x = torch.randn(5, 128)
+    got = q(x)
+    assert got.dtype == torch.float32 and got.shape == (5, 96)
+    # Quantisation error only: close to the dense layer, far from noise.
+    dense = linear(x)
+    rel = (got - dense).norm() / dense.norm()
+    assert rel < (0.02 if bits == 8 else 0.15), rel
+
+
+@pytest.fixture(scope="module")
+def fp32():
+    llm = LLM("smollm2-135m-instruct", dtype="float32")
+    greedy = [o.outputs[0].token_ids for o in llm.generate(
+        PROMPTS, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))]
+    return perplexity(llm.engine, TEXT), greedy
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype, quantization, max_ppl_ratio, min_agreement", [
+    ("bfloat16", "none", 1.02, 0.5),
+    ("bfloat16", "int8", 1.06, 0.4),
+    ("bfloat16", "int4", 1.06, 0.4),
+    ("float32", "int4", 1.06, 0.4),
+])
+def test_fast_modes_keep_quality(fp32, dtype, quantization, max_ppl_ratio, min_agreement):
+    ref_ppl, ref_tokens = fp32
+    llm = LLM("smollm2-135m-instruct", dtype=dtype, quantization=quantization)
+    ppl = perplexity(llm.engine, TEXT)
+    assert ref_ppl * 0.98 < ppl < ref_ppl * max_ppl_ratio, (ppl, ref_ppl)
+    outs = [o.outputs[0].token_ids for o in llm.generate(
+        PROMPTS, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))]
+    # Share of greedy tokens equal to fp32's before the first divergence, averaged.
+    agree = sum(next((i for i, (a, b) in enumerate(zip(o, r)) if a != b), len(r)) / len(r)
+                for o, r in zip(outs, ref_tokens)) / len(PROMPTS)
+    assert agree >= min_agreement, agree
