@@ -28,8 +28,9 @@ def make_workload(n: int, lo: int, hi: int, prompt_lo: int, prompt_hi: int, seed
     return prompts, outs
 
 
-def run_llmserve(model: str, prompts, outs, max_num_seqs: int) -> dict:
-    llm = LLM(model, max_num_seqs=max_num_seqs)
+def run_llmserve(model: str, prompts, outs, max_num_seqs: int, dtype: str,
+                 engine_args: dict) -> dict:
+    llm = LLM(model, max_num_seqs=max_num_seqs, dtype=dtype, **engine_args)
     llm.generate([prompts[0]], SamplingParams(max_tokens=4, ignore_eos=True))  # warm up
     params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in outs]
     stats = llm.engine.stats
@@ -43,12 +44,12 @@ def run_llmserve(model: str, prompts, outs, max_num_seqs: int) -> dict:
             "schedule_s": stats.schedule_s, "forward_s": stats.forward_s,
             "postprocess_s": stats.post_s,
             "other_s": wall - stats.schedule_s - stats.forward_s - stats.post_s,
-            "model_path": str(llm.engine.model_path)}
+            "model_path": str(llm.engine.model_path), "dtype": llm.engine.config.dtype}
 
 
-def run_transformers(path: str, prompts, outs, batch_size: int) -> dict:
+def run_transformers(path: str, prompts, outs, batch_size: int, dtype: str) -> dict:
     from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).eval()
     model.generation_config.eos_token_id = None  # ignore_eos, like the llmserve run
     model.generation_config.pad_token_id = 0
     t0 = time.perf_counter()
@@ -61,7 +62,7 @@ def run_transformers(path: str, prompts, outs, batch_size: int) -> dict:
             model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max(lens),
                            min_new_tokens=max(lens), do_sample=False)
     wall = time.perf_counter() - t0
-    return {"tokens_per_s": sum(outs) / wall, "wall_s": wall}
+    return {"tokens_per_s": sum(outs) / wall, "wall_s": wall, "dtype": dtype}
 
 
 def main() -> None:
@@ -76,23 +77,29 @@ def main() -> None:
     ap.add_argument("--max-num-seqs", type=int, default=128)
     ap.add_argument("--hf-batch-size", type=int, default=32)
     ap.add_argument("--skip-transformers", action="store_true")
+    ap.add_argument("--dtype", default="auto",
+                    help="both sides; auto = the engine's choice for this CPU (its fastest)")
+    ap.add_argument("--quantization", default="none", help="llmserve only: none|int8|int4")
+    ap.add_argument("--compile", action="store_true", help="llmserve only")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None, help="write the results here")
     args = ap.parse_args()
     prompts, outs = make_workload(args.num_requests, args.min_out, args.max_out,
                                   args.min_prompt, args.max_prompt, args.seed)
-    ours = run_llmserve(args.model, prompts, outs, args.max_num_seqs)
+    ours = run_llmserve(args.model, prompts, outs, args.max_num_seqs, args.dtype,
+                        {"quantization": args.quantization, "compile": args.compile})
     print(f"\nllmserve:     {ours['tokens_per_s']:8.1f} tokens/s  ({ours['wall_s']:.1f} s, "
-          f"{ours['steps']} steps)")
+          f"{ours['steps']} steps, {ours['dtype']})")
     total = ours["wall_s"]
     for part in ("schedule_s", "forward_s", "postprocess_s", "other_s"):
         print(f"  {part[:-2]:<12} {ours[part]:7.2f} s  {100 * ours[part] / total:5.1f} %")
     result = {"llmserve": ours, "args": vars(args)}
     if not args.skip_transformers:
-        hf = run_transformers(ours["model_path"], prompts, outs, args.hf_batch_size)
+        hf = run_transformers(ours["model_path"], prompts, outs, args.hf_batch_size,
+                              ours["dtype"])
         ratio = ours["tokens_per_s"] / hf["tokens_per_s"]
         print(f"transformers: {hf['tokens_per_s']:8.1f} tokens/s  ({hf['wall_s']:.1f} s, "
-              f"static batches of {args.hf_batch_size})")
+              f"static batches of {args.hf_batch_size}, {hf['dtype']})")
         print(f"ratio llmserve / transformers: {ratio:.2f}x")
         result.update(transformers=hf, ratio=ratio)
     if args.json:

