@@ -10,6 +10,7 @@ _LAZY = {
     "LLM": "llmserve.engine.llm_engine",
     "LLMEngine": "llmserve.engine.llm_engine",
     "SamplingParams": "llmserve.engine.sampling",
+    "StructuredOutputsParams": "llmserve.engine.structured",
     "RequestOutput": "llmserve.engine.outputs",
     "CompletionOutput": "llmserve.engine.outputs",
 }

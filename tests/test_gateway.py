@@ -92,6 +92,24 @@ def test_streaming_through_the_gateway_equals_direct(gateway, engines):
     assert via == direct and n_via == n_direct and n_via > 1
 
 
+def test_structured_outputs_and_tools_pass_through(gateway, engines):
+    base = {"model": "tiny", "messages": [{"role": "user", "content": "pick"}],
+            "temperature": 1.0, "seed": 4, "max_tokens": 12}
+    status, body = post(gateway.url + "/v1/chat/completions",
+                        {**base, "guided_choice": ["alpha", "beta"]})
+    assert status == 200 and body["choices"][0]["message"]["content"] in ("alpha", "beta")
+    tool = {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"x": {"enum": [1, 2]}}, "required": ["x"]}}}
+    status, body = post(gateway.url + "/v1/chat/completions", {
+        **base, "max_tokens": 20, "tools": [tool],
+        "tool_choice": {"type": "function", "function": {"name": "f"}}})
+    assert status == 200 and body["choices"][0]["finish_reason"] == "tool_calls"
+    call = body["choices"][0]["message"]["tool_calls"][0]["function"]
+    assert call["name"] == "f" and json.loads(call["arguments"])["x"] in (1, 2)
+    status, body = post(gateway.url + "/v1/chat/completions", {**base, "guided_regex": "("})
+    assert status == 400 and "regex" in body["error"]["message"]
+
+
 def test_bad_json_is_400_and_unknown_path_404(gateway):
     status, body = post(gateway.url + "/v1/completions", b"{nope")
     assert status == 400 and set(body["error"]) == {"message", "type", "param", "code"}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import threading
 import time
 from collections.abc import Sequence as Seq
 from pathlib import Path
@@ -21,6 +22,7 @@ from llmserve.engine.sampler import Sampler
 from llmserve.engine.sampling import SamplingParams
 from llmserve.engine.scheduler import Scheduler
 from llmserve.engine.sequence import Logprob, Request, Sequence, SequenceStatus
+from llmserve.engine.structured import StructuredOutputs
 
 
 class LLMEngine:
@@ -50,6 +52,17 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self.stats = EngineStats()
+        self._structured: StructuredOutputs | None = None
+        self._structured_lock = threading.Lock()
+
+    def structured_outputs(self) -> StructuredOutputs:
+        """The grammar compiler and mask worker, built on first use (wrapping the
+        tokenizer for llguidance takes about a second)."""
+        with self._structured_lock:
+            if self._structured is None:
+                self._structured = StructuredOutputs(self.tokenizer, self.hf_config.vocab_size,
+                                                     self.eos_token_ids)
+            return self._structured
 
     def _eos_token_ids(self) -> set[int]:
         ids = set()
@@ -86,6 +99,9 @@ class LLMEngine:
         text = prompt if isinstance(prompt, str) else None
         req = Request(request_id, text, list(ids), params, priority=priority,
                       cache_salt=(cache_salt or "").encode())
+        if params.structured_outputs is not None:  # GrammarError is a ValueError
+            for seq in req.sequences:  # each parallel sample has its own parser state
+                seq.matcher = self.structured_outputs().matcher(params.structured_outputs)
         self.requests[request_id] = req
         # Parallel samples: only the first is prefilled; the others fork from it when
         # it samples its first token and share its blocks (copy-on-write).
@@ -163,6 +179,7 @@ class LLMEngine:
             return []
         now = time.monotonic()
         t0 = time.perf_counter()
+        pending_masks = self._start_grammar_masks(batch)
         logits, due = self.runner.run(batch)
         t1 = time.perf_counter()
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
@@ -184,7 +201,10 @@ class LLMEngine:
                     rows.append(row)  # the child samples from its parent's logits
             if len(rows) > len(due):
                 logits = logits[rows]
-            sampled = self.sampler(logits, due_seqs)
+            rows = [i for i, s in enumerate(due_seqs) if s.matcher is not None]
+            bitmask = (self.structured_outputs().masks([due_seqs[i] for i in rows],
+                                                       pending_masks) if rows else None)
+            sampled = self.sampler(logits, due_seqs, rows, bitmask)
             for seq, token, lp in zip(due_seqs, sampled.token_ids, sampled.logprobs):
                 self._append(seq, token, lp)
                 touched[seq.request.request_id] = seq.request
@@ -197,6 +217,13 @@ class LLMEngine:
                 self.requests.pop(req.request_id, None)
         return outputs
 
+    def _start_grammar_masks(self, batch):
+        """Masks of the constrained sequences that sample this step, computed on a
+        worker thread while the model runs."""
+        due = [s for s, n in zip(batch.seqs, batch.num_new_tokens)
+               if s.matcher is not None and s.num_computed_tokens + n >= s.num_tokens]
+        return self.structured_outputs().start_masks(due) if due else None
+
     def _append(self, seq: Sequence, token: int, lp) -> None:
         seq.append_token(token)
         req = seq.request
@@ -207,6 +234,11 @@ class LLMEngine:
         if lp is not None:
             seq.logprobs.append(Logprob(token, lp[0], lp[1]))
         status = self.detokenizer.update(seq, token)
+        if seq.matcher is not None and status is None:
+            # The mask only offered tokens the grammar allows; a refusal means the
+            # parser hit a resource limit. Either way, nothing more may follow.
+            if not seq.matcher.consume_token(token) or seq.matcher.is_stopped():
+                status = SequenceStatus.FINISHED_STOPPED
         if status is None and (seq.num_output_tokens >= seq.params.max_tokens
                                or seq.num_tokens >= self.max_model_len):
             status = SequenceStatus.FINISHED_LENGTH
@@ -273,10 +305,11 @@ class LLM:
         return [done[i] for i in request_ids]
 
 
-def render_chat(tokenizer, messages: list[dict]) -> str:
+def render_chat(tokenizer, messages: list[dict], **template_args) -> str:
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("this model has no chat template")
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                         **template_args)
 
 
 PROMPT_FORMS = ("a string, a list of token ids, {'prompt': str} or "

@@ -31,7 +31,30 @@ _SAMPLING = {
     "min_tokens": {"type": "integer", "minimum": 0},
     "priority": {"type": "integer"},
     "cache_salt": {"type": "string"},
+    # Structured outputs (at most one of these per request).
+    "response_format": {"oneOf": [
+        {"type": "object", "required": ["type"],
+         "properties": {"type": {"enum": ["text", "json_object"]}}},
+        {"type": "object", "required": ["type", "json_schema"], "properties": {
+            "type": {"const": "json_schema"},
+            "json_schema": {"type": "object", "required": ["name", "schema"], "properties": {
+                "name": {"type": "string"}, "schema": {"type": "object"},
+                "strict": {"type": "boolean"}}}}}]},
+    "structured_outputs": {"type": "object", "properties": {
+        "json": {"type": "object"}, "regex": {"type": "string"},
+        "choice": {"type": "array", "items": {"type": "string"}},
+        "grammar": {"type": "string"}, "json_object": {"type": "boolean"}}},
+    "guided_json": {"type": "object"},
+    "guided_regex": {"type": "string"},
+    "guided_choice": {"type": "array", "items": {"type": "string"}},
+    "guided_grammar": {"type": "string"},
 }
+
+_TOOL = {"type": "object", "required": ["type", "function"], "properties": {
+    "type": {"const": "function"},
+    "function": {"type": "object", "required": ["name"], "properties": {
+        "name": {"type": "string"}, "description": {"type": "string"},
+        "parameters": {"type": "object"}}}}}
 
 _MESSAGE = {"type": "object", "required": ["role", "content"], "properties": {
     "role": {"type": "string", "enum": ["system", "developer", "user", "assistant"]},
@@ -63,7 +86,14 @@ def openapi_document() -> dict:
         _SAMPLING, messages={"type": "array", "minItems": 1, "items": _MESSAGE},
         max_completion_tokens={"type": ["integer", "null"], "minimum": 1},
         logprobs={"type": "boolean"},
-        top_logprobs={"type": "integer", "minimum": 0, "maximum": 20})}
+        top_logprobs={"type": "integer", "minimum": 0, "maximum": 20},
+        tools={"type": "array", "items": _TOOL},
+        tool_choice={"oneOf": [
+            {"enum": ["none", "auto", "required"]},
+            {"type": "object", "required": ["type", "function"], "properties": {
+                "type": {"const": "function"},
+                "function": {"type": "object", "required": ["name"],
+                             "properties": {"name": {"type": "string"}}}}}]})}
     tokenize = {"type": "object", "properties": {"prompt": {"type": "string"},
                                                  "model": {"type": "string"}}}
     detokenize = {"type": "object", "required": ["tokens"], "properties": {

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from llmserve.engine.sampling import MAX_LOGPROBS, SamplingParams
+from llmserve.engine.structured import StructuredOutputsParams
 
 
 class APIError(Exception):
@@ -58,6 +59,7 @@ class ParsedRequest:
     priority: int
     logprobs_style: str | None  # "completion" | "chat" | None
     cache_salt: str | None = None
+    tools: object | None = None  # tool_calls.ToolChoice when tools are in play (chat)
 
 
 def parse_sampling(body: dict, *, chat: bool) -> tuple[SamplingParams, str | None]:
@@ -117,11 +119,64 @@ def parse_sampling(body: dict, *, chat: bool) -> tuple[SamplingParams, str | Non
         repetition_penalty=_get(body, "repetition_penalty", float, 1.0),
         skip_special_tokens=_get(body, "skip_special_tokens", bool, True),
         include_stop_str_in_output=_get(body, "include_stop_str_in_output", bool, False),
+        structured_outputs=parse_structured_outputs(body),
     )
     try:
         return SamplingParams(**kwargs), style
     except ValueError as e:
         raise bad_request(str(e), str(e).split(" ")[0]) from e
+
+
+GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+                 "guided_grammar": "grammar"}
+STRUCTURED_KEYS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+def parse_structured_outputs(body: dict) -> StructuredOutputsParams | None:
+    """OpenAI's response_format, vLLM's structured_outputs object, or the older
+    guided_* fields (at most one of them); None for free text."""
+    found: list[tuple[str, dict]] = []
+    fmt = _get(body, "response_format", dict)
+    if fmt is not None:
+        spec = _response_format(fmt)
+        if spec is not None:
+            found.append(("response_format", spec))
+    so = _get(body, "structured_outputs", dict)
+    if so is not None:
+        unknown = sorted(set(so) - set(STRUCTURED_KEYS))
+        if unknown:
+            raise bad_request(f"structured_outputs: unsupported field(s) {unknown}; "
+                              f"supported: {list(STRUCTURED_KEYS)}", "structured_outputs")
+        found.append(("structured_outputs", {k: v for k, v in so.items() if v is not None}))
+    for field_name, kind in GUIDED_FIELDS.items():
+        if body.get(field_name) is not None:
+            found.append((field_name, {kind: body[field_name]}))
+    if not found:
+        return None
+    if len(found) > 1:
+        raise bad_request("give at most one of response_format, structured_outputs and "
+                          f"guided_*; got {[name for name, _ in found]}", found[1][0])
+    name, spec = found[0]
+    try:
+        return StructuredOutputsParams(**spec)
+    except (TypeError, ValueError) as e:
+        raise bad_request(f"{name}: {e}", name) from e
+
+
+def _response_format(fmt: dict) -> dict | None:
+    kind = fmt.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"json_object": True}
+    if kind == "json_schema":
+        js = fmt.get("json_schema")
+        if not (isinstance(js, dict) and isinstance(js.get("schema"), dict)):
+            raise bad_request("response_format.json_schema must be an object with a "
+                              "'schema' object", "response_format")
+        return {"json": js["schema"]}
+    raise bad_request("response_format.type must be 'text', 'json_object' or 'json_schema'",
+                      "response_format")
 
 
 def parse_common(body, *, chat: bool) -> tuple:
@@ -184,8 +239,23 @@ def parse_messages(body) -> list[dict]:
             raise bad_request(f"messages[{i}].content must be a string or text parts",
                               "messages")
         role = "system" if m["role"] == "developer" else m["role"]
-        clean.append({"role": role, "content": content})
+        message = {"role": role, "content": content}
+        if m["role"] == "assistant" and m.get("tool_calls"):
+            message["tool_calls"] = _parse_message_tool_calls(m["tool_calls"], i)
+        clean.append(message)
     return clean
+
+
+def _parse_message_tool_calls(calls, i: int) -> list[dict]:
+    """An earlier assistant turn's calls, replayed to the model."""
+    ok = isinstance(calls, list) and all(
+        isinstance(c, dict) and isinstance(c.get("function"), dict)
+        and isinstance(c["function"].get("name"), str)
+        and isinstance(c["function"].get("arguments", ""), str) for c in calls)
+    if not ok:
+        raise bad_request(f"messages[{i}].tool_calls must be an array of "
+                          "{'function': {'name': str, 'arguments': str}}", "messages")
+    return calls
 
 
 def parse_chat(body) -> tuple[ParsedRequest, list[dict]]:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from llmserve.engine.sequence import Sequence
+from llmserve.engine.structured import apply_bitmask
 
 
 @dataclass
@@ -29,7 +30,11 @@ class Sampler:
         self.eos_token_ids = eos_token_ids
 
     @torch.inference_mode()
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence],
+                 grammar_rows: list[int] | None = None,
+                 bitmask: torch.Tensor | None = None) -> SamplerOutput:
+        """``bitmask`` (one row per entry of ``grammar_rows``) lists the tokens each
+        constrained row may take; the others are never sampled."""
         logits = logits[:, : self.vocab_size].float()
         params = [s.params for s in seqs]
         dev = logits.device
@@ -37,7 +42,10 @@ class Sampler:
             logits = self._apply_penalties(logits, seqs)
         self._suppress_eos_before_min_tokens(logits, seqs)
         want_logprobs = any(p.logprobs is not None for p in params)
+        # Logprobs are the model's (after penalties), not the grammar's renormalisation.
         logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
+        if grammar_rows:
+            apply_bitmask(logits, grammar_rows, bitmask)
 
         if all(p.greedy for p in params):  # decided on the host: no device sync
             tokens = logits.argmax(dim=-1)
@@ -76,6 +84,8 @@ class Sampler:
     def _suppress_eos_before_min_tokens(self, logits, seqs):
         for i, s in enumerate(seqs):
             p = s.params
+            if s.matcher is not None:
+                continue  # a grammar decides where its output ends
             if p.min_tokens and s.num_output_tokens < p.min_tokens:
                 banned = list((set() if p.ignore_eos else self.eos_token_ids)
                               | set(p.stop_token_ids))

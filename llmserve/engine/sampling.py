@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from llmserve.engine.structured import StructuredOutputsParams
+
 MAX_N = 16
 MAX_LOGPROBS = 20
 
@@ -28,6 +30,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     extra_eos_token_ids: list[int] = field(default_factory=list, repr=False)
+    # Constrain the output to a JSON schema, regex, choice or grammar (structured.py).
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -70,6 +74,9 @@ class SamplingParams:
               "frequency_penalty", "must be in [-2, 2]")
         check(_is_num(self.repetition_penalty) and 0.0 < self.repetition_penalty <= 2.0,
               "repetition_penalty", "must be in (0, 2]")
+        check(self.structured_outputs is None
+              or isinstance(self.structured_outputs, StructuredOutputsParams),
+              "structured_outputs", "must be a StructuredOutputsParams")
 
     @property
     def greedy(self) -> bool:

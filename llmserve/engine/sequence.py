@@ -69,6 +69,9 @@ class Sequence:
         if seed is not None:
             self.generator = torch.Generator().manual_seed(seed)
         self.num_preemptions = 0
+        # Parser state of a constrained output (structured.py); survives preemption,
+        # since it follows the tokens, not the KV cache.
+        self.matcher = None
 
     # --- sizes -------------------------------------------------------------
     @property

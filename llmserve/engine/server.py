@@ -30,6 +30,14 @@ from llmserve.engine.protocol import (
     parse_chat,
     parse_completion,
 )
+from llmserve.engine.structured import GrammarError
+from llmserve.engine.tool_calls import (
+    ToolCallStream,
+    ToolChoice,
+    ToolError,
+    messages_for_template,
+    parse_tool_choice,
+)
 from llmserve.http_serving import http_error_response, serve_until_signal
 
 log = logging.getLogger("llmserve.server")
@@ -192,6 +200,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     parsed = parse_completion(body)
     engine = request.app[ENGINE].engine
     prompt_ids = [tokenize_prompt(engine, p) for p in parsed.prompts]
+    await compile_constraint(engine, parsed, "response_format")
     return await respond(request, model, parsed, parsed.prompts, prompt_ids, chat=False)
 
 
@@ -201,12 +210,47 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     model = check_model(request, body)
     parsed, messages = parse_chat(body)
     engine = request.app[ENGINE].engine
+    tools = parse_tools(body, parsed)
+    messages, template_args = messages_for_template(messages, tools, engine.tokenizer)
     try:
-        text = render_chat(engine.tokenizer, messages)
+        text = render_chat(engine.tokenizer, messages, **template_args)
     except Exception as e:  # noqa: BLE001 - template errors are the request's fault
         raise bad_request(f"cannot apply the chat template: {e}", "messages") from e
     ids = engine.tokenizer.encode(text, add_special_tokens=False)
+    await compile_constraint(engine, parsed,
+                             "tools" if tools and tools.constrained else "response_format")
     return await respond(request, model, parsed, [text], [ids], chat=True)
+
+
+def parse_tools(body: dict, parsed: ParsedRequest) -> ToolChoice | None:
+    """tools / tool_choice; a named or required choice becomes the output constraint."""
+    try:
+        tools = parse_tool_choice(body)
+    except ToolError as e:
+        raise bad_request(str(e), e.param) from e
+    if tools is not None and tools.constrained:
+        if parsed.params.structured_outputs is not None:
+            raise bad_request("a named or 'required' tool_choice already constrains the "
+                              "output; drop response_format / structured_outputs",
+                              "tool_choice")
+        try:
+            parsed.params.structured_outputs = tools.constraint()
+        except ValueError as e:
+            raise bad_request(str(e), "tools") from e
+    parsed.tools = tools if tools is not None and tools.mode != "none" else None
+    return tools
+
+
+async def compile_constraint(engine: LLMEngine, parsed: ParsedRequest, param: str) -> None:
+    """Compile (or find cached) the request's grammar off the event loop, so a bad
+    schema, regex or grammar is a 400 before anything is queued."""
+    spec = parsed.params.structured_outputs
+    if spec is None:
+        return
+    try:
+        await asyncio.to_thread(engine.structured_outputs().compile, spec)
+    except GrammarError as e:
+        raise bad_request(str(e), param) from e
 
 
 async def respond(request, model, parsed: ParsedRequest, prompts, prompt_ids, chat: bool):
@@ -235,6 +279,7 @@ async def stream_response(request, rid, created, model, parsed, gen, prompt_ids,
                                        "Cache-Control": "no-cache"})
     n, obj = parsed.params.n, "chat.completion.chunk" if chat else "text_completion"
     texts: dict[int, StreamText] = {}
+    tool_streams: dict[int, ToolCallStream] = {}
     tokens_sent: dict[int, int] = {}
     done: set[int] = set()
     last: dict[int, RequestOutput] = {}
@@ -255,6 +300,14 @@ async def stream_response(request, rid, created, model, parsed, gen, prompt_ids,
                 prev = tokens_sent.get(idx, 0)
                 if idx in done or (c.finish_reason is None and len(c.token_ids) == prev):
                     continue  # nothing new for this choice in this output
+                if parsed.tools is not None:
+                    ts = tool_streams.setdefault(idx, ToolCallStream(parsed.tools))
+                    tokens_sent[idx] = len(c.token_ids)
+                    if c.finish_reason is not None:
+                        done.add(idx)
+                    for choice in tool_choice_deltas(request, parsed, idx, c, prev, ts):
+                        await resp.write(chunk(rid, obj, created, model, choice))
+                    continue
                 st = texts.setdefault(idx, StreamText(parsed.params.stop,
                                                       parsed.params.include_stop_str_in_output))
                 delta = st.delta(c)
@@ -276,6 +329,25 @@ async def stream_response(request, rid, created, model, parsed, gen, prompt_ids,
     await resp.write(b"data: [DONE]\n\n")
     await resp.write_eof()
     return resp
+
+
+def tool_choice_deltas(request, parsed: ParsedRequest, idx: int, c: CompletionOutput,
+                       prev: int, ts: ToolCallStream) -> list[dict]:
+    """Stream choices for one update of a chat choice with tools in play: content or
+    tool-call deltas, the finish reason on the last (tool_calls when calls were made)."""
+    deltas = ts.update(c.text, c.finish_reason is not None) or [{}]
+    base = choice_body(request, parsed, True, idx, c, (prev, len(c.token_ids)), delta="")
+    choices = []
+    for k, delta in enumerate(deltas):
+        last = k == len(deltas) - 1
+        finish = c.finish_reason if last else None
+        if finish == "stop" and ts.calls:
+            finish = "tool_calls"
+        if not delta and finish is None and base["logprobs"] is None:
+            continue
+        choices.append({**base, "delta": delta, "finish_reason": finish,
+                        "logprobs": base["logprobs"] if k == 0 else None})
+    return choices
 
 
 def choice_body(request, parsed: ParsedRequest, chat: bool, index: int, c: CompletionOutput,
@@ -300,7 +372,14 @@ def choice_body(request, parsed: ParsedRequest, chat: bool, index: int, c: Compl
     if c.finish_reason == "stop" and c.stop_reason is not None:
         body["stop_reason"] = c.stop_reason
     if chat:
-        if delta is None:
+        if delta is None and parsed.tools is not None:
+            content, calls = parsed.tools.extract(c.text)
+            body["message"] = {"role": "assistant", "content": content}
+            if calls:
+                body["message"]["tool_calls"] = calls
+                if c.finish_reason == "stop":
+                    body["finish_reason"] = "tool_calls"
+        elif delta is None:
             body["message"] = {"role": "assistant", "content": c.text}
         else:
             body["delta"] = {"content": delta} if delta or c.finish_reason is None else {}
