@@ -52,6 +52,22 @@ ENGINE_KEYS = ("model", "served_model_name", "device", "dtype", "block_size", "k
                "num_threads", "quantization", "compile", "check_kv_integrity")
 
 
+def engine_argv(args) -> list[str]:
+    """The engine flags of ``args`` as a command line (what `up` hands its engines)."""
+    argv = []
+    for key in ENGINE_KEYS:
+        value = getattr(args, key)
+        if key == "enable_chunked_prefill":
+            argv += [] if value else ["--no-chunked-prefill"]
+        elif key == "enable_prefix_caching":
+            argv += [] if value else ["--no-prefix-caching"]
+        elif isinstance(value, bool):  # store_true switches
+            argv += ["--" + key.replace("_", "-")] if value else []
+        elif value is not None:
+            argv += ["--" + key.replace("_", "-"), str(value)]
+    return argv
+
+
 def engine_config(args):
     from llmserve.engine.config import EngineConfig
     return EngineConfig(**{k: getattr(args, k) for k in ENGINE_KEYS})
@@ -147,16 +163,7 @@ def cmd_up(args) -> int:
     from llmserve.launcher import ServerProcess
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    engine_args = ["serve", "--log-level", "WARNING"]
-    for key in ENGINE_KEYS:
-        value = getattr(args, key)
-        flag = "--" + key.replace("_", "-")
-        if key == "enable_chunked_prefill":
-            engine_args += [] if value else ["--no-chunked-prefill"]
-        elif key == "enable_prefix_caching":
-            engine_args += [] if value else ["--no-prefix-caching"]
-        elif value is not None:
-            engine_args += [flag, str(value)]
+    engine_args = ["serve", "--log-level", "WARNING", *engine_argv(args)]
     if args.api_key:
         os.environ["LLMSERVE_API_KEYS"] = args.api_key  # the gateway checks keys
     print(f"starting {args.engines} engine(s) with {args.model} ...", flush=True)
