@@ -40,6 +40,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--compile", action="store_true",
                    help="torch.compile the decoder layers (CPU: fewer, fused ops per step; "
                         "compiled during the start-up warm-up, cached on disk)")
+    g.add_argument("--batching", choices=["continuous", "static"], default="continuous",
+                   help="static: run each batch to its end before admitting more (baseline)")
+    g.add_argument("--target-itl-ms", type=float, default=None,
+                   help="cap each step's predicted duration (a latency SLO): prefill "
+                        "chunks shrink and the least urgent decodes wait")
     g.add_argument("--check-kv-integrity", action="store_true",
                    help="debug: hash KV blocks across swaps and copy-on-write, fail loudly "
                         "on a mismatch (slow)")
@@ -49,7 +54,8 @@ ENGINE_KEYS = ("model", "served_model_name", "device", "dtype", "block_size", "k
                "gpu_memory_utilization", "max_num_seqs", "max_num_batched_tokens",
                "max_model_len", "enable_chunked_prefill", "enable_prefix_caching",
                "preemption_mode", "swap_space", "scheduling_policy", "attention_backend",
-               "num_threads", "quantization", "compile", "check_kv_integrity")
+               "num_threads", "quantization", "compile", "batching", "target_itl_ms",
+               "check_kv_integrity")
 
 
 def engine_argv(args) -> list[str]:

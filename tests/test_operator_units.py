@@ -57,6 +57,14 @@ def test_engine_deployment_runs_llmserve_with_the_spec():
     assert template_labels | dep["spec"]["selector"]["matchLabels"] == template_labels
 
 
+def test_target_itl_reaches_the_engine_and_is_refused_for_vllm():
+    dep = by_kind(children(owner(engine={"targetITLMs": 120}), 1))["Deployment"][0]
+    args = dep["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[args.index("--target-itl-ms") + 1] == "120"
+    with pytest.raises(SpecError, match="targetITLMs"):
+        children(owner(engine={"kind": "vllm", "targetITLMs": 120}), 1)
+
+
 def test_security_context_everywhere():
     for dep in by_kind(children(owner(), 1))["Deployment"]:
         pod = dep["spec"]["template"]["spec"]

@@ -51,6 +51,10 @@ class EngineConfig:
     compile: bool = False
     # Weight-only quantisation of the linear layers on CPU: none | int8 | int4.
     quantization: str = "none"
+    # continuous (iteration-level) | static (a batch runs to its end; the A/B baseline)
+    batching: str = "continuous"
+    # Keep each step's predicted duration at or below this (ms); None: no cap.
+    target_itl_ms: float | None = None
     # Debug: hash KV blocks across swap-out/swap-in and copy-on-write and raise
     # KVIntegrityError on a mismatch. Costs a hash of every moved block; off by default.
     check_kv_integrity: bool = False
@@ -78,6 +82,10 @@ class EngineConfig:
             raise ValueError("preemption_mode must be 'recompute' or 'swap'")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError("scheduling_policy must be 'fcfs' or 'priority'")
+        if self.batching not in ("continuous", "static"):
+            raise ValueError("batching must be 'continuous' or 'static'")
+        if self.target_itl_ms is not None and not self.target_itl_ms > 0:
+            raise ValueError("target_itl_ms must be a positive number of milliseconds")
         if self.quantization not in ("none", "int8", "int4"):
             raise ValueError("quantization must be 'none', 'int8' or 'int4'")
         if self.quantization != "none" and self.device.startswith("cuda"):

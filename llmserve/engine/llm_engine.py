@@ -22,6 +22,7 @@ from llmserve.engine.sampler import Sampler
 from llmserve.engine.sampling import SamplingParams
 from llmserve.engine.scheduler import Scheduler
 from llmserve.engine.sequence import Logprob, Request, Sequence, SequenceStatus
+from llmserve.engine.step_cost import StepCostModel
 from llmserve.engine.structured import StructuredOutputs
 
 
@@ -52,6 +53,7 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self.stats = EngineStats()
+        self.last_step: tuple[float, float | None] | None = None  # (actual, predicted) s
         self._structured: StructuredOutputs | None = None
         self._structured_lock = threading.Lock()
 
@@ -165,6 +167,7 @@ class LLMEngine:
         bm.check_all_free()
         bm.prefix_queries = bm.prefix_hits = 0
         self.scheduler.num_preemptions = self.scheduler.num_swapped_out = 0
+        self.scheduler.cost_model = StepCostModel()  # warm-up steps include compilation
         self.stats = EngineStats()
 
     # --- the step ---------------------------------------------------------------
@@ -208,7 +211,12 @@ class LLMEngine:
             for seq, token, lp in zip(due_seqs, sampled.token_ids, sampled.logprobs):
                 self._append(seq, token, lp)
                 touched[seq.request.request_id] = seq.request
-        self.stats.record_step(batch, t0 - ts, t1 - t0, time.perf_counter() - t1)
+        end = time.perf_counter()
+        self.stats.record_step(batch, t0 - ts, t1 - t0, end - t1)
+        # The whole step, as a stream sees it between two tokens.
+        self.scheduler.cost_model.observe(batch.num_tokens, batch.kv_tokens, len(batch.seqs),
+                                          end - ts)
+        self.last_step = (end - ts, batch.predicted_s)
         outputs = []
         for req in touched.values():
             outputs.append(RequestOutput.of(req))

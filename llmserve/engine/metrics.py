@@ -46,6 +46,11 @@ class EngineMetrics:
         self.itl = hist("vllm:inter_token_latency_seconds", "Time between output tokens.")
         self.e2e = hist("vllm:e2e_request_latency_seconds", "Arrival to finish.")
         self.queue_time = hist("vllm:request_queue_time_seconds", "Arrival to first schedule.")
+        self.step_duration = Histogram(
+            "llmserve:step_duration_seconds",
+            "Engine step durations: measured (kind=actual) and as the cost model predicted "
+            "them when it scheduled the step (kind=predicted).",
+            ["model_name", "kind"], buckets=LATENCY_BUCKETS, registry=r)
         self.aborted = 0
         self._seen_tokens: dict[str, int] = {}
         self._last_token_at: dict[str, float] = {}
@@ -77,6 +82,12 @@ class EngineMetrics:
 
     def observe_step(self, engine, outputs) -> None:
         now = time.monotonic()
+        if engine.last_step is not None:
+            actual, predicted = engine.last_step
+            engine.last_step = None
+            self.step_duration.labels(self.model_name, "actual").observe(actual)
+            if predicted is not None:
+                self.step_duration.labels(self.model_name, "predicted").observe(predicted)
         for out in outputs:
             req_id = out.request_id
             produced = sum(len(o.token_ids) for o in out.outputs)

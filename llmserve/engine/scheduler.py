@@ -26,6 +26,18 @@ what it did earlier in it. After a preemption nothing is admitted, except, under
 Block moves are logged by the block manager in decision order and applied in that
 order (``kv_cache.py``), so a block freed by a move and reused by a later one in the
 same step is always read before it is overwritten.
+
+Two knobs change what a step may hold:
+
+- ``batching="static"`` (the A/B baseline for continuous batching): a batch of up to
+  ``max_num_seqs`` waiting requests is formed when nothing runs, with KV blocks for
+  each member's prompt plus ``max_tokens`` known to fit, and nothing else is admitted
+  until its last member finishes.
+- ``target_itl_ms``: each step's predicted duration (``step_cost.py``, fitted online)
+  is kept at or below the target: prefill chunks shrink to the time left after the
+  decodes, and decodes that do not fit wait a step, least urgent first. A step always
+  holds at least its most urgent piece of work, so nothing starves when even that
+  alone exceeds the target.
 """
 
 from __future__ import annotations
@@ -36,6 +48,7 @@ from dataclasses import dataclass, field
 from llmserve.engine.block_manager import BlockManager, BlockOp
 from llmserve.engine.config import EngineConfig
 from llmserve.engine.sequence import Sequence, SequenceStatus
+from llmserve.engine.step_cost import StepCostModel
 
 
 @dataclass
@@ -45,6 +58,12 @@ class ScheduledBatch:
     preempted: list[Sequence] = field(default_factory=list)
     # Block moves to apply before the forward, in this order.
     block_ops: list[BlockOp] = field(default_factory=list)
+    predicted_s: float | None = None  # the cost model's duration for this step
+
+    @property
+    def kv_tokens(self) -> int:
+        """Context tokens the step's attention reads."""
+        return sum(s.num_computed_tokens + n for s, n in zip(self.seqs, self.num_new_tokens))
 
     @property
     def has_block_ops(self) -> bool:
@@ -78,24 +97,56 @@ class ScheduledBatch:
 
 
 class _Step:
-    """What one schedule() pass has spent so far."""
+    """What one schedule() pass has spent so far: tokens and, with a latency target,
+    predicted seconds."""
 
-    def __init__(self, budget: int, running: list[Sequence]):
+    def __init__(self, budget: int, running: list[Sequence], cost: StepCostModel | None,
+                 target_s: float | None):
         self.batch = ScheduledBatch()
         self.budget = budget
         self.scheduled: set[int] = set()  # seq ids in the batch
         # Running decodes not yet placed: a prefill chunk leaves one token for each.
-        self.decodes_left = sum(1 for s in running if s.num_uncomputed_tokens == 1)
+        decodes = [s for s in running if s.num_uncomputed_tokens == 1]
+        self.decodes_left = len(decodes)
         self.admitting = True
+        self.cost = cost if target_s is not None and cost is not None and cost.ready else None
+        if self.cost is not None:
+            self.time_left = target_s - self.cost.fixed
+            # ... of which prefill chunks leave this much for the decodes not yet placed.
+            self.decode_reserve = sum(self.decode_cost(s) for s in decodes)
 
     @property
     def prefill_budget(self) -> int:
         return max(0, self.budget - self.decodes_left)
 
+    def decode_cost(self, seq: Sequence) -> float:
+        return self.cost.seq_cost(1, seq.num_tokens)
+
+    def decode_fits(self, seq: Sequence) -> bool:
+        """Whether ``seq``'s decode fits the time left (always, with no target or an
+        empty batch: the most urgent work always runs)."""
+        if self.cost is None:
+            return True
+        cost = self.decode_cost(seq)
+        self.decode_reserve -= cost
+        return not self.batch.seqs or cost <= self.time_left
+
+    def chunk_limit(self, num_computed: int) -> int:
+        """Most tokens a prefill chunk over ``num_computed`` cached tokens may have."""
+        if self.cost is None:
+            return self.prefill_budget
+        tokens = self.cost.max_tokens_within(self.time_left - self.decode_reserve,
+                                             num_computed)
+        if tokens == 0 and not self.batch.seqs and self.decode_reserve <= 0:
+            tokens = 1  # nothing else runs: make progress even over the target
+        return min(self.prefill_budget, tokens)
+
     def add(self, seq: Sequence, num_new: int) -> None:
         self.batch.add(seq, num_new)
         self.scheduled.add(seq.seq_id)
         self.budget -= num_new
+        if self.cost is not None:
+            self.time_left -= self.cost.seq_cost(num_new, seq.num_computed_tokens + num_new)
 
 
 class Scheduler:
@@ -107,6 +158,9 @@ class Scheduler:
         self.swapped: list[Sequence] = []  # kept sorted by urgency
         self.num_preemptions = 0
         self.num_swapped_out = 0
+        self.cost_model = StepCostModel()  # fitted by the engine from measured steps
+        self.static = config.batching == "static"
+        self.static_members: set[int] = set()  # static: the batch's members not yet admitted
 
     # --- queue order ---------------------------------------------------------
     def urgency(self, seq: Sequence) -> tuple:
@@ -129,7 +183,11 @@ class Scheduler:
     # --- the step ------------------------------------------------------------
     def schedule(self) -> ScheduledBatch:
         self.running.sort(key=self.urgency)
-        step = _Step(self.config.max_num_batched_tokens, self.running)
+        target = self.config.target_itl_ms
+        step = _Step(self.config.max_num_batched_tokens, self.running, self.cost_model,
+                     None if target is None else target / 1000)
+        if self.static and not (self.running or self.swapped or self.static_members):
+            self._form_static_batch()
         merged = self.config.scheduling_policy == "priority"
         to_run = iter(list(self.running))
         seq = next(to_run, None)
@@ -147,12 +205,31 @@ class Scheduler:
             else:
                 break
         step.batch.block_ops = self.bm.take_ops()
+        if self.cost_model.ready and step.batch.seqs:
+            step.batch.predicted_s = self.cost_model.predict(
+                step.batch.num_tokens, step.batch.kv_tokens, len(step.batch.seqs))
         return step.batch
+
+    def _form_static_batch(self) -> None:
+        """Static batching: the next batch is the most urgent waiting requests whose
+        prompts plus max_tokens fit the free KV blocks together (at least one)."""
+        free, slots = self.bm.num_free_blocks, self.config.max_num_seqs
+        for seq in self.waiting:
+            n = len(seq.request.sequences)
+            need = n * -(-(seq.num_tokens + seq.params.max_tokens) // self.bm.block_size)
+            if self.static_members and (need > free or n > slots):
+                break
+            self.static_members.add(seq.seq_id)
+            free, slots = free - need, slots - n
 
     def _next_candidate(self, step: _Step) -> Sequence | None:
         """The swapped or waiting sequence to try next, or None."""
         if not step.admitting:
             return None
+        if self.static:  # members only, in urgency order
+            return next((s for s in self.swapped + self.waiting
+                         if s.seq_id in self.static_members
+                         or s.status is SequenceStatus.SWAPPED), None)
         if self.config.scheduling_policy == "fcfs":
             head = self.swapped[0] if self.swapped else self.waiting[0] if self.waiting else None
         else:
@@ -176,9 +253,9 @@ class Scheduler:
     def _schedule_running(self, seq: Sequence, step: _Step) -> None:
         decode = seq.num_uncomputed_tokens == 1
         if decode:
-            num_new = min(1, step.budget)
+            num_new = min(1, step.budget) if step.decode_fits(seq) else 0
         else:
-            num_new = min(seq.num_uncomputed_tokens, step.prefill_budget)
+            num_new = min(seq.num_uncomputed_tokens, step.chunk_limit(seq.num_computed_tokens))
         if num_new and self._make_room(seq, num_new, step):
             self.bm.allocate(seq, seq.num_computed_tokens + num_new)
             step.add(seq, num_new)
@@ -211,7 +288,8 @@ class Scheduler:
             num_new, need, hits = plan
             # The watermark keeps room for running sequences to grow; with none
             # running it would only stop a request that fits from ever starting.
-            if self.bm.can_allocate(need, use_watermark=bool(self.running)):
+            # Static batches reserved their blocks when they formed.
+            if self.bm.can_allocate(need, use_watermark=bool(self.running) and not self.static):
                 break
             if not self._preempt_for(seq, step):
                 return False
@@ -220,6 +298,7 @@ class Scheduler:
             self.bm.swap_in(seq)
         else:
             self.waiting.remove(seq)
+            self.static_members.discard(seq.seq_id)
             self.bm.take_prefix(seq, hits)  # also counts the lookup for the metrics
         self.bm.allocate(seq, seq.num_computed_tokens + num_new)
         seq.status = SequenceStatus.RUNNING
@@ -231,11 +310,10 @@ class Scheduler:
         """(tokens to compute, blocks to take, prefix hits) for admitting ``seq`` now,
         or None if the sequence cap or the budget does not allow it."""
         bs = self.bm.block_size
-        avail = step.prefill_budget
         if swapped:
             if len(self.running) >= self.config.max_num_seqs:
                 return None
-            num_new = min(seq.num_uncomputed_tokens, avail)
+            num_new = min(seq.num_uncomputed_tokens, step.chunk_limit(seq.num_computed_tokens))
             if num_new == 0:
                 return None
             need = max(len(seq.cpu_block_table), -(-(seq.num_computed_tokens + num_new) // bs))
@@ -245,6 +323,7 @@ class Scheduler:
         hits = self.bm.match_prefix(seq)
         num_computed = len(hits) * bs
         num_new = seq.num_tokens - num_computed
+        avail = step.chunk_limit(num_computed)
         if num_new > avail:
             if not self.config.enable_chunked_prefill or avail == 0:
                 return None
@@ -310,6 +389,8 @@ class Scheduler:
         self.bm.free(seq)
         seq.reset_for_recompute()
         self.add(seq)
+        if self.static:  # still a member of the batch it was running in
+            self.static_members.add(seq.seq_id)
 
     def finish(self, seq: Sequence, status: SequenceStatus) -> None:
         """Leave the batch now and give back the blocks at once."""

@@ -152,8 +152,11 @@ def engine_container(owner: Owner) -> dict:
                 "--host", "0.0.0.0", "--port", str(port), "--dtype", dtype]
         flags = {"maxNumSeqs": "--max-num-seqs", "maxNumBatchedTokens":
                  "--max-num-batched-tokens", "maxModelLen": "--max-model-len",
-                 "kvCacheMemory": "--kv-cache-memory"}
+                 "kvCacheMemory": "--kv-cache-memory", "targetITLMs": "--target-itl-ms"}
     else:  # the vLLM OpenAI server, with equivalent arguments
+        if engine.get("targetITLMs") is not None:
+            raise SpecError("engine.targetITLMs needs engine.kind llmserve (vLLM has no "
+                            "step-latency cap)")
         image = engine.get("image") or DEFAULT_VLLM_IMAGE
         command = ["vllm", "serve", model]
         args = ["--served-model-name", owner.model_name, "--host", "0.0.0.0",

@@ -1,0 +1,85 @@
+"""How long will a step take? A small linear cost model, fitted online.
+
+    seconds = c0 + c_tok * tokens computed + c_kv * KV tokens read + c_seq * sequences
+
+Each term is what a step's work scales with on any device: the GEMMs with the tokens
+computed, attention with the context every scheduled sequence reads, and per-sequence
+work (metadata, sampling, detokenisation) with the batch size. The coefficients are
+fitted by exponentially weighted least squares (in relative error) over measured
+steps, so they follow the machine (and its noise) rather than a profile taken once.
+The scheduler uses the model to keep each step under a latency target
+(``--target-itl-ms``).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+# Feature scales: keep the normal equations well conditioned (tokens ~ 1-2k, KV reads
+# up to ~1e5, sequences up to ~1e2).
+_SCALE = np.array([1.0, 1e-2, 1e-4, 1e-1])
+
+
+class StepCostModel:
+    def __init__(self, decay: float = 0.995, min_observations: int = 8,
+                 ridge: float = 1e-3):
+        self.decay = decay
+        self.min_observations = min_observations
+        self._gram = np.eye(4) * ridge  # weighted sum of x x^T
+        self._moment = np.zeros(4)  # weighted sum of x y
+        self.coef = np.zeros(4)  # in seconds per unit of each (unscaled) feature
+        self.observations = 0
+
+    @property
+    def ready(self) -> bool:
+        return self.observations >= self.min_observations
+
+    def observe(self, tokens: int, kv_tokens: int, seqs: int, seconds: float) -> None:
+        x = np.array([1.0, tokens, kv_tokens, seqs]) * _SCALE
+        # Relative errors: step noise scales with the step, and a small step mispredicted
+        # by 1 ms matters as much as a big one by 10.
+        w = 1.0 / (seconds + 1e-3) ** 2
+        self._gram = self.decay * self._gram + w * np.outer(x, x)
+        self._moment = self.decay * self._moment + w * x * seconds
+        self.observations += 1
+        self.coef = self._solve() * _SCALE
+
+    def _solve(self) -> np.ndarray:
+        """Least squares with every coefficient >= 0 (more work never takes less
+        time): drop the negative ones and solve again over the rest."""
+        active = np.ones(4, dtype=bool)
+        for _ in range(4):
+            sol = np.zeros(4)
+            idx = np.flatnonzero(active)
+            sol[idx] = np.linalg.lstsq(self._gram[np.ix_(idx, idx)], self._moment[idx],
+                                       rcond=None)[0]
+            if (sol >= 0).all():
+                return sol
+            active &= sol > 0
+        return np.clip(sol, 0, None)
+
+    def predict(self, tokens: int, kv_tokens: int, seqs: int) -> float:
+        return float(self.coef @ np.array([1.0, tokens, kv_tokens, seqs]))
+
+    @property
+    def fixed(self) -> float:
+        """The cost of a step before anything is in it."""
+        return float(self.coef[0])
+
+    def seq_cost(self, num_new: int, context_after: int) -> float:
+        """What adding one sequence computing ``num_new`` tokens with ``context_after``
+        tokens of context costs a step."""
+        _, c_tok, c_kv, c_seq = self.coef
+        return float(c_tok * num_new + c_kv * context_after + c_seq)
+
+    def max_tokens_within(self, seconds: float, num_computed: int) -> int:
+        """The largest chunk of a sequence with ``num_computed`` tokens of context
+        already cached that costs at most ``seconds``."""
+        _, c_tok, c_kv, c_seq = self.coef
+        room = seconds - c_seq - c_kv * num_computed
+        per_token = c_tok + c_kv
+        if room <= 0:
+            return 0
+        if per_token <= 0:
+            return 1 << 30
+        return int(room / per_token)

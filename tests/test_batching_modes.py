@@ -1,0 +1,178 @@
+"""Static vs continuous batching, and the latency cap (--target-itl-ms).
+
+Static batching is the baseline the design's headline is measured against, so it must
+be what static servers do (a batch runs to its end; nothing joins it) and differ from
+continuous batching in scheduling only (same outputs). The cap must keep every
+predicted step under the target whenever the step can be split to fit, and its cost
+model must learn a step's cost from measurements."""
+
+from __future__ import annotations
+
+import random
+import urllib.request
+
+import numpy as np
+import pytest
+
+from llmserve import LLM, SamplingParams
+from llmserve.engine.step_cost import StepCostModel
+from tests.server_proc import ServerProcess, scrape
+from tests.sim import add, make_request, make_scheduler, simulate_step
+
+
+def run_steps(llm: LLM, prompts, params):
+    """Run to completion by hand; per request: (first scheduled step, finish step)."""
+    engine = llm.engine
+    ids = [engine.add_request(p, sp).request_id for p, sp in zip(prompts, params)]
+    reqs = {i: engine.requests[i] for i in ids}
+    start, end, outputs, step = {}, {}, {}, 0
+    max_running = 0
+    while engine.has_unfinished():
+        step += 1
+        for out in engine.step():
+            if out.finished:
+                end[out.request_id] = step
+                outputs[out.request_id] = [o.token_ids for o in out.outputs]
+        for i, r in reqs.items():
+            if r.first_scheduled_time is not None and i not in start:
+                start[i] = step
+        max_running = max(max_running, len(engine.scheduler.running))
+    return [outputs[i] for i in ids], [(start[i], end[i]) for i in ids], max_running
+
+
+@pytest.fixture(scope="module")
+def workload():
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, 49152) for _ in range(rng.randint(5, 60))] for _ in range(11)]
+    params = [SamplingParams(temperature=0 if i % 2 else 1.0, seed=i,
+                             max_tokens=rng.randint(2, 30), ignore_eos=True)
+              for i in range(11)]
+    return prompts, params
+
+
+def test_static_batches_run_to_their_end_and_match_continuous(tiny_llama, workload):
+    prompts, params = workload
+    kw = dict(kv_cache_memory=64 << 20, max_num_seqs=4, max_num_batched_tokens=512)
+    static_out, spans, max_running = run_steps(LLM(str(tiny_llama), batching="static", **kw),
+                                               prompts, params)
+    cont_out, cont_spans, _ = run_steps(LLM(str(tiny_llama), **kw), prompts, params)
+    assert static_out == cont_out  # scheduling changes, tokens do not
+    assert max_running == 4
+    # Batches: requests that started in the same step. None starts before every
+    # member of the batch in front of it has finished.
+    by_start: dict[int, list[int]] = {}
+    for s, e in spans:
+        by_start.setdefault(s, []).append(e)
+    starts = sorted(by_start)
+    assert len(starts) == 3  # 11 requests, batches of 4, 4, 3
+    for prev, nxt in zip(starts, starts[1:]):
+        assert nxt > max(by_start[prev]), (prev, nxt, by_start)
+    # Continuous batching admits into a running batch (that is the point).
+    assert any(cs > min(e for _, e in cont_spans) for cs, _ in cont_spans)
+
+
+def test_static_reserves_prompt_plus_max_tokens_so_it_never_preempts(tiny_llama, workload):
+    prompts, params = workload
+    block_bytes = 2 * 2 * 16 * 2 * 16 * 4  # K+V x layers x block x kv heads x dim x fp32
+    llm = LLM(str(tiny_llama), batching="static", max_num_seqs=8,
+              kv_cache_memory=12 * block_bytes, max_num_batched_tokens=512)
+    _, _, max_running = run_steps(llm, prompts, params)
+    assert llm.engine.scheduler.num_preemptions == 0
+    assert max_running < 8  # the reservation, not max_num_seqs, bounded the batches
+    llm.engine.block_manager.check_all_free()
+
+
+# --- the cost model ------------------------------------------------------------------------
+TRUE = np.array([0.004, 1e-4, 2e-6, 3e-4])  # s: per step, token, KV token read, sequence
+
+
+def synthetic(tokens, kv, seqs):
+    return float(TRUE @ np.array([1, tokens, kv, seqs]))
+
+
+def test_cost_model_converges_on_a_noisy_synthetic_cost():
+    rng = np.random.default_rng(0)
+    model = StepCostModel()
+    assert not model.ready
+    for _ in range(600):
+        seqs = int(rng.integers(1, 64))
+        tokens = seqs + int(rng.integers(0, 2) * rng.integers(1, 1024))
+        kv = seqs * int(rng.integers(16, 2000))
+        model.observe(tokens, kv, seqs, synthetic(tokens, kv, seqs) * rng.normal(1, 0.05))
+    assert model.ready and (model.coef >= 0).all()
+    np.testing.assert_allclose(model.coef[1:], TRUE[1:], rtol=0.15)
+    assert abs(model.coef[0] - TRUE[0]) < 0.0015  # the intercept is the noisiest term
+    for tokens, kv, seqs in [(1, 100, 1), (512, 40_000, 32), (64, 5_000, 64)]:
+        assert model.predict(tokens, kv, seqs) == pytest.approx(synthetic(tokens, kv, seqs),
+                                                                rel=0.05)
+
+
+def fitted_model() -> StepCostModel:
+    model = StepCostModel()
+    rng = np.random.default_rng(1)
+    for _ in range(50):
+        seqs = int(rng.integers(1, 32))
+        tokens, kv = seqs + int(rng.integers(0, 600)), seqs * int(rng.integers(10, 900))
+        model.observe(tokens, kv, seqs, synthetic(tokens, kv, seqs))
+    return model
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_cap_keeps_every_splittable_step_under_the_target(seed):
+    rng = random.Random(seed)
+    target_ms = 40.0
+    sched = make_scheduler(num_blocks=4000, block_size=16, target_itl_ms=target_ms,
+                           max_num_batched_tokens=2048, max_num_seqs=64,
+                           enable_prefix_caching=False)
+    sched.cost_model = fitted_model()
+    reqs, chunks, step = [], [], 0
+    while step < 5000 and (step < 40 or sched.has_work()):
+        step += 1
+        if step < 40 and rng.random() < 0.5:  # long prompts keep arriving among decodes
+            long_prompt = rng.random() < 0.3
+            reqs.append(add(sched, make_request(rng.randint(800, 1600) if long_prompt else
+                                                rng.randint(4, 40), rng.randint(5, 60))))
+        batch = sched.schedule()
+        if not batch.seqs:
+            continue
+        cost = synthetic(batch.num_tokens, batch.kv_tokens, len(batch.seqs))
+        assert batch.predicted_s == pytest.approx(cost, rel=1e-3)
+        if len(batch.seqs) > 1 or batch.num_new_tokens[0] > 1:
+            assert cost <= target_ms / 1000 * 1.0001, (step, batch.num_new_tokens)
+        chunks += [n for n in batch.num_new_tokens if n > 1]
+        simulate_step(sched, batch)
+    assert all(r.finished for r in reqs), "the cap must not starve anything"
+    assert max(chunks) < 2048  # chunks were cut below the token budget by time
+    sched.bm.check_all_free()
+
+
+def test_without_a_target_the_same_workload_breaks_the_target():
+    sched = make_scheduler(num_blocks=4000, block_size=16, max_num_batched_tokens=2048,
+                           enable_prefix_caching=False)
+    sched.cost_model = fitted_model()
+    for _ in range(8):
+        add(sched, make_request(20, 50))
+    simulate_step(sched, sched.schedule())
+    add(sched, make_request(1500, 5))
+    batch = sched.schedule()
+    assert synthetic(batch.num_tokens, batch.kv_tokens, len(batch.seqs)) > 0.040
+
+
+# --- metrics -------------------------------------------------------------------------------
+def test_step_duration_metrics_actual_and_predicted(tiny_llama):
+    proc = ServerProcess(str(tiny_llama), host="127.0.0.33",
+                         extra=["--served-model-name", "tiny", "--target-itl-ms", "200"])
+    try:
+        for i in range(3):
+            body = (b'{"model": "tiny", "prompt": "hello %d", "max_tokens": 12, '
+                    b'"ignore_eos": true}' % i)
+            urllib.request.urlopen(urllib.request.Request(
+                proc.url + "/v1/completions", data=body,
+                headers={"Content-Type": "application/json"}), timeout=60).read()
+        metrics = scrape(proc.url)
+        actual = metrics['llmserve:step_duration_seconds_count{kind="actual",model_name="tiny"}']
+        predicted = metrics[
+            'llmserve:step_duration_seconds_count{kind="predicted",model_name="tiny"}']
+        assert actual >= 36 and 0 < predicted <= actual
+    finally:
+        assert proc.stop() == 0
