@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from llmserve import LLM, SamplingParams
+from llmserve.engine.sequence import SequenceStatus
 from llmserve.engine.step_cost import StepCostModel
 from tests.server_proc import ServerProcess, scrape
 from tests.sim import add, make_request, make_scheduler, simulate_step
@@ -82,6 +83,21 @@ def test_static_reserves_prompt_plus_max_tokens_so_it_never_preempts(tiny_llama,
     llm.engine.block_manager.check_all_free()
 
 
+def test_an_aborted_member_does_not_hold_up_the_next_static_batch():
+    sched = make_scheduler(num_blocks=64, block_size=4, batching="static", max_num_seqs=2,
+                           max_num_batched_tokens=8)
+    first = [add(sched, make_request(12, 3)) for _ in range(2)]  # one chunk at a time
+    later = add(sched, make_request(4, 2))
+    simulate_step(sched, sched.schedule())  # the first member starts; the second waits
+    sched.finish(first[1].sequences[0], SequenceStatus.FINISHED_ABORTED)
+    for _ in range(20):
+        if not sched.has_work():
+            break
+        simulate_step(sched, sched.schedule())
+    assert first[0].finished and later.finished
+    sched.bm.check_all_free()
+
+
 # --- the cost model ------------------------------------------------------------------------
 TRUE = np.array([0.004, 1e-4, 2e-6, 3e-4])  # s: per step, token, KV token read, sequence
 
@@ -144,6 +160,35 @@ def test_the_cap_keeps_every_splittable_step_under_the_target(seed):
     assert all(r.finished for r in reqs), "the cap must not starve anything"
     assert max(chunks) < 2048  # chunks were cut below the token budget by time
     sched.bm.check_all_free()
+
+
+def test_an_unchunked_prompt_over_the_target_still_runs_alone():
+    sched = make_scheduler(num_blocks=4000, block_size=16, target_itl_ms=40.0,
+                           enable_chunked_prefill=False, max_num_batched_tokens=4096)
+    sched.cost_model = fitted_model()
+    req = add(sched, make_request(2000, 3))  # its prefill alone is predicted at ~0.25 s
+    for _ in range(10):
+        if not sched.has_work():
+            break
+        simulate_step(sched, sched.schedule())
+    assert req.finished
+
+
+def test_a_deferred_decode_is_not_overtaken_by_new_arrivals():
+    # Decodes over 3,000 tokens of context cost ~6.4 ms each; 19 ms leaves room for two
+    # after the 4 ms per step, and the ~2 ms left would fit a short newcomer's prefill.
+    sched = make_scheduler(num_blocks=4000, block_size=16, target_itl_ms=19.0,
+                           max_num_batched_tokens=2048, enable_prefix_caching=False)
+    sched.cost_model = fitted_model()
+    old = [add(sched, make_request(3000, 2000)) for _ in range(3)]
+    while any(r.sequences[0].num_computed_tokens < 3000 for r in old):
+        simulate_step(sched, sched.schedule())
+    add(sched, make_request(8, 5))
+    batch = sched.schedule()
+    placed = {s.request.request_id for s in batch.seqs}
+    assert not any(r.finished for r in old)
+    assert len(placed) == 2, placed  # the third old decode waits ...
+    assert placed <= {r.request_id for r in old}, placed  # ... and so does the newcomer
 
 
 def test_without_a_target_the_same_workload_breaks_the_target():

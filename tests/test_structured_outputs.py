@@ -161,17 +161,15 @@ def test_streamed_json_is_the_same_as_unstreamed(tiny):
 
 
 def test_logprobs_and_stop_strings_work_with_a_schema(tiny):
-    resp = chat(tiny, n=2, logprobs=True, top_logprobs=3, stop=["enterprise"],
+    resp = chat(tiny, n=2, logprobs=True, top_logprobs=3, stop=['"customer"'],
                 response_format={"type": "json_schema",
                                  "json_schema": {"name": "o", "schema": ORDER}})
     for c in resp.choices:
         assert c.logprobs.content and all(lp.logprob <= 0 for lp in c.logprobs.content)
-        if c.finish_reason == "stop" and "enterprise" not in c.message.content:
-            text = c.message.content
-            try:
-                jsonschema.validate(json.loads(text), ORDER)
-            except json.JSONDecodeError:  # cut at the stop string
-                assert '"tier": "' in text
+        # "customer" is a required key, so every output reaches the stop string.
+        assert c.finish_reason == "stop" and '"customer"' not in c.message.content
+        assert c.message.content.startswith("{")
+        assert c.model_extra["stop_reason"] == '"customer"'
 
 
 # --- tools ------------------------------------------------------------------------------
@@ -291,6 +289,11 @@ def test_the_model_sees_its_tools_and_earlier_calls():
      "no-such-format"),
     # A keyword the library does not implement is refused, never silently ignored.
     ({"guided_json": {"type": "object", "if": {"required": ["a"]}, "then": {}}}, "if"),
+    ({"guided_json": "{not json"}, "not valid JSON"),
+    ({"structured_outputs": {"json": "[1, 2]"}}, "must be an object"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": "get_weather"}},
+     "tool_choice"),
+    ({"guided_regex": "a+", "min_tokens": 2}, "min_tokens"),
 ])
 def test_bad_constraints_are_400s_naming_the_problem(tiny, extra, needle):
     body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}

@@ -185,6 +185,7 @@ class LLMEngine:
         pending_masks = self._start_grammar_masks(batch)
         logits, due = self.runner.run(batch)
         t1 = time.perf_counter()
+        kv_tokens = batch.kv_tokens  # before num_computed_tokens moves on
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             seq.num_computed_tokens += n
             self.block_manager.cache_full_blocks(seq)
@@ -214,7 +215,7 @@ class LLMEngine:
         end = time.perf_counter()
         self.stats.record_step(batch, t0 - ts, t1 - t0, end - t1)
         # The whole step, as a stream sees it between two tokens.
-        self.scheduler.cost_model.observe(batch.num_tokens, batch.kv_tokens, len(batch.seqs),
+        self.scheduler.cost_model.observe(batch.num_tokens, kv_tokens, len(batch.seqs),
                                           end - ts)
         self.last_step = (end - ts, batch.predicted_s)
         outputs = []

@@ -240,6 +240,9 @@ def parse_messages(body) -> list[dict]:
                               "messages")
         role = "system" if m["role"] == "developer" else m["role"]
         message = {"role": role, "content": content}
+        if m["role"] == "tool":
+            message.update({k: m[k] for k in ("tool_call_id", "name")
+                            if isinstance(m.get(k), str)})
         if m["role"] == "assistant" and m.get("tool_calls"):
             message["tool_calls"] = _parse_message_tool_calls(m["tool_calls"], i)
         clean.append(message)

@@ -77,6 +77,9 @@ class SamplingParams:
         check(self.structured_outputs is None
               or isinstance(self.structured_outputs, StructuredOutputsParams),
               "structured_outputs", "must be a StructuredOutputsParams")
+        check(self.structured_outputs is None or not self.min_tokens, "min_tokens",
+              "cannot be combined with structured outputs: the grammar decides where the "
+              "output ends")
 
     @property
     def greedy(self) -> bool:

@@ -256,6 +256,8 @@ class Scheduler:
             num_new = min(1, step.budget) if step.decode_fits(seq) else 0
         else:
             num_new = min(seq.num_uncomputed_tokens, step.chunk_limit(seq.num_computed_tokens))
+        if num_new == 0 and step.cost is not None:
+            step.admitting = False  # deferred for time: nothing less urgent overtakes it
         if num_new and self._make_room(seq, num_new, step):
             self.bm.allocate(seq, seq.num_computed_tokens + num_new)
             step.add(seq, num_new)
@@ -325,9 +327,15 @@ class Scheduler:
         num_new = seq.num_tokens - num_computed
         avail = step.chunk_limit(num_computed)
         if num_new > avail:
-            if not self.config.enable_chunked_prefill or avail == 0:
+            if not self.config.enable_chunked_prefill:
+                # A whole prompt or nothing: alone in a step it runs even over the
+                # latency target, or it would never run.
+                if step.batch.seqs or num_new > step.prefill_budget:
+                    return None
+            elif avail == 0:
                 return None
-            num_new = avail
+            else:
+                num_new = avail
         need = -(-(num_computed + num_new) // bs) - len(hits) + self.bm.num_free_among(hits)
         return num_new, need, hits
 
@@ -394,6 +402,7 @@ class Scheduler:
 
     def finish(self, seq: Sequence, status: SequenceStatus) -> None:
         """Leave the batch now and give back the blocks at once."""
+        self.static_members.discard(seq.seq_id)  # an aborted member ends its wait too
         for queue in (self.running, self.waiting, self.swapped):
             if seq in queue:
                 queue.remove(seq)

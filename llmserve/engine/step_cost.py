@@ -29,10 +29,13 @@ class StepCostModel:
         self._moment = np.zeros(4)  # weighted sum of x y
         self.coef = np.zeros(4)  # in seconds per unit of each (unscaled) feature
         self.observations = 0
+        self.mixed_observations = 0  # steps with more tokens than sequences (prefill)
 
     @property
     def ready(self) -> bool:
-        return self.observations >= self.min_observations
+        """Enough steps, and some with prefill: decode-only steps (tokens ==
+        sequences) cannot tell the per-token cost from the per-sequence one."""
+        return self.observations >= self.min_observations and self.mixed_observations >= 2
 
     def observe(self, tokens: int, kv_tokens: int, seqs: int, seconds: float) -> None:
         x = np.array([1.0, tokens, kv_tokens, seqs]) * _SCALE
@@ -42,6 +45,7 @@ class StepCostModel:
         self._gram = self.decay * self._gram + w * np.outer(x, x)
         self._moment = self.decay * self._moment + w * x * seconds
         self.observations += 1
+        self.mixed_observations += tokens > seqs
         self.coef = self._solve() * _SCALE
 
     def _solve(self) -> np.ndarray:

@@ -30,6 +30,10 @@ import torch
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
 
 
+class GrammarError(ValueError):
+    """The spec cannot be compiled: bad syntax, or a construct llguidance lacks."""
+
+
 @dataclass(frozen=True)
 class StructuredOutputsParams:
     """What a request's output must match; exactly one field is set (vLLM's names)."""
@@ -80,14 +84,10 @@ def _loads_schema(text: str) -> dict:
     try:
         schema = json.loads(text)
     except json.JSONDecodeError as e:
-        raise ValueError(f"the JSON schema is not valid JSON: {e}") from e
-    if not isinstance(schema, (dict, bool)):
-        raise ValueError("a JSON schema must be an object")
+        raise GrammarError(f"the JSON schema is not valid JSON: {e}") from e
+    if not isinstance(schema, dict):
+        raise GrammarError("a JSON schema must be an object")
     return schema
-
-
-class GrammarError(ValueError):
-    """The spec cannot be compiled: bad syntax, or a construct llguidance lacks."""
 
 
 # JSON as models are taught to write it: "," and ": " separators, no free whitespace
@@ -105,15 +105,17 @@ class StructuredOutputs:
         self.vocab_size = vocab_size
         self.ll_tokenizer = llguidance.hf.from_tokenizer(
             tokenizer, n_vocab=vocab_size, eos_token=sorted(eos_token_ids) or None)
-        self._cache: OrderedDict[tuple[str, str], str] = OrderedDict()
+        self._cache: OrderedDict[tuple[str, str], object] = OrderedDict()  # -> LLMatcher
         self._cache_size = cache_size
         self._lock = threading.Lock()  # compiles run on server threads
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")
         self.compiles = self.cache_hits = 0
 
     # --- compiling ---------------------------------------------------------------
-    def compile(self, spec: StructuredOutputsParams) -> str:
-        """The validated llguidance grammar for ``spec``; GrammarError if invalid."""
+    def compile(self, spec: StructuredOutputsParams):
+        """A prototype matcher for ``spec`` (built once, then cached): each sequence
+        gets a deep copy, so the parser is never rebuilt on the engine thread.
+        GrammarError, with llguidance's message, if the spec is invalid."""
         from llguidance import LLMatcher
 
         key = spec.key()
@@ -126,20 +128,18 @@ class StructuredOutputs:
         is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar, self.ll_tokenizer)
         if is_error:
             raise GrammarError(f"invalid {spec.kind} constraint: {messages[0]}")
+        prototype = LLMatcher(self.ll_tokenizer, grammar, log_level=0)
+        if prototype.is_error():
+            raise GrammarError(f"invalid {spec.kind} constraint: {prototype.get_error()}")
         with self._lock:
             self.compiles += 1
-            self._cache[key] = grammar
+            self._cache[key] = prototype
             if len(self._cache) > self._cache_size:
                 self._cache.popitem(last=False)
-        return grammar
+        return prototype
 
     def matcher(self, spec: StructuredOutputsParams):
-        from llguidance import LLMatcher
-
-        m = LLMatcher(self.ll_tokenizer, self.compile(spec), log_level=0)
-        if m.is_error():
-            raise GrammarError(f"invalid {spec.kind} constraint: {m.get_error()}")
-        return m
+        return self.compile(spec).deep_copy()
 
     # --- masks -----------------------------------------------------------------
     def start_masks(self, seqs) -> Future:

@@ -98,7 +98,8 @@ def _as_call(raw: str, tools: dict[str, dict]) -> dict | None:
         obj = json.loads(raw)
     except json.JSONDecodeError:
         return None
-    if not (isinstance(obj, dict) and obj.get("name") in tools):
+    if not (isinstance(obj, dict) and isinstance(obj.get("name"), str)
+            and obj["name"] in tools):
         return None
     args = obj.get("arguments", obj.get("parameters", {}))
     if isinstance(args, str):
@@ -142,8 +143,9 @@ def parse_tool_choice(body: dict) -> ToolChoice | None:
     if choice is None or choice in ("none", "auto", "required"):
         return ToolChoice(by_name, choice or "auto")
     if isinstance(choice, dict) and choice.get("type") == "function":
-        name = (choice.get("function") or {}).get("name")
-        if name not in by_name:
+        fn = choice.get("function")
+        name = fn.get("name") if isinstance(fn, dict) else None
+        if not isinstance(name, str) or name not in by_name:
             raise ToolError(f"tool_choice names {name!r}, which is not in 'tools'",
                             "tool_choice")
         return ToolChoice(by_name, "named", name)
@@ -191,7 +193,9 @@ def messages_for_template(messages: list[dict], choice: ToolChoice | None,
 def _message_for_template(m: dict, native: bool) -> dict:
     calls = m.get("tool_calls")
     if not calls:
-        return {"role": m["role"], "content": m["content"]}
+        keep = ("tool_call_id", "name") if native else ()  # what tool templates read
+        return {"role": m["role"], "content": m["content"],
+                **{k: m[k] for k in keep if k in m}}
     if native:  # templates expect arguments as objects
         return {"role": m["role"], "content": m["content"], "tool_calls": [
             {"type": "function", "function": {"name": c["function"]["name"],
