@@ -357,3 +357,32 @@ def test_constrained_outputs_survive_swap_and_recompute(tiny_llama):
         outs = tight.generate(prompts, params)
         assert tight.engine.scheduler.num_preemptions > 0, mode
         assert [o.outputs[0].text for o in outs] == ref, mode
+
+
+@pytest.mark.slow
+def test_aborting_a_constrained_request_frees_everything(tiny_llama):
+    llm = LLM(str(tiny_llama), kv_cache_memory=64 << 20)
+    engine = llm.engine
+    spec = StructuredOutputsParams(json=ORDER)
+    req = engine.add_request("order:", SamplingParams(temperature=1.0, seed=0, max_tokens=300,
+                                                      n=3, structured_outputs=spec))
+    for _ in range(5):
+        engine.step()
+    assert engine.abort(req.request_id)
+    engine.block_manager.check_all_free()
+    out = llm.generate(["order:"], SamplingParams(temperature=1.0, seed=0, max_tokens=300,
+                                                  structured_outputs=spec))
+    jsonschema.validate(json.loads(out[0].outputs[0].text), ORDER)
+
+
+def test_streamed_named_calls_of_parallel_samples_reassemble(tiny):
+    kw = dict(tools=[WEATHER], n=2, seed=8,
+              tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    args: dict[int, str] = {}
+    for chunk in chat(tiny, "Weather?", stream=True, **kw):
+        for ch in chunk.choices:
+            for d in ch.delta.tool_calls or []:
+                args[ch.index] = args.get(ch.index, "") + (d.function.arguments or "")
+    assert sorted(args) == [0, 1]
+    for text in args.values():
+        jsonschema.validate(json.loads(text), ARGS["get_weather"])
