@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 from llmserve import LLM, SamplingParams
+from llmserve.engine.cost_model import StepCostModel
 from llmserve.engine.sequence import SequenceStatus
-from llmserve.engine.step_cost import StepCostModel
 from tests.server_proc import ServerProcess, scrape
 from tests.sim import add, make_request, make_scheduler, simulate_step
 

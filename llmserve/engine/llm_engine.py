@@ -13,6 +13,7 @@ from tqdm import tqdm
 
 from llmserve.engine.block_manager import BlockManager
 from llmserve.engine.config import EngineConfig
+from llmserve.engine.cost_model import StepCostModel
 from llmserve.engine.detokenizer import Detokenizer
 from llmserve.engine.kv_integrity import SequenceKVCheck
 from llmserve.engine.model_runner import ModelRunner
@@ -22,7 +23,6 @@ from llmserve.engine.sampler import Sampler
 from llmserve.engine.sampling import SamplingParams
 from llmserve.engine.scheduler import Scheduler
 from llmserve.engine.sequence import Logprob, Request, Sequence, SequenceStatus
-from llmserve.engine.step_cost import StepCostModel
 from llmserve.engine.structured import StructuredOutputs
 
 

@@ -33,7 +33,7 @@ Two knobs change what a step may hold:
   ``max_num_seqs`` waiting requests is formed when nothing runs, with KV blocks for
   each member's prompt plus ``max_tokens`` known to fit, and nothing else is admitted
   until its last member finishes.
-- ``target_itl_ms``: each step's predicted duration (``step_cost.py``, fitted online)
+- ``target_itl_ms``: each step's predicted duration (``cost_model.py``, fitted online)
   is kept at or below the target: prefill chunks shrink to the time left after the
   decodes, and decodes that do not fit wait a step, least urgent first. A step always
   holds at least its most urgent piece of work, so nothing starves when even that
@@ -47,8 +47,8 @@ from dataclasses import dataclass, field
 
 from llmserve.engine.block_manager import BlockManager, BlockOp
 from llmserve.engine.config import EngineConfig
+from llmserve.engine.cost_model import StepCostModel
 from llmserve.engine.sequence import Sequence, SequenceStatus
-from llmserve.engine.step_cost import StepCostModel
 
 
 @dataclass
