@@ -50,6 +50,7 @@ def drive(llm: LLM, requests) -> dict:
     pending = sorted(requests, key=lambda r: r[0])
     times: dict[str, list[float]] = {}
     arrival: dict[str, float] = {}
+    steps: list[tuple[float, float | None]] = []  # (actual, predicted) seconds
     t0 = time.perf_counter()
     i = 0
     while i < len(pending) or engine.has_unfinished():
@@ -65,10 +66,13 @@ def drive(llm: LLM, requests) -> dict:
             continue
         outs = engine.step()
         stamp = time.perf_counter() - t0
+        if engine.last_step is not None:
+            steps.append(engine.last_step)
         for out in outs:
             new = len(out.outputs[0].token_ids) - len(times[out.request_id])
             times[out.request_id] += [stamp] * new
-    return {"arrival": arrival, "times": times, "wall": time.perf_counter() - t0}
+    return {"arrival": arrival, "times": times, "wall": time.perf_counter() - t0,
+            "steps": steps}
 
 
 def summarize(run: dict) -> dict:
@@ -175,9 +179,15 @@ def cap_run(args, target_ms: float | None) -> dict:
     decoders = sorted(run["times"], key=lambda r: run["arrival"][r])[:args.decode_streams]
     itl = [b - a for r in decoders for a, b in zip(run["times"][r], run["times"][r][1:])]
     model = llm.engine.scheduler.cost_model
+    predicted = [(a, p) for a, p in run["steps"] if p is not None]
+    errors = [a / p - 1 for a, p in predicted]
+    over = [a for a, _ in predicted if target_ms and a * 1e3 > target_ms]
     return {"target_ms": target_ms, "p95_itl_ms": 1e3 * float(np.percentile(itl, 95)),
             "mean_itl_ms": 1e3 * float(np.mean(itl)), "max_itl_ms": 1e3 * max(itl),
-            "cost_model": model.coef.tolist()}
+            "cost_model": model.coef.tolist(), "steps": len(run["steps"]),
+            "prediction_error_p50": float(np.percentile(np.abs(errors), 50)),
+            "prediction_error_p90": float(np.percentile(np.abs(errors), 90)),
+            "steps_over_target": len(over)}
 
 
 def main() -> None:
@@ -226,7 +236,10 @@ def main() -> None:
         for c in caps:
             label = f"target {c['target_ms']:g} ms" if c["target_ms"] else "no target"
             print(f"  {label:<16} p95 ITL {c['p95_itl_ms']:6.1f} ms, mean {c['mean_itl_ms']:6.1f}"
-                  f" ms, max {c['max_itl_ms']:6.1f} ms")
+                  f" ms, max {c['max_itl_ms']:6.1f} ms; step prediction error p50 "
+                  f"{100 * c['prediction_error_p50']:.0f} %, p90 "
+                  f"{100 * c['prediction_error_p90']:.0f} %; {c['steps_over_target']} of "
+                  f"{c['steps']} steps over the target")
         print(f"  p95 ITL / target with the cap: "
               f"{caps[1]['p95_itl_ms'] / args.target_itl_ms:.2f}")
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)

@@ -162,6 +162,24 @@ def test_the_cap_keeps_every_splittable_step_under_the_target(seed):
     sched.bm.check_all_free()
 
 
+def test_the_plan_keeps_a_margin_for_the_models_recent_error():
+    model = fitted_model()
+    assert model.margin == 1.0  # no errors seen yet
+    for i in range(100):  # steps ran 0-30 % over their predictions
+        model.observe_error(0.010 * (1 + 0.3 * (i % 10) / 9), 0.010)
+    assert 1.25 < model.margin <= 1.3
+    sched = make_scheduler(num_blocks=4000, block_size=16, target_itl_ms=40.0,
+                           max_num_batched_tokens=2048, enable_prefix_caching=False)
+    sched.cost_model = model
+    for _ in range(6):
+        add(sched, make_request(20, 50))
+    simulate_step(sched, sched.schedule())
+    add(sched, make_request(1500, 5))
+    batch = sched.schedule()
+    assert batch.predicted_s <= 0.040 / model.margin * 1.0001
+    assert batch.predicted_s > 0.040 / model.margin * 0.9  # and uses what it may
+
+
 def test_an_unchunked_prompt_over_the_target_still_runs_alone():
     sched = make_scheduler(num_blocks=4000, block_size=16, target_itl_ms=40.0,
                            enable_chunked_prefill=False, max_num_batched_tokens=4096)
@@ -177,12 +195,13 @@ def test_an_unchunked_prompt_over_the_target_still_runs_alone():
 def test_a_deferred_decode_is_not_overtaken_by_new_arrivals():
     # Decodes over 3,000 tokens of context cost ~6.4 ms each; 19 ms leaves room for two
     # after the 4 ms per step, and the ~2 ms left would fit a short newcomer's prefill.
-    sched = make_scheduler(num_blocks=4000, block_size=16, target_itl_ms=19.0,
-                           max_num_batched_tokens=2048, enable_prefix_caching=False)
+    sched = make_scheduler(num_blocks=4000, block_size=16, max_num_batched_tokens=2048,
+                           enable_prefix_caching=False)
     sched.cost_model = fitted_model()
     old = [add(sched, make_request(3000, 2000)) for _ in range(3)]
-    while any(r.sequences[0].num_computed_tokens < 3000 for r in old):
+    while any(r.sequences[0].num_computed_tokens < 3000 for r in old):  # prefill, uncapped
         simulate_step(sched, sched.schedule())
+    sched.config.target_itl_ms = 19.0
     add(sched, make_request(8, 5))
     batch = sched.schedule()
     placed = {s.request.request_id for s in batch.seqs}

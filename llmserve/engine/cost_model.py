@@ -4,7 +4,9 @@
 
 Each term is what a step's work scales with on any device: the GEMMs with the tokens
 computed, attention with the context every scheduled sequence reads, and per-sequence
-work (metadata, sampling, detokenisation) with the batch size. The coefficients are
+work (metadata, sampling, detokenisation) with the batch size. (Counting a prefill
+chunk's reads as chunk × context, quadratic in the chunk, was tried: no better on the
+CPU cap benchmark, so the simpler linear form stays.) The coefficients are
 fitted by exponentially weighted least squares (in relative error) over measured
 steps, so they follow the machine (and its noise) rather than a profile taken once.
 The scheduler uses the model to keep each step under a latency target
@@ -12,6 +14,8 @@ The scheduler uses the model to keep each step under a latency target
 """
 
 from __future__ import annotations
+
+from collections import deque
 
 import numpy as np
 
@@ -30,6 +34,8 @@ class StepCostModel:
         self.coef = np.zeros(4)  # in seconds per unit of each (unscaled) feature
         self.observations = 0
         self.mixed_observations = 0  # steps with more tokens than sequences (prefill)
+        # actual / predicted of recent steps: how far a plan must stay under a target.
+        self._ratios: deque[float] = deque(maxlen=256)
 
     @property
     def ready(self) -> bool:
@@ -61,6 +67,19 @@ class StepCostModel:
                 return sol
             active &= sol > 0
         return np.clip(sol, 0, None)
+
+    def observe_error(self, actual: float, predicted: float) -> None:
+        if predicted > 0:
+            self._ratios.append(actual / predicted)
+
+    @property
+    def margin(self) -> float:
+        """The 90th percentile of actual / predicted over recent steps (at least 1):
+        planning for target / margin keeps ~90 % of steps under the target even
+        though single steps are noisy (1 until 32 steps were seen)."""
+        if len(self._ratios) < 32:
+            return 1.0
+        return max(1.0, float(np.percentile(self._ratios, 90)))
 
     def predict(self, tokens: int, kv_tokens: int, seqs: int) -> float:
         return float(self.coef @ np.array([1.0, tokens, kv_tokens, seqs]))

@@ -215,8 +215,10 @@ class LLMEngine:
         end = time.perf_counter()
         self.stats.record_step(batch, t0 - ts, t1 - t0, end - t1)
         # The whole step, as a stream sees it between two tokens.
-        self.scheduler.cost_model.observe(batch.num_tokens, kv_tokens, len(batch.seqs),
-                                          end - ts)
+        cost = self.scheduler.cost_model
+        if batch.predicted_s is not None:
+            cost.observe_error(end - ts, batch.predicted_s)
+        cost.observe(batch.num_tokens, kv_tokens, len(batch.seqs), end - ts)
         self.last_step = (end - ts, batch.predicted_s)
         outputs = []
         for req in touched.values():

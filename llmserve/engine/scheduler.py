@@ -111,7 +111,9 @@ class _Step:
         self.admitting = True
         self.cost = cost if target_s is not None and cost is not None and cost.ready else None
         if self.cost is not None:
-            self.time_left = target_s - self.cost.fixed
+            # Plan under the target by the model's recent error, so that the steps
+            # actually measured stay under it, not only the predictions.
+            self.time_left = target_s / self.cost.margin - self.cost.fixed
             # ... of which prefill chunks leave this much for the decodes not yet placed.
             self.decode_reserve = sum(self.decode_cost(s) for s in decodes)
 
