@@ -134,6 +134,19 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-endpoint-wait", type=float, default=0.0,
                    help="seconds a request waits for an endpoint when none exists "
                         "(scale from zero)")
+    g.add_argument("--max-in-flight", type=int, default=0,
+                   help="requests one engine may have in flight before the gateway holds "
+                        "more back (0 = no cap)")
+    t = p.add_argument_group("tenants")
+    t.add_argument("--tenants", default=None, metavar="FILE",
+                   help="tenants file (classes, tenants, API keys, limits); re-read when it "
+                        "changes. Enables per-tenant limits and fair queueing")
+    t.add_argument("--peer", action="append", default=[], metavar="URL",
+                   help="another gateway replica sharing the tenants' limits (repeatable)")
+    t.add_argument("--peer-service", default=None, metavar="NAMESPACE/NAME",
+                   help="the gateway's headless Service: its ready pods are the peers")
+    t.add_argument("--peer-interval", type=float, default=1.0,
+                   help="seconds between exchanges of counters with peers")
 
 
 def gateway_config(args, backends: list[str]):
@@ -146,7 +159,10 @@ def gateway_config(args, backends: list[str]):
                          max_kv_usage=args.max_kv_usage, api_key_file=args.api_key_file,
                          upstream_api_key=args.upstream_api_key,
                          drain_timeout=args.drain_timeout,
-                         no_endpoint_wait=args.no_endpoint_wait)
+                         no_endpoint_wait=args.no_endpoint_wait,
+                         max_in_flight=args.max_in_flight, tenants_file=args.tenants,
+                         peers=args.peer, peer_service=args.peer_service,
+                         peer_interval=args.peer_interval)
 
 
 def cmd_gateway(args) -> int:
@@ -157,6 +173,10 @@ def cmd_gateway(args) -> int:
         raise ValueError("give --backend URL (repeatable) or --k8s-service NAMESPACE/NAME")
     if args.k8s_service and "/" not in args.k8s_service:
         raise ValueError("--k8s-service must be NAMESPACE/NAME")
+    if args.peer_service and "/" not in args.peer_service:
+        raise ValueError("--peer-service must be NAMESPACE/NAME")
+    if (args.peer or args.peer_service) and not args.tenants:
+        raise ValueError("--peer / --peer-service share tenants' limits: give --tenants")
     asyncio.run(serve_gateway(gateway_config(args, args.backend or []), args.host, args.port))
     return 0
 

@@ -26,6 +26,7 @@ from llmserve.engine.llm_engine import LLMEngine
 from llmserve.engine.metrics import EngineMetrics
 from llmserve.engine.outputs import RequestOutput
 from llmserve.engine.sampling import SamplingParams
+from llmserve.engine.sequence import Tenancy
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +48,7 @@ class _Add:
     priority: int
     cache_salt: str | None
     sink: asyncio.Queue
+    tenant: Tenancy | None = None
 
 
 @dataclass
@@ -100,7 +102,8 @@ class AsyncLLMEngine:
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
                        request_id: str, prompt: str | None = None, priority: int = 0,
-                       cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
+                       cache_salt: str | None = None, tenant: Tenancy | None = None
+                       ) -> AsyncIterator[RequestOutput]:
         """Stream the request's outputs; abort it if the consumer stops early.
         Raises ValueError (nothing queued) for a request that can never run."""
         if not self.alive:
@@ -109,7 +112,7 @@ class AsyncLLMEngine:
         sink: asyncio.Queue = asyncio.Queue()
         self._sinks[request_id] = sink
         self._inbox.put(_Add(request_id, prompt_token_ids, prompt, params, priority,
-                             cache_salt, sink))
+                             cache_salt, sink, tenant))
         self._wake.set()
         finished = False
         try:
@@ -185,7 +188,7 @@ class AsyncLLMEngine:
             try:
                 req = self.engine.add_request(cmd.prompt, cmd.params, cmd.request_id,
                                               cmd.priority, prompt_token_ids=cmd.prompt_token_ids,
-                                              cache_salt=cmd.cache_salt)
+                                              cache_salt=cmd.cache_salt, tenant=cmd.tenant)
                 self.metrics.on_arrival(req)
             except ValueError as e:
                 self._deliver(cmd.request_id, e)

@@ -22,7 +22,7 @@ from llmserve.engine.outputs import RequestOutput
 from llmserve.engine.sampler import Sampler
 from llmserve.engine.sampling import SamplingParams
 from llmserve.engine.scheduler import Scheduler
-from llmserve.engine.sequence import Logprob, Request, Sequence, SequenceStatus
+from llmserve.engine.sequence import Logprob, Request, Sequence, SequenceStatus, Tenancy
 from llmserve.engine.structured import StructuredOutputs
 
 
@@ -88,7 +88,8 @@ class LLMEngine:
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None, priority: int = 0,
                     prompt_token_ids: list[int] | None = None,
-                    cache_salt: str | None = None) -> Request:
+                    cache_salt: str | None = None, tenant: Tenancy | None = None
+                    ) -> Request:
         """Queue a request. Raises ValueError, changing nothing, when it can never run."""
         params = params or SamplingParams()
         ids = prompt_token_ids if prompt_token_ids is not None else self.tokenize(prompt)
@@ -100,7 +101,9 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         text = prompt if isinstance(prompt, str) else None
         req = Request(request_id, text, list(ids), params, priority=priority,
-                      cache_salt=(cache_salt or "").encode())
+                      cache_salt=(cache_salt or "").encode(),
+                      tenant=tenant.name if tenant else "",
+                      tenant_weight=tenant.weight if tenant else 1.0)
         if params.structured_outputs is not None:  # GrammarError is a ValueError
             for seq in req.sequences:  # each parallel sample has its own parser state
                 seq.matcher = self.structured_outputs().matcher(params.structured_outputs)

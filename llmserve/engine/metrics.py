@@ -51,6 +51,11 @@ class EngineMetrics:
             "Engine step durations: measured (kind=actual) and as the cost model predicted "
             "them when it scheduled the step (kind=predicted).",
             ["model_name", "kind"], buckets=LATENCY_BUCKETS, registry=r)
+        self.tenant_tokens = Counter(
+            "llmserve:tenant_tokens", "Tokens computed (prompt and output) per tenant, as "
+            "the gateway named it; the engine's fair order among tenants is by these.",
+            ["model_name", "tenant"], registry=r)
+        self._tenant_synced: dict[str, int] = {}
         self.aborted = 0
         self._seen_tokens: dict[str, int] = {}
         self._last_token_at: dict[str, float] = {}
@@ -71,6 +76,11 @@ class EngineMetrics:
         self._sync(self.prefix_hits, "hits", bm.prefix_hits)
         self._sync(self.preemptions, "preemptions", sched.num_preemptions)
         self._sync(self.swap_outs, "swap_outs", sched.num_swapped_out)
+        for tenant, total in sched.shares.tokens_served.items():
+            done = self._tenant_synced.get(tenant, 0)
+            if total > done:
+                self.tenant_tokens.labels(self.model_name, tenant).inc(total - done)
+                self._tenant_synced[tenant] = total
         if self.aborted > self._synced["aborted"]:
             self.success.labels(self.model_name, "abort").inc(
                 self.aborted - self._synced["aborted"])

@@ -9,15 +9,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from llmserve.engine.sampling import MAX_LOGPROBS, SamplingParams
+from llmserve.engine.sequence import Tenancy
 from llmserve.engine.structured import StructuredOutputsParams
 
 
 class APIError(Exception):
     def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None):
+                 param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = (
             status, message, type_, param, code)
+        self.headers = headers or {}  # e.g. Retry-After on 429 and 503
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param,
@@ -60,6 +63,7 @@ class ParsedRequest:
     logprobs_style: str | None  # "completion" | "chat" | None
     cache_salt: str | None = None
     tools: object | None = None  # tool_calls.ToolChoice when tools are in play (chat)
+    tenant: Tenancy | None = None  # from the gateway's headers, not the body
 
 
 def parse_sampling(body: dict, *, chat: bool) -> tuple[SamplingParams, str | None]:

@@ -48,6 +48,7 @@ from dataclasses import dataclass, field
 from llmserve.engine.block_manager import BlockManager, BlockOp
 from llmserve.engine.config import EngineConfig
 from llmserve.engine.cost_model import StepCostModel
+from llmserve.engine.fair_share import TenantShares
 from llmserve.engine.sequence import Sequence, SequenceStatus
 
 
@@ -163,6 +164,7 @@ class Scheduler:
         self.cost_model = StepCostModel()  # fitted by the engine from measured steps
         self.static = config.batching == "static"
         self.static_members: set[int] = set()  # static: the batch's members not yet admitted
+        self.shares = TenantShares()  # fair order of tenants among equals in ``waiting``
 
     # --- queue order ---------------------------------------------------------
     def urgency(self, seq: Sequence) -> tuple:
@@ -173,7 +175,29 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
+        self.shares.arrive(seq.request)
         bisect.insort(self.waiting, seq, key=self.urgency)
+
+    def waiting_head(self) -> Sequence | None:
+        """The next waiting sequence to admit: the most urgent; among those of its
+        priority, the one whose tenant has been served least (``fair_share.py``)."""
+        if not self.waiting or not self.shares.contended:
+            return self.waiting[0] if self.waiting else None
+        head = self.waiting[0]
+        best, best_v, seen = head, self.shares.virtual(head.request), {head.request.tenant}
+        ranked = self.config.scheduling_policy == "priority"
+        for seq in self.waiting:
+            if ranked and seq.priority != head.priority:
+                break
+            if seq.request.tenant in seen:
+                continue
+            seen.add(seq.request.tenant)
+            v = self.shares.virtual(seq.request)
+            if v < best_v:
+                best, best_v = seq, v
+            if len(seen) == len(self.shares.active):
+                break
+        return best
 
     @property
     def num_unfinished(self) -> int:
@@ -207,6 +231,8 @@ class Scheduler:
             else:
                 break
         step.batch.block_ops = self.bm.take_ops()
+        for seq, n in zip(step.batch.seqs, step.batch.num_new_tokens):
+            self.shares.charge(seq.request, n)
         if self.cost_model.ready and step.batch.seqs:
             step.batch.predicted_s = self.cost_model.predict(
                 step.batch.num_tokens, step.batch.kv_tokens, len(step.batch.seqs))
@@ -232,10 +258,11 @@ class Scheduler:
             return next((s for s in self.swapped + self.waiting
                          if s.seq_id in self.static_members
                          or s.status is SequenceStatus.SWAPPED), None)
+        waiting = self.waiting_head()
         if self.config.scheduling_policy == "fcfs":
-            head = self.swapped[0] if self.swapped else self.waiting[0] if self.waiting else None
+            head = self.swapped[0] if self.swapped else waiting
         else:
-            heads = [q[0] for q in (self.swapped, self.waiting) if q]
+            heads = [s for s in (self.swapped[0] if self.swapped else None, waiting) if s]
             head = min(heads, key=self.urgency) if heads else None
         if head is None or not self._may_admit_after_preemption(head, step):
             return None
@@ -413,3 +440,5 @@ class Scheduler:
             self.bm.free_swapped(seq)
         seq.status = status
         self.bm.free(seq)
+        if seq.request.finished:
+            self.shares.leave(seq.request)

@@ -120,6 +120,13 @@ class Sequence:
                 f"computed={self.num_computed_tokens}, blocks={len(self.block_table)})")
 
 
+@dataclass(frozen=True)
+class Tenancy:
+    """Whose request this is, for fair order in the waiting queue (set by the gateway)."""
+    name: str
+    weight: float = 1.0
+
+
 @dataclass
 class Request:
     request_id: str
@@ -129,6 +136,8 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     priority: int = 0
     cache_salt: bytes = b""  # isolates prefix-cache entries (e.g. per tenant)
+    tenant: str = ""  # fair order among tenants of equal priority (scheduler)
+    tenant_weight: float = 1.0
     sequences: list[Sequence] = field(default_factory=list)
     first_scheduled_time: float | None = None
     first_token_time: float | None = None

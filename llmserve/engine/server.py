@@ -30,6 +30,7 @@ from llmserve.engine.protocol import (
     parse_chat,
     parse_completion,
 )
+from llmserve.engine.sequence import Tenancy
 from llmserve.engine.structured import GrammarError
 from llmserve.engine.tool_calls import (
     ToolCallStream,
@@ -101,6 +102,22 @@ def check_admitting(request: web.Request) -> None:
         raise APIError(503, "the server is shutting down", "service_unavailable")
 
 
+def tenancy_of(request: web.Request) -> Tenancy | None:
+    """The tenant the gateway vouches for (it strips these headers from clients)."""
+    name = request.headers.get("x-llmserve-tenant", "").strip()
+    if not name:
+        return None
+    if len(name) > 63:
+        raise bad_request("x-llmserve-tenant must be at most 63 characters")
+    try:
+        weight = float(request.headers.get("x-llmserve-tenant-weight", "1"))
+    except ValueError:
+        weight = -1.0
+    if not 0 < weight <= 1000:
+        raise bad_request("x-llmserve-tenant-weight must be a number in (0, 1000]")
+    return Tenancy(name, weight)
+
+
 def tokenize_prompt(engine: LLMEngine, prompt) -> list[int]:
     ids = engine.tokenize(prompt)
     vocab = engine.hf_config.vocab_size
@@ -130,7 +147,7 @@ async def run_requests(app: web.Application, prompt_ids: list[list[int]], prompt
                               else "prompt") from e
         gens.append(engine.generate(ids, _copy_params(parsed.params), f"{base}-{i}",
                                     prompts[i] if isinstance(prompts[i], str) else None,
-                                    parsed.priority, parsed.cache_salt))
+                                    parsed.priority, parsed.cache_salt, parsed.tenant))
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(i, gen):
@@ -198,6 +215,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     body = await read_json(request)
     model = check_model(request, body)
     parsed = parse_completion(body)
+    parsed.tenant = tenancy_of(request)
     engine = request.app[ENGINE].engine
     prompt_ids = [tokenize_prompt(engine, p) for p in parsed.prompts]
     await compile_constraint(engine, parsed, "response_format")
@@ -209,6 +227,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     body = await read_json(request)
     model = check_model(request, body)
     parsed, messages = parse_chat(body)
+    parsed.tenant = tenancy_of(request)
     engine = request.app[ENGINE].engine
     tools = parse_tools(body, parsed)
     messages, template_args = messages_for_template(messages, tools, engine.tokenizer)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from dataclasses import dataclass
 
@@ -51,8 +52,9 @@ def parse_engine_metrics(text: str) -> dict[str, float]:
 
 class EndpointPool:
     def __init__(self, max_waiting: float = 16, max_kv_usage: float = 0.95,
-                 eject_seconds: float = 10.0):
+                 eject_seconds: float = 10.0, max_in_flight: int = 0):
         self.endpoints: dict[str, Endpoint] = {}
+        self.max_in_flight = max_in_flight  # per endpoint; 0 = no cap
         self.max_waiting = max_waiting
         self.max_kv_usage = max_kv_usage
         self.eject_seconds = eject_seconds
@@ -71,7 +73,19 @@ class EndpointPool:
     # --- what routing sees ----------------------------------------------------------------
     def saturated(self, ep: Endpoint) -> bool:
         return ((ep.waiting is not None and ep.waiting > self.max_waiting)
-                or (ep.kv_usage is not None and ep.kv_usage > self.max_kv_usage))
+                or (ep.kv_usage is not None and ep.kv_usage > self.max_kv_usage)
+                or (self.max_in_flight > 0 and ep.in_flight >= self.max_in_flight))
+
+    def free_slots(self) -> float:
+        """Requests the live, unsaturated endpoints can take now (inf with no cap)."""
+        free = 0.0
+        for ep in self.endpoints.values():
+            if ep.ejected or self.saturated(ep):
+                continue
+            if self.max_in_flight <= 0:
+                return math.inf
+            free += self.max_in_flight - ep.in_flight
+        return free
 
     def candidates(self, exclude: set[str] = frozenset()) -> list[Candidate]:
         live = [e for e in self.endpoints.values() if not e.ejected and e.url not in exclude]

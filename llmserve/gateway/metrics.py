@@ -4,12 +4,21 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+WAIT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+
+
+def outcome_of(status: int) -> str:
+    if status < 400:
+        return "ok"
+    return {429: "rate_limited", 503: "overloaded", 499: "cancelled"}.get(
+        status, "rejected" if status < 500 else "error")
+
 
 class GatewayMetrics:
     def __init__(self):
         self.registry = r = CollectorRegistry()
         self.requests = Counter("llmserve_gateway_requests", "Requests answered.",
-                                ["path", "code"], registry=r)
+                                ["path", "code", "tenant", "class", "outcome"], registry=r)
         self.upstream_errors = Counter("llmserve_gateway_upstream_errors",
                                        "Upstream failures (connection errors, 5xx).",
                                        ["endpoint"], registry=r)
@@ -21,7 +30,8 @@ class GatewayMetrics:
         self.in_flight = Gauge("llmserve_gateway_in_flight", "In-flight requests per endpoint.",
                                ["endpoint"], registry=r)
         self.queued = Gauge("llmserve_gateway_queued_requests",
-                            "Requests waiting for any endpoint to exist (scale from zero).",
+                            "Requests waiting for an engine: for one to exist (scale from "
+                            "zero) or, with tenants, for a turn in their class queue.",
                             registry=r)
         self.endpoints = Gauge("llmserve_gateway_endpoints", "Known endpoints by state.",
                                ["state"], registry=r)
@@ -30,3 +40,20 @@ class GatewayMetrics:
             "Time from forwarding a request to the upstream's response headers.",
             buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
             registry=r)
+        # --- tenants (with --tenants) ---
+        self.queue_depth = Gauge("llmserve_gateway_queue_depth",
+                                 "Requests waiting in a class queue, per tenant.",
+                                 ["class", "tenant"], registry=r)
+        self.queue_wait = Histogram("llmserve_gateway_queue_wait_seconds",
+                                    "Time from arrival to dispatch, per class and tenant.",
+                                    ["class", "tenant"], buckets=WAIT_BUCKETS, registry=r)
+        self.tenant_tokens = Counter("llmserve_gateway_tenant_tokens",
+                                     "Tokens (prompt + completion) served per tenant.",
+                                     ["tenant"], registry=r)
+        self.ratelimit_remaining = Gauge(
+            "llmserve_gateway_ratelimit_remaining",
+            "What is left of this replica's share of a tenant's limit this minute.",
+            ["tenant", "kind"], registry=r)
+        self.ttft = Histogram("llmserve_gateway_ttft_seconds",
+                              "Time from arrival to the first byte of the response, per class.",
+                              ["class"], buckets=WAIT_BUCKETS, registry=r)

@@ -22,8 +22,10 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from llmserve.engine.protocol import APIError
+from llmserve.gateway.admission import INTERNAL_HEADERS, TenantAdmission, Turn
 from llmserve.gateway.endpoints import EndpointPool
-from llmserve.gateway.metrics import GatewayMetrics
+from llmserve.gateway.metrics import GatewayMetrics, outcome_of
+from llmserve.gateway.peers import USAGE_PATH
 from llmserve.gateway.prefix import prefix_key
 from llmserve.gateway.routing import make_policy
 from llmserve.http_serving import http_error_response, serve_until_signal
@@ -32,7 +34,7 @@ log = logging.getLogger("llmserve.gateway")
 
 GATEWAY = web.AppKey("gateway", object)
 HOP_HEADERS = {"connection", "keep-alive", "transfer-encoding", "content-length", "host",
-               "content-encoding", "authorization"}
+               "content-encoding", "authorization", *INTERNAL_HEADERS}
 
 
 @dataclass
@@ -54,6 +56,13 @@ class GatewayConfig:
     drain_timeout: float = 30.0
     # Seconds a request may wait for an endpoint to exist (scale from zero).
     no_endpoint_wait: float = 0.0
+    # Requests one endpoint may have in flight before the gateway holds more back
+    # (0 = no cap; with tenants, the cap is what makes the class queues matter).
+    max_in_flight: int = 0
+    tenants_file: str | None = None
+    peers: list[str] | None = None  # other gateway replicas' URLs
+    peer_service: str | None = None  # "namespace/name" of the gateway's headless Service
+    peer_interval: float = 1.0
 
 
 class ApiKeys:
@@ -87,10 +96,21 @@ class ApiKeys:
 class Gateway:
     def __init__(self, config: GatewayConfig):
         self.config = config
-        self.pool = EndpointPool(config.max_waiting, config.max_kv_usage, config.eject_seconds)
+        self.pool = EndpointPool(config.max_waiting, config.max_kv_usage, config.eject_seconds,
+                                 config.max_in_flight)
         self.policy = make_policy(config.policy, config.load_factor)
         self.metrics = GatewayMetrics()
         self.keys = ApiKeys(config.api_key_file, os.environ.get("LLMSERVE_API_KEYS"))
+        self.tenants = None
+        if config.tenants_file:
+            if self.keys.enabled:
+                raise ValueError("with --tenants, API keys come from the tenants file only: "
+                                 "drop --api-key-file / LLMSERVE_API_KEYS")
+            self.tenants = TenantAdmission(config.tenants_file, self.pool.free_slots,
+                                           self.metrics, config.peer_interval)
+        self.waiting_for_endpoint = 0
+        self.metrics.queued.set_function(lambda: self.waiting_for_endpoint + (
+            self.tenants.fair.size if self.tenants else 0))
         self.session: aiohttp.ClientSession | None = None
         self.draining = False
         self.in_flight = 0
@@ -111,6 +131,27 @@ class Gateway:
                 namespace, name, self.pool.set_urls, self.config.k8s_port_name)))
         self._tasks.append(asyncio.create_task(
             self.pool.scrape_forever(self.session, self.config.scrape_interval)))
+        if self.tenants:
+            self._start_tenants()
+
+    def _start_tenants(self) -> None:
+        peers = self.tenants.peers
+        if self.config.peers:
+            peers.set_urls(self.config.peers)
+        if self.config.peer_service:
+            from llmserve.gateway.discovery import watch_endpoint_slices
+            namespace, name = self.config.peer_service.split("/", 1)
+            self._tasks.append(asyncio.create_task(watch_endpoint_slices(
+                namespace, name, peers.set_urls, "http")))
+        self._tasks.append(asyncio.create_task(peers.exchange_forever(self.session)))
+        self._tasks.append(asyncio.create_task(self._dispatch_forever()))
+
+    async def _dispatch_forever(self, interval: float = 0.1) -> None:
+        """Engines gain room between requests too (scrapes, ejections ending)."""
+        while True:
+            self.tenants.refresh()
+            self.tenants.fair.dispatch()
+            await asyncio.sleep(interval)
 
     async def close(self) -> None:
         for t in self._tasks:
@@ -124,6 +165,9 @@ class Gateway:
         headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_HEADERS}
         if self.config.upstream_api_key:
             headers["Authorization"] = f"Bearer {self.config.upstream_api_key}"
+        turn: Turn | None = request.get("turn")
+        if turn is not None:
+            headers.update(turn.headers)
         return headers
 
     async def wait_for_endpoint(self) -> None:
@@ -131,13 +175,13 @@ class Gateway:
         operator reads llmserve_gateway_queued_requests and scales up."""
         if self.pool.candidates() or self.config.no_endpoint_wait <= 0:
             return
-        self.metrics.queued.inc()
+        self.waiting_for_endpoint += 1
         try:
             deadline = time.monotonic() + self.config.no_endpoint_wait
             while not self.pool.candidates() and time.monotonic() < deadline:
                 await asyncio.sleep(0.25)
         finally:
-            self.metrics.queued.dec()
+            self.waiting_for_endpoint -= 1
 
     async def proxy(self, request: web.Request, body: bytes | None, key: str
                     ) -> web.StreamResponse:
@@ -203,11 +247,20 @@ class Gateway:
 
     async def _stream_back(self, request, upstream) -> web.StreamResponse:
         headers = {k: v for k, v in upstream.headers.items() if k.lower() not in HOP_HEADERS}
+        turn: Turn | None = request.get("turn")
+        if turn is not None:
+            headers.update(turn.response_headers)
+            turn.status = upstream.status
         resp = web.StreamResponse(status=upstream.status, headers=headers)
         await resp.prepare(request)
+        tap = (lambda chunk: chunk) if turn is None else turn.tap.feed
         try:
             async for chunk in upstream.content.iter_any():
-                await resp.write(chunk)
+                chunk = tap(chunk)
+                if chunk:
+                    await resp.write(chunk)
+            if turn is not None and (rest := turn.tap.finish()):
+                await resp.write(rest)
         except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as e:
             # The engine died mid-stream: nothing can be retried once bytes went out.
             log.warning("upstream broke mid-stream: %r", e)
@@ -221,26 +274,39 @@ class Gateway:
 @web.middleware
 async def middleware(request: web.Request, handler):
     gw: Gateway = request.app[GATEWAY]
-    status = 500
+    status = 499  # the client went away (the handler was cancelled)
     try:
-        if gw.keys.enabled and request.path.startswith("/v1/") and \
-                not gw.keys.check(request.headers.get("Authorization", "")):
-            raise APIError(401, "invalid or missing API key", "authentication_error",
-                           code="invalid_api_key")
+        if request.path.startswith("/v1/"):
+            authenticate(gw, request)
         resp = await handler(request)
         status = resp.status
         return resp
     except APIError as e:
         status = e.status
-        return web.json_response(e.body(), status=e.status)
+        return web.json_response(e.body(), status=e.status, headers=e.headers)
     except web.HTTPException as e:
         status = e.status
         if e.status < 400:
             raise
         return http_error_response(e)
+    except Exception:
+        status = 500
+        raise
     finally:
-        gw.metrics.requests.labels(request.path if request.path.startswith("/v1/")
-                                   else "other", str(status)).inc()
+        tenant = request.get("tenant")
+        gw.metrics.requests.labels(
+            request.path if request.path.startswith("/v1/") else "other", str(status),
+            tenant.name if tenant else "", request.get("class", ""), outcome_of(status)).inc()
+
+
+def authenticate(gw: Gateway, request: web.Request) -> None:
+    """401 unless the API key is accepted; with tenants, the key names the tenant."""
+    header = request.headers.get("Authorization", "")
+    if gw.tenants is not None:
+        request["tenant"] = gw.tenants.tenant_of(header)
+    elif gw.keys.enabled and not gw.keys.check(header):
+        raise APIError(401, "invalid or missing API key", "authentication_error",
+                       code="invalid_api_key")
 
 
 async def generate(request: web.Request) -> web.StreamResponse:
@@ -252,11 +318,26 @@ async def generate(request: web.Request) -> web.StreamResponse:
         payload = json.loads(body)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise APIError(400, f"invalid JSON body: {e}") from e
+    if not isinstance(payload, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    key = prefix_key(payload, gw.config.prefix_chars)
     gw.in_flight += 1
     try:
-        return await gw.proxy(request, body, prefix_key(payload, gw.config.prefix_chars))
+        if gw.tenants is None:
+            return await gw.proxy(request, body, key)
+        chat = request.path.endswith("/chat/completions")
+        async with gw.tenants.turn(request, payload, chat) as turn:
+            request["turn"] = turn
+            return await gw.proxy(request, turn.body, key)
     finally:
         gw.in_flight -= 1
+
+
+async def tenant_usage(request: web.Request) -> web.Response:
+    gw: Gateway = request.app[GATEWAY]
+    if gw.tenants is None:
+        raise web.HTTPNotFound()
+    return gw.tenants.usage_report(request)
 
 
 async def models(request: web.Request) -> web.StreamResponse:
@@ -277,6 +358,8 @@ async def metrics(request: web.Request) -> web.Response:
     eps = list(gw.pool.endpoints.values())
     gw.metrics.endpoints.labels("ejected").set(sum(e.ejected for e in eps))
     gw.metrics.endpoints.labels("ready").set(sum(not e.ejected for e in eps))
+    if gw.tenants is not None:
+        gw.tenants.observe()
     return web.Response(body=generate_latest(gw.metrics.registry),
                         headers={"Content-Type": CONTENT_TYPE_LATEST})
 
@@ -289,6 +372,7 @@ def build_app(gw: Gateway) -> web.Application:
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
+    app.router.add_get(USAGE_PATH, tenant_usage)
     return app
 
 

@@ -1,0 +1,156 @@
+"""Tenant admission for one gateway: who is asking, may they, and when it is their turn.
+
+A request from a tenant goes through, in order: its API key names the tenant; its
+``x-priority-class`` header (or the default) picks the class; its tenant's rate
+limits admit it or answer 429; its class queue holds it until the fair queue
+dispatches it (or answers 503); the engine then sees the class's priority in the
+body and the tenant and weight in headers, which the gateway strips from clients.
+When it ends, its real token usage replaces the estimate it was charged.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+from aiohttp import web
+
+from llmserve.engine.protocol import APIError
+from llmserve.gateway.fairness import FairQueue, Waiter
+from llmserve.gateway.metrics import GatewayMetrics
+from llmserve.gateway.peers import TOKEN_HEADER, PeerCounters
+from llmserve.gateway.ratelimits import RateLimiter
+from llmserve.gateway.tenants import CLASS_HEADER, Tenant, TenantsFile, TrafficClass
+from llmserve.gateway.usage import UsageTap, ask_for_usage
+
+# Headers the gateway sets for the engines (and removes from what clients send).
+TENANT_HEADER = "x-llmserve-tenant"
+WEIGHT_HEADER = "x-llmserve-tenant-weight"
+INTERNAL_HEADERS = {TENANT_HEADER, WEIGHT_HEADER, TOKEN_HEADER}
+
+CHARS_PER_TOKEN = 4  # the estimate a gateway without the tokenizer can make
+DEFAULT_MAX_TOKENS = {"chat": 256, "completions": 16}
+
+
+def estimate_tokens(payload: dict, chat: bool) -> int:
+    """Prompt tokens (from its characters) plus what the request may generate."""
+    text = payload.get("messages") if chat else payload.get("prompt")
+    chars = len(json.dumps(text, ensure_ascii=False)) if text is not None else 0
+    prompts = len(text) if not chat and isinstance(text, list) and text and \
+        not isinstance(text[0], int) else 1
+    max_tokens = payload.get("max_completion_tokens") or payload.get("max_tokens")
+    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
+        max_tokens = DEFAULT_MAX_TOKENS["chat" if chat else "completions"]
+    n = payload.get("n") if isinstance(payload.get("n"), int) else 1
+    return -(-chars // CHARS_PER_TOKEN) + prompts * max(n, 1) * max_tokens
+
+
+@dataclass
+class Turn:
+    """An admitted, dispatched request: what to forward and how to account for it."""
+    tenant: Tenant
+    cls: TrafficClass
+    body: bytes
+    headers: dict[str, str]  # to add upstream
+    response_headers: dict[str, str]  # rate-limit headers for the client
+    tap: UsageTap
+    status: int | None = None  # the response's, once known
+
+
+class TenantAdmission:
+    def __init__(self, path: str, free_slots, metrics: GatewayMetrics,
+                 peer_interval: float = 1.0):
+        self.file = TenantsFile(path)
+        self.metrics = metrics
+        self.limiter = RateLimiter()
+        self.fair = FairQueue(self.file.config.classes_by_urgency, free_slots)
+        self.peers = PeerCounters(self.limiter, lambda: self.file.digest, peer_interval,
+                                  own_host=os.environ.get("POD_IP"))
+
+    def refresh(self) -> None:
+        """Pick up an edited tenants file."""
+        before = self.file.config
+        if self.file.current() is not before:
+            self.fair.update_classes(self.file.config.classes_by_urgency)
+
+    def tenant_of(self, authorization: str) -> Tenant:
+        self.refresh()
+        token = authorization[7:].strip() if authorization.startswith("Bearer ") else ""
+        tenant = self.file.config.tenant_for_key(token) if token else None
+        if tenant is None:
+            raise APIError(401, "invalid or missing API key", "authentication_error",
+                           code="invalid_api_key")
+        return tenant
+
+    @asynccontextmanager
+    async def turn(self, request: web.Request, payload: dict, chat: bool):
+        """Admit, queue and dispatch the request; yields its Turn; accounts on exit."""
+        tenant: Tenant = request["tenant"]
+        cls = self.file.config.class_for(tenant, request.headers.get(CLASS_HEADER))
+        est = estimate_tokens(payload, chat)
+        arrived = time.monotonic()
+        request["class"] = cls.name  # for the request counter
+        admission = self.limiter.admit(tenant, est)
+        waiter = Waiter(tenant.name, tenant.weight, cls, est)
+        turn: Turn | None = None
+        try:
+            self.fair.submit(waiter)
+            await self.fair.wait(waiter)
+            self.fair.started()
+            self.metrics.queue_wait.labels(cls.name, tenant.name).observe(
+                time.monotonic() - arrived)
+            payload["priority"] = cls.priority
+            tap = UsageTap(bool(payload.get("stream")), ask_for_usage(payload))
+            turn = Turn(tenant, cls, json.dumps(payload).encode(),
+                        {TENANT_HEADER: tenant.name, WEIGHT_HEADER: f"{tenant.weight:g}"},
+                        admission.headers, tap)
+            yield turn
+        finally:
+            served = turn is not None
+            used = self.used_tokens(turn) if served else 0
+            self.limiter.release(admission, used, served)
+            if served:
+                self.fair.correct(waiter, used if used is not None else est)
+                if used:
+                    self.metrics.tenant_tokens.labels(tenant.name).inc(used)
+                if turn.tap.first_byte_at is not None:
+                    self.metrics.ttft.labels(cls.name).observe(
+                        turn.tap.first_byte_at - arrived)
+            self.fair.dispatch()
+
+    @staticmethod
+    def used_tokens(turn: Turn) -> int | None:
+        """Tokens the request used: its reported usage; none when no engine answered
+        or the answer was an error; None (keep the estimate) when a response was
+        cut short (client gone) before its usage."""
+        if turn.tap.total_tokens is not None:
+            return turn.tap.total_tokens
+        if turn.status is None or turn.status >= 400:
+            return 0
+        return None
+
+    def observe(self) -> None:
+        """Gauges that are read at scrape time: queue depths, limits left."""
+        m = self.metrics
+        m.queue_depth.clear()
+        for q in self.fair.queues.values():
+            for tenant, waiters in q.queues.items():
+                m.queue_depth.labels(q.cls.name, tenant).set(len(waiters))
+        now = time.monotonic()
+        for tenant in self.file.config.tenants.values():
+            for kind, limit in (("requests", tenant.limits.rpm), ("tokens", tenant.limits.tpm)):
+                if limit is None:
+                    continue
+                window = getattr(self.limiter.of(tenant.name), kind)
+                quota = limit * self.limiter.quota_share(tenant.name, kind)
+                m.ratelimit_remaining.labels(tenant.name, kind).set(
+                    max(0.0, quota - window.total(now)))
+
+    def usage_report(self, request: web.Request) -> web.Response:
+        """This replica's counters, for its peers."""
+        if not self.peers.authorized(request.headers.get(TOKEN_HEADER, "")):
+            raise APIError(403, "peer token mismatch", "permission_error")
+        return web.json_response({"tenants": self.peers.published})

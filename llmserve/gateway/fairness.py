@@ -1,0 +1,230 @@
+"""The gateway's admission queue: per-class queues, fair shares within a class, and
+dispatch only while an engine has room.
+
+Between classes: strict priority (lower number first), except that a backlogged
+class whose share of recent dispatches is below its ``minShare`` goes first, so
+batch work is never starved outright.
+
+Within a class: weighted fair sharing by tokens served, after the Virtual Token
+Counter of "Fairness in Serving Large Language Models" (Sheng et al., OSDI'24).
+Each tenant has a counter of the tokens it was served divided by its weight; the
+backlogged tenant with the smallest counter goes next. A request is charged its
+estimate (prompt + max_tokens) when dispatched and corrected to its real usage when
+it ends. A tenant that comes back from idle has its counter lifted to the smallest
+counter among the backlogged tenants (or to the last one served), so idling banks
+no credit.
+
+A full class queue sheds the newest request of the least urgent class first, then
+of the tenant with the most queued requests in the class; a request waiting past
+its class's ``queueTimeoutSeconds`` is answered 503, and one whose client went away
+simply leaves its queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from llmserve.engine.protocol import APIError
+from llmserve.gateway.tenants import TrafficClass
+
+RECENT_DISPATCHES = 200  # the window over which class shares are measured
+
+
+@dataclass(eq=False)
+class Waiter:
+    tenant: str
+    weight: float
+    cls: TrafficClass
+    cost: float  # estimated tokens, charged at dispatch
+    enqueued: float = field(default_factory=time.monotonic)
+    future: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop()
+                                   .create_future())
+    charged: float = 0.0
+
+
+def overloaded(message: str, retry_after: float) -> APIError:
+    retry_after = max(1.0, retry_after)
+    return APIError(503, message, "server_overloaded", code="server_overloaded",
+                    headers={"Retry-After": str(math.ceil(retry_after)),
+                             "retry-after-ms": str(math.ceil(retry_after * 1000))})
+
+
+class ClassQueue:
+    """One class's waiting requests, per tenant, with the tenants' virtual counters."""
+
+    def __init__(self, cls: TrafficClass):
+        self.cls = cls
+        self.queues: dict[str, deque[Waiter]] = {}  # backlogged tenants only
+        self.counters: dict[str, float] = {}
+        self.last_served = 0.0  # virtual time of the latest dispatch
+        self.size = 0
+
+    def push(self, w: Waiter) -> None:
+        if w.tenant not in self.queues:  # back from idle: no banked credit
+            backlogged = [self.counters[t] for t in self.queues]
+            floor = min(backlogged) if backlogged else self.last_served
+            self.counters[w.tenant] = max(self.counters.get(w.tenant, 0.0), floor)
+            self.queues[w.tenant] = deque()
+        self.queues[w.tenant].append(w)
+        self.size += 1
+
+    def remove(self, w: Waiter) -> bool:
+        q = self.queues.get(w.tenant)
+        if q is None or w not in q:
+            return False
+        q.remove(w)
+        self._drop_if_empty(w.tenant)
+        self.size -= 1
+        return True
+
+    def _drop_if_empty(self, tenant: str) -> None:
+        if not self.queues[tenant]:
+            del self.queues[tenant]
+
+    def pop_fairest(self) -> Waiter:
+        tenant = min(self.queues, key=lambda t: (self.counters[t], self.queues[t][0].enqueued))
+        w = self.queues[tenant].popleft()
+        self._drop_if_empty(tenant)
+        self.size -= 1
+        self.last_served = self.counters[tenant]
+        self.charge(w, w.cost)
+        return w
+
+    def charge(self, w: Waiter, tokens: float) -> None:
+        """Add ``tokens`` (negative to correct an estimate) to ``w``'s tenant."""
+        w.charged += tokens
+        self.counters[w.tenant] = self.counters.get(w.tenant, 0.0) + tokens / w.weight
+
+    def newest_of(self, tenant: str) -> Waiter:
+        return self.queues[tenant][-1]
+
+
+class FairQueue:
+    def __init__(self, classes: list[TrafficClass], free_slots: Callable[[], float]):
+        self.free_slots = free_slots  # engines' room for more requests right now
+        self.queues: dict[str, ClassQueue] = {}
+        self.reserved = 0  # dispatched, not yet counted in the engines' in-flight
+        self.recent: deque[str] = deque(maxlen=RECENT_DISPATCHES)
+        self.dispatch_times: deque[float] = deque(maxlen=RECENT_DISPATCHES)
+        self.update_classes(classes)
+
+    def update_classes(self, classes: list[TrafficClass]) -> None:
+        """A reloaded tenants file: keep the queues of classes that remain."""
+        new = {}
+        for c in classes:
+            q = self.queues.get(c.name) or ClassQueue(c)
+            q.cls = c
+            new[c.name] = q
+        for name, q in self.queues.items():
+            if name not in new:  # a removed class: its waiters are told to come back
+                for tq in list(q.queues.values()):
+                    for w in list(tq):
+                        self._fail(q, w, overloaded(f"class {name!r} was removed", 1))
+        self.queues = new
+
+    @property
+    def size(self) -> int:
+        return sum(q.size for q in self.queues.values())
+
+    def by_urgency(self) -> list[ClassQueue]:
+        return sorted(self.queues.values(), key=lambda q: q.cls.priority)
+
+    # --- admission -----------------------------------------------------------------
+    def submit(self, w: Waiter) -> None:
+        """Queue ``w`` (shedding another request if its queue is full) or raise 503."""
+        q = self.queues[w.cls.name]
+        if q.size >= q.cls.max_queued:
+            victim = self._victim_for(w)
+            if victim is None:
+                raise overloaded(f"the {w.cls.name!r} queue is full "
+                                 f"({q.cls.max_queued} requests)", self.expected_wait(q))
+            vq = self.queues[victim.cls.name]
+            self._fail(vq, victim, overloaded(
+                f"shed from the full {w.cls.name!r} queue for more urgent or fairer work",
+                self.expected_wait(vq)))
+        q.push(w)
+        self.dispatch()
+
+    def _victim_for(self, w: Waiter) -> Waiter | None:
+        """Less urgent classes are shed first; then the tenant queueing the most."""
+        for q in reversed(self.by_urgency()):
+            if q.cls.priority <= w.cls.priority:
+                break
+            if q.size:
+                return q.newest_of(max(q.queues, key=lambda t: len(q.queues[t])))
+        q = self.queues[w.cls.name]
+        heaviest = max(q.queues, key=lambda t: len(q.queues[t]), default=None)
+        mine = len(q.queues.get(w.tenant, ()))
+        if heaviest is not None and heaviest != w.tenant and len(q.queues[heaviest]) > mine + 1:
+            return q.newest_of(heaviest)
+        return None
+
+    async def wait(self, w: Waiter) -> None:
+        """Until ``w`` is dispatched; 503 after its class's queue timeout. A cancelled
+        wait (the client went away) leaves the queue."""
+        q = self.queues[w.cls.name]
+        try:
+            await asyncio.wait_for(asyncio.shield(w.future), w.cls.queue_timeout_s)
+        except asyncio.TimeoutError:
+            if q.remove(w):
+                raise overloaded(f"waited {w.cls.queue_timeout_s:g} s in the {w.cls.name!r} "
+                                 f"queue without an engine free", self.expected_wait(q)
+                                 ) from None
+            await w.future  # dispatched at the last moment
+        except asyncio.CancelledError:
+            if not q.remove(w) and w.future.done() and not w.future.exception():
+                self.started()  # dispatched but never forwarded: give the slot back
+                self.dispatch()
+            raise
+
+    def _fail(self, q: ClassQueue, w: Waiter, error: APIError) -> None:
+        if q.remove(w) and not w.future.done():
+            w.future.set_exception(error)
+
+    def expected_wait(self, q: ClassQueue) -> float:
+        """Seconds until a request at the back of ``q`` would be dispatched, from the
+        recent dispatch rate (its timeout when nothing was dispatched lately)."""
+        times = self.dispatch_times
+        if len(times) < 2 or times[-1] <= times[0]:
+            return q.cls.queue_timeout_s
+        rate = (len(times) - 1) / (times[-1] - times[0])
+        ahead = sum(o.size for o in self.queues.values() if o.cls.priority <= q.cls.priority)
+        return min(q.cls.queue_timeout_s, ahead / rate)
+
+    # --- dispatch ------------------------------------------------------------------
+    def started(self) -> None:
+        """A dispatched request is now counted by the engines (or gave up its turn)."""
+        self.reserved -= 1
+
+    def dispatch(self) -> None:
+        """Hand out as many turns as the engines have room for."""
+        while self.free_slots() - self.reserved > 0:
+            q = self._next_class()
+            if q is None:
+                return
+            w = q.pop_fairest()
+            self.reserved += 1
+            self.recent.append(q.cls.name)
+            self.dispatch_times.append(time.monotonic())
+            w.future.set_result(None)
+
+    def _next_class(self) -> ClassQueue | None:
+        backlogged = [q for q in self.by_urgency() if q.size]
+        if not backlogged:
+            return None
+        n = max(len(self.recent), 1)
+        for q in backlogged[1:]:
+            if q.cls.min_share and self.recent.count(q.cls.name) / n < q.cls.min_share:
+                return q
+        return backlogged[0]
+
+    def correct(self, w: Waiter, used_tokens: int) -> None:
+        """Charge the real usage instead of the estimate."""
+        q = self.queues.get(w.cls.name)
+        if q is not None:
+            q.charge(w, used_tokens - w.charged)

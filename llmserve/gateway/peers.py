@@ -1,0 +1,109 @@
+"""Sharing one rate limit between gateway replicas, without a shared store.
+
+Every replica serves its own counters (admitted and asked-for requests and tokens
+per tenant over the sliding minute) at ``/internal/tenant-usage`` and reads its
+peers' every ``interval`` seconds. A replica's quota of a tenant's limit is its
+share of the tenant's recent demand, ``own / (own + peers')``, where ``own`` is the
+snapshot it published, not its live count: every replica then divides the same
+numbers, the quotas add up to the limit and follow where the traffic goes. With no
+demand published yet, or when any peer has not answered lately, a replica falls
+back to ``limit / replicas``, which cannot add up to more than the limit either.
+(Demand is a sliding minute, so shares drift little within one interval; that
+drift is the only way the replicas together can pass the limit, and only briefly.)
+
+Peers come from a static list (``--peer URL``) or, on Kubernetes, from the
+EndpointSlices of the gateway's headless Service (this pod's own address, from
+POD_IP, left out). Requests between peers carry a token derived from the shared
+tenants file.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import time
+from dataclasses import dataclass
+
+import aiohttp
+
+from llmserve.gateway.ratelimits import RateLimiter
+
+log = logging.getLogger(__name__)
+
+USAGE_PATH = "/internal/tenant-usage"
+TOKEN_HEADER = "x-llmserve-peer-token"
+
+
+@dataclass
+class PeerReport:
+    received: float
+    tenants: dict[str, dict[str, float]]
+
+
+class PeerCounters:
+    def __init__(self, limiter: RateLimiter, token: callable, interval: float = 1.0,
+                 own_host: str | None = None):
+        self.limiter = limiter
+        self.token = token  # () -> the current shared token
+        self.interval = interval
+        self.stale_after = 3 * interval + 1.0
+        self.own_host = own_host
+        self.urls: list[str] = []
+        self.reports: dict[str, PeerReport] = {}
+        self.published: dict[str, dict[str, float]] = {}  # own counts, as peers see them
+        limiter.quota_share = self.share
+        limiter.share_refresh_s = 2 * interval
+
+    def set_urls(self, urls: list[str]) -> None:
+        """The peers (discovery calls this); this replica's own address is dropped."""
+        own = f"//{self.own_host}:" if self.own_host else None
+        self.urls = sorted(u.rstrip("/") for u in urls if not (own and own in u))
+        self.reports = {u: r for u, r in self.reports.items() if u in self.urls}
+
+    @property
+    def replicas(self) -> int:
+        return len(self.urls) + 1
+
+    def all_fresh(self, now: float) -> bool:
+        return all(u in self.reports and now - self.reports[u].received <= self.stale_after
+                   for u in self.urls)
+
+    def share(self, tenant: str, kind: str) -> float:
+        """This replica's part of ``tenant``'s ``kind`` ("requests"/"tokens") limit."""
+        if not self.urls:
+            return 1.0
+        now = time.monotonic()
+        if not self.all_fresh(now):
+            return 1.0 / self.replicas
+        key = f"demand_{kind}"
+        own = self.published.get(tenant, {}).get(key, 0.0)
+        others = sum(r.tenants.get(tenant, {}).get(key, 0.0) for r in self.reports.values())
+        if own + others <= 0:
+            return 1.0 / self.replicas
+        return own / (own + others)
+
+    def authorized(self, header: str) -> bool:
+        return hmac.compare_digest(header.encode(), self.token().encode())
+
+    def publish(self) -> None:
+        self.published = self.limiter.counts()
+
+    async def exchange_forever(self, session: aiohttp.ClientSession) -> None:
+        while True:
+            self.publish()
+            await asyncio.gather(*(self._fetch(session, u) for u in list(self.urls)),
+                                 return_exceptions=True)
+            await asyncio.sleep(self.interval)
+
+    async def _fetch(self, session: aiohttp.ClientSession, url: str) -> None:
+        try:
+            async with session.get(url + USAGE_PATH, headers={TOKEN_HEADER: self.token()},
+                                   timeout=aiohttp.ClientTimeout(total=self.interval)) as r:
+                if r.status != 200:
+                    log.warning("peer %s answered %d", url, r.status)
+                    return
+                body = await r.json()
+            self.reports[url] = PeerReport(time.monotonic(), body.get("tenants", {}))
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
+            log.debug("peer %s unreachable: %r", url, e)
