@@ -8,8 +8,7 @@ import logging
 import os
 import sys
 
-from llmserve.engine.async_engine import EngineStartError
-from llmserve.engine.models.loader import ModelLoadError
+from llmserve.errors import EngineStartError, ModelLoadError
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:

@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 from aiohttp import web
 
-from llmserve.engine.protocol import APIError
+from llmserve.errors import APIError
 
 
 def http_error_response(e: web.HTTPException) -> web.Response:

@@ -27,16 +27,13 @@ from llmserve.engine.metrics import EngineMetrics
 from llmserve.engine.outputs import RequestOutput
 from llmserve.engine.sampling import SamplingParams
 from llmserve.engine.sequence import Tenancy
+from llmserve.errors import EngineStartError  # noqa: F401 - raised here, re-exported
 
 log = logging.getLogger(__name__)
 
 
 class EngineDeadError(RuntimeError):
     pass
-
-
-class EngineStartError(RuntimeError):
-    """The engine was built but could not run a step (e.g. a kernel did not compile)."""
 
 
 @dataclass

@@ -11,24 +11,7 @@ from dataclasses import dataclass
 from llmserve.engine.sampling import MAX_LOGPROBS, SamplingParams
 from llmserve.engine.sequence import Tenancy
 from llmserve.engine.structured import StructuredOutputsParams
-
-
-class APIError(Exception):
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None,
-                 headers: dict[str, str] | None = None):
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = (
-            status, message, type_, param, code)
-        self.headers = headers or {}  # e.g. Retry-After on 429 and 503
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param,
-                          "code": self.code if self.code is not None else self.status}}
-
-
-def bad_request(message: str, param: str | None = None) -> APIError:
-    return APIError(400, message, "invalid_request_error", param, None)
+from llmserve.errors import APIError, bad_request  # noqa: F401 - re-exported
 
 
 # --- typed field access ------------------------------------------------------------------

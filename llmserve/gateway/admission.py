@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
-from llmserve.engine.protocol import APIError
+from llmserve.errors import APIError
 from llmserve.gateway.fairness import FairQueue, Waiter
 from llmserve.gateway.metrics import GatewayMetrics
 from llmserve.gateway.peers import TOKEN_HEADER, PeerCounters
@@ -153,4 +153,5 @@ class TenantAdmission:
         """This replica's counters, for its peers."""
         if not self.peers.authorized(request.headers.get(TOKEN_HEADER, "")):
             raise APIError(403, "peer token mismatch", "permission_error")
-        return web.json_response({"tenants": self.peers.published})
+        return web.json_response({"tenants": self.peers.published_with_fractions(
+            self.file.config.tenants)})

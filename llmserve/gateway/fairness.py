@@ -29,7 +29,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from llmserve.engine.protocol import APIError
+from llmserve.errors import APIError
 from llmserve.gateway.tenants import TrafficClass
 
 RECENT_DISPATCHES = 200  # the window over which class shares are measured

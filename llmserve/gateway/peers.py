@@ -70,7 +70,8 @@ class PeerCounters:
                    for u in self.urls)
 
     def share(self, tenant: str, kind: str) -> float:
-        """This replica's part of ``tenant``'s ``kind`` ("requests"/"tokens") limit."""
+        """This replica's part of ``tenant``'s ``kind`` ("requests"/"tokens") limit:
+        its share of the demand, and never more than the peers have left of it."""
         if not self.urls:
             return 1.0
         now = time.monotonic()
@@ -79,15 +80,31 @@ class PeerCounters:
         key = f"demand_{kind}"
         own = self.published.get(tenant, {}).get(key, 0.0)
         others = sum(r.tenants.get(tenant, {}).get(key, 0.0) for r in self.reports.values())
-        if own + others <= 0:
-            return 1.0 / self.replicas
-        return own / (own + others)
+        share = own / (own + others) if own + others > 0 else 1.0 / self.replicas
+        # What the peers admitted in the window is spent, whatever the shares say
+        # (they move as demand moves, and the window remembers the old ones).
+        limit_used = sum(r.tenants.get(tenant, {}).get(f"{kind}_fraction", 0.0)
+                         for r in self.reports.values())
+        return max(0.0, min(share, 1.0 - limit_used))
 
     def authorized(self, header: str) -> bool:
         return hmac.compare_digest(header.encode(), self.token().encode())
 
     def publish(self) -> None:
         self.published = self.limiter.counts()
+
+    def published_with_fractions(self, tenants: dict) -> dict:
+        """The published counts, with what each is of its tenant's limit (peers
+        may not know the limits if their tenants file is a version behind)."""
+        out = {}
+        for name, counts in self.published.items():
+            tenant = tenants.get(name)
+            limits = (tenant.limits.rpm, tenant.limits.tpm) if tenant else (None, None)
+            out[name] = dict(counts)
+            for kind, limit in zip(("requests", "tokens"), limits):
+                if limit:
+                    out[name][f"{kind}_fraction"] = counts[kind] / limit
+        return out
 
     async def exchange_forever(self, session: aiohttp.ClientSession) -> None:
         while True:

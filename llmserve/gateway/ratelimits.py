@@ -18,7 +18,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from llmserve.engine.protocol import APIError
+from llmserve.errors import APIError
 from llmserve.gateway.tenants import Tenant
 
 WINDOW_S = 60.0

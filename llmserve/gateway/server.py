@@ -21,7 +21,7 @@ import aiohttp
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from llmserve.engine.protocol import APIError
+from llmserve.errors import APIError
 from llmserve.gateway.admission import INTERNAL_HEADERS, TenantAdmission, Turn
 from llmserve.gateway.endpoints import EndpointPool
 from llmserve.gateway.metrics import GatewayMetrics, outcome_of

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import yaml
 
-from llmserve.engine.protocol import APIError
+from llmserve.errors import APIError
 
 log = logging.getLogger(__name__)
 

