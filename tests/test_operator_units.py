@@ -206,6 +206,45 @@ def test_gateway_children():
     assert endpoint_url(o) == "http://chat-gateway.team-a.svc:80"
 
 
+def test_tenants_secret_renders_the_file_peers_and_priorities():
+    o = owner(gateway={"replicas": 3, "tenantsSecret": {"name": "tenants"}},
+              engine={"maxNumSeqs": 48})
+    objs = by_kind(children(o, 1))
+    engine, gw = objs["Deployment"]
+    pod = gw["spec"]["template"]["spec"]
+    container = pod["containers"][0]
+    args = container["args"]
+    assert args[args.index("--tenants") + 1] == "/etc/llmserve/tenants/tenants.yaml"
+    assert args[args.index("--peer-service") + 1] == "team-a/chat-gateway-peers"
+    assert args[args.index("--max-in-flight") + 1] == "48"  # the engines' batch by default
+    assert {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}} \
+        in container["env"]
+    assert {"name": "tenants", "secret": {"secretName": "tenants", "items": [
+        {"key": "tenants.yaml", "path": "tenants.yaml"}]}} in pod["volumes"]
+    peers = [s for s in objs["Service"] if s["metadata"]["name"] == "chat-gateway-peers"][0]
+    assert peers["spec"]["clusterIP"] == "None"
+    assert peers["spec"]["selector"]["app.kubernetes.io/component"] == "gateway"
+    # Classes become request priorities, which the engines must schedule by.
+    engine_args = engine["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert engine_args[engine_args.index("--scheduling-policy") + 1] == "priority"
+    vllm = children(owner(gateway={"tenantsSecret": {"name": "t", "key": "k"}},
+                          engine={"kind": "vllm"}, model={"source": "hf://org/m", "name": "m"}),
+                    1)
+    vllm_args = by_kind(vllm)["Deployment"][0]["spec"]["template"]["spec"]["containers"][0]
+    assert "--scheduling-policy" in vllm_args["args"]
+    # Without tenants: no peers Service, no cap, FCFS engines, as before.
+    plain = by_kind(children(owner(), 1))
+    assert len(plain["Service"]) == 2
+    plain_args = plain["Deployment"][1]["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--max-in-flight" not in plain_args and "--tenants" not in plain_args
+
+
+def test_tenants_and_api_key_secrets_are_exclusive():
+    with pytest.raises(SpecError, match="exclusive"):
+        children(owner(gateway={"tenantsSecret": {"name": "t"},
+                                "apiKeySecret": {"name": "k"}}), 1)
+
+
 # --- autoscaler -------------------------------------------------------------------------------
 POLICY = Policy(min_replicas=1, max_replicas=6, target_queue_depth=4, target_kv_utilization=0.8,
                 tolerance=0.1, scale_up_window=0, scale_down_window=60, scale_to_zero_after=0)

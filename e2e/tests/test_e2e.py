@@ -151,6 +151,64 @@ def test_invalid_rejected_and_unrealisable_degraded(kubectl, installed):
     kubectl("delete", "llmd", "ghost", "-n", NS)
 
 
+TENANTS_FILE = """
+classes:
+  - {name: interactive, priority: 0, queueTimeoutSeconds: 30, maxQueued: 100}
+  - {name: batch, priority: 10, queueTimeoutSeconds: 300, maxQueued: 1000, minShare: 0.05}
+tenants:
+  - {name: acme, apiKeys: [sk-acme], limits: {rpm: 2}}
+  - {name: beta, apiKeys: [sk-beta], classes: [batch]}
+"""
+
+
+def test_tenants_from_a_secret_limit_through_the_gateway(kubectl, installed):
+    """The Secret path: a tenants file in a Secret, validated by the operator
+    (Degraded when it is broken), mounted into the gateway, enforced there."""
+    t0 = time.monotonic()
+    kubectl("create", "secret", "generic", "tenants", "-n", NS,
+            "--from-literal=tenants.yaml=" + TENANTS_FILE.replace("rpm: 2", "rpm: -2"))
+    spec = {"apiVersion": "serving.llmserve.io/v1alpha1", "kind": "LLMDeployment",
+            "metadata": {"name": "tenanted", "namespace": NS},
+            "spec": {"model": {"source": "smollm2-135m-instruct", "name": "smol"},
+                     "engine": {"maxNumSeqs": 4},
+                     "gateway": {"tenantsSecret": {"name": "tenants"}}}}
+    kubectl("apply", "-f", "-", input=json.dumps(spec))
+
+    def degraded_message():
+        conds = get_json(kubectl, "llmd", "tenanted", "-n", NS).get("status", {}).get(
+            "conditions", [])
+        return next((c["message"] for c in conds
+                     if c["type"] == "Degraded" and c["status"] == "True"), None)
+
+    message = wait_for(degraded_message, 60, what="Degraded for a bad tenants file")
+    assert "tenants[0].limits.rpm must be >= 1" in message, message
+    fixed = kubectl("create", "secret", "generic", "tenants", "-n", NS, "--dry-run=client",
+                    "-o", "json", "--from-literal=tenants.yaml=" + TENANTS_FILE).stdout
+    kubectl("apply", "-f", "-", input=fixed)
+    wait_for(lambda: any(c["type"] == "Ready" and c["status"] == "True" for c in
+                         get_json(kubectl, "llmd", "tenanted", "-n", NS)
+                         .get("status", {}).get("conditions", [])),
+             300, 1.0, what="LLMDeployment Ready once the Secret is fixed")
+    gw = wait_for(lambda: ready_ips(kubectl, NS, "app.kubernetes.io/component=gateway,"
+                                                 "serving.llmserve.io/deployment=tenanted"), 120)
+    phase("tenants Secret -> Ready", t0)
+    acme = openai.OpenAI(base_url=f"http://{gw[0]}:8080/v1", api_key="sk-acme", max_retries=0)
+    for _ in range(2):
+        acme.completions.create(model="smol", prompt="hi", max_tokens=2)
+    with pytest.raises(openai.RateLimitError) as e:
+        acme.completions.create(model="smol", prompt="hi", max_tokens=2)
+    assert e.value.body["type"] == "rate_limit_exceeded"
+    assert 1 <= int(e.value.response.headers["Retry-After"]) <= 60
+    beta = openai.OpenAI(base_url=f"http://{gw[0]}:8080/v1", api_key="sk-beta", max_retries=0)
+    with pytest.raises(openai.PermissionDeniedError):  # beta may only use batch
+        beta.completions.create(model="smol", prompt="hi", max_tokens=2)
+    out = beta.completions.create(model="smol", prompt="hi", max_tokens=2,
+                                  extra_headers={"x-priority-class": "batch"})
+    assert out.usage.completion_tokens == 2
+    kubectl("delete", "llmd", "tenanted", "-n", NS)
+    kubectl("delete", "secret", "tenants", "-n", NS)
+
+
 def test_autoscaling_up_under_load_and_back_down(kubectl, installed):
     t0 = time.monotonic()
     spec = {"apiVersion": "serving.llmserve.io/v1alpha1", "kind": "LLMDeployment",

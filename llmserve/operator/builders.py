@@ -18,6 +18,8 @@ OPERATOR_LABELS = {"app.kubernetes.io/name": "llmserve-operator"}
 MANAGED_BY = {"app.kubernetes.io/managed-by": "llmserve-operator"}
 GATEWAY_PORT = 8080
 MODELS_DIR = "/models"
+TENANTS_DIR = "/etc/llmserve/tenants"
+TENANTS_KEY = "tenants.yaml"
 
 
 class SpecError(ValueError):
@@ -46,7 +48,8 @@ class Owner:
 def names(owner: Owner) -> dict[str, str]:
     n = owner.name
     return {"engine": f"{n}-engine", "gateway": f"{n}-gateway",
-            "gateway_sa": f"{n}-gateway", "netpol": f"{n}-engine"}
+            "gateway_sa": f"{n}-gateway", "netpol": f"{n}-engine",
+            "gateway_peers": f"{n}-gateway-peers"}
 
 
 def labels(owner: Owner, component: str) -> dict[str, str]:
@@ -171,6 +174,10 @@ def engine_container(owner: Owner) -> dict:
     for key, flag in flags.items():
         if engine.get(key) is not None:
             args += [flag, str(engine[key])]
+    if tenants_secret(owner):
+        # Classes reach the engine as request priorities; vLLM refuses a nonzero
+        # priority unless it schedules by priority, and ours ignores it under fcfs.
+        args += ["--scheduling-policy", "priority"]
     args += list(engine.get("args", []))
     probe = {"httpGet": {"path": "/health", "port": "http"}}
     return {
@@ -257,6 +264,27 @@ def gateway_deployment(owner: Owner) -> dict:
                                                         "items": [{"key": key, "path": key}]}})
         mounts.append({"name": "api-keys", "mountPath": "/etc/llmserve/keys", "readOnly": True})
         args += ["--api-key-file", f"/etc/llmserve/keys/{key}"]
+    env = []
+    tenants = tenants_secret(owner)
+    if tenants:
+        if secret:
+            raise SpecError("gateway.apiKeySecret and gateway.tenantsSecret are exclusive: "
+                            "with tenants, API keys are in the tenants file")
+        name, key = tenants
+        volumes.append({"name": "tenants", "secret": {"secretName": name,
+                                                       "items": [{"key": key, "path": key}]}})
+        mounts.append({"name": "tenants", "mountPath": TENANTS_DIR, "readOnly": True})
+        args += ["--tenants", f"{TENANTS_DIR}/{key}",
+                 "--peer-service", f"{owner.namespace}/{n['gateway_peers']}"]
+        # Peers are found by address; this pod's own is left out.
+        env.append({"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}})
+    max_in_flight = gw.get("maxInFlightPerEngine")
+    if max_in_flight is None and tenants:
+        # The class queues only hold requests back if engines have a bound; by default,
+        # the batch an engine can run at once.
+        max_in_flight = owner.spec.get("engine", {}).get("maxNumSeqs", 128)
+    if max_in_flight:
+        args += ["--max-in-flight", str(max_in_flight)]
     probe = {"httpGet": {"path": "/metrics", "port": "http"}}
     container = {
         "name": "gateway", "image": gw.get("image") or DEFAULT_IMAGE,
@@ -268,6 +296,7 @@ def gateway_deployment(owner: Owner) -> dict:
                       "limits": {"memory": "512Mi"}},
         "securityContext": CONTAINER_SECURITY,
         "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}, *mounts],
+        **({"env": env} if env else {}),
     }
     return {
         "apiVersion": "apps/v1", "kind": "Deployment",
@@ -293,6 +322,26 @@ def gateway_service(owner: Owner) -> dict:
                      "selector": selector(owner, "gateway"),
                      "ports": [{"name": "http", "port": gw.get("port", 80),
                                 "targetPort": "http"}]}}
+
+
+def tenants_secret(owner: Owner) -> tuple[str, str] | None:
+    """(Secret name, key) of the tenants file, if the deployment has tenants."""
+    ref = owner.spec.get("gateway", {}).get("tenantsSecret")
+    if not ref:
+        return None
+    if not ref.get("name"):
+        raise SpecError("gateway.tenantsSecret needs the name of a Secret")
+    return ref["name"], ref.get("key") or TENANTS_KEY
+
+
+def gateway_peers_service(owner: Owner) -> dict:
+    """Headless: gateway replicas find each other through it to share tenants' limits."""
+    n = names(owner)
+    return {"apiVersion": "v1", "kind": "Service",
+            "metadata": meta(owner, n["gateway_peers"], "gateway"),
+            "spec": {"clusterIP": "None", "selector": selector(owner, "gateway"),
+                     "publishNotReadyAddresses": False,
+                     "ports": [{"name": "http", "port": GATEWAY_PORT, "targetPort": "http"}]}}
 
 
 def gateway_rbac(owner: Owner) -> list[dict]:
@@ -330,4 +379,5 @@ def children(owner: Owner, engine_replicas: int) -> list[dict]:
     """Every child, in the order they are applied."""
     return [*gateway_rbac(owner), engine_service(owner),
             engine_deployment(owner, engine_replicas), network_policy(owner),
-            gateway_deployment(owner), gateway_service(owner)]
+            gateway_deployment(owner), gateway_service(owner),
+            *([gateway_peers_service(owner)] if tenants_secret(owner) else [])]

@@ -20,6 +20,7 @@ import kopf
 from kubernetes_asyncio import client
 
 from llmserve.gateway.endpoints import KV_USAGE, WAITING
+from llmserve.gateway.tenants import TenantsError, parse_tenants
 from llmserve.operator import kube
 from llmserve.operator.autoscaler import History, Observation, Policy, decide
 from llmserve.operator.builders import (
@@ -29,6 +30,7 @@ from llmserve.operator.builders import (
     endpoint_url,
     names,
     selector_string,
+    tenants_secret,
 )
 
 GROUP, VERSION, PLURAL = "serving.llmserve.io", "v1alpha1", "llmdeployments"
@@ -96,6 +98,7 @@ async def reconcile(body, patch, logger) -> None:
         try:
             replicas = await engine_replicas(api, o, status)
             desired = children(o, replicas)
+            await check_tenants(api, o)
         except SpecError as e:
             kopf.warn(body, reason="InvalidSpec", message=str(e))
             conditions = [condition("Degraded", True, "InvalidSpec", str(e), o.generation),
@@ -135,6 +138,25 @@ async def reconcile(body, patch, logger) -> None:
         "desiredReplicas": replicas, "selector": selector_string(o),
         "endpoint": endpoint_url(o),
         "conditions": merge_conditions(status.get("conditions"), conditions)})
+
+
+async def check_tenants(api, o: Owner) -> None:
+    """A tenants file the gateway could not use is the spec's fault: Degraded, with
+    the gateway's own message, rather than a gateway that fails to start."""
+    ref = tenants_secret(o)
+    if ref is None:
+        return
+    name, key = ref
+    data = await kube.read_secret_value(api, o.namespace, name, key)
+    if data is None:
+        raise SpecError(f"gateway.tenantsSecret: Secret {name!r} does not exist or has no "
+                        f"key {key!r}")
+    try:
+        parse_tenants(data.decode())
+    except UnicodeDecodeError as e:
+        raise SpecError(f"gateway.tenantsSecret {name}/{key} is not UTF-8 text") from e
+    except TenantsError as e:
+        raise SpecError(f"gateway.tenantsSecret {name}/{key}: {e}") from e
 
 
 def api_message(e: client.exceptions.ApiException) -> str:

@@ -49,6 +49,20 @@ async def get_deployment(api: client.ApiClient, namespace: str, name: str) -> di
     return api.sanitize_for_serialization(dep)
 
 
+async def read_secret_value(api: client.ApiClient, namespace: str, name: str, key: str
+                            ) -> bytes | None:
+    """One key of a Secret, decoded; None if the Secret or the key does not exist."""
+    import base64
+    try:
+        secret = await client.CoreV1Api(api).read_namespaced_secret(name, namespace)
+    except client.exceptions.ApiException as e:
+        if e.status == 404:
+            return None
+        raise
+    value = (secret.data or {}).get(key)
+    return None if value is None else base64.b64decode(value)
+
+
 async def ready_pod_ips(api: client.ApiClient, namespace: str, label_selector: str) -> list[str]:
     core = client.CoreV1Api(api)
     pods = await core.list_namespaced_pod(namespace, label_selector=label_selector)
