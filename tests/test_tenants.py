@@ -151,7 +151,7 @@ async def drain(fq: FairQueue, waiters: list[Waiter], slots: list[int]) -> list[
         fq.dispatch()
         done = [w for w in waiters if w.future.done() and w not in order]
         for w in done:
-            fq.started()
+            fq.started(w)
             order.append(w)
         slots[0] = 0
         await asyncio.sleep(0)
@@ -167,7 +167,7 @@ def token_share(order, tenant, n):
 def test_backlogged_tenants_share_tokens_by_weight(weights, expected):
     async def main():
         slots = [0]
-        fq = FairQueue(classes(), lambda: slots[0])
+        fq = FairQueue(classes(), lambda priority: slots[0])
         inter = fq.queues["interactive"].cls
         heavy = [Waiter("heavy", weights[0], inter, 1000) for _ in range(60)]
         light = [Waiter("light", weights[1], inter, 100) for _ in range(400)]
@@ -183,7 +183,7 @@ def test_backlogged_tenants_share_tokens_by_weight(weights, expected):
 def test_a_tenant_back_from_idle_gets_no_banked_credit():
     async def main():
         slots = [0]
-        fq = FairQueue(classes(), lambda: slots[0])
+        fq = FairQueue(classes(), lambda priority: slots[0])
         inter = fq.queues["interactive"].cls
         await drain(fq, [Waiter("busy", 1, inter, 100) for _ in range(50)], slots)
         # "idle" was away while "busy" used 5,000 tokens; now both are backlogged.
@@ -197,7 +197,7 @@ def test_a_tenant_back_from_idle_gets_no_banked_credit():
 def test_batch_gets_its_min_share_under_an_interactive_flood():
     async def main():
         slots = [0]
-        fq = FairQueue(classes(), lambda: slots[0])
+        fq = FairQueue(classes(), lambda priority: slots[0])
         inter, batch = fq.queues["interactive"].cls, fq.queues["batch"].cls
         order = await drain(fq, [Waiter("a", 1, inter, 10) for _ in range(400)] +
                             [Waiter("b", 1, batch, 10) for _ in range(100)], slots)
@@ -210,7 +210,7 @@ def test_batch_gets_its_min_share_under_an_interactive_flood():
 def test_a_full_queue_sheds_batch_first_then_the_heaviest_tenant():
     async def main():
         text = EXAMPLE.replace("maxQueued: 500", "maxQueued: 3")
-        fq = FairQueue(classes(text), lambda: 0)
+        fq = FairQueue(classes(text), lambda priority: 0)
         inter, batch = fq.queues["interactive"].cls, fq.queues["batch"].cls
         b = Waiter("x", 1, batch, 10)
         fq.submit(b)
@@ -234,7 +234,7 @@ def test_a_full_queue_sheds_batch_first_then_the_heaviest_tenant():
 def test_queue_timeout_and_a_client_that_leaves():
     async def main():
         text = EXAMPLE.replace("queueTimeoutSeconds: 5", "queueTimeoutSeconds: 0.05")
-        fq = FairQueue(classes(text), lambda: 0)
+        fq = FairQueue(classes(text), lambda priority: 0)
         inter = fq.queues["interactive"].cls
         w = Waiter("a", 1, inter, 10)
         fq.submit(w)
@@ -286,3 +286,20 @@ def test_the_engine_admits_the_least_served_tenant_first():
     # tokens computed: the prompt and every sampled token but the last
     assert sched.shares.tokens_served == {"hog": 6 * 9, "guest": 9}
     assert sched.shares.active == {}
+
+
+def test_urgent_work_takes_a_place_in_a_full_batch():
+    """Under priority scheduling, batch work holding every place under max_num_seqs
+    is preempted for an interactive request, which starts in the very next step."""
+    sched = make_scheduler(num_blocks=256, block_size=4, max_num_seqs=2,
+                           max_num_batched_tokens=64, scheduling_policy="priority")
+    batch = [add(sched, make_request(prompt_len=8, max_tokens=50, priority=10))
+             for _ in range(2)]
+    simulate_step(sched, sched.schedule())
+    urgent = add(sched, make_request(prompt_len=8, max_tokens=2, priority=0))
+    step = sched.schedule()
+    assert urgent.sequences[0] in step.seqs
+    assert len(step.preempted) == 1 and step.preempted[0].request in batch
+    while sched.has_work():
+        simulate_step(sched, sched.schedule())
+    assert all(r.finished for r in batch)  # the preempted one came back and finished

@@ -18,7 +18,8 @@ When a running sequence cannot get a block, the least urgent running sequence th
 is not yet scheduled in this step is preempted (swapped to CPU or dropped for
 recompute, per ``preemption_mode``); that can be the sequence itself. Under
 ``priority`` an admission candidate may likewise preempt running sequences of a
-strictly less urgent priority. Because candidates come in urgency order, every
+strictly less urgent priority, for KV blocks or for a place under ``max_num_seqs``
+(so interactive work does not wait for a batch of batch work to finish). Because candidates come in urgency order, every
 victim is one this step has not scheduled yet: the scheduler never undoes in a step
 what it did earlier in it. After a preemption nothing is admitted, except, under
 ``priority``, candidates more urgent than every sequence preempted in the step.
@@ -315,6 +316,9 @@ class Scheduler:
         while True:
             plan = self._admission_plan(seq, step, swapped)
             if plan is None:
+                # Under priority, a full batch makes room for more urgent work too.
+                if self._short_of_seq_slots(seq, swapped) and self._preempt_for(seq, step):
+                    continue
                 return False
             num_new, need, hits = plan
             # The watermark keeps room for running sequences to grow; with none
@@ -392,6 +396,11 @@ class Scheduler:
 
         used = sum(slots(s) for s in self.running)
         return used + slots(seq) <= self.config.max_num_seqs or not self.running
+
+    def _short_of_seq_slots(self, seq: Sequence, swapped: bool) -> bool:
+        if swapped:
+            return len(self.running) >= self.config.max_num_seqs
+        return not self._has_seq_slots(seq)
 
     def _preempt_for(self, seq: Sequence, step: _Step) -> bool:
         """Priority policy: preempt the least urgent unscheduled running sequence if

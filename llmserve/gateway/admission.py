@@ -99,7 +99,7 @@ class TenantAdmission:
         try:
             self.fair.submit(waiter)
             await self.fair.wait(waiter)
-            self.fair.started()
+            self.fair.started(waiter)
             self.metrics.queue_wait.labels(cls.name, tenant.name).observe(
                 time.monotonic() - arrived)
             payload["priority"] = cls.priority

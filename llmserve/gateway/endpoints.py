@@ -12,7 +12,7 @@ import asyncio
 import logging
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
@@ -33,6 +33,15 @@ class Endpoint:
     kv_usage: float | None = None
     ejected_until: float = 0.0
     consecutive_failures: int = 0
+    # In-flight requests per class priority (tenants only): a class's room counts
+    # only its own and more urgent requests, so batch work never crowds out
+    # interactive work at the gateway (the engine preempts batch for it).
+    by_priority: dict[int, int] = field(default_factory=dict)
+
+    def in_flight_at_or_above(self, priority: int | None) -> int:
+        if priority is None:
+            return self.in_flight
+        return sum(n for p, n in self.by_priority.items() if p <= priority)
 
     @property
     def ejected(self) -> bool:
@@ -76,15 +85,18 @@ class EndpointPool:
                 or (ep.kv_usage is not None and ep.kv_usage > self.max_kv_usage)
                 or (self.max_in_flight > 0 and ep.in_flight >= self.max_in_flight))
 
-    def free_slots(self) -> float:
-        """Requests the live, unsaturated endpoints can take now (inf with no cap)."""
+    def free_slots(self, priority: int | None = None) -> float:
+        """Requests of a class of ``priority`` the live endpoints can take now (inf
+        with no cap): the cap less what that class and more urgent ones have in
+        flight. Scraped saturation (queue, KV) stops every class."""
         free = 0.0
         for ep in self.endpoints.values():
-            if ep.ejected or self.saturated(ep):
+            if ep.ejected or (ep.waiting is not None and ep.waiting > self.max_waiting) or \
+                    (ep.kv_usage is not None and ep.kv_usage > self.max_kv_usage):
                 continue
             if self.max_in_flight <= 0:
                 return math.inf
-            free += self.max_in_flight - ep.in_flight
+            free += max(0, self.max_in_flight - ep.in_flight_at_or_above(priority))
         return free
 
     def candidates(self, exclude: set[str] = frozenset()) -> list[Candidate]:

@@ -105,10 +105,11 @@ class ClassQueue:
 
 
 class FairQueue:
-    def __init__(self, classes: list[TrafficClass], free_slots: Callable[[], float]):
-        self.free_slots = free_slots  # engines' room for more requests right now
+    def __init__(self, classes: list[TrafficClass], free_slots: Callable[[int], float]):
+        self.free_slots = free_slots  # engines' room for a class of this priority now
         self.queues: dict[str, ClassQueue] = {}
-        self.reserved = 0  # dispatched, not yet counted in the engines' in-flight
+        # Dispatched, not yet counted in the engines' in-flight, per class priority.
+        self.reserved: dict[int, int] = {}
         self.recent: deque[str] = deque(maxlen=RECENT_DISPATCHES)
         self.dispatch_times: deque[float] = deque(maxlen=RECENT_DISPATCHES)
         self.update_classes(classes)
@@ -178,7 +179,7 @@ class FairQueue:
             await w.future  # dispatched at the last moment
         except asyncio.CancelledError:
             if not q.remove(w) and w.future.done() and not w.future.exception():
-                self.started()  # dispatched but never forwarded: give the slot back
+                self.started(w)  # dispatched but never forwarded: give the slot back
                 self.dispatch()
             raise
 
@@ -197,24 +198,30 @@ class FairQueue:
         return min(q.cls.queue_timeout_s, ahead / rate)
 
     # --- dispatch ------------------------------------------------------------------
-    def started(self) -> None:
+    def started(self, w: Waiter) -> None:
         """A dispatched request is now counted by the engines (or gave up its turn)."""
-        self.reserved -= 1
+        self.reserved[w.cls.priority] -= 1
+
+    def room(self, priority: int) -> float:
+        reserved = sum(n for p, n in self.reserved.items() if p <= priority)
+        return self.free_slots(priority) - reserved
 
     def dispatch(self) -> None:
         """Hand out as many turns as the engines have room for."""
-        while self.free_slots() - self.reserved > 0:
+        while True:
             q = self._next_class()
             if q is None:
                 return
             w = q.pop_fairest()
-            self.reserved += 1
+            self.reserved[w.cls.priority] = self.reserved.get(w.cls.priority, 0) + 1
             self.recent.append(q.cls.name)
             self.dispatch_times.append(time.monotonic())
             w.future.set_result(None)
 
     def _next_class(self) -> ClassQueue | None:
-        backlogged = [q for q in self.by_urgency() if q.size]
+        """The class to dispatch from: a backlogged one below its minShare, else the
+        most urgent backlogged one; only classes the engines have room for."""
+        backlogged = [q for q in self.by_urgency() if q.size and self.room(q.cls.priority) > 0]
         if not backlogged:
             return None
         n = max(len(self.recent), 1)

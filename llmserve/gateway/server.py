@@ -212,6 +212,10 @@ class Gateway:
         if ep is None:
             return "endpoint left"
         ep.in_flight += 1
+        turn: Turn | None = request.get("turn")
+        priority = turn.cls.priority if turn is not None else None
+        if priority is not None:
+            ep.by_priority[priority] = ep.by_priority.get(priority, 0) + 1
         gauge = self.metrics.in_flight.labels(url)
         gauge.inc()
         upstream = None
@@ -235,6 +239,8 @@ class Gateway:
             return response
         finally:
             ep.in_flight -= 1
+            if priority is not None:
+                ep.by_priority[priority] -= 1
             gauge.dec()
             if upstream is not None:
                 # Reuse the connection only when the response was read to the end; closing
