@@ -41,7 +41,7 @@ def tenants_file(heavy_weight: float = 1, rpm: int | None = None) -> str:
     limits = f", limits: {{rpm: {rpm}}}" if rpm else ""
     return f"""
 classes:
-  - {{name: interactive, priority: 0, queueTimeoutSeconds: 30, maxQueued: 1000}}
+  - {{name: interactive, priority: 0, queueTimeoutSeconds: 300, maxQueued: 1000}}
   - {{name: batch, priority: 10, queueTimeoutSeconds: 600, maxQueued: 20000, minShare: 0.05}}
 defaultClass: interactive
 tenants:
@@ -109,7 +109,9 @@ async def backlog(url, key, n_clients, until, served, window, **kw):
     async def client(session):
         while time.monotonic() < until:
             status, tokens, *_ = await request(session, url, key, **kw)
-            if status == 200 and window[0] <= time.monotonic() <= window[1]:
+            if status != 200:
+                served[f"{key} HTTP {status}"] = served.get(f"{key} HTTP {status}", 0) + 1
+            elif window[0] <= time.monotonic() <= window[1]:
                 served[key] = served.get(key, 0) + tokens
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None)) as s:
         await asyncio.gather(*(client(s) for _ in range(n_clients)))
@@ -124,12 +126,13 @@ async def run_share(stack: Stack, warmup: float, seconds: float) -> dict[str, in
     url, served = stack.gateways[0].url, {}
     start = time.monotonic()
     window = (start + warmup, start + warmup + seconds)
-    heavy = dict(prompt="a long story about tenants " * 40, max_tokens=48)  # ~10x light
+    heavy = dict(prompt="a long story about tenants " * 12, max_tokens=16)  # ~10x light
     light = dict(prompt="short one", max_tokens=4)
-    # The heavy tenant also sends 10x more: ten clients to each light one, all
-    # backlogged (more clients than the engine has places).
-    await asyncio.gather(backlog(url, "sk-heavy", 40, window[1], served, window, **heavy),
-                         backlog(url, "sk-light", 4, window[1], served, window, **light))
+    # Both backlogged: more clients than the places the gateway lets the engine
+    # have (8), so each always has requests queued; the heavy tenant asks for ~30x
+    # the tokens (more clients, ~13x longer requests).
+    await asyncio.gather(backlog(url, "sk-heavy", 36, window[1], served, window, **heavy),
+                         backlog(url, "sk-light", 12, window[1], served, window, **light))
     return served
 
 
@@ -144,10 +147,13 @@ def part_share(args) -> dict:
         finally:
             stack.stop()
         h, lt = served.get("sk-heavy", 0), served.get("sk-light", 0)
+        errors = {k: v for k, v in served.items() if "HTTP" in k}
+        if errors:
+            raise RuntimeError(f"{label}: requests failed: {errors}")
         ratio = h / max(lt, 1)
         out[label] = {"heavy_tokens": h, "light_tokens": lt, "ratio": round(ratio, 3),
                       "target": weights[0] / weights[1],
-                      "jain": round(jain([h / weights[0], lt / weights[1]]), 3)}
+                      "jain": round(jain([h / weights[0], lt / weights[1]]), 3) if h + lt else 0}
         print(f"[share] {label}: heavy {h} / light {lt} tokens = {ratio:.2f} "
               f"(fair: {weights[0] / weights[1]:.1f}), Jain {out[label]['jain']:.3f}",
               flush=True)
