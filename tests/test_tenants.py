@@ -152,6 +152,7 @@ async def drain(fq: FairQueue, waiters: list[Waiter], slots: list[int]) -> list[
         done = [w for w in waiters if w.future.done() and w not in order]
         for w in done:
             fq.started(w)
+            fq.finished(w, w.cost)  # served at once, using what it was charged
             order.append(w)
         slots[0] = 0
         await asyncio.sleep(0)
@@ -178,6 +179,29 @@ def test_backlogged_tenants_share_tokens_by_weight(weights, expected):
         return served["heavy"] / served["light"]
     ratio = run(main())
     assert expected * 0.9 <= ratio <= expected * 1.1
+
+
+def test_a_client_that_sends_as_soon_as_its_request_ends_keeps_its_share():
+    """A tenant whose queue is empty only while its next request is on the way is
+    not idle: it keeps its counter (the weight 2:1 share survives closed-loop
+    clients that never queue more than they have in flight)."""
+    async def main():
+        fq = FairQueue(classes(), lambda priority: 0)
+        inter = fq.queues["interactive"].cls
+        heavy = [Waiter("heavy", 1, inter, 100) for _ in range(5)]
+        for w in heavy:
+            fq.submit(w)
+        first = Waiter("light", 2, inter, 100)
+        fq.submit(first)
+        q = fq.queues["interactive"]
+        q.pop_fairest()  # heavy's first, then light's (both counters start equal)
+        served = q.pop_fairest()
+        assert served is first
+        before = q.counters["light"]
+        fq.submit(Waiter("light", 2, inter, 100))  # its next, while `first` still runs
+        return before, q.counters["light"], q.counters["heavy"]
+    before, after, heavy = run(main())
+    assert after == before < heavy  # not lifted to heavy's counter
 
 
 def test_a_tenant_back_from_idle_gets_no_banked_credit():

@@ -19,10 +19,11 @@ is not yet scheduled in this step is preempted (swapped to CPU or dropped for
 recompute, per ``preemption_mode``); that can be the sequence itself. Under
 ``priority`` an admission candidate may likewise preempt running sequences of a
 strictly less urgent priority, for KV blocks or for a place under ``max_num_seqs``
-(so interactive work does not wait for a batch of batch work to finish). Because candidates come in urgency order, every
-victim is one this step has not scheduled yet: the scheduler never undoes in a step
-what it did earlier in it. After a preemption nothing is admitted, except, under
-``priority``, candidates more urgent than every sequence preempted in the step.
+(so interactive work does not wait for a batch of batch work to finish). Because
+candidates come in urgency order, every victim is one this step has not scheduled
+yet: the scheduler never undoes in a step what it did earlier in it. After a
+preemption nothing is admitted, except, under ``priority``, candidates more urgent
+than every sequence preempted in the step.
 
 Block moves are logged by the block manager in decision order and applied in that
 order (``kv_cache.py``), so a block freed by a move and reused by a later one in the

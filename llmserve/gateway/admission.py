@@ -113,7 +113,7 @@ class TenantAdmission:
             used = self.used_tokens(turn) if served else 0
             self.limiter.release(admission, used, served)
             if served:
-                self.fair.correct(waiter, used if used is not None else est)
+                self.fair.finished(waiter, used if used is not None else est)
                 if used:
                     self.metrics.tenant_tokens.labels(tenant.name).inc(used)
                 if turn.tap.first_byte_at is not None:

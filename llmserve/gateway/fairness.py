@@ -12,7 +12,9 @@ backlogged tenant with the smallest counter goes next. A request is charged its
 estimate (prompt + max_tokens) when dispatched and corrected to its real usage when
 it ends. A tenant that comes back from idle has its counter lifted to the smallest
 counter among the backlogged tenants (or to the last one served), so idling banks
-no credit.
+no credit. Idle means nothing queued and nothing in flight: a client that sends its
+next request as soon as the last one ends is not idle in between (lifting it then
+would take away the share its weight gives it).
 
 A full class queue sheds the newest request of the least urgent class first, then
 of the tenant with the most queued requests in the class; a request waiting past
@@ -61,16 +63,17 @@ class ClassQueue:
         self.cls = cls
         self.queues: dict[str, deque[Waiter]] = {}  # backlogged tenants only
         self.counters: dict[str, float] = {}
+        self.in_flight: dict[str, int] = {}  # dispatched, not yet finished
         self.last_served = 0.0  # virtual time of the latest dispatch
         self.size = 0
 
     def push(self, w: Waiter) -> None:
-        if w.tenant not in self.queues:  # back from idle: no banked credit
+        if w.tenant not in self.queues and not self.in_flight.get(w.tenant):
+            # back from idle: no banked credit
             backlogged = [self.counters[t] for t in self.queues]
             floor = min(backlogged) if backlogged else self.last_served
             self.counters[w.tenant] = max(self.counters.get(w.tenant, 0.0), floor)
-            self.queues[w.tenant] = deque()
-        self.queues[w.tenant].append(w)
+        self.queues.setdefault(w.tenant, deque()).append(w)
         self.size += 1
 
     def remove(self, w: Waiter) -> bool:
@@ -93,7 +96,15 @@ class ClassQueue:
         self.size -= 1
         self.last_served = self.counters[tenant]
         self.charge(w, w.cost)
+        self.in_flight[tenant] = self.in_flight.get(tenant, 0) + 1
         return w
+
+    def finished(self, w: Waiter, used_tokens: float) -> None:
+        """A dispatched request ended: charge what it used instead of the estimate."""
+        self.charge(w, used_tokens - w.charged)
+        self.in_flight[w.tenant] -= 1
+        if not self.in_flight[w.tenant]:
+            del self.in_flight[w.tenant]
 
     def charge(self, w: Waiter, tokens: float) -> None:
         """Add ``tokens`` (negative to correct an estimate) to ``w``'s tenant."""
@@ -180,6 +191,7 @@ class FairQueue:
         except asyncio.CancelledError:
             if not q.remove(w) and w.future.done() and not w.future.exception():
                 self.started(w)  # dispatched but never forwarded: give the slot back
+                q.finished(w, 0)
                 self.dispatch()
             raise
 
@@ -230,8 +242,8 @@ class FairQueue:
                 return q
         return backlogged[0]
 
-    def correct(self, w: Waiter, used_tokens: int) -> None:
-        """Charge the real usage instead of the estimate."""
+    def finished(self, w: Waiter, used_tokens: int) -> None:
+        """A request that was dispatched ended, having used ``used_tokens``."""
         q = self.queues.get(w.cls.name)
         if q is not None:
-            q.charge(w, used_tokens - w.charged)
+            q.finished(w, used_tokens)
