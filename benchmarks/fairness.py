@@ -126,13 +126,14 @@ async def run_share(stack: Stack, warmup: float, seconds: float) -> dict[str, in
     url, served = stack.gateways[0].url, {}
     start = time.monotonic()
     window = (start + warmup, start + warmup + seconds)
-    heavy = dict(prompt="a long story about tenants " * 12, max_tokens=16)  # ~10x light
-    light = dict(prompt="short one", max_tokens=4)
-    # Both backlogged: more clients than the places the gateway lets the engine
-    # have (16), so each always has requests queued; the heavy tenant asks for ~30x
-    # the tokens (more clients, ~13x longer requests).
-    await asyncio.gather(backlog(url, "sk-heavy", 36, window[1], served, window, **heavy),
-                         backlog(url, "sk-light", 12, window[1], served, window, **light))
+    heavy = dict(prompt="a long story about tenants " * 10, max_tokens=8)  # ~68 tokens
+    light = dict(prompt="short one", max_tokens=2)  # ~5 tokens
+    # Both backlogged: each has more clients than the places (16) the gateway lets
+    # the engine have, so each always has requests queued (a tenant whose requests
+    # are all in flight is not backlogged and cannot claim a share). The heavy tenant
+    # asks for ~13x the tokens: requests ~13x longer.
+    await asyncio.gather(backlog(url, "sk-heavy", 40, window[1], served, window, **heavy),
+                         backlog(url, "sk-light", 40, window[1], served, window, **light))
     return served
 
 
@@ -296,8 +297,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--part", choices=["all", "share", "flood", "replicas", "retry"],
                     default="all")
-    ap.add_argument("--warmup", type=float, default=10.0)
-    ap.add_argument("--window", type=float, default=60.0)
+    ap.add_argument("--warmup", type=float, default=20.0,
+                    help="seconds before the window: past the start's burst")
+    ap.add_argument("--window", type=float, default=90.0)
     ap.add_argument("--ttft-requests", type=int, default=30)
     args = ap.parse_args()
     parts = {"share": part_share, "flood": part_flood, "replicas": part_replicas,
