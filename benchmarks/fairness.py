@@ -223,8 +223,9 @@ async def paced(url, key, rate, until, log):
         tasks = []
 
         async def one():
+            sent = time.monotonic()  # admission is decided on arrival
             status, *_ = await request(s, url, key, prompt="hi", max_tokens=1)
-            log.append((time.monotonic(), status))
+            log.append((sent, status))
 
         while time.monotonic() < until:
             tasks.append(asyncio.create_task(one()))

@@ -139,6 +139,8 @@ class TenantAdmission:
         for q in self.fair.queues.values():
             for tenant, waiters in q.queues.items():
                 m.queue_depth.labels(q.cls.name, tenant).set(len(waiters))
+        m.peers.labels("fresh").set(self.peers.fresh_peers())
+        m.peers.labels("stale").set(len(self.peers.urls) - self.peers.fresh_peers())
         now = time.monotonic()
         for tenant in self.file.config.tenants.values():
             for kind, limit in (("requests", tenant.limits.rpm), ("tokens", tenant.limits.tpm)):

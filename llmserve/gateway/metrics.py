@@ -54,6 +54,10 @@ class GatewayMetrics:
             "llmserve_gateway_ratelimit_remaining",
             "What is left of this replica's share of a tenant's limit this minute.",
             ["tenant", "kind"], registry=r)
+        self.peers = Gauge("llmserve_gateway_peers",
+                           "Other gateway replicas sharing the limits, by whether their "
+                           "counters are fresh (stale: this replica uses limit / replicas).",
+                           ["state"], registry=r)
         self.ttft = Histogram("llmserve_gateway_ttft_seconds",
                               "Time from arrival to the first byte of the response, per class.",
                               ["class"], buckets=WAIT_BUCKETS, registry=r)

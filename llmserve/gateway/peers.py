@@ -47,7 +47,9 @@ class PeerCounters:
         self.limiter = limiter
         self.token = token  # () -> the current shared token
         self.interval = interval
-        self.stale_after = 3 * interval + 1.0
+        # A busy peer answers late; only one silent for several intervals is
+        # treated as gone (and the fallback split used).
+        self.stale_after = max(5.0, 5 * interval)
         self.own_host = own_host
         self.urls: list[str] = []
         self.reports: dict[str, PeerReport] = {}
@@ -106,17 +108,26 @@ class PeerCounters:
                     out[name][f"{kind}_fraction"] = counts[kind] / limit
         return out
 
+    def fresh_peers(self) -> int:
+        now = time.monotonic()
+        return sum(1 for u in self.urls if u in self.reports
+                   and now - self.reports[u].received <= self.stale_after)
+
     async def exchange_forever(self, session: aiohttp.ClientSession) -> None:
+        """Publish, then fetch every peer; a slow peer delays nobody's next round."""
+        pending: dict[str, asyncio.Task] = {}
         while True:
             self.publish()
-            await asyncio.gather(*(self._fetch(session, u) for u in list(self.urls)),
-                                 return_exceptions=True)
+            for u in list(self.urls):
+                if u not in pending or pending[u].done():
+                    pending[u] = asyncio.create_task(self._fetch(session, u))
             await asyncio.sleep(self.interval)
 
     async def _fetch(self, session: aiohttp.ClientSession, url: str) -> None:
         try:
+            timeout = aiohttp.ClientTimeout(total=self.stale_after)
             async with session.get(url + USAGE_PATH, headers={TOKEN_HEADER: self.token()},
-                                   timeout=aiohttp.ClientTimeout(total=self.interval)) as r:
+                                   timeout=timeout) as r:
                 if r.status != 200:
                     log.warning("peer %s answered %d", url, r.status)
                     return
