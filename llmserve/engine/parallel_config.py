@@ -43,7 +43,7 @@ class RankShape:
 def _problems(heads: int, kv_heads: int, intermediate: int, size: int) -> list[str]:
     problems = []
     if heads % size:
-        problems.append(f"{heads} attention heads are not divisible by {size}")
+        problems.append(f"{heads} query heads are not divisible by {size}")
     if kv_heads % size and size % kv_heads:
         problems.append(f"{kv_heads} KV heads neither divide evenly among {size} ranks nor "
                         f"replicate evenly onto them ({size} is not a multiple of {kv_heads})")
