@@ -56,6 +56,39 @@ def random_llama(out: str) -> str:
     return out
 
 
+def _allreduce_rank(rank: int, size: int, port: int, numel: int, iters: int, result) -> None:
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=size)
+    x = torch.ones(numel)
+    for _ in range(10):
+        dist.all_reduce(x)
+    dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        dist.all_reduce(x)
+    if rank == 0:
+        result.put((time.perf_counter() - t0) / iters)
+    dist.destroy_process_group()
+
+
+def allreduce_latency_us(size: int, numel: int, iters: int = 300) -> float:
+    """One gloo all-reduce of ``numel`` fp32 over ``size`` local processes (the per-layer
+    communication of a CPU step; a step does 2 per layer + 1)."""
+    from llmserve.launcher import free_port
+    ctx = torch.multiprocessing.get_context("spawn")
+    result, port = ctx.Queue(), free_port()
+    procs = [ctx.Process(target=_allreduce_rank, args=(r, size, port, numel, iters, result))
+             for r in range(size)]
+    for proc in procs:
+        proc.start()
+    latency = result.get(timeout=300)
+    for proc in procs:
+        proc.join()
+    return latency * 1e6
+
+
 def measure(model: str, tp: int, args) -> dict:
     engine_args = dict(device=args.device, tensor_parallel_size=tp,
                        max_num_batched_tokens=max(args.prompt_len * max(args.batch), 64),
@@ -148,9 +181,22 @@ def main() -> None:
         if "gpu_used_gib" in r:
             print(f"    TP {r['tp']}: GPU memory in use {r['gpu_used_gib']} GiB; rank 0 weights "
                   f"{r['rank0_weights_gib']} GiB, KV cache {r['rank0_kv_gib']} GiB")
+    comm = {}
+    if args.device == "cpu":
+        from llmserve.engine.models.loader import load_config, resolve_model
+        c = load_config(resolve_model(model))
+        per_step = 2 * c.num_hidden_layers + 1
+        for tp in [t for t in args.tp if t > 1]:
+            for bs in args.batch:
+                us = allreduce_latency_us(tp, bs * c.hidden_size)
+                comm[f"tp{tp}_bs{bs}"] = {"allreduce_us": round(us, 1),
+                                          "per_step_ms": round(us * per_step / 1e3, 2)}
+                print(f"gloo all-reduce of [{bs}, {c.hidden_size}] fp32 on {tp} ranks: "
+                      f"{us:.0f} us; x{per_step} per decode step = {us * per_step / 1e3:.1f} ms")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "results": results}, f, indent=2)
+            json.dump({"args": vars(args), "results": results, "allreduce": comm}, f,
+                      indent=2)
 
 
 if __name__ == "__main__":

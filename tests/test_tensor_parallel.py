@@ -63,14 +63,17 @@ def tiny_qwen2_tied(tmp_path_factory, builtin_path) -> Path:
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2-tied"])
-def pair(request, tiny_models):
-    """(one rank, two ranks) on the same checkpoint."""
+def _one_rank(request, tiny_models):
     path = (tiny_models["llama"] if request.param == "llama"
             else request.getfixturevalue("tiny_qwen2_tied"))
-    one = LLM(str(path), **ENGINE_ARGS)
-    two = tp_engine(request.param, lambda: LLM(str(path), tensor_parallel_size=2,
-                                               **ENGINE_ARGS))
-    return one, two
+    return request.param, path, LLM(str(path), **ENGINE_ARGS)
+
+
+@pytest.fixture
+def pair(_one_rank):
+    """(one rank, two ranks) on the same checkpoint."""
+    key, path, one = _one_rank
+    return one, tp_engine(key, lambda: LLM(str(path), tensor_parallel_size=2, **ENGINE_ARGS))
 
 
 def prompts_with_shared_prefix(seed: int) -> list[list[int]]:
