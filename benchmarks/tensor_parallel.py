@@ -97,6 +97,8 @@ def measure(model: str, tp: int, args) -> dict:
         engine_args["dtype"] = args.dtype
     if args.device == "cpu":
         engine_args["kv_cache_memory"] = args.kv_cache_mib << 20
+        if args.threads_per_rank:
+            engine_args["num_threads"] = args.threads_per_rank * tp
     t0 = time.perf_counter()
     llm = LLM(model, **engine_args)
     load_s = time.perf_counter() - t0
@@ -104,6 +106,7 @@ def measure(model: str, tp: int, args) -> dict:
     try:
         llm.generate([[5] * 16], SamplingParams(max_tokens=4, ignore_eos=True))  # warm up
         out = {"tp": tp, "device": args.device, "dtype": engine.config.dtype,
+               "threads_per_rank": max(1, engine.config.num_threads // tp),
                "load_s": round(load_s, 1), "kv_blocks": engine.runner.num_blocks}
         rng = random.Random(0)
         for bs in args.batch:
@@ -158,6 +161,9 @@ def main() -> None:
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--decode-steps", type=int, default=20)
     p.add_argument("--kv-cache-mib", type=int, default=256, help="CPU: KV bytes per rank")
+    p.add_argument("--threads-per-rank", type=int, default=None,
+                   help="CPU: torch threads of each rank (default: the cores / N); 1 keeps "
+                        "OpenMP out of the comparison on a busy machine")
     p.add_argument("--json", default=None, help="also write the results here")
     args = p.parse_args()
     model = random_llama(args.random_llama) if args.random_llama else args.model
