@@ -6,6 +6,7 @@ import itertools
 import json
 import threading
 import time
+import weakref
 from collections.abc import Sequence as Seq
 from pathlib import Path
 
@@ -46,6 +47,8 @@ class LLMEngine:
         if config.tensor_parallel_size > 1:
             self.tp_group = TensorParallelGroup(config, self.hf_config, self.model_path,
                                                 self.max_model_len)
+            # Workers stop with the engine, or at exit if it is never shut down.
+            self._stop_workers = weakref.finalize(self, self.tp_group.shutdown)
         self.runner = self._build_runner()
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size,
                                           config.enable_prefix_caching, config.watermark,
@@ -77,7 +80,7 @@ class LLMEngine:
             # A worker that failed to load makes rank 0's collectives fail: its own
             # message says why.
             worker_error = self.tp_group.worker_errors()
-            self.tp_group.shutdown()
+            self._stop_workers()
             if worker_error:
                 raise WorkerDiedError(worker_error) from e
             raise
@@ -90,7 +93,7 @@ class LLMEngine:
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers (nothing to do on one rank)."""
         if self.tp_group is not None:
-            self.tp_group.shutdown()
+            self._stop_workers()
             self.tp_group = None
 
     def structured_outputs(self) -> StructuredOutputs:
