@@ -152,7 +152,7 @@ class ModelRunner:
             slots += [table[p // bs] * bs + p % bs for p in range(start, end)]
             query_start.append(query_start[-1] + n)
             seq_lens.append(end)
-            tables.append(list(table))
+            tables.append(table)
             if end == seq.num_tokens:  # all known tokens computed: due a new one
                 sample_rows.append(query_start[-1] - 1)
                 due.append(i)
