@@ -192,6 +192,29 @@ def test_refusals_and_rank_shapes():
     assert [(s.vocab_start, s.vocab_end) for s in shapes] == [(0, 3), (3, 6), (6, 9), (9, 10)]
 
 
+def test_worker_killed_mid_generation_fails_the_step(tiny_qwen2_tied):
+    """The step's collective fails on the broken connection; the error names the rank.
+    (Reuses the last pair's two-rank engine when it is still the live one.)"""
+    from llmserve.engine.parallel import WorkerDiedError
+    path = tiny_qwen2_tied
+    llm = tp_engine("qwen2-tied", lambda: LLM(str(path), tensor_parallel_size=2, **ENGINE_ARGS))
+    engine = llm.engine
+    reconfigure(engine, engine.runner.num_blocks)
+    engine.add_request(list(range(5, 40)), SamplingParams(max_tokens=50, ignore_eos=True))
+    engine.step()
+    _live.clear()  # nobody else may use this engine
+    try:
+        [worker] = engine.tp_group.procs
+        os.kill(worker.pid, signal.SIGKILL)
+        with pytest.raises(WorkerDiedError, match=r"rank 1 \(pid \d+\) exited with signal "
+                                                  r"SIGKILL"):
+            for _ in range(20):
+                engine.step()
+    finally:
+        llm.shutdown()
+    assert not dist.is_initialized()
+
+
 def _worker_pids(pid: int) -> list[int]:
     children = []
     for task in Path(f"/proc/{pid}/task").iterdir():

@@ -210,7 +210,14 @@ class ModelRunner:
         Returns (logits ``[num_sampling, vocab]`` or None, indices into
         ``batch.seqs`` of the sequences those rows belong to)."""
         inputs, due = self.flatten(batch)
-        if self.group is not None:
-            self.group.send(("step", self._pending_ops, inputs))
-            self._pending_ops = []
-        return self.execute(inputs), due
+        if self.group is None:
+            return self.execute(inputs), due
+        self.group.send(("step", self._pending_ops, inputs))
+        self._pending_ops = []
+        try:
+            return self.execute(inputs), due
+        except RuntimeError as e:  # a collective failed: a dead worker is the likely cause
+            blamed = self.group.blame(e)
+            if blamed is e:
+                raise
+            raise blamed from e

@@ -212,6 +212,16 @@ class TensorParallelGroup:
                 log.error("%s; the engine stops", self.failure)
                 return
 
+    def blame(self, error: BaseException) -> BaseException:
+        """The error to raise for a failed collective or send: the worker that died,
+        if one did (its exit may reach us a moment after the broken connection)."""
+        mpc.wait([p.sentinel for p in self.procs], timeout=1.0)
+        for rank, p in enumerate(self.procs, start=1):
+            if p.exitcode is not None:
+                return WorkerDiedError(f"tensor-parallel worker rank {rank} (pid {p.pid}) "
+                                       f"exited with {_describe_exit(p.exitcode)}")
+        return error
+
     def check(self) -> None:
         if self.failure is not None:
             raise WorkerDiedError(self.failure)
