@@ -66,5 +66,16 @@ step engine_bf16 150 "$PY" benchmarks/engine_gpu_smoke.py --out "$OUT/engine_gpu
 # (CUDA graphs are not implemented yet; when they are, add an on/off run here and keep
 # the sum of the limits under ~8 min.)
 
+# --- 5. Tensor parallelism, only on a machine with two GPUs or more (NCCL cannot put two
+# ranks on one GPU): TP=1 vs TP=2 decode throughput and per-rank memory on a random
+# Llama of the built-in model's size with 8/4 heads (written once under /tmp).
+NGPU=$("$PY" -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)
+if [ "${NGPU:-0}" -ge 2 ]; then
+    step tensor_parallel 180 "$PY" benchmarks/tensor_parallel.py --device cuda --random-llama \
+        --tp 1 2 --batch 1 32 --json "$OUT/tensor_parallel.json"
+else
+    echo "tensor_parallel: skipped ($NGPU GPU visible, needs 2)" | tee -a "$OUT/summary.txt"
+fi
+
 echo "=== summary ($OUT/summary.txt)"
 cat "$OUT/summary.txt"

@@ -8,7 +8,7 @@ import logging
 import os
 import sys
 
-from llmserve.errors import EngineStartError, ModelLoadError
+from llmserve.errors import EngineDeadError, EngineStartError, ModelLoadError, WorkerDiedError
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -44,6 +44,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--target-itl-ms", type=float, default=None,
                    help="cap each step's predicted duration (a latency SLO): prefill "
                         "chunks shrink and the least urgent decodes wait")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="split the model across this many ranks: one per GPU (GPUs "
+                        "0..N-1), or on CPU processes that share the cores")
     g.add_argument("--check-kv-integrity", action="store_true",
                    help="debug: hash KV blocks across swaps and copy-on-write, fail loudly "
                         "on a mismatch (slow)")
@@ -54,7 +57,7 @@ ENGINE_KEYS = ("model", "served_model_name", "device", "dtype", "block_size", "k
                "max_model_len", "enable_chunked_prefill", "enable_prefix_caching",
                "preemption_mode", "swap_space", "scheduling_policy", "attention_backend",
                "num_threads", "quantization", "compile", "batching", "target_itl_ms",
-               "check_kv_integrity")
+               "check_kv_integrity", "tensor_parallel_size")
 
 
 def engine_argv(args) -> list[str]:
@@ -80,8 +83,16 @@ def engine_config(args):
 
 def cmd_generate(args) -> int:
     from llmserve.engine.llm_engine import LLM
-    from llmserve.engine.sampling import SamplingParams
     llm = LLM(**{k: getattr(args, k) for k in ENGINE_KEYS})
+    try:
+        _generate(llm, args)
+    finally:
+        llm.shutdown()
+    return 0
+
+
+def _generate(llm, args) -> None:
+    from llmserve.engine.sampling import SamplingParams
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens,
                             seed=args.seed)
     prompts = args.prompt or ["What is the capital of France?",
@@ -89,7 +100,6 @@ def cmd_generate(args) -> int:
     outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)
     for prompt, out in zip(prompts, outs):
         print(f"> {prompt}\n{out.outputs[0].text}\n")
-    return 0
 
 
 def add_server_args(p: argparse.ArgumentParser, port: int) -> None:
@@ -277,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ModelLoadError, ValueError) as e:
         print(f"llmserve: error: {e}", file=sys.stderr)
         return 2
-    except EngineStartError as e:
+    except (EngineStartError, EngineDeadError, WorkerDiedError) as e:
         print(f"llmserve: error: {e}", file=sys.stderr)
         return 1
 

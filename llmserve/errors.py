@@ -28,3 +28,11 @@ class ModelLoadError(Exception):
 
 class EngineStartError(RuntimeError):
     """The engine was built but could not run a step (e.g. a kernel did not compile)."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop is not running (it failed or was shut down)."""
+
+
+class WorkerDiedError(RuntimeError):
+    """A tensor-parallel worker exited; the engine cannot run another step."""

@@ -25,13 +25,15 @@ def http_error_response(e: web.HTTPException) -> web.Response:
 async def serve_until_signal(app: web.Application, host: str, port: int, *,
                              start_draining: Callable[[], None],
                              in_flight: Callable[[], int], drain_timeout: float,
-                             ready: asyncio.Event | None = None) -> None:
-    """Serve ``app``; on SIGTERM/SIGINT stop admitting (``start_draining``), wait up to
-    ``drain_timeout`` seconds for in-flight requests, then close."""
+                             ready: asyncio.Event | None = None,
+                             stop: asyncio.Event | None = None) -> None:
+    """Serve ``app``; on SIGTERM/SIGINT (or when ``stop`` is set) stop admitting
+    (``start_draining``), wait up to ``drain_timeout`` seconds for in-flight requests,
+    then close."""
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
     await web.TCPSite(runner, host, port).start()
-    stop = asyncio.Event()
+    stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)

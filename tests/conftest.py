@@ -30,9 +30,11 @@ def builtin_path() -> Path:
     return resolve_model(BUILTIN)
 
 
-def write_tiny_checkpoint(out: Path, builtin: Path, kind: str = "llama", seed: int = 0) -> Path:
+def write_tiny_checkpoint(out: Path, builtin: Path, kind: str = "llama", seed: int = 0,
+                          **overrides) -> Path:
     """A random 2-layer model saved with save_pretrained, sharing the built-in
-    model's tokenizer so text prompts and chat templates work."""
+    model's tokenizer so text prompts and chat templates work. ``overrides`` change
+    the config (e.g. ``tie_word_embeddings=True``)."""
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(seed)
@@ -40,6 +42,7 @@ def write_tiny_checkpoint(out: Path, builtin: Path, kind: str = "llama", seed: i
                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                   max_position_embeddings=2048, rms_norm_eps=1e-5, initializer_range=0.08,
                   bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+    common.update(overrides)
     if kind == "llama":
         model = LlamaForCausalLM(LlamaConfig(**common, rope_theta=10000.0))
     elif kind == "llama3":  # Llama 3 RoPE scaling, GQA 3:1, tied embeddings

@@ -25,7 +25,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
 def test_engine_flags_round_trip_through_the_engine_command_line():
     for argv in ([], ["--compile", "--check-kv-integrity", "--quantization", "int8",
                       "--no-prefix-caching", "--no-chunked-prefill", "--max-num-seqs", "7",
-                      "--dtype", "float32", "--kv-cache-memory", "12345"]):
+                      "--dtype", "float32", "--kv-cache-memory", "12345",
+                      "--tensor-parallel-size", "3"]):
         given = parse(argv)
         again = parse(engine_argv(given))
         assert {k: getattr(again, k) for k in ENGINE_KEYS} == {

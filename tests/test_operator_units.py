@@ -303,3 +303,52 @@ def test_scale_to_zero_after_idle_and_back():
 
 def test_zero_replicas_without_scale_to_zero_returns_to_min():
     assert decide(0, None, POLICY, History(), now=0).replicas == 1
+
+
+def engine_args(o: Owner) -> list[str]:
+    return by_kind(children(o, 1))["Deployment"][0]["spec"]["template"]["spec"][
+        "containers"][0]["args"]
+
+
+def test_tensor_parallel_size_follows_the_gpus_for_llmserve():
+    args = engine_args(owner(resources={"gpus": 3}))
+    assert args[args.index("--tensor-parallel-size") + 1] == "3"
+    assert "--tensor-parallel-size" not in engine_args(owner(resources={"gpus": 1}))
+    assert "--tensor-parallel-size" not in engine_args(owner())
+    # CPU tensor parallelism is asked for explicitly.
+    cpu = engine_args(owner(engine={"tensorParallelSize": 3}))
+    assert cpu[cpu.index("--tensor-parallel-size") + 1] == "3"
+    vllm = engine_args(owner(engine={"kind": "vllm", "tensorParallelSize": 4},
+                             model={"source": "hf://Qwen/Qwen2.5-7B-Instruct", "name": "q"},
+                             resources={"gpus": 4}))
+    assert vllm[vllm.index("--tensor-parallel-size") + 1] == "4"
+
+
+@pytest.mark.parametrize("spec, message", [
+    # The built-in model's 9 query heads do not split in two: the engine would refuse
+    # it at start-up; the operator knows its shape and says so as Degraded.
+    ({"resources": {"gpus": 2}}, r"9 query heads are not divisible by 2.*Sizes that "
+                                 r"work for it: 1, 3 "),
+    ({"engine": {"tensorParallelSize": 2}, "resources": {"gpus": 4}},
+     "must equal resources.gpus 4"),
+    ({"engine": {"tensorParallelSize": 0}}, "integer >= 1"),
+    ({"engine": {"args": ["--tensor-parallel-size", "3"]}}, "set engine.tensorParallelSize"),
+    ({"engine": {"kind": "vllm", "tensorParallelSize": 2}}, "needs resources.gpus"),
+])
+def test_tensor_parallel_size_refused_from_the_spec(spec, message):
+    with pytest.raises(SpecError, match=message):
+        children(owner(**spec), 1)
+
+
+def test_unknown_model_shapes_are_left_to_the_engine():
+    args = engine_args(owner(model={"source": "hf://Qwen/Qwen2.5-7B-Instruct", "name": "q"},
+                             resources={"gpus": 2}))
+    assert args[args.index("--tensor-parallel-size") + 1] == "2"
+
+
+def test_builtin_shape_matches_the_converted_checkpoint(builtin_path):
+    from llmserve.engine.models.loader import load_config
+    from llmserve.operator.builders import BUILTIN_SHAPES
+    config = load_config(builtin_path)
+    for key, value in BUILTIN_SHAPES["smollm2-135m-instruct"].items():
+        assert getattr(config, key) == value, key

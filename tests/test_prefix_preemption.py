@@ -84,19 +84,19 @@ def test_preemption_under_a_tiny_kv_budget_keeps_outputs(tiny_llama, mode):
 def test_parallel_samples_share_blocks_and_never_write_shared(tiny_llama):
     engine = LLMEngine(EngineConfig(model=str(tiny_llama), kv_cache_memory=64 << 20))
     bm, runner = engine.block_manager, engine.runner
-    original_prepare = runner.prepare
+    original_flatten = runner.flatten  # where the runner reads each step's batch
     writes_checked = []
 
-    def checked_prepare(batch):
+    def checked_flatten(batch):
         bs = bm.block_size
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             for pos in range(seq.num_computed_tokens, seq.num_computed_tokens + n):
                 block = bm.blocks[seq.block_table[pos // bs]]
                 assert block.ref_count == 1, f"write into shared {block}"
                 writes_checked.append(pos)
-        return original_prepare(batch)
+        return original_flatten(batch)
 
-    runner.prepare = checked_prepare
+    runner.flatten = checked_flatten
     prompt = list(range(100, 150))  # 50 tokens: 3 full blocks + a shared partial one
     req = engine.add_request(prompt, SamplingParams(n=4, temperature=1.0, seed=3, max_tokens=20,
                                                     ignore_eos=True))

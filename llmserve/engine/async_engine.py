@@ -27,13 +27,9 @@ from llmserve.engine.metrics import EngineMetrics
 from llmserve.engine.outputs import RequestOutput
 from llmserve.engine.sampling import SamplingParams
 from llmserve.engine.sequence import Tenancy
-from llmserve.errors import EngineStartError  # noqa: F401 - raised here, re-exported
+from llmserve.errors import EngineDeadError, EngineStartError  # noqa: F401 - re-exported
 
 log = logging.getLogger(__name__)
-
-
-class EngineDeadError(RuntimeError):
-    pass
 
 
 @dataclass
@@ -138,11 +134,14 @@ class AsyncLLMEngine:
             self.metrics = EngineMetrics(self.engine.model_name)
         except BaseException as e:  # noqa: BLE001 - reported by start()
             self.error = e
+            if self.engine is not None:
+                self.engine.shutdown()
             self._ready.set()
             return
         self._ready.set()
         try:
             while not self._stop:
+                self.engine.check_health()  # a dead tensor-parallel worker ends the loop
                 self._drain_inbox()
                 if not self.engine.has_unfinished():
                     self.metrics.observe_engine(self.engine)
@@ -158,6 +157,8 @@ class AsyncLLMEngine:
             self.error = e
             for request_id in list(self._sinks):
                 self._deliver(request_id, EngineDeadError(f"engine loop died: {e!r}"))
+        finally:
+            self.engine.shutdown()
 
     def _warm_up(self) -> None:
         """Before start() returns, i.e. before the server listens and /health answers."""

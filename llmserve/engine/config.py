@@ -58,6 +58,9 @@ class EngineConfig:
     # Debug: hash KV blocks across swap-out/swap-in and copy-on-write and raise
     # KVIntegrityError on a mismatch. Costs a hash of every moved block; off by default.
     check_kv_integrity: bool = False
+    # Tensor parallelism: the model split across this many ranks (one per GPU; on a CPU,
+    # processes sharing its cores, which shows the communication cost, not a speed-up).
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if self.device == "auto":
@@ -99,6 +102,30 @@ class EngineConfig:
             raise ValueError("kv_cache_memory must be a positive number of bytes")
         if self.num_threads is None:
             self.num_threads = len(os.sched_getaffinity(0))
+        self._check_tensor_parallel()
+
+    def _check_tensor_parallel(self) -> None:
+        """What the configuration alone can refuse; the model's shape is checked by the
+        engine once its config is loaded (``parallel_config.check_tensor_parallel``)."""
+        tp = self.tensor_parallel_size
+        if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+            raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {tp!r}")
+        if tp == 1:
+            return
+        if self.device.startswith("cuda"):
+            if self.device != "cuda":
+                raise ValueError(f"--tensor-parallel-size {tp} uses GPUs 0..{tp - 1}; give "
+                                 f"--device cuda (not {self.device!r}) and choose the GPUs "
+                                 f"with CUDA_VISIBLE_DEVICES")
+            available = torch.cuda.device_count()
+            if tp > available:
+                raise ValueError(f"--tensor-parallel-size {tp} needs {tp} GPUs, this machine "
+                                 f"has {available} visible")
+        elif self.device != "cpu":
+            raise ValueError(f"tensor parallelism runs on cuda or cpu, not {self.device!r}")
+        if self.compile:
+            raise ValueError("--compile is not supported with --tensor-parallel-size > 1 yet "
+                             "(the all-reduces inside the layers are not traced)")
 
     @property
     def uses_triton(self) -> bool:

@@ -21,6 +21,7 @@ swap-out writes it and checks the hash when the swap-in reads it back.
 from __future__ import annotations
 
 import hashlib
+import mmap
 
 import torch
 
@@ -82,20 +83,25 @@ class KVCache:
         return digest(self.storage[:, :, block_id, :num_slots])
 
 
-# Above this size a CPU allocation is a fresh anonymous mapping (glibc mmaps anything
-# over 32 MiB whatever its dynamic threshold), which the kernel hands out zero-filled.
+# From this size on, a CPU KV storage is its own anonymous mapping.
 _FRESH_MAPPING_BYTES = 64 << 20
 
 
 def _zeroed(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A zero KV storage. On a CPU a big one is left to the kernel's zero pages, so only
-    blocks that are ever written count in the process's memory (an idle engine with a
-    1 GiB cache does not hold 1 GiB). Padding reads of never-written blocks see zeros."""
+    """A zero KV storage. On a CPU a big one is a fresh anonymous mapping, whose pages
+    the kernel hands out zero-filled when first touched, so only blocks that are ever
+    written count in the process's memory (an idle engine with a 1 GiB cache does not
+    hold 1 GiB). Padding reads of never-written blocks see zeros. (Not ``torch.empty``:
+    malloc may serve even a large request from memory the process freed, e.g. an
+    earlier engine's weights, whose bytes read as NaN would poison attention through
+    the padding rows.)"""
     numel = 1
     for n in shape:
         numel *= n
-    if device.type == "cpu" and numel * dtype.itemsize >= _FRESH_MAPPING_BYTES:
-        return torch.empty(shape, dtype=dtype, device=device)
+    nbytes = numel * dtype.itemsize
+    if device.type == "cpu" and nbytes >= _FRESH_MAPPING_BYTES:
+        # The tensor keeps the mapping alive; it is unmapped when the tensor is freed.
+        return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype).view(shape)
     return torch.zeros(shape, dtype=dtype, device=device)
 
 

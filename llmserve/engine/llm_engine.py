@@ -6,6 +6,7 @@ import itertools
 import json
 import threading
 import time
+import weakref
 from collections.abc import Sequence as Seq
 from pathlib import Path
 
@@ -19,6 +20,8 @@ from llmserve.engine.kv_integrity import SequenceKVCheck
 from llmserve.engine.model_runner import ModelRunner
 from llmserve.engine.models.loader import load_config, load_tokenizer, resolve_model
 from llmserve.engine.outputs import RequestOutput
+from llmserve.engine.parallel import TensorParallelGroup, WorkerDiedError
+from llmserve.engine.parallel_config import check_tensor_parallel
 from llmserve.engine.sampler import Sampler
 from llmserve.engine.sampling import SamplingParams
 from llmserve.engine.scheduler import Scheduler
@@ -39,7 +42,14 @@ class LLMEngine:
             # Unchunked, a whole prompt must fit one step's budget.
             config.max_num_batched_tokens = max(config.max_num_batched_tokens,
                                                 self.max_model_len)
-        self.runner = ModelRunner(config, self.hf_config, self.model_path, self.max_model_len)
+        check_tensor_parallel(self.hf_config, config.tensor_parallel_size, config.model)
+        self.tp_group = None
+        if config.tensor_parallel_size > 1:
+            self.tp_group = TensorParallelGroup(config, self.hf_config, self.model_path,
+                                                self.max_model_len)
+            # Workers stop with the engine, or at exit if it is never shut down.
+            self._stop_workers = weakref.finalize(self, self.tp_group.shutdown)
+        self.runner = self._build_runner()
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size,
                                           config.enable_prefix_caching, config.watermark,
                                           self.runner.num_cpu_blocks)
@@ -56,6 +66,35 @@ class LLMEngine:
         self.last_step: tuple[float, float | None] | None = None  # (actual, predicted) s
         self._structured: StructuredOutputs | None = None
         self._structured_lock = threading.Lock()
+
+    def _build_runner(self) -> ModelRunner:
+        """Rank 0's model runner; with tensor parallelism, once every worker built its."""
+        if self.tp_group is None:
+            return ModelRunner(self.config, self.hf_config, self.model_path, self.max_model_len)
+        try:
+            runner = ModelRunner(self.config, self.hf_config, self.model_path,
+                                 self.max_model_len, group=self.tp_group)
+            self.tp_group.wait_ready()
+            return runner
+        except BaseException as e:
+            # A worker that failed to load makes rank 0's collectives fail: its own
+            # message says why.
+            worker_error = self.tp_group.worker_errors()
+            self._stop_workers()
+            if worker_error:
+                raise WorkerDiedError(worker_error) from e
+            raise
+
+    def check_health(self) -> None:
+        """Raises WorkerDiedError once a tensor-parallel worker has died."""
+        if self.tp_group is not None:
+            self.tp_group.check()
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers (nothing to do on one rank)."""
+        if self.tp_group is not None:
+            self._stop_workers()
+            self.tp_group = None
 
     def structured_outputs(self) -> StructuredOutputs:
         """The grammar compiler and mask worker, built on first use (wrapping the
@@ -182,6 +221,7 @@ class LLMEngine:
         if self.kv_check:
             self.kv_check.before_forward(batch)
         if not batch.seqs:
+            self.runner.flush_block_ops()
             return []
         now = time.monotonic()
         t0 = time.perf_counter()
@@ -284,6 +324,16 @@ class LLM:
     def __init__(self, model: str = "smollm2-135m-instruct", **engine_args):
         self.engine = LLMEngine(EngineConfig.from_kwargs(model=model, **engine_args))
         self.tokenizer = self.engine.tokenizer
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers, if any (also at exit)."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
 
     def generate(self, prompts, sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:

@@ -11,6 +11,8 @@ from llmserve.engine.kv_cache import KVCache
 from llmserve.engine.models.attention import AttentionMetadata, forward_context
 from llmserve.engine.models.llama import SUPPORTED_ARCHITECTURES, RotaryEmbedding
 from llmserve.engine.models.loader import kv_block_bytes, load_weights
+from llmserve.engine.parallel import StepInputs
+from llmserve.engine.parallel_config import rank_shape
 from llmserve.engine.quantization import quantize_model
 from llmserve.engine.scheduler import ScheduledBatch
 from llmserve.kernels.cpu_attention import make_cpu_plan
@@ -21,15 +23,29 @@ DEFAULT_CPU_KV_BYTES = 1 << 30
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, hf_config, model_path, max_model_len: int):
+    """One rank's model and KV cache. With tensor parallelism (``group`` on rank 0,
+    ``rank`` > 0 in a worker) rank 0 sends each step's block moves and flat batch to the
+    workers (``parallel.TensorParallelGroup``) and every rank runs ``execute``."""
+
+    def __init__(self, config: EngineConfig, hf_config, model_path, max_model_len: int,
+                 rank: int = 0, group=None):
         self.config = config
-        self.device = torch.device(config.device)
+        self.rank, self.group = rank, group
+        tp = config.tensor_parallel_size
+        self.device = torch.device(f"cuda:{rank}" if config.device == "cuda" and tp > 1
+                                   else config.device)
         self.dtype = config.torch_dtype
         if self.device.type == "cpu":
-            torch.set_num_threads(config.num_threads)
+            # The engine's threads, shared among its ranks.
+            torch.set_num_threads(max(1, config.num_threads // tp))
+        if getattr(hf_config, "head_dim", None) is None:
+            hf_config.head_dim = hf_config.hidden_size // hf_config.num_attention_heads
+        self.shard = rank_shape(hf_config, rank, tp)
+        self._pending_ops = []  # rank 0: block moves the workers have not been sent yet
         arch = next(a for a in hf_config.architectures if a in SUPPORTED_ARCHITECTURES)
         with torch.device("meta"):
-            model = SUPPORTED_ARCHITECTURES[arch](hf_config, max_model_len).to(self.dtype)
+            model = SUPPORTED_ARCHITECTURES[arch](hf_config, max_model_len,
+                                                  self.shard).to(self.dtype)
         # Built on the meta device (no random init of 100M+ parameters), then
         # materialised empty in the serving dtype (never an fp32 copy first: that would
         # double the peak memory of a bf16 model on a GPU) and filled from the checkpoint.
@@ -46,7 +62,7 @@ class ModelRunner:
         self.num_blocks = self._num_kv_blocks()
         c = hf_config
         self.kv_cache = KVCache(c.num_hidden_layers, self.num_blocks, self.block_size,
-                                c.num_key_value_heads, c.head_dim, self.dtype, self.device,
+                                self.shard.num_kv_heads, c.head_dim, self.dtype, self.device,
                                 self._num_swap_blocks(), config.check_kv_integrity)
         self.num_cpu_blocks = self.kv_cache.num_cpu_blocks
         self.model.bind_kv_cache(self.kv_cache.storage)
@@ -57,7 +73,7 @@ class ModelRunner:
     # --- KV cache -----------------------------------------------------------------
     def kv_bytes_per_block(self) -> int:
         elem = torch.tensor([], dtype=self.dtype).element_size()
-        return kv_block_bytes(self.hf_config, self.block_size, elem)
+        return kv_block_bytes(self.hf_config, self.block_size, elem, self.shard.num_kv_heads)
 
     def _num_kv_blocks(self) -> int:
         budget = self.config.kv_cache_memory
@@ -68,6 +84,11 @@ class ModelRunner:
             else:
                 budget = DEFAULT_CPU_KV_BYTES
         num = budget // self.kv_bytes_per_block()
+        if self.shard.size > 1:  # every rank's cache has the same blocks: the smallest
+            t = torch.tensor([num], dtype=torch.int64,
+                             device=self.device if self.device.type == "cuda" else "cpu")
+            torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN)
+            num = int(t.item())
         if num < 1:
             raise ValueError(f"kv_cache_memory={budget} bytes holds no KV block "
                              f"(one block takes {self.kv_bytes_per_block()} bytes)")
@@ -79,8 +100,17 @@ class ModelRunner:
         return int(self.config.swap_space // self.kv_bytes_per_block())
 
     def apply_block_ops(self, batch: ScheduledBatch) -> None:
-        """Swap-outs, swap-ins and copy-on-write copies, in the order they were decided."""
+        """Swap-outs, swap-ins and copy-on-write copies, in the order they were decided.
+        The workers get them with the step's batch (``run``) or ``flush_block_ops``."""
         self.kv_cache.apply(batch.block_ops)
+        if self.group is not None:
+            self._pending_ops += batch.block_ops
+
+    def flush_block_ops(self) -> None:
+        """A step with block moves and nothing to run: the workers apply the moves now."""
+        if self.group is not None and self._pending_ops:
+            self.group.send(("step", self._pending_ops, None))
+            self._pending_ops = []
 
     def warm_up_kernels(self, max_model_len: int, max_num_seqs: int) -> None:
         """Compile every Triton attention variant this engine can launch (the split
@@ -88,9 +118,11 @@ class ModelRunner:
         warm-up request alone cannot cover). Nothing to do on the torch path."""
         if not self.use_triton:
             return
+        if self.group is not None:
+            self.group.send(("warm_up", max_model_len, max_num_seqs))
         from llmserve.kernels.triton_attention import warm_up
         c = self.hf_config
-        warm_up(num_heads=c.num_attention_heads, num_kv_heads=c.num_key_value_heads,
+        warm_up(num_heads=self.shard.num_heads, num_kv_heads=self.shard.num_kv_heads,
                 head_dim=c.head_dim, block_size=self.block_size, dtype=self.dtype,
                 device=self.device, max_seq_len=max_model_len, max_num_seqs=max_num_seqs)
 
@@ -100,13 +132,14 @@ class ModelRunner:
         from llmserve.kernels.triton_attention import check_supported
         c = self.hf_config
         check_supported(block_size=self.block_size, head_dim=c.head_dim,
-                        num_heads=c.num_attention_heads, num_kv_heads=c.num_key_value_heads,
+                        num_heads=self.shard.num_heads, num_kv_heads=self.shard.num_kv_heads,
                         dtype=self.dtype)
         return True
 
     # --- one step ---------------------------------------------------------------------
-    def prepare(self, batch: ScheduledBatch):
-        """Flatten the batch into the tensors the model reads."""
+    def flatten(self, batch: ScheduledBatch) -> tuple[StepInputs, list[int]]:
+        """The batch as plain lists (what the workers receive), and the indices into
+        ``batch.seqs`` of the sequences due a new token."""
         bs = self.block_size
         input_ids, positions, slots = [], [], []
         query_start, seq_lens, sample_rows, due = [0], [], [], []
@@ -123,24 +156,36 @@ class ModelRunner:
             if end == seq.num_tokens:  # all known tokens computed: due a new one
                 sample_rows.append(query_start[-1] - 1)
                 due.append(i)
+        return StepInputs(input_ids, positions, slots, query_start, seq_lens, tables,
+                          sample_rows, max(batch.num_new_tokens)), due
+
+    def build(self, inputs: StepInputs):
+        """The tensors the model reads, from the flat lists."""
         dev = self.device
+        tables = inputs.block_tables
         max_blocks = max(len(t) for t in tables)
         table_tensor = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables],
                                     dtype=torch.int32, device=dev)
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            query_start_loc=torch.tensor(query_start, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            slot_mapping=torch.tensor(inputs.slots, dtype=torch.int64, device=dev),
+            query_start_loc=torch.tensor(inputs.query_start, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(inputs.seq_lens, dtype=torch.int32, device=dev),
             block_tables=table_tensor,
-            max_query_len=max(batch.num_new_tokens),
-            max_seq_len=max(seq_lens),
+            max_query_len=inputs.max_query_len,
+            max_seq_len=max(inputs.seq_lens),
             use_triton=self.use_triton,
         )
         if not self.use_triton:
-            meta.plan = make_cpu_plan(query_start, seq_lens, tables, bs, self.num_blocks)
-        ids = torch.tensor(input_ids, dtype=torch.long, device=dev)
-        pos = torch.tensor(positions, dtype=torch.long, device=dev)
-        return ids, pos, meta, sample_rows, due
+            meta.plan = make_cpu_plan(inputs.query_start, inputs.seq_lens, tables,
+                                      self.block_size, self.num_blocks)
+        ids = torch.tensor(inputs.input_ids, dtype=torch.long, device=dev)
+        pos = torch.tensor(inputs.positions, dtype=torch.long, device=dev)
+        return ids, pos, meta
+
+    def prepare(self, batch: ScheduledBatch):
+        """Flatten the batch into the tensors the model reads (one rank)."""
+        inputs, due = self.flatten(batch)
+        return (*self.build(inputs), inputs.sample_rows, due)
 
     def forward(self, ids: torch.Tensor, pos: torch.Tensor, meta: AttentionMetadata):
         """Hidden states of the batch's tokens (the model, under the step's metadata)."""
@@ -148,14 +193,31 @@ class ModelRunner:
             return self.model(ids, pos)
 
     @torch.inference_mode()
+    def execute(self, inputs: StepInputs) -> torch.Tensor | None:
+        """This rank's forward of the step, and the logits of the rows that sample
+        (on rank 0; None elsewhere, or when no row samples)."""
+        ids, pos, meta = self.build(inputs)
+        hidden = self.forward(ids, pos, meta)
+        if not inputs.sample_rows:
+            return None
+        rows = torch.tensor(inputs.sample_rows, device=self.device)
+        return self.model.compute_logits(hidden[rows])
+
+    @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> tuple[torch.Tensor | None, list[int]]:
-        """Forward the batch once; logits only for rows that sample.
+        """Forward the batch once (on every rank); logits only for rows that sample.
 
         Returns (logits ``[num_sampling, vocab]`` or None, indices into
         ``batch.seqs`` of the sequences those rows belong to)."""
-        ids, pos, meta, sample_rows, due = self.prepare(batch)
-        hidden = self.forward(ids, pos, meta)
-        if not sample_rows:
-            return None, []
-        rows = torch.tensor(sample_rows, device=self.device)
-        return self.model.compute_logits(hidden[rows]), due
+        inputs, due = self.flatten(batch)
+        if self.group is None:
+            return self.execute(inputs), due
+        self.group.send(("step", self._pending_ops, inputs))
+        self._pending_ops = []
+        try:
+            return self.execute(inputs), due
+        except RuntimeError as e:  # a collective failed: a dead worker is the likely cause
+            blamed = self.group.blame(e)
+            if blamed is e:
+                raise
+            raise blamed from e

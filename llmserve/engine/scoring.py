@@ -17,6 +17,8 @@ from llmserve.engine.sequence import Request
 def token_logprobs(engine, token_ids: list[int], chunk: int = 256) -> list[float]:
     """log p(token_ids[i] | token_ids[:i]) for i >= 1. The engine must be idle."""
     assert not engine.has_unfinished(), "score on an idle engine"
+    if engine.config.tensor_parallel_size > 1:
+        raise ValueError("scoring runs on one rank; use --tensor-parallel-size 1")
     seq = Request("score", None, list(token_ids), SamplingParams(max_tokens=1)).sequences[0]
     bm, runner = engine.block_manager, engine.runner
     need = -(-len(token_ids) // bm.block_size)

@@ -496,7 +496,29 @@ async def serve(config: EngineConfig, host: str, port: int, api_key: str | None 
     engine = front.engine
     app = build_app(front, api_key)
     log.info("serving %s on http://%s:%d", engine.model_name, host, port)
-    await serve_until_signal(app, host, port, ready=ready, drain_timeout=drain_timeout,
-                             start_draining=lambda: app[STATE].update(draining=True),
-                             in_flight=lambda: front.num_in_flight)
-    front.shutdown()
+    stop = asyncio.Event()
+    watcher = asyncio.create_task(_stop_when_dead(front, stop))
+    try:
+        await serve_until_signal(app, host, port, ready=ready, drain_timeout=drain_timeout,
+                                 start_draining=lambda: app[STATE].update(draining=True),
+                                 in_flight=lambda: front.num_in_flight, stop=stop)
+    finally:
+        watcher.cancel()
+        front.shutdown()
+    if front.error is not None:
+        raise EngineDeadError(f"the engine died: {front.error}")
+
+
+# How long a dead engine's server still answers (503) before it exits: in-flight
+# requests get their error, a probe or a client sees 503 rather than a refused connection.
+DEAD_ENGINE_GRACE_S = 2.0
+
+
+async def _stop_when_dead(front: AsyncLLMEngine, stop: asyncio.Event) -> None:
+    """A dead engine (its loop failed, or a tensor-parallel worker died) cannot recover
+    in this process: stop serving, so the process exits non-zero and the pod restarts."""
+    while front.alive:
+        await asyncio.sleep(0.25)
+    log.error("the engine is dead (%s); exiting in %.0f s", front.error, DEAD_ENGINE_GRACE_S)
+    await asyncio.sleep(DEAD_ENGINE_GRACE_S)
+    stop.set()

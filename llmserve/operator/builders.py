@@ -11,6 +11,10 @@ import os
 from dataclasses import dataclass
 
 BUILTIN_MODELS = {"smollm2-135m-instruct"}
+# The shapes tensor parallelism depends on, of the models whose shape the operator knows
+# without reading a checkpoint (tests check them against the converted config).
+BUILTIN_SHAPES = {"smollm2-135m-instruct": {"num_attention_heads": 9, "num_key_value_heads": 3,
+                                            "intermediate_size": 1536}}
 DEFAULT_IMAGE = os.environ.get("LLMSERVE_IMAGE", "ghcr.io/llmserve/llmserve:0.1.0")
 DEFAULT_GPU_IMAGE = os.environ.get("LLMSERVE_GPU_IMAGE", "ghcr.io/llmserve/llmserve-cuda:0.1.0")
 DEFAULT_VLLM_IMAGE = os.environ.get("LLMSERVE_VLLM_IMAGE", "vllm/vllm-openai:latest")
@@ -141,6 +145,46 @@ def engine_env(owner: Owner) -> list[dict]:
 
 
 # --- engine --------------------------------------------
+TP_FLAGS = ("--tensor-parallel-size", "-tp")
+
+
+def tensor_parallel_size(owner: Owner) -> int:
+    """One rank per GPU: ``engine.tensorParallelSize`` when given, else
+    ``resources.gpus``. Refuses what the spec alone shows cannot work; a model whose
+    shape the operator does not know is checked by the engine at start-up, which
+    exits with the message (the pod's log; the Deployment does not become ready)."""
+    engine = owner.spec.get("engine", {})
+    gpus = owner.spec.get("resources", {}).get("gpus", 0) or 0
+    tp = engine.get("tensorParallelSize")
+    if any(a == f or a.startswith(f + "=") for a in engine.get("args", []) for f in TP_FLAGS):
+        raise SpecError("set engine.tensorParallelSize (or resources.gpus), not "
+                        "--tensor-parallel-size in engine.args")
+    if tp is None:
+        return max(1, gpus)
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+        raise SpecError(f"engine.tensorParallelSize must be an integer >= 1, got {tp!r}")
+    if gpus and tp != gpus:
+        raise SpecError(f"engine.tensorParallelSize {tp} must equal resources.gpus {gpus}: "
+                        f"each rank runs on one GPU of the pod")
+    if not gpus and tp > 1 and engine.get("kind", "llmserve") == "vllm":
+        raise SpecError("engine.tensorParallelSize > 1 with kind vllm needs resources.gpus")
+    return tp
+
+
+def check_known_shape(owner: Owner, tp: int) -> None:
+    """The built-in model's heads are known: refuse a size that cannot split them."""
+    shape = BUILTIN_SHAPES.get(owner.spec["model"]["source"])
+    if shape is None or tp == 1:
+        return
+    from types import SimpleNamespace
+
+    from llmserve.engine.parallel_config import check_tensor_parallel
+    try:
+        check_tensor_parallel(SimpleNamespace(**shape), tp, owner.spec["model"]["source"])
+    except ValueError as e:
+        raise SpecError(f"{e} (from resources.gpus / engine.tensorParallelSize)") from e
+
+
 def engine_container(owner: Owner) -> dict:
     spec, engine = owner.spec, owner.spec.get("engine", {})
     kind = engine.get("kind", "llmserve")
@@ -148,7 +192,9 @@ def engine_container(owner: Owner) -> dict:
     model, _, mounts = model_source(owner)
     gpus = spec.get("resources", {}).get("gpus", 0)
     dtype = engine.get("dtype", "auto")
+    tp = tensor_parallel_size(owner)
     if kind == "llmserve":
+        check_known_shape(owner, tp)
         image = engine.get("image") or (DEFAULT_GPU_IMAGE if gpus else DEFAULT_IMAGE)
         command = ["llmserve", "serve"]
         args = ["--model", model, "--served-model-name", owner.model_name,
@@ -156,6 +202,8 @@ def engine_container(owner: Owner) -> dict:
         flags = {"maxNumSeqs": "--max-num-seqs", "maxNumBatchedTokens":
                  "--max-num-batched-tokens", "maxModelLen": "--max-model-len",
                  "kvCacheMemory": "--kv-cache-memory", "targetITLMs": "--target-itl-ms"}
+        if tp > 1:
+            args += ["--tensor-parallel-size", str(tp)]
     else:  # the vLLM OpenAI server, with equivalent arguments
         if engine.get("targetITLMs") is not None:
             raise SpecError("engine.targetITLMs needs engine.kind llmserve (vLLM has no "
@@ -166,8 +214,8 @@ def engine_container(owner: Owner) -> dict:
                 "--port", str(port), "--dtype", dtype]
         flags = {"maxNumSeqs": "--max-num-seqs", "maxNumBatchedTokens":
                  "--max-num-batched-tokens", "maxModelLen": "--max-model-len"}
-        if gpus > 1:
-            args += ["--tensor-parallel-size", str(gpus)]
+        if tp > 1:
+            args += ["--tensor-parallel-size", str(tp)]
         revision = hf_revision(owner)
         if revision:  # the tokenizer from the same commit as the weights
             args += ["--revision", revision, "--tokenizer-revision", revision]

@@ -14,7 +14,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from llmserve.engine import parallel
 from llmserve.engine.models.attention import paged_attention
+from llmserve.engine.parallel_config import RankShape, rank_shape
 
 
 class RMSNorm(nn.Module):
@@ -81,11 +83,15 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 class Attention(nn.Module):
-    def __init__(self, config, layer_idx: int):
+    """This rank's query heads and the KV heads they read; with several ranks the
+    o_proj outputs (row-parallel) are summed over them."""
+
+    def __init__(self, config, layer_idx: int, shard: RankShape):
         super().__init__()
         self.layer_idx = layer_idx
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
+        self.tp_size = shard.size
+        self.num_heads = shard.num_heads
+        self.num_kv_heads = shard.num_kv_heads
         self.head_dim = config.head_dim
         bias = bool(getattr(config, "attention_bias", False) or config.model_type == "qwen2")
         hidden = config.hidden_size
@@ -110,13 +116,17 @@ class Attention(nn.Module):
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = qkv[:, self.num_heads + self.num_kv_heads:]
         o = paged_attention(q, k, v, self.kv_cache, self.scale)
-        return self.o_proj(o.view(t, -1))
+        out = self.o_proj(o.view(t, -1))
+        return parallel.all_reduce(out) if self.tp_size > 1 else out
 
 
 class MLP(nn.Module):
-    def __init__(self, config):
+    """gate/up column-parallel, down row-parallel: this rank's MLP rows."""
+
+    def __init__(self, config, shard: RankShape):
         super().__init__()
-        h, i = config.hidden_size, config.intermediate_size
+        h, i = config.hidden_size, shard.intermediate
+        self.tp_size = shard.size
         self.intermediate = i
         self.gate_proj = nn.Linear(h, i, bias=False)
         self.up_proj = nn.Linear(h, i, bias=False)
@@ -129,7 +139,8 @@ class MLP(nn.Module):
 
     def forward(self, x):
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        out = self.down_proj(F.silu(gate) * up)
+        return parallel.all_reduce(out) if self.tp_size > 1 else out
 
 
 def fuse_linears(*linears: nn.Linear) -> nn.Linear:
@@ -146,11 +157,26 @@ def fuse_linears(*linears: nn.Linear) -> nn.Linear:
     return fused
 
 
+class VocabParallelEmbedding(nn.Embedding):
+    """This rank's rows ``[start, start + rows)`` of the token embedding: ids outside
+    them look up zeros, and the ranks' lookups are summed."""
+
+    def __init__(self, shard: RankShape, hidden: int):
+        super().__init__(shard.vocab_per_rank, hidden)
+        self.start = shard.vocab_start
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        local = input_ids - self.start
+        inside = (local >= 0) & (local < self.num_embeddings)
+        x = F.embedding(local * inside, self.weight) * inside.unsqueeze(-1).to(self.weight.dtype)
+        return parallel.all_reduce(x)
+
+
 class DecoderLayer(nn.Module):
-    def __init__(self, config, layer_idx: int):
+    def __init__(self, config, layer_idx: int, shard: RankShape):
         super().__init__()
-        self.self_attn = Attention(config, layer_idx)
-        self.mlp = MLP(config)
+        self.self_attn = Attention(config, layer_idx, shard)
+        self.mlp = MLP(config, shard)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -160,10 +186,11 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config, max_positions: int):
+    def __init__(self, config, max_positions: int, shard: RankShape):
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i)
+        self.embed_tokens = (VocabParallelEmbedding(shard, config.hidden_size) if shard.size > 1
+                             else nn.Embedding(config.vocab_size, config.hidden_size))
+        self.layers = nn.ModuleList(DecoderLayer(config, i, shard)
                                     for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config, max_positions)
@@ -188,13 +215,19 @@ def _run_layer(layer: DecoderLayer, x, cos, sin):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, config, max_positions: int):
+    """``shard``: the part of the model this tensor-parallel rank holds (None: all)."""
+
+    def __init__(self, config, max_positions: int, shard: RankShape | None = None):
         super().__init__()
         if getattr(config, "head_dim", None) is None:
             config.head_dim = config.hidden_size // config.num_attention_heads
         self.config = config
-        self.model = LlamaModel(config, max_positions)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.shard = shard = shard or rank_shape(config, 0, 1)
+        self.model = LlamaModel(config, max_positions, shard)
+        # Vocabulary-parallel with several ranks: this rank's rows of the vocabulary.
+        self.lm_head = nn.Linear(config.hidden_size,
+                                 shard.vocab_per_rank if shard.size > 1 else config.vocab_size,
+                                 bias=False)
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -218,8 +251,13 @@ class LlamaForCausalLM(nn.Module):
         for i, layer in enumerate(self.model.layers):
             layer.self_attn.kv_cache = storage[i]
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Logits of ``hidden``'s rows; with several ranks, gathered onto rank 0 (every
+        rank must call this; the others get None)."""
+        logits = self.lm_head(hidden).float()
+        if self.shard.size > 1:
+            return parallel.gather_logits(logits, self.config.vocab_size)
+        return logits
 
 
 SUPPORTED_ARCHITECTURES = {

@@ -158,12 +158,14 @@ def load_config(path: Path):
     return config
 
 
-def kv_block_bytes(hf_config, block_size: int, element_size: int) -> int:
-    """Bytes of one KV block across all layers (K and V)."""
+def kv_block_bytes(hf_config, block_size: int, element_size: int,
+                   num_kv_heads: int | None = None) -> int:
+    """Bytes of one KV block across all layers (K and V), of ``num_kv_heads`` KV heads
+    (a tensor-parallel rank's; default: all of the model's)."""
     head_dim = (getattr(hf_config, "head_dim", None)
                 or hf_config.hidden_size // hf_config.num_attention_heads)
-    return (2 * hf_config.num_hidden_layers * block_size * hf_config.num_key_value_heads
-            * head_dim * element_size)
+    heads = num_kv_heads or hf_config.num_key_value_heads
+    return 2 * hf_config.num_hidden_layers * block_size * heads * head_dim * element_size
 
 
 def load_tokenizer(path: Path):
@@ -176,8 +178,13 @@ def load_tokenizer(path: Path):
 
 
 def load_weights(model: torch.nn.Module, path: Path, dtype: torch.dtype, device: str) -> None:
-    """Copy every safetensors tensor into the parameter of the same name."""
+    """Copy every safetensors tensor into the parameter of the same name. A
+    tensor-parallel rank's model (``model.shard``) reads only its shard of each."""
     from safetensors import safe_open
+
+    from llmserve.engine.parallel import read_shard
+    shard = getattr(model, "shard", None)
+    sharded = shard is not None and shard.size > 1
     params = dict(model.named_parameters())
     tied = getattr(model.config, "tie_word_embeddings", False)
     loaded: set[str] = set()
@@ -196,7 +203,8 @@ def load_weights(model: torch.nn.Module, path: Path, dtype: torch.dtype, device:
             if name.endswith("rotary_emb.inv_freq"):
                 continue
             raise ModelLoadError(f"unexpected tensor {name!r} in {path}")
-        tensor = handle.get_tensor(name)
+        tensor = (read_shard(handle, name, shard, model.config.head_dim) if sharded
+                  else handle.get_tensor(name))
         param = params[name]
         if tuple(tensor.shape) != tuple(param.shape):
             raise ModelLoadError(f"tensor {name!r} has shape {tuple(tensor.shape)}, "

@@ -1,0 +1,311 @@
+"""Tensor parallelism: one model across N devices of a pod.
+
+Rank 0 is the engine process itself: it runs the scheduler, the block manager, the
+sampler and its own shard of the model. Ranks 1..N-1 are worker processes it spawns
+(``torch.multiprocessing``, one per device), which loop in ``_worker_loop``:
+
+1. receive the step once, over a pipe from rank 0: the step's block moves (swap-out,
+   swap-in, copy-on-write, in decision order) and the flat batch (``StepInputs``:
+   token ids, positions, slots, block tables, query offsets, rows that sample) -- plain
+   lists pickled once per step, a few KB, not per layer;
+2. apply the block moves to their own KV cache (each rank caches its own KV heads, so
+   the block tables, prefix caching included, are the same on every rank);
+3. run their shard's forward: the all-reduces after ``o_proj``, ``down_proj`` and the
+   vocab-parallel embedding happen inside the layers (``torch.distributed``: NCCL on
+   CUDA, gloo on CPU), and the LM head's logits shards are gathered onto rank 0,
+   which alone samples.
+
+A worker that dies is noticed by rank 0's watchdog thread (its process sentinel), and
+by the collective or pipe write that fails; the engine then fails (``/health`` 503,
+``llmserve serve`` exits non-zero, the pod restarts). A worker whose rank 0 is gone
+reads EOF on its pipe, or fails its collective, and exits.
+
+The sharding itself (which rows and columns each rank loads) is ``read_shard``; the
+arithmetic of shapes is ``parallel_config``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import multiprocessing.connection as mpc
+import os
+import pickle
+import signal
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from llmserve.engine.parallel_config import RankShape
+from llmserve.errors import WorkerDiedError  # noqa: F401 - raised here, re-exported
+
+log = logging.getLogger(__name__)
+
+# A collective that does not complete in this long fails (a hung peer). Workers wait
+# for work on their pipe, not in a collective, so an idle engine never times out.
+COLLECTIVE_TIMEOUT = datetime.timedelta(
+    seconds=float(os.environ.get("LLMSERVE_TP_TIMEOUT_S", "600")))
+
+
+# --- collectives (no-ops on one rank) ---------------------------------------------------
+def tp_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def all_reduce(x: torch.Tensor) -> torch.Tensor:
+    """Sum ``x`` over the ranks, in place."""
+    dist.all_reduce(x)
+    return x
+
+
+def gather_logits(local: torch.Tensor, vocab_size: int) -> torch.Tensor | None:
+    """Rank 0 gets ``[rows, vocab]`` from every rank's ``[rows, vocab / N]`` (padding
+    cut off); the other ranks get None."""
+    if dist.get_rank() == 0:
+        parts = [torch.empty_like(local) for _ in range(dist.get_world_size())]
+        dist.gather(local, parts, dst=0)
+        return torch.cat(parts, dim=-1)[:, :vocab_size]
+    dist.gather(local, None, dst=0)
+    return None
+
+
+# --- sharded loading --------------------------------------------------------------------
+def read_shard(handle, name: str, shape: RankShape, head_dim: int) -> torch.Tensor:
+    """This rank's part of checkpoint tensor ``name``, reading only that part from the
+    safetensors file (``get_slice``):
+
+    - column-parallel (output rows split): q/k/v (weights and biases, by head),
+      gate/up (by MLP row), embedding and LM head (by vocabulary row, padded);
+    - row-parallel (input columns split): o_proj, down_proj; their bias (if any) is
+      added once, on rank 0, since the ranks' outputs are summed;
+    - everything else (norms) whole."""
+    sl = handle.get_slice(name)
+    leaf = name.split(".")[-2]  # the module: q_proj, o_proj, embed_tokens, lm_head, ...
+    is_bias = name.endswith(".bias")
+    if leaf in ("embed_tokens", "lm_head"):
+        rows = sl[shape.vocab_start:shape.vocab_end]
+        pad = shape.vocab_per_rank - rows.shape[0]
+        return torch.cat([rows, rows.new_zeros(pad, *rows.shape[1:])]) if pad else rows
+    if leaf == "q_proj":
+        a = shape.head_start * head_dim
+        return sl[a:a + shape.num_heads * head_dim]
+    if leaf in ("k_proj", "v_proj"):
+        a = shape.kv_head_start * head_dim
+        return sl[a:a + shape.num_kv_heads * head_dim]
+    if leaf in ("gate_proj", "up_proj"):
+        a = shape.rank * shape.intermediate
+        return sl[a:a + shape.intermediate]
+    if leaf in ("o_proj", "down_proj"):
+        if is_bias:
+            full = sl[:]
+            return full if shape.rank == 0 else torch.zeros_like(full)
+        width = shape.num_heads * head_dim if leaf == "o_proj" else shape.intermediate
+        a = shape.rank * width
+        return sl[:, a:a + width]
+    return sl[:]
+
+
+# --- the step message -------------------------------------------------------------------
+@dataclass
+class StepInputs:
+    """A step's flat batch as plain lists: what every rank builds its tensors from."""
+    input_ids: list[int]
+    positions: list[int]
+    slots: list[int]
+    query_start: list[int]
+    seq_lens: list[int]
+    block_tables: list[list[int]]
+    sample_rows: list[int]
+    max_query_len: int
+
+
+# --- processes --------------------------------------------------------------------------
+def backend_for(device: str) -> str:
+    return "nccl" if device.startswith("cuda") else "gloo"
+
+
+def _free_port() -> int:
+    from llmserve.launcher import free_port
+    return free_port("127.0.0.1")
+
+
+class TensorParallelGroup:
+    """Rank 0's handle on the workers: start, per-step messages, supervision, stop."""
+
+    def __init__(self, config, hf_config, model_path, max_model_len: int):
+        self.size = config.tensor_parallel_size
+        if dist.is_initialized():
+            raise ValueError("this process already runs a tensor-parallel engine (one "
+                             "torch.distributed group per process); shut it down first")
+        init_method = f"tcp://127.0.0.1:{_free_port()}"
+        ctx = torch.multiprocessing.get_context("spawn")
+        self.procs, self.conns = [], []
+        self.failure: str | None = None
+        self._stopping = False
+        for rank in range(1, self.size):
+            parent, child = ctx.Pipe()
+            p = ctx.Process(target=_worker_main, name=f"llmserve-tp-rank{rank}", daemon=True,
+                            args=(rank, init_method, config, hf_config, str(model_path),
+                                  max_model_len, child))
+            p.start()
+            child.close()
+            self.procs.append(p)
+            self.conns.append(parent)
+        try:
+            self._expect("hello")  # imported torch: now all ranks can rendezvous
+            dist.init_process_group(backend_for(config.device), init_method=init_method,
+                                    rank=0, world_size=self.size, timeout=COLLECTIVE_TIMEOUT)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _expect(self, what: str) -> None:
+        """Every worker's next message is ``what``; a worker's error or death raises."""
+        for rank, (p, conn) in enumerate(zip(self.procs, self.conns), start=1):
+            while True:
+                # No timeout: loading a big shard takes what it takes, a dead worker
+                # wakes this up through its sentinel, and a hung one makes rank 0's
+                # start-up collective time out.
+                ready = mpc.wait([conn, p.sentinel])
+                if conn in ready and conn.poll():
+                    kind, detail = conn.recv()
+                    if kind == "error":
+                        raise WorkerDiedError(f"tensor-parallel rank {rank} failed: {detail}")
+                    assert kind == what, (kind, what)
+                    break
+                p.join(1)
+                raise WorkerDiedError(f"tensor-parallel rank {rank} (pid {p.pid}) exited "
+                                      f"with {_describe_exit(p.exitcode)} before {what!r}")
+
+    def worker_errors(self) -> str | None:
+        """The first error a worker reported, if any (after a failed start)."""
+        for rank, conn in enumerate(self.conns, start=1):
+            try:
+                while conn.poll(0.5):
+                    kind, detail = conn.recv()
+                    if kind == "error":
+                        return f"tensor-parallel rank {rank} failed: {detail}"
+            except (EOFError, OSError):
+                continue
+        return None
+
+    def wait_ready(self) -> None:
+        """After rank 0 built its own shard: every worker has built its shard."""
+        self._expect("ready")
+        threading.Thread(target=self._watch, name="tp-watchdog", daemon=True).start()
+
+    def _watch(self) -> None:
+        sentinels = {p.sentinel: (rank, p) for rank, p in enumerate(self.procs, start=1)}
+        while not self._stopping:
+            dead = mpc.wait(list(sentinels), timeout=0.5)
+            if dead and not self._stopping:
+                rank, p = sentinels[dead[0]]
+                p.join(1)
+                self.failure = (f"tensor-parallel worker rank {rank} (pid {p.pid}) exited "
+                                f"with {_describe_exit(p.exitcode)}")
+                log.error("%s; the engine stops", self.failure)
+                return
+
+    def blame(self, error: BaseException) -> BaseException:
+        """The error to raise for a failed collective or send: the worker that died,
+        if one did (its exit may reach us a moment after the broken connection)."""
+        mpc.wait([p.sentinel for p in self.procs], timeout=1.0)
+        for rank, p in enumerate(self.procs, start=1):
+            if p.exitcode is not None:
+                return WorkerDiedError(f"tensor-parallel worker rank {rank} (pid {p.pid}) "
+                                       f"exited with {_describe_exit(p.exitcode)}")
+        return error
+
+    def check(self) -> None:
+        if self.failure is not None:
+            raise WorkerDiedError(self.failure)
+
+    def send(self, message: tuple) -> None:
+        """One message to every worker (pickled once)."""
+        self.check()
+        payload = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        try:
+            for conn in self.conns:
+                conn.send_bytes(payload)
+        except OSError as e:
+            raise WorkerDiedError(f"a tensor-parallel worker is gone ({e})") from e
+
+    def shutdown(self) -> None:
+        """Stop the workers (politely, then SIGKILL) and leave the process group."""
+        self._stopping = True
+        for conn in self.conns:
+            try:
+                conn.send_bytes(pickle.dumps(("stop",)))
+            except OSError:
+                pass
+        for p in self.procs:
+            p.join(5)
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+        for conn in self.conns:
+            conn.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _describe_exit(code: int | None) -> str:
+    if code is None:
+        return "no exit code yet"
+    if code < 0:
+        try:
+            return f"signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"signal {-code}"
+    return f"exit code {code}"
+
+
+def _worker_main(rank: int, init_method: str, config, hf_config, model_path: str,
+                 max_model_len: int, conn) -> None:
+    """A worker process: rendezvous, load this rank's shard, then serve steps."""
+    try:
+        conn.send(("hello", None))
+        if config.device.startswith("cuda"):
+            torch.cuda.set_device(rank)
+        dist.init_process_group(backend_for(config.device), init_method=init_method,
+                                rank=rank, world_size=config.tensor_parallel_size,
+                                timeout=COLLECTIVE_TIMEOUT)
+        from llmserve.engine.model_runner import ModelRunner
+        runner = ModelRunner(config, hf_config, Path(model_path), max_model_len, rank=rank)
+        conn.send(("ready", None))
+    except BaseException as e:  # noqa: BLE001 - reported to rank 0, then exit
+        try:
+            conn.send(("error", f"{type(e).__name__}: {e}"))
+        except OSError:
+            pass
+        raise SystemExit(1) from e
+    try:
+        _worker_loop(runner, conn)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+@torch.inference_mode()
+def _worker_loop(runner, conn) -> None:
+    while True:
+        try:
+            message = pickle.loads(conn.recv_bytes())
+        except (EOFError, OSError):
+            return  # rank 0 is gone
+        kind = message[0]
+        if kind == "stop":
+            return
+        if kind == "step":
+            _, ops, inputs = message
+            if ops:
+                runner.kv_cache.apply(ops)
+            if inputs is not None:
+                runner.execute(inputs)
+        elif kind == "warm_up":
+            runner.warm_up_kernels(*message[1:])
+        else:
+            raise RuntimeError(f"unknown tensor-parallel message {kind!r}")
