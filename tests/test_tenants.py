@@ -46,6 +46,7 @@ def test_the_issue_example_parses():
 def test_a_tenant_cannot_use_a_class_it_was_not_given():
     cfg = parse_tenants(EXAMPLE.replace("apiKeySha256", "classes: [batch]\n    apiKeySha256"))
     beta = cfg.tenants["beta"]
+    assert cfg.class_for(beta, None).name == "batch"  # not the default: its own first
     with pytest.raises(APIError) as e:
         cfg.class_for(beta, "interactive")
     assert e.value.status == 403
@@ -327,3 +328,21 @@ def test_urgent_work_takes_a_place_in_a_full_batch():
     while sched.has_work():
         simulate_step(sched, sched.schedule())
     assert all(r.finished for r in batch)  # the preempted one came back and finished
+
+
+def test_a_recomputed_sequence_is_not_charged_twice():
+    sched = make_scheduler(num_blocks=256, block_size=4, max_num_batched_tokens=64)
+    req = make_request(prompt_len=8, max_tokens=4)
+    req.tenant = "t"
+    add(sched, req)
+    simulate_step(sched, sched.schedule())  # prefill: 8 tokens
+    simulate_step(sched, sched.schedule())  # one decode
+    seq = req.sequences[0]
+    sched.running.remove(seq)  # preempted for recompute, as the scheduler does
+    sched.bm.free(seq)
+    seq.reset_for_recompute()
+    sched.add(seq)
+    while sched.has_work():
+        simulate_step(sched, sched.schedule())
+    # prompt + every sampled token but the last, each charged once
+    assert sched.shares.tokens_served == {"t": 8 + 3}

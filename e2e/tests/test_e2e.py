@@ -201,9 +201,9 @@ def test_tenants_from_a_secret_limit_through_the_gateway(kubectl, installed):
     assert 1 <= int(e.value.response.headers["Retry-After"]) <= 60
     beta = openai.OpenAI(base_url=f"http://{gw[0]}:8080/v1", api_key="sk-beta", max_retries=0)
     with pytest.raises(openai.PermissionDeniedError):  # beta may only use batch
-        beta.completions.create(model="smol", prompt="hi", max_tokens=2)
-    out = beta.completions.create(model="smol", prompt="hi", max_tokens=2,
-                                  extra_headers={"x-priority-class": "batch"})
+        beta.completions.create(model="smol", prompt="hi", max_tokens=2,
+                                extra_headers={"x-priority-class": "interactive"})
+    out = beta.completions.create(model="smol", prompt="hi", max_tokens=2)  # its batch class
     assert out.usage.completion_tokens == 2
     kubectl("delete", "llmd", "tenanted", "-n", NS)
     kubectl("delete", "secret", "tenants", "-n", NS)

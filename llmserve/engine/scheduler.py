@@ -234,7 +234,7 @@ class Scheduler:
                 break
         step.batch.block_ops = self.bm.take_ops()
         for seq, n in zip(step.batch.seqs, step.batch.num_new_tokens):
-            self.shares.charge(seq.request, n)
+            self.shares.charge(seq.request, seq.first_time_tokens(n))
         if self.cost_model.ready and step.batch.seqs:
             step.batch.predicted_s = self.cost_model.predict(
                 step.batch.num_tokens, step.batch.kv_tokens, len(step.batch.seqs))

@@ -69,6 +69,7 @@ class Sequence:
         if seed is not None:
             self.generator = torch.Generator().manual_seed(seed)
         self.num_preemptions = 0
+        self.recomputed_until = 0  # tokens computed before a recompute preemption
         # Parser state of a constrained output (structured.py); survives preemption,
         # since it follows the tokens, not the KV cache.
         self.matcher = None
@@ -112,7 +113,14 @@ class Sequence:
     def reset_for_recompute(self) -> None:
         """Forget the KV cache: the whole sequence (prompt and the tokens generated
         so far) is prefilled again when it is rescheduled, so outputs do not change."""
+        self.recomputed_until = max(self.recomputed_until, self.num_computed_tokens)
         self.num_computed_tokens = 0
+
+    def first_time_tokens(self, num_new: int) -> int:
+        """Of ``num_new`` tokens about to be computed, those never computed before
+        (a recompute preemption's re-prefill is the engine's cost, not the tenant's)."""
+        start = self.num_computed_tokens
+        return max(0, start + num_new - max(start, self.recomputed_until))
 
     def __repr__(self) -> str:
         return (f"Sequence(id={self.seq_id}, req={self.request.request_id}, "

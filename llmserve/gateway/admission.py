@@ -32,6 +32,9 @@ WEIGHT_HEADER = "x-llmserve-tenant-weight"
 INTERNAL_HEADERS = {TENANT_HEADER, WEIGHT_HEADER, TOKEN_HEADER}
 
 CHARS_PER_TOKEN = 4  # the estimate a gateway without the tokenizer can make
+# Bounds on what one request may claim; the engine refuses beyond its context anyway.
+MAX_TOKENS_ESTIMATE = 1 << 24
+MAX_N = 1024
 DEFAULT_MAX_TOKENS = {"chat": 256, "completions": 16}
 
 
@@ -45,7 +48,9 @@ def estimate_tokens(payload: dict, chat: bool) -> int:
     if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
         max_tokens = DEFAULT_MAX_TOKENS["chat" if chat else "completions"]
     n = payload.get("n") if isinstance(payload.get("n"), int) else 1
-    return -(-chars // CHARS_PER_TOKEN) + prompts * max(n, 1) * max_tokens
+    n = min(max(n, 1), MAX_N)
+    estimate = -(-chars // CHARS_PER_TOKEN) + prompts * n * min(max_tokens, MAX_TOKENS_ESTIMATE)
+    return min(estimate, MAX_TOKENS_ESTIMATE)
 
 
 @dataclass

@@ -102,9 +102,11 @@ class ClassQueue:
     def finished(self, w: Waiter, used_tokens: float) -> None:
         """A dispatched request ended: charge what it used instead of the estimate."""
         self.charge(w, used_tokens - w.charged)
-        self.in_flight[w.tenant] -= 1
-        if not self.in_flight[w.tenant]:
-            del self.in_flight[w.tenant]
+        left = self.in_flight.get(w.tenant, 1) - 1
+        if left > 0:
+            self.in_flight[w.tenant] = left
+        else:
+            self.in_flight.pop(w.tenant, None)
 
     def charge(self, w: Waiter, tokens: float) -> None:
         """Add ``tokens`` (negative to correct an estimate) to ``w``'s tenant."""
@@ -160,7 +162,11 @@ class FairQueue:
                 f"shed from the full {w.cls.name!r} queue for more urgent or fairer work",
                 self.expected_wait(vq)))
         q.push(w)
-        self.dispatch()
+        try:
+            self.dispatch()
+        except Exception:
+            q.remove(w)  # never leave a waiter nobody waits for
+            raise
 
     def _victim_for(self, w: Waiter) -> Waiter | None:
         """Less urgent classes are shed first; then the tenant queueing the most."""
@@ -212,7 +218,7 @@ class FairQueue:
     # --- dispatch ------------------------------------------------------------------
     def started(self, w: Waiter) -> None:
         """A dispatched request is now counted by the engines (or gave up its turn)."""
-        self.reserved[w.cls.priority] -= 1
+        self.reserved[w.cls.priority] = max(0, self.reserved.get(w.cls.priority, 0) - 1)
 
     def room(self, priority: int) -> float:
         reserved = sum(n for p, n in self.reserved.items() if p <= priority)

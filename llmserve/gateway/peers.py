@@ -22,12 +22,13 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import math
 import time
 from dataclasses import dataclass
 
 import aiohttp
 
-from llmserve.gateway.ratelimits import RateLimiter
+from llmserve.gateway.ratelimits import WINDOW_S, RateLimiter
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +40,22 @@ TOKEN_HEADER = "x-llmserve-peer-token"
 class PeerReport:
     received: float
     tenants: dict[str, dict[str, float]]
+
+
+def valid_counts(body) -> dict[str, dict[str, float]]:
+    """A peer's report, as {tenant: {name: number}}; ValueError if it is not one
+    (e.g. a peer of another version): its report is then ignored, never trusted."""
+    tenants = body.get("tenants") if isinstance(body, dict) else None
+    if not isinstance(tenants, dict):
+        raise ValueError("a peer report needs a 'tenants' mapping")
+    out = {}
+    for name, counts in tenants.items():
+        if not isinstance(counts, dict):
+            raise ValueError(f"peer counts of {name!r} are not a mapping")
+        out[str(name)] = {str(k): float(v) for k, v in counts.items()
+                          if isinstance(v, (int, float)) and not isinstance(v, bool)
+                          and math.isfinite(v) and v >= 0}
+    return out
 
 
 class PeerCounters:
@@ -58,10 +75,10 @@ class PeerCounters:
         limiter.share_refresh_s = 2 * interval
 
     def set_urls(self, urls: list[str]) -> None:
-        """The peers (discovery calls this); this replica's own address is dropped."""
+        """The peers (discovery calls this); this replica's own address is dropped. A
+        departed peer's last report is kept for a window: what it admitted still counts."""
         own = f"//{self.own_host}:" if self.own_host else None
         self.urls = sorted(u.rstrip("/") for u in urls if not (own and own in u))
-        self.reports = {u: r for u, r in self.reports.items() if u in self.urls}
 
     @property
     def replicas(self) -> int:
@@ -74,19 +91,22 @@ class PeerCounters:
     def share(self, tenant: str, kind: str) -> float:
         """This replica's part of ``tenant``'s ``kind`` ("requests"/"tokens") limit:
         its share of the demand, and never more than the peers have left of it."""
-        if not self.urls:
-            return 1.0
         now = time.monotonic()
-        if not self.all_fresh(now):
-            return 1.0 / self.replicas
-        key = f"demand_{kind}"
-        own = self.published.get(tenant, {}).get(key, 0.0)
-        others = sum(r.tenants.get(tenant, {}).get(key, 0.0) for r in self.reports.values())
-        share = own / (own + others) if own + others > 0 else 1.0 / self.replicas
-        # What the peers admitted in the window is spent, whatever the shares say
-        # (they move as demand moves, and the window remembers the old ones).
+        # What peers (present or departed) admitted in the window is spent, whatever
+        # the shares say: they move as demand moves, and the window remembers.
+        self.reports = {u: r for u, r in self.reports.items()
+                        if u in self.urls or now - r.received < WINDOW_S}
         limit_used = sum(r.tenants.get(tenant, {}).get(f"{kind}_fraction", 0.0)
                          for r in self.reports.values())
+        if not self.urls:
+            return max(0.0, 1.0 - limit_used)
+        if not self.all_fresh(now):
+            return max(0.0, min(1.0 / self.replicas, 1.0 - limit_used))
+        key = f"demand_{kind}"
+        own = self.published.get(tenant, {}).get(key, 0.0)
+        others = sum(r.tenants.get(tenant, {}).get(key, 0.0)
+                     for u, r in self.reports.items() if u in self.urls)
+        share = own / (own + others) if own + others > 0 else 1.0 / self.replicas
         return max(0.0, min(share, 1.0 - limit_used))
 
     def authorized(self, header: str) -> bool:
@@ -132,6 +152,6 @@ class PeerCounters:
                     log.warning("peer %s answered %d", url, r.status)
                     return
                 body = await r.json()
-            self.reports[url] = PeerReport(time.monotonic(), body.get("tenants", {}))
+            self.reports[url] = PeerReport(time.monotonic(), valid_counts(body))
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
             log.debug("peer %s unreachable: %r", url, e)

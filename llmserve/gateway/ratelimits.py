@@ -129,7 +129,8 @@ class RateLimiter:
             quota = self._quota(tenant.name, kind, limit)
             wait = (window.wait_for_room(now, asked, quota) if quota >= asked
                     else self.share_refresh_s)  # this replica's share is still too small
-            waits.append((wait, f"{limit} {what}"))
+            # With peers, this replica's share may grow before its own entries expire.
+            waits.append((min(wait, self.share_refresh_s), f"{limit} {what}"))
         wait, what = max(waits, default=(0.0, ""))
         if wait > 0:
             raise self._too_many(tenant, what, wait, headers)

@@ -149,8 +149,11 @@ class Gateway:
     async def _dispatch_forever(self, interval: float = 0.1) -> None:
         """Engines gain room between requests too (scrapes, ejections ending)."""
         while True:
-            self.tenants.refresh()
-            self.tenants.fair.dispatch()
+            try:
+                self.tenants.refresh()
+                self.tenants.fair.dispatch()
+            except Exception:  # noqa: BLE001 - the loop must outlive any one bad request
+                log.exception("dispatching queued requests failed")
             await asyncio.sleep(interval)
 
     async def close(self) -> None:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -75,8 +76,13 @@ class TenantsConfig:
         return None if name is None else self.tenants[name]
 
     def class_for(self, tenant: Tenant, requested: str | None) -> TrafficClass:
-        """The class a request runs in: the one it asks for, if its tenant may use it."""
-        name = requested.strip() if requested else self.default_class
+        """The class a request runs in: the one it asks for, if its tenant may use it;
+        else the default class, or the tenant's first if it may not use the default."""
+        if not requested:
+            name = self.default_class if self.default_class in tenant.classes \
+                else tenant.classes[0]
+            return self.classes[name]
+        name = requested.strip()
         if name not in self.classes:
             raise APIError(400, f"unknown priority class {name!r}; classes are "
                            f"{sorted(self.classes)}", param=CLASS_HEADER)
@@ -118,9 +124,14 @@ def _mapping(where: str, value, allowed: set[str], required: set[str] = frozense
     return value
 
 
+NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}")
+
+
 def _name(where: str, value) -> str:
-    if not isinstance(value, str) or not value or len(value) > 63:
-        raise TenantsError(f"{where} must be a non-empty string of at most 63 characters")
+    """Names travel in headers and metric labels: letters, digits, '.', '_', '-'."""
+    if not isinstance(value, str) or not NAME.fullmatch(value):
+        raise TenantsError(f"{where} must be 1-63 letters, digits, '.', '_' or '-' "
+                           f"(starting with a letter or digit), not {value!r}")
     return value
 
 

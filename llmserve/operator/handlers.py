@@ -95,10 +95,19 @@ async def reconcile(body, patch, logger) -> None:
     status = dict(body.get("status") or {})
     conditions = []
     async with client.ApiClient() as api:
+        tenants_problem = None
         try:
             replicas = await engine_replicas(api, o, status)
             desired = children(o, replicas)
-            await check_tenants(api, o)
+            try:
+                await check_tenants(api, o)
+            except SpecError as e:
+                # Running gateways keep their last good file, so a bad edit must not
+                # stop reconciling (scaling, drift repair); a first rollout waits.
+                if await kube.get_deployment(api, o.namespace, names(o)["gateway"]) is None:
+                    raise
+                tenants_problem = str(e)
+                kopf.warn(body, reason="InvalidTenants", message=tenants_problem)
         except SpecError as e:
             kopf.warn(body, reason="InvalidSpec", message=str(e))
             conditions = [condition("Degraded", True, "InvalidSpec", str(e), o.generation),
@@ -131,7 +140,9 @@ async def reconcile(body, patch, logger) -> None:
                   o.generation),
         condition("Progressing", progressing, "ScalingOrStarting" if progressing else "Stable",
                   message, o.generation),
-        condition("Degraded", False, "AsExpected", "", o.generation),
+        condition("Degraded", tenants_problem is not None,
+                  "InvalidTenants" if tenants_problem else "AsExpected",
+                  tenants_problem or "", o.generation),
     ]
     patch.status.update({
         "observedGeneration": o.generation, "replicas": current, "readyReplicas": ready,
