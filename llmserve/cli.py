@@ -12,7 +12,7 @@ from llmserve.engine.async_engine import EngineStartError
 from llmserve.engine.models.loader import ModelLoadError
 
 
-def add_engine_args(p: argparse.ArgumentParser) -> None:
+def add_engine_args(p: argparse.ArgumentParser, overload: bool = True) -> None:
     g = p.add_argument_group("engine")
     g.add_argument("--model", default="smollm2-135m-instruct",
                    help="checkpoint directory, .gguf file or built-in name")
@@ -45,9 +45,28 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--target-itl-ms", type=float, default=None,
                    help="cap each step's predicted duration (a latency SLO): prefill "
                         "chunks shrink and the least urgent decodes wait")
+    if overload:  # not under `up`, where --max-waiting is the gateway's spill-over level
+        add_overload_args(g)
     g.add_argument("--check-kv-integrity", action="store_true",
                    help="debug: hash KV blocks across swaps and copy-on-write, fail loudly "
                         "on a mismatch (slow)")
+
+
+# Engine overload flags: config field -> (flag, argparse dest). Their dests differ from
+# the field names because the gateway has a --max-waiting of its own.
+OVERLOAD_FLAGS = {"max_waiting": ("--max-waiting", "engine_max_waiting"),
+                  "max_queue_delay": ("--max-queue-delay", "engine_max_queue_delay")}
+
+
+def add_overload_args(g) -> None:
+    g.add_argument("--max-waiting", dest="engine_max_waiting", type=int, default=None,
+                   metavar="N",
+                   help="overload: answer 503 server_overloaded (with Retry-After) to new "
+                        "requests while this many wait unscheduled (default: unbounded)")
+    g.add_argument("--max-queue-delay", dest="engine_max_queue_delay", type=float, metavar="S",
+                   default=None,
+                   help="overload: a request not scheduled within this many seconds leaves "
+                        "the queue with 503 server_overloaded (default: waits forever)")
 
 
 ENGINE_KEYS = ("model", "served_model_name", "device", "dtype", "block_size", "kv_cache_memory",
@@ -71,12 +90,17 @@ def engine_argv(args) -> list[str]:
             argv += ["--" + key.replace("_", "-")] if value else []
         elif value is not None:
             argv += ["--" + key.replace("_", "-"), str(value)]
+    for flag, dest in OVERLOAD_FLAGS.values():
+        if getattr(args, dest, None) is not None:
+            argv += [flag, str(getattr(args, dest))]
     return argv
 
 
 def engine_config(args):
     from llmserve.engine.config import EngineConfig
-    return EngineConfig(**{k: getattr(args, k) for k in ENGINE_KEYS})
+    return EngineConfig(**{k: getattr(args, k) for k in ENGINE_KEYS},
+                        **{k: getattr(args, dest, None)
+                           for k, (_, dest) in OVERLOAD_FLAGS.items()})
 
 
 def cmd_generate(args) -> int:
@@ -233,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
     add_server_args(srv, 8000)
     srv.set_defaults(func=cmd_serve)
     up = sub.add_parser("up", help="the local platform on the built-in model, one command")
-    add_engine_args(up)
+    add_engine_args(up, overload=False)
     add_server_args(up, 8000)
     add_gateway_args(up)
     up.add_argument("--engines", type=int, default=1, help="engine processes behind the gateway")

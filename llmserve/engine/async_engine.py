@@ -25,6 +25,7 @@ from llmserve.engine.config import EngineConfig
 from llmserve.engine.llm_engine import LLMEngine
 from llmserve.engine.metrics import EngineMetrics
 from llmserve.engine.outputs import RequestOutput
+from llmserve.engine.overload import OverloadedError
 from llmserve.engine.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -144,6 +145,7 @@ class AsyncLLMEngine:
         try:
             while not self._stop:
                 self._drain_inbox()
+                self._expire_waiting()
                 if not self.engine.has_unfinished():
                     self.metrics.observe_engine(self.engine)
                     self._wake.wait(timeout=0.5)
@@ -187,8 +189,20 @@ class AsyncLLMEngine:
                                               cmd.priority, prompt_token_ids=cmd.prompt_token_ids,
                                               cache_salt=cmd.cache_salt)
                 self.metrics.on_arrival(req)
-            except ValueError as e:
+            except (ValueError, OverloadedError) as e:
+                if isinstance(e, OverloadedError):
+                    self.metrics.on_overload("queue_full")
                 self._deliver(cmd.request_id, e)
+
+    def _expire_waiting(self) -> None:
+        if self.config.max_queue_delay is None:
+            return
+        for request_id in self.engine.expire_waiting():
+            self.metrics.on_overload("queue_delay")
+            self._deliver(request_id, OverloadedError(
+                f"the request waited more than max_queue_delay="
+                f"{self.config.max_queue_delay:g} s without being scheduled; retry later "
+                f"or elsewhere", retry_after=self.config.max_queue_delay))
 
     def _deliver(self, request_id: str, item) -> None:
         sink = self._sinks.get(request_id)

@@ -51,11 +51,18 @@ class EngineMetrics:
             "Engine step durations: measured (kind=actual) and as the cost model predicted "
             "them when it scheduled the step (kind=predicted).",
             ["model_name", "kind"], buckets=LATENCY_BUCKETS, registry=r)
+        self.overloaded = Counter(
+            "llmserve:overload_rejections",
+            "Requests answered 503 server_overloaded: reason=queue_full (max_waiting) or "
+            "queue_delay (max_queue_delay).", ["model_name", "reason"], registry=r)
         self.aborted = 0
         self._seen_tokens: dict[str, int] = {}
         self._last_token_at: dict[str, float] = {}
         self._synced = {"queries": 0, "hits": 0, "preemptions": 0, "swap_outs": 0,
                         "aborted": 0}
+
+    def on_overload(self, reason: str) -> None:
+        self.overloaded.labels(self.model_name, reason).inc()
 
     def on_arrival(self, request) -> None:
         self._seen_tokens[request.request_id] = 0

@@ -23,6 +23,7 @@ from llmserve.engine.config import EngineConfig
 from llmserve.engine.llm_engine import LLMEngine, render_chat
 from llmserve.engine.openapi import openapi_document
 from llmserve.engine.outputs import CompletionOutput, RequestOutput
+from llmserve.engine.overload import OverloadedError
 from llmserve.engine.protocol import (
     APIError,
     ParsedRequest,
@@ -60,6 +61,9 @@ async def errors_middleware(request: web.Request, handler):
     except EngineDeadError as e:
         return web.json_response(APIError(503, str(e), "service_unavailable").body(),
                                  status=503)
+    except OverloadedError as e:
+        return web.json_response(APIError(503, str(e), "server_overloaded").body(),
+                                 status=503, headers={"Retry-After": e.retry_after_header})
 
 
 def auth_middleware(api_key: str | None):
@@ -183,6 +187,27 @@ class StreamText:
         return d
 
 
+async def fail_as_event(gen):
+    """``gen``'s items; an engine-side failure before the first item propagates (the
+    client gets an HTTP error), one after it becomes a final ``(-1, error)`` item, so
+    a stream that has started ends with an error event and [DONE], never cut short."""
+    started = False
+    async with contextlib.aclosing(gen):
+        try:
+            async for item in gen:
+                started = True
+                yield item
+        except (OverloadedError, EngineDeadError) as e:
+            if not started:
+                raise
+            yield -1, e
+
+
+def sse_error(e: BaseException) -> bytes:
+    type_ = "server_overloaded" if isinstance(e, OverloadedError) else "service_unavailable"
+    return sse(APIError(503, str(e), type_).body())
+
+
 def sse(data) -> bytes:
     return f"data: {json.dumps(data, ensure_ascii=False)}\n\n".encode()
 
@@ -285,8 +310,11 @@ async def stream_response(request, rid, created, model, parsed, gen, prompt_ids,
     done: set[int] = set()
     last: dict[int, RequestOutput] = {}
     started = False
-    async with contextlib.aclosing(gen):
-        async for i, out in gen:
+    async with contextlib.aclosing(fail_as_event(gen)) as events:
+        async for i, out in events:
+            if i < 0:  # the engine failed mid-stream
+                await resp.write(sse_error(out))
+                break
             if not started:  # errors before the first output still become JSON errors
                 await resp.prepare(request)
                 started = True
