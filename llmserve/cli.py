@@ -124,6 +124,11 @@ def add_server_args(p: argparse.ArgumentParser, port: int) -> None:
                    help="require this Bearer token on /v1 paths (or LLMSERVE_API_KEY)")
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="seconds in-flight requests may take after SIGTERM")
+    p.add_argument("--header-timeout", type=float, default=30.0,
+                   help="close a connection whose request head is incomplete (or that is "
+                        "idle) after this many seconds (slow clients)")
+    p.add_argument("--body-timeout", type=float, default=30.0,
+                   help="answer 408 and close when a request body takes longer than this")
     p.add_argument("--log-level", default="INFO")
 
 
@@ -132,7 +137,8 @@ def cmd_serve(args) -> int:
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     asyncio.run(serve(engine_config(args), args.host, args.port, args.api_key,
-                      args.drain_timeout))
+                      args.drain_timeout, header_timeout=args.header_timeout,
+                      body_timeout=args.body_timeout))
     return 0
 
 
@@ -170,7 +176,8 @@ def gateway_config(args, backends: list[str]):
                          max_kv_usage=args.max_kv_usage, api_key_file=args.api_key_file,
                          upstream_api_key=args.upstream_api_key,
                          drain_timeout=args.drain_timeout,
-                         no_endpoint_wait=args.no_endpoint_wait)
+                         no_endpoint_wait=args.no_endpoint_wait,
+                         header_timeout=args.header_timeout, body_timeout=args.body_timeout)
 
 
 def cmd_gateway(args) -> int:

@@ -39,7 +39,13 @@ from llmserve.engine.tool_calls import (
     messages_for_template,
     parse_tool_choice,
 )
-from llmserve.http_serving import http_error_response, serve_until_signal
+from llmserve.http_serving import (
+    BODY_TIMEOUT,
+    HEADER_TIMEOUT,
+    http_error_response,
+    read_body_middleware,
+    serve_until_signal,
+)
 
 log = logging.getLogger("llmserve.server")
 
@@ -479,9 +485,11 @@ async def openapi(request: web.Request) -> web.Response:
 
 # --- app --------------------------------------------
 def build_app(engine: AsyncLLMEngine, api_key: str | None = None,
-              max_body_bytes: int = 4 << 20) -> web.Application:
+              max_body_bytes: int = 4 << 20,
+              body_timeout: float = BODY_TIMEOUT) -> web.Application:
     app = web.Application(client_max_size=max_body_bytes,
-                          middlewares=[errors_middleware, auth_middleware(api_key)])
+                          middlewares=[errors_middleware, auth_middleware(api_key),
+                                       read_body_middleware(body_timeout)])
     app[ENGINE] = engine
     app[STATE] = {"draining": False, "started": int(time.time())}
     app.router.add_post("/v1/completions", completions)
@@ -497,15 +505,18 @@ def build_app(engine: AsyncLLMEngine, api_key: str | None = None,
 
 
 async def serve(config: EngineConfig, host: str, port: int, api_key: str | None = None,
-                drain_timeout: float = 30.0, ready: asyncio.Event | None = None) -> None:
+                drain_timeout: float = 30.0, ready: asyncio.Event | None = None,
+                header_timeout: float = HEADER_TIMEOUT,
+                body_timeout: float = BODY_TIMEOUT) -> None:
     """Serve until SIGTERM/SIGINT, then drain: refuse new requests (503), let
     in-flight ones finish up to ``drain_timeout`` seconds, and return."""
     front = AsyncLLMEngine(config)
     await front.start()
     engine = front.engine
-    app = build_app(front, api_key)
+    app = build_app(front, api_key, body_timeout=body_timeout)
     log.info("serving %s on http://%s:%d", engine.model_name, host, port)
     await serve_until_signal(app, host, port, ready=ready, drain_timeout=drain_timeout,
+                             header_timeout=header_timeout,
                              start_draining=lambda: app[STATE].update(draining=True),
                              in_flight=lambda: front.num_in_flight)
     front.shutdown()
