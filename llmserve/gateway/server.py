@@ -238,7 +238,7 @@ class Gateway:
                 asyncio.TimeoutError) as e:
             url = str(upstream.url.origin())
             log.warning("upstream %s broke mid-stream: %r", url, e)
-            self.metrics.upstream_errors.labels(url).inc()
+            self._failed(url)  # it died: eject it now, not at the next request's failure
             self.metrics.broken_streams.inc()
             if events is None:
                 resp.force_close()
