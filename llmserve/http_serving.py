@@ -33,6 +33,10 @@ def read_body_middleware(seconds: float):
         if request.body_exists:
             try:
                 body = await asyncio.wait_for(request.read(), seconds)
+            except ConnectionResetError as e:
+                # The client left mid-body: nobody to answer, the handler is being
+                # cancelled (handler_cancellation) anyway; not a server error to log.
+                raise asyncio.CancelledError from e
             except asyncio.TimeoutError:
                 err = APIError(408, f"the request body did not arrive within {seconds:g} s",
                                code="request_timeout")

@@ -228,31 +228,39 @@ class Gateway:
         resp = web.StreamResponse(status=upstream.status, headers=headers)
         await resp.prepare(request)
         events = SSEFramer() if is_sse(upstream) else None
-        try:
-            async for chunk in upstream.content.iter_any():
-                if events is not None:
-                    chunk = events.feed(chunk)
-                if chunk:
-                    await resp.write(chunk)
-        except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError,
-                asyncio.TimeoutError) as e:
-            url = str(upstream.url.origin())
-            log.warning("upstream %s broke mid-stream: %r", url, e)
-            self._failed(url)  # it died: eject it now, not at the next request's failure
-            self.metrics.broken_streams.inc()
-            if events is None:
-                resp.force_close()
-                if request.transport is not None:
-                    request.transport.close()
-                return resp
-            if not events.done:
-                await resp.write(sse_error_event(
-                    "the engine serving this stream failed mid-response; the output is "
-                    "incomplete", "upstream_failed"))
-            await resp.write_eof()
-            return resp
+        while True:
+            try:  # only reading the upstream is guarded: a client that left is not
+                chunk = await upstream.content.readany()  # the engine's failure
+            except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError,
+                    asyncio.TimeoutError) as e:
+                return await self._upstream_broke(request, resp, upstream, events, e)
+            if not chunk:
+                break
+            if events is not None:
+                chunk = events.feed(chunk)
+            if chunk:
+                await resp.write(chunk)
         if events is not None and events.pending:
             await resp.write(events.pending)
+        await resp.write_eof()
+        return resp
+
+    async def _upstream_broke(self, request, resp, upstream, events, e) -> web.StreamResponse:
+        """The engine failed after the response started: eject it, and end the client's
+        response as well-formed as can be (SSE) or visibly broken (anything else)."""
+        url = str(upstream.url.origin())
+        log.warning("upstream %s broke mid-stream: %r", url, e)
+        self._failed(url)  # it died: eject it now, not at the next request's failure
+        self.metrics.broken_streams.inc()
+        if events is None:
+            resp.force_close()
+            if request.transport is not None:
+                request.transport.close()
+            return resp
+        if not events.done:
+            await resp.write(sse_error_event(
+                "the engine serving this stream failed mid-response; the output is "
+                "incomplete", "upstream_failed"))
         await resp.write_eof()
         return resp
 
