@@ -388,7 +388,21 @@ def build_app(gw: Gateway) -> web.Application:
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
+    app.router.add_get("/openapi.json", openapi)
     return app
+
+
+GATEWAY_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health")
+
+
+async def openapi(request: web.Request) -> web.Response:
+    """The engine's OpenAPI document, cut to the operations the gateway serves (what
+    clients generate code from and what the gateway's fuzz test sends)."""
+    from llmserve.engine.openapi import openapi_document
+    doc = openapi_document()
+    doc["paths"] = {p: v for p, v in doc["paths"].items() if p in GATEWAY_PATHS}
+    doc["info"] = {**doc["info"], "title": "llmserve gateway"}
+    return web.json_response(doc)
 
 
 async def serve_gateway(config: GatewayConfig, host: str, port: int,
