@@ -26,7 +26,8 @@ HANG = 30  # seconds without a byte: a request that goes quiet this long has hun
 @pytest.fixture(scope="module")
 def fleet(tiny_llama):
     engines = [EngineProcess(str(tiny_llama), host=f"127.0.0.{41 + i}",
-                             extra=["--served-model-name", "tiny"]) for i in range(3)]
+                             extra=["--served-model-name", "tiny", "--num-threads", "1"])
+               for i in range(3)]
     # Gateway A also cuts slow clients off after 2 s. (Only A: a header timeout below a
     # client's keep-alive, e.g. httpx's 5 s, races the client reusing an idle connection.)
     gateways = [start_gateway(engines, host="127.0.0.40", extra=[

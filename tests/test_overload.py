@@ -145,3 +145,23 @@ async def _one(url):
     async with aiohttp.ClientSession() as s, s.post(url + "/v1/completions", json={
             "model": "tiny", "prompt": "after", "max_tokens": 3, "ignore_eos": True}) as r:
         return json.loads(await r.read())
+
+
+def test_a_started_stream_that_loses_a_prompt_ends_with_an_error_event(overloaded):
+    """Two prompts in one streamed request, one sequence slot: the first streams, the
+    second expires in the queue. The stream has started, so no HTTP error is
+    possible any more: it ends with an OpenAI error event and [DONE]."""
+    async def main():
+        async with aiohttp.ClientSession() as s, s.post(
+                overloaded.url + "/v1/completions", json={
+                    "model": "tiny", "prompt": ["first", "second"], "max_tokens": 1000,
+                    "stream": True, "ignore_eos": True}) as r:
+            assert r.status == 200
+            return [line[6:].strip() async for line in r.content
+                    if line.startswith(b"data: ")]
+
+    events = asyncio.run(main())
+    assert events[-1] == b"[DONE]"
+    err = json.loads(events[-2])["error"]
+    assert err["type"] == "server_overloaded" and "max_queue_delay" in err["message"]
+    assert len(events) > 3, "tokens of the first prompt were streamed before"
