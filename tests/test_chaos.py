@@ -103,15 +103,24 @@ def test_sigkill_an_engine_under_load_loses_nothing_that_had_not_started(fleet, 
     m = scrape_metrics(gw.url)
     assert m.get("llmserve_gateway_retries_total", 0) >= 1, "the victim's share was retried"
     assert m['llmserve_gateway_endpoints{state="ejected"}'] == 1
+    print(f"\n[chaos] engine SIGKILL: in flight {len(first)}: "
+          f"{kinds.count('ok')} completed, {kinds.count('broken-with-error-event')} started "
+          f"streams ended with error event + [DONE], 0 cut, 0 failed before streaming; "
+          f"sent after the kill {len(later)}: all completed; gateway retries "
+          f"{m.get('llmserve_gateway_retries_total', 0):.0f}, broken streams "
+          f"{m.get('llmserve_gateway_broken_streams_total', 0):.0f}")
 
     # Back on the same address: re-admitted at its first healthy scrape.
     revived = EngineProcess(str(tiny_llama), host=victim.host, port=victim.port,
-                            extra=["--served-model-name", "tiny"])
+                            extra=["--served-model-name", "tiny", "--num-threads", "1"])
     engines[0] = revived
+    t_revive = time.monotonic()
     deadline = time.monotonic() + 30
     while scrape_metrics(gw.url)['llmserve_gateway_endpoints{state="ejected"}'] != 0:
         assert time.monotonic() < deadline, "the revived engine was not re-admitted"
         time.sleep(0.2)
+    print(f"[chaos] revived engine healthy -> re-admitted in "
+          f"{time.monotonic() - t_revive:.1f} s")
     client = openai.OpenAI(base_url=gw.url + "/v1", api_key="x", max_retries=0)
     for i in range(6):
         client.completions.create(model="tiny", prompt=f"again {i}", max_tokens=2)
@@ -129,10 +138,12 @@ def test_slow_clients_against_the_real_servers(fleet):
         [f"X-Slow-{i}: y\r\n".encode() for i in range(60)]
     got, took = raw_exchange(gw.host, gw.port, head, 0.2, 15)
     assert got == b"" and took < 6, (got, took)
+    print(f"\n[chaos] slow head closed after {took:.1f} s (--header-timeout 2)")
     body_head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n"
                  b"Content-Type: application/json\r\n\r\n{")
     got, took = raw_exchange(gw.host, gw.port, [body_head] + [b" "] * 60, 0.2, 15)
     assert got.startswith(b"HTTP/1.1 408") and took < 6, (got, took)
+    print(f"[chaos] slow body answered 408 and closed after {took:.1f} s (--body-timeout 2)")
     client = openai.OpenAI(base_url=gw.url + "/v1", api_key="x", max_retries=0)
     assert client.completions.create(model="tiny", prompt="x", max_tokens=2).choices
 
@@ -163,4 +174,5 @@ def test_killing_one_gateway_replica_is_invisible_to_the_others_clients(fleet):
 
     results = asyncio.run(main())
     assert all(n > 0 for n in results) and len(results) == 12
+    print(f"\n[chaos] gateway A SIGKILLed: {len(results)}/12 streams through B completed")
     assert gw_a.proc.wait(10) == -signal.SIGKILL
