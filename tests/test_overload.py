@@ -90,7 +90,7 @@ def test_full_swap_space_falls_back_to_recompute_and_outputs_hold(tiny_llama):
 def overloaded(tiny_llama):
     proc = ServerProcess(str(tiny_llama), host="127.0.0.7", extra=[
         "--served-model-name", "tiny", "--max-num-seqs", "1", "--max-waiting", "2",
-        "--max-queue-delay", "1.5"])
+        "--max-queue-delay", "1.5", "--header-timeout", "1", "--body-timeout", "1"])
     yield proc
     assert proc.stop() == 0
 
@@ -165,3 +165,16 @@ def test_a_started_stream_that_loses_a_prompt_ends_with_an_error_event(overloade
     err = json.loads(events[-2])["error"]
     assert err["type"] == "server_overloaded" and "max_queue_delay" in err["message"]
     assert len(events) > 3, "tokens of the first prompt were streamed before"
+
+
+def test_slow_clients_are_cut_off_by_the_engine_too(overloaded):
+    from tests.test_gateway_faults import raw_exchange
+    head = [b"POST /v1/completions HTTP/1.1\r\n"] + [b"X-Slow: y\r\n"] * 40
+    got, took = raw_exchange(overloaded.host, overloaded.port, head, 0.2, 15)
+    assert got == b"" and took < 5, (got, took)
+    body_head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 50\r\n"
+                 b"Content-Type: application/json\r\n\r\n{")
+    got, took = raw_exchange(overloaded.host, overloaded.port, [body_head] + [b" "] * 40,
+                             0.2, 15)
+    assert got.startswith(b"HTTP/1.1 408") and took < 5, (got, took)
+    assert asyncio.run(_one(overloaded.url))["usage"]["completion_tokens"] == 3

@@ -59,6 +59,7 @@ def test_operator_killed_mid_reconcile_and_apiserver_restarted_converge(
     assert ("Deployment", "gamma-engine") in partial
     assert ("Deployment", "gamma-gateway") not in partial
     operator.kill()  # SIGKILL in the middle of its (retrying) reconcile
+    t0 = time.monotonic()
 
     cluster.restart("kube-apiserver")  # a crashed API server, back on the same etcd
     kubectl("delete", "quota", "one-deployment", "-n", NS)
@@ -76,6 +77,9 @@ def test_operator_killed_mid_reconcile_and_apiserver_restarted_converge(
         return kids if args[args.index("--max-num-seqs") + 1] == "7" else None
 
     kids = wait_for(converged, 120, 1.0, what="all 8 children with the new spec")
+    print(f"\n[e2e chaos] operator killed with {len(partial)}/8 children applied, API server "
+          f"crashed and restarted: converged {time.monotonic() - t0:.0f} s after the kill",
+          flush=True)
     body = get_json(kubectl, "llmd", "gamma", "-n", NS)
     uid = body["metadata"]["uid"]
     for key, obj in kids.items():  # each owned once, by this resource: no orphans

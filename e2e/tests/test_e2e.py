@@ -182,11 +182,17 @@ def test_engine_pod_sigkilled_under_load_is_replaced_and_routing_recovers(
         if len(r["events"]) >= 2 and b'"error"' in r["events"][-2]:
             assert r in first and len(r["events"]) > 2, "only a started stream may break"
     assert all(b'"error"' not in e for r in later for e in r["events"]), "later ones complete"
+    broken = sum(len(r["events"]) >= 2 and b'"error"' in r["events"][-2] for r in first)
+    t_killed = time.monotonic()
 
     # Replaced: a new pod, Ready, and the gateway routes to both engines again.
     ips = wait_for(lambda: (ips := ready_ips(kubectl, NS, sel)) and len(ips) == 2
                    and name not in [p["metadata"]["name"] for p in pods(kubectl, NS, sel)]
                    and ips, 300, 1.0, what="a replacement engine pod ready")
+    print(f"\n[e2e chaos] engine pod SIGKILL: {len(first)} in flight: {len(first) - broken} "
+          f"completed, {broken} ended with error event + [DONE]; {len(later)} sent after: "
+          f"all completed; replacement pod ready {time.monotonic() - t_killed:.0f} s later",
+          flush=True)
 
     def served() -> dict:
         return {ip: scrape_metrics(f"http://{ip}:8000").get("vllm:request_success_total", 0)

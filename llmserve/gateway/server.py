@@ -226,6 +226,14 @@ class Gateway:
         client sees an error instead of a silently short body."""
         headers = {k: v for k, v in upstream.headers.items() if k.lower() not in HOP_HEADERS}
         resp = web.StreamResponse(status=upstream.status, headers=headers)
+        try:
+            return await self._pass_through(request, resp, upstream)
+        except ConnectionResetError as e:
+            # The client left while we wrote to it (a race with handler cancellation):
+            # not a server error; closing the upstream (in _forward) aborts the request.
+            raise asyncio.CancelledError from e
+
+    async def _pass_through(self, request, resp, upstream) -> web.StreamResponse:
         await resp.prepare(request)
         events = SSEFramer() if is_sse(upstream) else None
         while True:
