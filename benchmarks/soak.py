@@ -7,8 +7,9 @@ the first byte (often before the gateway has even picked an engine) and half
 mid-stream after a random number of events. Reported: completed, failed by cause
 (among clients that stayed), disconnected, p50/p99 TTFT and ITL, and after the run
 every engine's running/waiting requests and KV usage against its idle value (any
-leaked block keeps the usage above it), and the RSS growth of every engine and the
-gateway from after a warm-up to the end.
+leaked block keeps the usage above it), and the RSS of every engine and the gateway
+after a warm-up, at each quarter of the run and at the end (growth that flattens in
+the second half is caches and first-touched KV pages; growth that keeps on is a leak).
 
     python benchmarks/soak.py                      # 1,000 requests, 30% disconnect, 3 engines
     python benchmarks/soak.py --requests 200 --model /path/to/checkpoint --concurrency 16
@@ -119,12 +120,14 @@ async def before_first_byte(session, url, path, body, rng) -> Outcome:
 
 
 async def drive(url: str, n: int, disconnect_share: float, concurrency: int, seed: int,
-                model: str | None, max_tokens: int = 48) -> list[Outcome]:
+                model: str | None, max_tokens: int = 48, on_done=None) -> list[Outcome]:
     rng = random.Random(seed)
     sem = asyncio.Semaphore(concurrency)
     timeout = aiohttp.ClientTimeout(total=None, sock_read=120)
+    finished = 0
 
     async def task(i, session):
+        nonlocal finished
         path, body = make_request(rng, i, model, max_tokens)
         leave = None
         if rng.random() < disconnect_share:
@@ -132,8 +135,13 @@ async def drive(url: str, n: int, disconnect_share: float, concurrency: int, see
         leave_after = rng.randint(1, 6)
         async with sem:
             if leave == "before":
-                return await before_first_byte(session, url, path, body, rng)
-            return await one(session, url, path, body, leave, leave_after)
+                out = await before_first_byte(session, url, path, body, rng)
+            else:
+                out = await one(session, url, path, body, leave, leave_after)
+        finished += 1
+        if on_done is not None:
+            on_done(finished)
+        return out
 
     async with aiohttp.ClientSession(timeout=timeout) as session:
         return await asyncio.gather(*(task(i, session) for i in range(n)))
@@ -203,15 +211,29 @@ def soak(gateway: ServerProcess, engines: list[ServerProcess], n: int,
     asyncio.run(drive(gateway.url, warm_up, 0.0, concurrency, seed + 1, model, max_tokens))
     idle_kv = [s["kv_usage"] for s in settle([e.url for e in engines], [1.0] * len(engines))]
     procs = {"gateway": gateway, **{f"engine{i}": e for i, e in enumerate(engines)}}
-    rss_before = {k: rss_mb(p.proc.pid) for k, p in procs.items()}
+    # RSS after the warm-up, at each quarter of the run and after it: growth that
+    # flattens (caches and first-touched KV pages) versus growth that keeps on (a leak).
+    samples: dict[str, list[float]] = {k: [rss_mb(p.proc.pid)] for k, p in procs.items()}
+    marks = {n * q // 4 for q in (1, 2, 3)}
+
+    def on_done(finished: int) -> None:
+        if finished in marks:
+            for k, p in procs.items():
+                samples[k].append(rss_mb(p.proc.pid))
+
     t0 = time.perf_counter()
     outcomes = asyncio.run(drive(gateway.url, n, disconnect_share, concurrency, seed, model,
-                                 max_tokens))
+                                 max_tokens, on_done))
     seconds = time.perf_counter() - t0
     after = settle([e.url for e in engines], idle_kv)
-    rss = {k: {"before": round(rss_before[k], 1), "after": round(rss_mb(p.proc.pid), 1),
-               "growth": round(rss_mb(p.proc.pid) - rss_before[k], 1)}
-           for k, p in procs.items()}
+    rss = {}
+    for k, p in procs.items():
+        points = [*samples[k], rss_mb(p.proc.pid)]
+        half = points[len(points) // 2]
+        rss[k] = {"after_warm_up": round(points[0], 1),
+                  "quarters": [round(x, 1) for x in points[1:]],
+                  "growth": round(points[-1] - points[0], 1),
+                  "growth_second_half": round(points[-1] - half, 1)}
     return report(outcomes, after, rss, seconds, disconnect_share)
 
 

@@ -25,7 +25,7 @@ from llmserve.engine.config import EngineConfig
 from llmserve.engine.llm_engine import LLMEngine
 from llmserve.engine.metrics import EngineMetrics
 from llmserve.engine.outputs import RequestOutput
-from llmserve.engine.overload import OverloadedError
+from llmserve.engine.overload import OverloadedError, queue_full, waiting_requests
 from llmserve.engine.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -69,6 +69,12 @@ class AsyncLLMEngine:
         self._stop = False
         self.error: BaseException | None = None
         self._ids = itertools.count()
+        # Overload fast path (max_waiting): requests handed to the engine thread but not
+        # yet queued there, and the unscheduled requests it last saw waiting. A burst is
+        # refused here at once, not one engine step later per request.
+        self._count_lock = threading.Lock()
+        self._pending_adds = 0
+        self.num_waiting = 0
 
     # --- lifecycle ----------------------------------------------------------------
     async def start(self) -> None:
@@ -107,6 +113,7 @@ class AsyncLLMEngine:
         if not self.alive:
             raise EngineDeadError("the engine is not running")
         self.engine.validate_prompt(prompt_token_ids, params)
+        self._admit()
         sink: asyncio.Queue = asyncio.Queue()
         self._sinks[request_id] = sink
         self._inbox.put(_Add(request_id, prompt_token_ids, prompt, params, priority,
@@ -127,6 +134,17 @@ class AsyncLLMEngine:
             if not finished:
                 self.abort(request_id)
 
+    def _admit(self) -> None:
+        """Refuse at once when the waiting queue is already full (the engine thread
+        checks again, exactly, when it queues the request)."""
+        limit = self.config.max_waiting
+        with self._count_lock:
+            if limit is not None and self._pending_adds + self.num_waiting >= limit:
+                self.metrics.on_overload("queue_full")
+                raise queue_full(self._pending_adds + self.num_waiting, limit,
+                                 self.config.max_queue_delay)
+            self._pending_adds += 1
+
     def abort(self, request_id: str) -> None:
         self._inbox.put(_Abort(request_id))
         self._wake.set()
@@ -146,6 +164,7 @@ class AsyncLLMEngine:
             while not self._stop:
                 self._drain_inbox()
                 self._expire_waiting()
+                self._publish_waiting()
                 if not self.engine.has_unfinished():
                     self.metrics.observe_engine(self.engine)
                     self._wake.wait(timeout=0.5)
@@ -182,6 +201,8 @@ class AsyncLLMEngine:
                 if self.engine.abort(cmd.request_id):
                     self.metrics.aborted += 1
                 continue
+            with self._count_lock:
+                self._pending_adds -= 1
             if cmd.request_id not in self._sinks:  # cancelled before it got here
                 continue
             try:
@@ -193,6 +214,10 @@ class AsyncLLMEngine:
                 if isinstance(e, OverloadedError):
                     self.metrics.on_overload("queue_full")
                 self._deliver(cmd.request_id, e)
+
+    def _publish_waiting(self) -> None:
+        if self.config.max_waiting is not None:
+            self.num_waiting = len(waiting_requests(self.engine.scheduler.waiting))
 
     def _expire_waiting(self) -> None:
         if self.config.max_queue_delay is None:

@@ -42,16 +42,20 @@ def waiting_requests(waiting) -> list[Request]:
     return list(seen.values())
 
 
+def queue_full(n: int, max_waiting: int, max_queue_delay: float | None) -> OverloadedError:
+    return OverloadedError(
+        f"the engine is overloaded: {n} requests are already waiting "
+        f"(max_waiting={max_waiting}); retry later or elsewhere",
+        retry_after=max_queue_delay or 1.0)
+
+
 def check_admission(max_waiting: int | None, max_queue_delay: float | None, waiting) -> None:
     """Raise OverloadedError when one more request would exceed ``max_waiting``."""
     if max_waiting is None:
         return
     n = len(waiting_requests(waiting))
     if n >= max_waiting:
-        raise OverloadedError(
-            f"the engine is overloaded: {n} requests are already waiting "
-            f"(max_waiting={max_waiting}); retry later or elsewhere",
-            retry_after=max_queue_delay or 1.0)
+        raise queue_full(n, max_waiting, max_queue_delay)
 
 
 def expired(max_queue_delay: float | None, waiting, now: float) -> list[Request]:
