@@ -35,18 +35,20 @@ def drain(engine):
 
 def test_max_waiting_refuses_only_new_requests(engine):
     params = SamplingParams(max_tokens=4, **GREEDY)
-    engine.add_request([5, 6, 7], params)
-    engine.add_request([5, 6, 8], params)
+    # Idle, one free slot (max_num_seqs=1): one request will run, two may wait.
+    for i in range(3):
+        engine.add_request([5, 6, i], params)
     with pytest.raises(OverloadedError) as e:
         engine.add_request([5, 6, 9], params)
     assert e.value.retry_after_header == "5"
-    assert len(engine.requests) == 2, "a refused request leaves nothing behind"
-    engine.step()  # one is scheduled (max_num_seqs=1): one waits, so one more fits
-    engine.add_request([5, 6, 9], params)
+    assert len(engine.requests) == 3, "a refused request leaves nothing behind"
+    engine.step()  # one runs, two wait: full
     with pytest.raises(OverloadedError):
         engine.add_request([5, 6, 10], params)
     drain(engine)
     assert not engine.requests
+    engine.add_request([5, 6, 11], params)  # room again
+    drain(engine)
 
 
 def test_max_queue_delay_expires_only_requests_that_never_ran(engine):

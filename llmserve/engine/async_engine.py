@@ -75,6 +75,7 @@ class AsyncLLMEngine:
         self._count_lock = threading.Lock()
         self._pending_adds = 0
         self.num_waiting = 0
+        self.free_slots = config.max_num_seqs  # sequence slots free at the last look
 
     # --- lifecycle ----------------------------------------------------------------
     async def start(self) -> None:
@@ -139,7 +140,9 @@ class AsyncLLMEngine:
         checks again, exactly, when it queues the request)."""
         limit = self.config.max_waiting
         with self._count_lock:
-            if limit is not None and self._pending_adds + self.num_waiting >= limit:
+            # Pending requests will fill free slots first, and only then wait.
+            if limit is not None and \
+                    self._pending_adds + self.num_waiting >= limit + self.free_slots:
                 self.metrics.on_overload("queue_full")
                 raise queue_full(self._pending_adds + self.num_waiting, limit,
                                  self.config.max_queue_delay)
@@ -217,7 +220,9 @@ class AsyncLLMEngine:
 
     def _publish_waiting(self) -> None:
         if self.config.max_waiting is not None:
-            self.num_waiting = len(waiting_requests(self.engine.scheduler.waiting))
+            sched = self.engine.scheduler
+            self.num_waiting = len(waiting_requests(sched.waiting))
+            self.free_slots = max(0, self.config.max_num_seqs - len(sched.running))
 
     def _expire_waiting(self) -> None:
         if self.config.max_queue_delay is None:

@@ -96,7 +96,8 @@ class LLMEngine:
         ids = prompt_token_ids if prompt_token_ids is not None else self.tokenize(prompt)
         self.validate_prompt(ids, params)
         check_admission(self.config.max_waiting, self.config.max_queue_delay,
-                        self.scheduler.waiting)
+                        self.scheduler.waiting,
+                        max(0, self.config.max_num_seqs - len(self.scheduler.running)))
         if params.max_tokens is None:
             params.max_tokens = self.max_model_len - len(ids)
         request_id = request_id or f"req-{next(self._ids)}"

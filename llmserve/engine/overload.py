@@ -49,12 +49,16 @@ def queue_full(n: int, max_waiting: int, max_queue_delay: float | None) -> Overl
         retry_after=max_queue_delay or 1.0)
 
 
-def check_admission(max_waiting: int | None, max_queue_delay: float | None, waiting) -> None:
-    """Raise OverloadedError when one more request would exceed ``max_waiting``."""
+def check_admission(max_waiting: int | None, max_queue_delay: float | None, waiting,
+                    free_slots: int = 0) -> None:
+    """Raise OverloadedError when one more request would leave more than
+    ``max_waiting`` waiting once the next step has filled the ``free_slots`` sequence
+    slots (a burst into an idle engine is not refused for want of a queue it does
+    not need)."""
     if max_waiting is None:
         return
     n = len(waiting_requests(waiting))
-    if n >= max_waiting:
+    if n >= max_waiting + free_slots:
         raise queue_full(n, max_waiting, max_queue_delay)
 
 
