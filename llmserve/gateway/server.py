@@ -280,8 +280,10 @@ OVERLOADED = web.RequestKey("overloaded", str)  # Retry-After of an overloaded e
 async def overloaded(upstream: aiohttp.ClientResponse) -> bool:
     """Whether a 503 is an engine's ``server_overloaded`` (busy, retry elsewhere, keep
     it in the pool) rather than a failure (eject it)."""
+    if (upstream.content_length or 0) > 64 << 10:
+        return False
     try:
-        body = json.loads(await upstream.content.read(64 << 10))
+        body = json.loads(await upstream.read())
         return body["error"]["type"] == "server_overloaded"
     except (ValueError, KeyError, TypeError, aiohttp.ClientError, asyncio.TimeoutError):
         return False
