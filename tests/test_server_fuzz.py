@@ -65,12 +65,12 @@ def test_gateway_api_never_5xx_and_leaks_nothing(fuzz_server):
     from tests.test_gateway import start_gateway
     gw = start_gateway([fuzz_server], host="127.0.0.8")
     try:
-        seen = fuzz_every_operation(gw.url, 4, 12)
+        seen = fuzz_every_operation(gw.url, 4, 6)
         metrics = scrape(gw.url)
         engine = scrape(fuzz_server.url)
     finally:
         assert gw.stop() == 0
-    assert seen["2xx"] > 5 and seen["4xx"] > 5, seen
+    assert seen["2xx"] > 3 and seen["4xx"] > 3, seen
     assert metrics.get('llmserve_gateway_endpoints{state="ejected"}', 0) == 0
     assert metrics.get("llmserve_gateway_upstream_errors_total", 0) == 0
     assert engine["vllm:num_requests_running"] == engine["vllm:num_requests_waiting"] == 0
