@@ -109,15 +109,26 @@ class Cluster:
         self.dir = Path(workdir or tempfile.mkdtemp(prefix="llmserve-e2e-"))
         self.num_nodes = nodes
         self.procs: dict[str, subprocess.Popen] = {}
+        self.args: dict[str, list[str]] = {}
         self.port = free_port()
         self.server = f"https://{BRIDGE_IP}:{self.port}"
         self.kubeconfig = self.dir / "admin.kubeconfig"
         self.timings: dict[str, float] = {}
 
     def _start(self, name: str, args: list[str]) -> None:
-        log = open(self.dir / f"{name}.log", "w")
+        log = open(self.dir / f"{name}.log", "a")
+        self.args[name] = args
         self.procs[name] = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT,
                                             start_new_session=True)
+
+    def restart(self, name: str, sig: int = signal.SIGKILL) -> None:
+        """Kill one control-plane process (SIGKILL: a crash) and start it again with the
+        same arguments (etcd keeps the state); returns once the API server is ready."""
+        p = self.procs[name]
+        os.killpg(p.pid, sig)
+        p.wait(30)
+        self._start(name, self.args[name])
+        self.wait_healthy()
 
     def up(self) -> Cluster:
         t0 = time.monotonic()

@@ -171,6 +171,10 @@ class PodRunner:
         # What the image would bake in: the converted built-in model.
         if os.environ.get("LLMSERVE_CACHE"):
             env["LLMSERVE_CACHE"] = os.environ["LLMSERVE_CACHE"]
+        # The code the "image" holds: this checkout even when the virtualenv's editable
+        # install points at another one (a git worktree sharing the venv).
+        if os.environ.get("PYTHONPATH"):
+            env["PYTHONPATH"] = os.environ["PYTHONPATH"]
         Path(env["HOME"]).mkdir(exist_ok=True)
         core = client.CoreV1Api(self.api)
         fields = {"metadata.name": p.name, "metadata.namespace": p.namespace,

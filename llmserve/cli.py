@@ -11,7 +11,7 @@ import sys
 from llmserve.errors import EngineDeadError, EngineStartError, ModelLoadError, WorkerDiedError
 
 
-def add_engine_args(p: argparse.ArgumentParser) -> None:
+def add_engine_args(p: argparse.ArgumentParser, overload: bool = True) -> None:
     g = p.add_argument_group("engine")
     g.add_argument("--model", default="smollm2-135m-instruct",
                    help="checkpoint directory, .gguf file or built-in name")
@@ -47,9 +47,28 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="split the model across this many ranks: one per GPU (GPUs "
                         "0..N-1), or on CPU processes that share the cores")
+    if overload:  # not under `up`, where --max-waiting is the gateway's spill-over level
+        add_overload_args(g)
     g.add_argument("--check-kv-integrity", action="store_true",
                    help="debug: hash KV blocks across swaps and copy-on-write, fail loudly "
                         "on a mismatch (slow)")
+
+
+# Engine overload flags: config field -> (flag, argparse dest). Their dests differ from
+# the field names because the gateway has a --max-waiting of its own.
+OVERLOAD_FLAGS = {"max_waiting": ("--max-waiting", "engine_max_waiting"),
+                  "max_queue_delay": ("--max-queue-delay", "engine_max_queue_delay")}
+
+
+def add_overload_args(g) -> None:
+    g.add_argument("--max-waiting", dest="engine_max_waiting", type=int, default=None,
+                   metavar="N",
+                   help="overload: answer 503 server_overloaded (with Retry-After) to new "
+                        "requests while this many wait unscheduled (default: unbounded)")
+    g.add_argument("--max-queue-delay", dest="engine_max_queue_delay", type=float, metavar="S",
+                   default=None,
+                   help="overload: a request not scheduled within this many seconds leaves "
+                        "the queue with 503 server_overloaded (default: waits forever)")
 
 
 ENGINE_KEYS = ("model", "served_model_name", "device", "dtype", "block_size", "kv_cache_memory",
@@ -73,12 +92,17 @@ def engine_argv(args) -> list[str]:
             argv += ["--" + key.replace("_", "-")] if value else []
         elif value is not None:
             argv += ["--" + key.replace("_", "-"), str(value)]
+    for flag, dest in OVERLOAD_FLAGS.values():
+        if getattr(args, dest, None) is not None:
+            argv += [flag, str(getattr(args, dest))]
     return argv
 
 
 def engine_config(args):
     from llmserve.engine.config import EngineConfig
-    return EngineConfig(**{k: getattr(args, k) for k in ENGINE_KEYS})
+    return EngineConfig(**{k: getattr(args, k) for k in ENGINE_KEYS},
+                        **{k: getattr(args, dest, None)
+                           for k, (_, dest) in OVERLOAD_FLAGS.items()})
 
 
 def cmd_generate(args) -> int:
@@ -109,6 +133,11 @@ def add_server_args(p: argparse.ArgumentParser, port: int) -> None:
                    help="require this Bearer token on /v1 paths (or LLMSERVE_API_KEY)")
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="seconds in-flight requests may take after SIGTERM")
+    p.add_argument("--header-timeout", type=float, default=30.0,
+                   help="close a connection whose request head is incomplete (or that is "
+                        "idle) after this many seconds (slow clients)")
+    p.add_argument("--body-timeout", type=float, default=30.0,
+                   help="answer 408 and close when a request body takes longer than this")
     p.add_argument("--log-level", default="INFO")
 
 
@@ -117,7 +146,8 @@ def cmd_serve(args) -> int:
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     asyncio.run(serve(engine_config(args), args.host, args.port, args.api_key,
-                      args.drain_timeout))
+                      args.drain_timeout, header_timeout=args.header_timeout,
+                      body_timeout=args.body_timeout))
     return 0
 
 
@@ -171,7 +201,8 @@ def gateway_config(args, backends: list[str]):
                          no_endpoint_wait=args.no_endpoint_wait,
                          max_in_flight=args.max_in_flight, tenants_file=args.tenants,
                          peers=args.peer, peer_service=args.peer_service,
-                         peer_interval=args.peer_interval)
+                         peer_interval=args.peer_interval,
+                         header_timeout=args.header_timeout, body_timeout=args.body_timeout)
 
 
 def cmd_gateway(args) -> int:
@@ -262,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
     add_server_args(srv, 8000)
     srv.set_defaults(func=cmd_serve)
     up = sub.add_parser("up", help="the local platform on the built-in model, one command")
-    add_engine_args(up)
+    add_engine_args(up, overload=False)
     add_server_args(up, 8000)
     add_gateway_args(up)
     up.add_argument("--engines", type=int, default=1, help="engine processes behind the gateway")

@@ -8,6 +8,6 @@ from llmserve.launcher import scrape_metrics as scrape  # noqa: F401 - re-export
 
 class ServerProcess(_Process):
     def __init__(self, model: str, host: str = "127.0.0.2", extra: list[str] | None = None,
-                 env: dict | None = None):
+                 env: dict | None = None, port: int | None = None):
         super().__init__(["serve", "--model", model, "--kv-cache-memory", str(64 << 20),
-                          "--log-level", "WARNING", *(extra or [])], host, env=env)
+                          "--log-level", "WARNING", *(extra or [])], host, port, env=env)

@@ -64,3 +64,12 @@ def test_up_serves_through_its_gateway_and_stops_cleanly(tiny_llama):
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0
+
+
+def test_overload_flags_reach_the_engine_config():
+    from llmserve.cli import engine_config
+    given = parse(["--max-waiting", "3", "--max-queue-delay", "2.5", "--device", "cpu"])
+    assert parse(engine_argv(given)).engine_max_waiting == 3
+    config = engine_config(given)
+    assert (config.max_waiting, config.max_queue_delay) == (3, 2.5)
+    assert engine_config(parse(["--device", "cpu"])).max_waiting is None

@@ -65,6 +65,25 @@ def test_target_itl_reaches_the_engine_and_is_refused_for_vllm():
         children(owner(engine={"kind": "vllm", "targetITLMs": 120}), 1)
 
 
+def test_overload_bounds_reach_the_engine_and_are_refused_for_vllm():
+    import argparse
+
+    from llmserve.cli import add_engine_args, engine_config
+    dep = by_kind(children(owner(engine={"maxWaiting": 32, "maxQueueDelaySeconds": 2.5}),
+                           1))["Deployment"][0]
+    args = dep["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[args.index("--max-waiting") + 1] == "32"
+    assert args[args.index("--max-queue-delay") + 1] == "2.5"
+    parser = argparse.ArgumentParser()  # what `llmserve serve` makes of them
+    add_engine_args(parser)
+    parsed, _ = parser.parse_known_args([*args, "--device", "cpu"])
+    config = engine_config(parsed)
+    assert (config.max_waiting, config.max_queue_delay) == (32, 2.5)
+    for key in ("maxWaiting", "maxQueueDelaySeconds"):
+        with pytest.raises(SpecError, match=key):
+            children(owner(engine={"kind": "vllm", key: 4}), 1)
+
+
 def test_security_context_everywhere():
     for dep in by_kind(children(owner(), 1))["Deployment"]:
         pod = dep["spec"]["template"]["spec"]

@@ -48,6 +48,10 @@ CHAT = "/v1/chat/completions"
 CASES = [
     (C, b"{not json", 400, None),
     (C, b"[1, 2]", 400, None),
+    (C, b'{"prompt": "\xff\xfe"}', 400, None),  # invalid UTF-8
+    (C, b"[" * 100_000 + b"]" * 100_000, 400, None),  # nested past the parser's recursion
+    (C, {"prompt": "x", "n": 10 ** 12}, 400, "n"),
+    (C, {"prompt": "x", "max_tokens": 10 ** 30}, 400, "prompt"),
     (C, {"prompt": 5}, 400, "prompt"),
     (C, {"prompt": []}, 400, "prompt"),
     (C, {"prompt": "x", "max_tokens": -1}, 400, "max_tokens"),

@@ -7,7 +7,7 @@ import hypothesis
 import pytest
 import schemathesis
 
-from tests.server_proc import ServerProcess
+from tests.server_proc import ServerProcess, scrape
 
 
 @pytest.fixture(scope="module")
@@ -32,10 +32,10 @@ def check_case(case) -> int:
     return response.status_code
 
 
-def test_api_never_5xx(fuzz_server):
-    schema = schemathesis.openapi.from_url(fuzz_server.url + "/openapi.json")
+def fuzz_every_operation(url: str, min_operations: int, max_examples: int) -> dict:
+    schema = schemathesis.openapi.from_url(url + "/openapi.json")
     operations = [op.ok() for op in schema.get_all_operations()]
-    assert len(operations) >= 7
+    assert len(operations) >= min_operations
     seen = {"2xx": 0, "4xx": 0}
     modes = (schemathesis.GenerationMode.POSITIVE, schemathesis.GenerationMode.NEGATIVE)
     # Operations without a body (GETs) have nothing to make invalid.
@@ -43,14 +43,38 @@ def test_api_never_5xx(fuzz_server):
             if op.method.upper() == "POST" or m is modes[0]]
     for operation, mode in runs:
         @hypothesis.given(case=operation.as_strategy(generation_mode=mode))
-        @hypothesis.settings(max_examples=30, deadline=None, database=None,
+        @hypothesis.settings(max_examples=max_examples, deadline=None, database=None,
                              suppress_health_check=list(hypothesis.HealthCheck))
         def fuzz(case):
             seen["4xx" if check_case(case) >= 400 else "2xx"] += 1
 
         fuzz()
+    return seen
+
+
+def test_api_never_5xx(fuzz_server):
+    seen = fuzz_every_operation(fuzz_server.url, 7, 30)
     # Both valid and invalid requests were really sent.
     assert seen["2xx"] > 20 and seen["4xx"] > 20, seen
+
+
+def test_gateway_api_never_5xx_and_leaks_nothing(fuzz_server):
+    """The same fuzzing through the gateway: its own parsing, auth and proxying in
+    front of the engine's validation. Nothing is a 5xx, the engine ends idle and the
+    gateway never ejects the engine for the client's mistakes."""
+    from tests.test_gateway import start_gateway
+    gw = start_gateway([fuzz_server], host="127.0.0.8")
+    try:
+        seen = fuzz_every_operation(gw.url, 4, 6)
+        metrics = scrape(gw.url)
+        engine = scrape(fuzz_server.url)
+    finally:
+        assert gw.stop() == 0
+    assert seen["2xx"] > 3 and seen["4xx"] > 3, seen
+    assert metrics.get('llmserve_gateway_endpoints{state="ejected"}', 0) == 0
+    assert metrics.get("llmserve_gateway_upstream_errors_total", 0) == 0
+    assert engine["vllm:num_requests_running"] == engine["vllm:num_requests_waiting"] == 0
+    assert engine["vllm:kv_cache_usage_perc"] == 0.0
 
 
 def test_still_healthy_after_fuzzing(fuzz_server):

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 import time
 from pathlib import Path
 
@@ -14,6 +16,7 @@ import pytest
 
 from e2e.cluster import BIN_DIR
 from e2e.tests.conftest import get_json, wait_for
+from llmserve.launcher import scrape_metrics
 
 ROOT = Path(__file__).resolve().parents[2]
 NS = "llm"
@@ -107,7 +110,6 @@ def engine_hits(kubectl):
     out = {}
     for ip in ready_ips(kubectl, NS, "app.kubernetes.io/component=engine,"
                                      "serving.llmserve.io/deployment=smollm2"):
-        from llmserve.launcher import scrape_metrics
         out[ip] = scrape_metrics(f"http://{ip}:8000").get("vllm:request_success_total", 0)
     return out
 
@@ -133,6 +135,80 @@ def test_scaling_to_two_replicas_adds_the_engine_to_routing(kubectl, smollm):
     wait_for(lambda: asyncio.run(burst()) or all(
         v > before.get(k, 0) for k, v in engine_hits(kubectl).items()), 90, 2.0,
         what="both engines to serve requests routed by the gateway")
+
+
+async def stream(session, url: str, i: int) -> dict:
+    body = {"model": "smollm2-135m-instruct", "prompt": f"chaos {i}", "max_tokens": 48,
+            "stream": True, "ignore_eos": True}
+    out = {"status": None, "events": [], "exc": None}
+    try:
+        async with session.post(url + "/v1/completions", json=body) as r:
+            out["status"] = r.status
+            async for line in r.content:
+                if line.startswith(b"data: "):
+                    out["events"].append(line[6:].strip())
+    except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+        out["exc"] = repr(e)
+    return out
+
+
+def test_engine_pod_sigkilled_under_load_is_replaced_and_routing_recovers(
+        cluster, kubectl, smollm):
+    """After the scaling test: two engines behind the gateway. One crashes (SIGKILL)
+    under load and its pod is force-deleted: nothing that had not started is lost,
+    started streams end with [DONE], and the replacement pod gets routed traffic."""
+    sel = "app.kubernetes.io/component=engine,serving.llmserve.io/deployment=smollm2"
+    assert len(ready_ips(kubectl, NS, sel)) == 2
+    url = gateway_url(kubectl)
+    live = [p for p in pods(kubectl, NS, sel) if not p["metadata"].get("deletionTimestamp")]
+    name = live[0]["metadata"]["name"]
+    proc = next(p for p in cluster.runner.pods.values() if p.name == name)
+
+    killed_at: list[float] = []
+
+    async def main():
+        timeout = aiohttp.ClientTimeout(total=None, sock_read=30)
+        async with aiohttp.ClientSession(timeout=timeout) as s:
+            first = [asyncio.create_task(stream(s, url, i)) for i in range(8)]
+            await asyncio.sleep(1.0)
+            killed_at.append(time.monotonic())
+            os.killpg(proc.proc.pid, signal.SIGKILL)  # the container crashes ...
+            kubectl("delete", "pod", name, "-n", NS, "--grace-period=0", "--force",
+                    "--wait=false")  # ... and its pod is gone (node lost, evicted)
+            later = [asyncio.create_task(stream(s, url, 100 + i)) for i in range(8)]
+            return await asyncio.gather(*first), await asyncio.gather(*later)
+
+    first, later = asyncio.run(main())
+    for r in first + later:
+        assert r["exc"] is None and r["status"] == 200, r
+        assert r["events"] and r["events"][-1] == b"[DONE]", r  # ended, never cut
+        if len(r["events"]) >= 2 and b'"error"' in r["events"][-2]:
+            assert r in first and len(r["events"]) > 2, "only a started stream may break"
+    assert all(b'"error"' not in e for r in later for e in r["events"]), "later ones complete"
+    broken = sum(len(r["events"]) >= 2 and b'"error"' in r["events"][-2] for r in first)
+
+    # Replaced: a new pod, Ready, and the gateway routes to both engines again.
+    ips = wait_for(lambda: (ips := ready_ips(kubectl, NS, sel)) and len(ips) == 2
+                   and name not in [p["metadata"]["name"] for p in pods(kubectl, NS, sel)]
+                   and ips, 300, 1.0, what="a replacement engine pod ready")
+    print(f"\n[e2e chaos] engine pod SIGKILL: {len(first)} in flight: {len(first) - broken} "
+          f"completed, {broken} ended with error event + [DONE]; {len(later)} sent after: "
+          f"all completed; replacement pod ready {time.monotonic() - killed_at[0]:.0f} s "
+          f"after the kill (seen at the first check after the requests ended)",
+          flush=True)
+
+    def served() -> dict:
+        return {ip: scrape_metrics(f"http://{ip}:8000").get("vllm:request_success_total", 0)
+                for ip in ips}
+
+    before = served()
+
+    async def burst():
+        async with aiohttp.ClientSession() as s:
+            await asyncio.gather(*(stream(s, url, 200 + i) for i in range(8)))
+
+    wait_for(lambda: asyncio.run(burst()) or all(v > before[k] for k, v in served().items()),
+             90, 2.0, what="both engines, the replacement too, to serve routed requests")
 
 
 def test_invalid_rejected_and_unrealisable_degraded(kubectl, installed):

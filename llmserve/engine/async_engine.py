@@ -25,6 +25,7 @@ from llmserve.engine.config import EngineConfig
 from llmserve.engine.llm_engine import LLMEngine
 from llmserve.engine.metrics import EngineMetrics
 from llmserve.engine.outputs import RequestOutput
+from llmserve.engine.overload import OverloadedError, queue_full, waiting_requests
 from llmserve.engine.sampling import SamplingParams
 from llmserve.engine.sequence import Tenancy
 from llmserve.errors import EngineDeadError, EngineStartError  # noqa: F401 - re-exported
@@ -63,6 +64,13 @@ class AsyncLLMEngine:
         self._stop = False
         self.error: BaseException | None = None
         self._ids = itertools.count()
+        # Overload fast path (max_waiting): requests handed to the engine thread but not
+        # yet queued there, and the unscheduled requests it last saw waiting. A burst is
+        # refused here at once, not one engine step later per request.
+        self._count_lock = threading.Lock()
+        self._pending_adds = 0
+        self.num_waiting = 0
+        self.free_slots = config.max_num_seqs  # sequence slots free at the last look
 
     # --- lifecycle ----------------------------------------------------------------
     async def start(self) -> None:
@@ -102,6 +110,7 @@ class AsyncLLMEngine:
         if not self.alive:
             raise EngineDeadError("the engine is not running")
         self.engine.validate_prompt(prompt_token_ids, params)
+        self._admit()
         sink: asyncio.Queue = asyncio.Queue()
         self._sinks[request_id] = sink
         self._inbox.put(_Add(request_id, prompt_token_ids, prompt, params, priority,
@@ -121,6 +130,19 @@ class AsyncLLMEngine:
             self._sinks.pop(request_id, None)
             if not finished:
                 self.abort(request_id)
+
+    def _admit(self) -> None:
+        """Refuse at once when the waiting queue is already full (the engine thread
+        checks again, exactly, when it queues the request)."""
+        limit = self.config.max_waiting
+        with self._count_lock:
+            # Pending requests will fill free slots first, and only then wait.
+            if limit is not None and \
+                    self._pending_adds + self.num_waiting >= limit + self.free_slots:
+                self.metrics.on_overload("queue_full")
+                raise queue_full(self._pending_adds + self.num_waiting, limit,
+                                 self.config.max_queue_delay)
+            self._pending_adds += 1
 
     def abort(self, request_id: str) -> None:
         self._inbox.put(_Abort(request_id))
@@ -143,6 +165,8 @@ class AsyncLLMEngine:
             while not self._stop:
                 self.engine.check_health()  # a dead tensor-parallel worker ends the loop
                 self._drain_inbox()
+                self._expire_waiting()
+                self._publish_waiting()
                 if not self.engine.has_unfinished():
                     self.metrics.observe_engine(self.engine)
                     self._wake.wait(timeout=0.5)
@@ -181,6 +205,8 @@ class AsyncLLMEngine:
                 if self.engine.abort(cmd.request_id):
                     self.metrics.aborted += 1
                 continue
+            with self._count_lock:
+                self._pending_adds -= 1
             if cmd.request_id not in self._sinks:  # cancelled before it got here
                 continue
             try:
@@ -188,8 +214,26 @@ class AsyncLLMEngine:
                                               cmd.priority, prompt_token_ids=cmd.prompt_token_ids,
                                               cache_salt=cmd.cache_salt, tenant=cmd.tenant)
                 self.metrics.on_arrival(req)
-            except ValueError as e:
+            except (ValueError, OverloadedError) as e:
+                if isinstance(e, OverloadedError):
+                    self.metrics.on_overload("queue_full")
                 self._deliver(cmd.request_id, e)
+
+    def _publish_waiting(self) -> None:
+        if self.config.max_waiting is not None:
+            sched = self.engine.scheduler
+            self.num_waiting = len(waiting_requests(sched.waiting))
+            self.free_slots = max(0, self.config.max_num_seqs - len(sched.running))
+
+    def _expire_waiting(self) -> None:
+        if self.config.max_queue_delay is None:
+            return
+        for request_id in self.engine.expire_waiting():
+            self.metrics.on_overload("queue_delay")
+            self._deliver(request_id, OverloadedError(
+                f"the request waited more than max_queue_delay="
+                f"{self.config.max_queue_delay:g} s without being scheduled; retry later "
+                f"or elsewhere", retry_after=self.config.max_queue_delay))
 
     def _deliver(self, request_id: str, item) -> None:
         sink = self._sinks.get(request_id)

@@ -61,6 +61,12 @@ class EngineConfig:
     # Tensor parallelism: the model split across this many ranks (one per GPU; on a CPU,
     # processes sharing its cores, which shows the communication cost, not a speed-up).
     tensor_parallel_size: int = 1
+    # Overload: refuse a new request (503 server_overloaded) while this many requests
+    # wait unscheduled; None: unbounded.
+    max_waiting: int | None = None
+    # Overload: a request still unscheduled after this many seconds leaves the
+    # waiting queue and is answered 503 server_overloaded; None: it waits forever.
+    max_queue_delay: float | None = None
 
     def __post_init__(self) -> None:
         if self.device == "auto":
@@ -100,6 +106,10 @@ class EngineConfig:
             raise ValueError("watermark must be in [0, 1)")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValueError("kv_cache_memory must be a positive number of bytes")
+        if self.max_waiting is not None and self.max_waiting < 1:
+            raise ValueError("max_waiting must be >= 1")
+        if self.max_queue_delay is not None and not self.max_queue_delay > 0:
+            raise ValueError("max_queue_delay must be a positive number of seconds")
         if self.num_threads is None:
             self.num_threads = len(os.sched_getaffinity(0))
         self._check_tensor_parallel()

@@ -20,6 +20,7 @@ from llmserve.engine.kv_integrity import SequenceKVCheck
 from llmserve.engine.model_runner import ModelRunner
 from llmserve.engine.models.loader import load_config, load_tokenizer, resolve_model
 from llmserve.engine.outputs import RequestOutput
+from llmserve.engine.overload import check_admission, expired
 from llmserve.engine.parallel import TensorParallelGroup, WorkerDiedError
 from llmserve.engine.parallel_config import check_tensor_parallel
 from llmserve.engine.sampler import Sampler
@@ -129,10 +130,14 @@ class LLMEngine:
                     prompt_token_ids: list[int] | None = None,
                     cache_salt: str | None = None, tenant: Tenancy | None = None
                     ) -> Request:
-        """Queue a request. Raises ValueError, changing nothing, when it can never run."""
+        """Queue a request. Raises ValueError, changing nothing, when it can never run,
+        and OverloadedError when the waiting queue is at ``max_waiting``."""
         params = params or SamplingParams()
         ids = prompt_token_ids if prompt_token_ids is not None else self.tokenize(prompt)
         self.validate_prompt(ids, params)
+        check_admission(self.config.max_waiting, self.config.max_queue_delay,
+                        self.scheduler.waiting,
+                        max(0, self.config.max_num_seqs - len(self.scheduler.running)))
         if params.max_tokens is None:
             params.max_tokens = self.max_model_len - len(ids)
         request_id = request_id or f"req-{next(self._ids)}"
@@ -177,6 +182,15 @@ class LLMEngine:
                 self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
         req.finished_time = time.monotonic()
         return True
+
+    def expire_waiting(self, now: float | None = None) -> list[str]:
+        """Abort the requests that waited unscheduled longer than ``max_queue_delay``;
+        their ids (the caller answers them 503)."""
+        gone = expired(self.config.max_queue_delay, self.scheduler.waiting,
+                       time.monotonic() if now is None else now)
+        for req in gone:
+            self.abort(req.request_id)
+        return [r.request_id for r in gone]
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()

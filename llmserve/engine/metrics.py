@@ -56,11 +56,18 @@ class EngineMetrics:
             "the gateway named it; the engine's fair order among tenants is by these.",
             ["model_name", "tenant"], registry=r)
         self._tenant_synced: dict[str, int] = {}
+        self.overloaded = Counter(
+            "llmserve:overload_rejections",
+            "Requests answered 503 server_overloaded: reason=queue_full (max_waiting) or "
+            "queue_delay (max_queue_delay).", ["model_name", "reason"], registry=r)
         self.aborted = 0
         self._seen_tokens: dict[str, int] = {}
         self._last_token_at: dict[str, float] = {}
         self._synced = {"queries": 0, "hits": 0, "preemptions": 0, "swap_outs": 0,
                         "aborted": 0}
+
+    def on_overload(self, reason: str) -> None:
+        self.overloaded.labels(self.model_name, reason).inc()
 
     def on_arrival(self, request) -> None:
         self._seen_tokens[request.request_id] = 0

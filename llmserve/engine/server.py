@@ -23,6 +23,7 @@ from llmserve.engine.config import EngineConfig
 from llmserve.engine.llm_engine import LLMEngine, render_chat
 from llmserve.engine.openapi import openapi_document
 from llmserve.engine.outputs import CompletionOutput, RequestOutput
+from llmserve.engine.overload import OverloadedError
 from llmserve.engine.protocol import (
     APIError,
     ParsedRequest,
@@ -39,7 +40,13 @@ from llmserve.engine.tool_calls import (
     messages_for_template,
     parse_tool_choice,
 )
-from llmserve.http_serving import http_error_response, serve_until_signal
+from llmserve.http_serving import (
+    BODY_TIMEOUT,
+    HEADER_TIMEOUT,
+    http_error_response,
+    read_body_middleware,
+    serve_until_signal,
+)
 
 log = logging.getLogger("llmserve.server")
 
@@ -61,6 +68,9 @@ async def errors_middleware(request: web.Request, handler):
     except EngineDeadError as e:
         return web.json_response(APIError(503, str(e), "service_unavailable").body(),
                                  status=503)
+    except OverloadedError as e:
+        return web.json_response(APIError(503, str(e), "server_overloaded").body(),
+                                 status=503, headers={"Retry-After": e.retry_after_header})
 
 
 def auth_middleware(api_key: str | None):
@@ -200,6 +210,27 @@ class StreamText:
         return d
 
 
+async def fail_as_event(gen):
+    """``gen``'s items; an engine-side failure before the first item propagates (the
+    client gets an HTTP error), one after it becomes a final ``(-1, error)`` item, so
+    a stream that has started ends with an error event and [DONE], never cut short."""
+    started = False
+    async with contextlib.aclosing(gen):
+        try:
+            async for item in gen:
+                started = True
+                yield item
+        except (OverloadedError, EngineDeadError) as e:
+            if not started:
+                raise
+            yield -1, e
+
+
+def sse_error(e: BaseException) -> bytes:
+    type_ = "server_overloaded" if isinstance(e, OverloadedError) else "service_unavailable"
+    return sse(APIError(503, str(e), type_).body())
+
+
 def sse(data) -> bytes:
     return f"data: {json.dumps(data, ensure_ascii=False)}\n\n".encode()
 
@@ -304,8 +335,11 @@ async def stream_response(request, rid, created, model, parsed, gen, prompt_ids,
     done: set[int] = set()
     last: dict[int, RequestOutput] = {}
     started = False
-    async with contextlib.aclosing(gen):
-        async for i, out in gen:
+    async with contextlib.aclosing(fail_as_event(gen)) as events:
+        async for i, out in events:
+            if i < 0:  # the engine failed mid-stream
+                await resp.write(sse_error(out))
+                break
             if not started:  # errors before the first output still become JSON errors
                 await resp.prepare(request)
                 started = True
@@ -470,9 +504,11 @@ async def openapi(request: web.Request) -> web.Response:
 
 # --- app --------------------------------------------
 def build_app(engine: AsyncLLMEngine, api_key: str | None = None,
-              max_body_bytes: int = 4 << 20) -> web.Application:
+              max_body_bytes: int = 4 << 20,
+              body_timeout: float = BODY_TIMEOUT) -> web.Application:
     app = web.Application(client_max_size=max_body_bytes,
-                          middlewares=[errors_middleware, auth_middleware(api_key)])
+                          middlewares=[errors_middleware, auth_middleware(api_key),
+                                       read_body_middleware(body_timeout)])
     app[ENGINE] = engine
     app[STATE] = {"draining": False, "started": int(time.time())}
     app.router.add_post("/v1/completions", completions)
@@ -488,18 +524,21 @@ def build_app(engine: AsyncLLMEngine, api_key: str | None = None,
 
 
 async def serve(config: EngineConfig, host: str, port: int, api_key: str | None = None,
-                drain_timeout: float = 30.0, ready: asyncio.Event | None = None) -> None:
+                drain_timeout: float = 30.0, ready: asyncio.Event | None = None,
+                header_timeout: float = HEADER_TIMEOUT,
+                body_timeout: float = BODY_TIMEOUT) -> None:
     """Serve until SIGTERM/SIGINT, then drain: refuse new requests (503), let
     in-flight ones finish up to ``drain_timeout`` seconds, and return."""
     front = AsyncLLMEngine(config)
     await front.start()
     engine = front.engine
-    app = build_app(front, api_key)
+    app = build_app(front, api_key, body_timeout=body_timeout)
     log.info("serving %s on http://%s:%d", engine.model_name, host, port)
     stop = asyncio.Event()
     watcher = asyncio.create_task(_stop_when_dead(front, stop))
     try:
         await serve_until_signal(app, host, port, ready=ready, drain_timeout=drain_timeout,
+                                 header_timeout=header_timeout,
                                  start_draining=lambda: app[STATE].update(draining=True),
                                  in_flight=lambda: front.num_in_flight, stop=stop)
     finally:

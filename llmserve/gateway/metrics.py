@@ -22,6 +22,14 @@ class GatewayMetrics:
         self.upstream_errors = Counter("llmserve_gateway_upstream_errors",
                                        "Upstream failures (connection errors, 5xx).",
                                        ["endpoint"], registry=r)
+        self.upstream_overloaded = Counter(
+            "llmserve_gateway_upstream_overloaded",
+            "Upstream 503 server_overloaded answers (retried elsewhere, not ejected).",
+            ["endpoint"], registry=r)
+        self.broken_streams = Counter(
+            "llmserve_gateway_broken_streams",
+            "Responses whose upstream failed after the first byte (SSE: ended with an "
+            "error event and [DONE]).", registry=r)
         self.retries = Counter("llmserve_gateway_retries",
                                "Requests retried on another endpoint.", registry=r)
         self.decisions = Counter("llmserve_gateway_routing_decisions",

@@ -28,7 +28,13 @@ from llmserve.gateway.metrics import GatewayMetrics, outcome_of
 from llmserve.gateway.peers import USAGE_PATH
 from llmserve.gateway.prefix import prefix_key
 from llmserve.gateway.routing import make_policy
-from llmserve.http_serving import http_error_response, serve_until_signal
+from llmserve.http_serving import (
+    BODY_TIMEOUT,
+    HEADER_TIMEOUT,
+    http_error_response,
+    read_body_middleware,
+    serve_until_signal,
+)
 
 log = logging.getLogger("llmserve.gateway")
 
@@ -63,6 +69,9 @@ class GatewayConfig:
     peers: list[str] | None = None  # other gateway replicas' URLs
     peer_service: str | None = None  # "namespace/name" of the gateway's headless Service
     peer_interval: float = 1.0
+    # Slow clients: seconds to send a request head / a request body.
+    header_timeout: float = HEADER_TIMEOUT
+    body_timeout: float = BODY_TIMEOUT
 
 
 class ApiKeys:
@@ -205,6 +214,8 @@ class Gateway:
             if isinstance(result, web.StreamResponse):
                 return result
             last_error = result
+        if OVERLOADED in request:  # engines were overloaded: say so, and when to retry
+            return overloaded_response(request[OVERLOADED], last_error)
         raise APIError(503, f"no engine could serve the request: {last_error}",
                        "service_unavailable")
 
@@ -233,6 +244,12 @@ class Gateway:
                 self._failed(url)
                 return f"{url}: {e!r}"
             self.metrics.upstream_latency.observe(time.perf_counter() - t0)
+            if upstream.status == 503 and await overloaded(upstream):
+                # Busy, not broken: try another endpoint, but do not eject this one.
+                self.metrics.upstream_overloaded.labels(url).inc()
+                request[OVERLOADED] = upstream.headers.get("Retry-After", "1")
+                done = upstream.content.at_eof()
+                return f"{url}: overloaded"
             if upstream.status >= 500:
                 self._failed(url)
                 return f"{url}: HTTP {upstream.status}"
@@ -255,28 +272,120 @@ class Gateway:
         self.pool.failed(url)
 
     async def _stream_back(self, request, upstream) -> web.StreamResponse:
+        """Pass the upstream response through. SSE is forwarded whole events at a time,
+        so when the engine dies mid-stream (nothing can be retried once bytes went out)
+        the client gets a well-formed OpenAI error event and ``[DONE]``, never a cut
+        event or a hang; any other body is cut off by closing the connection, so the
+        client sees an error instead of a silently short body."""
         headers = {k: v for k, v in upstream.headers.items() if k.lower() not in HOP_HEADERS}
         turn: Turn | None = request.get("turn")
         if turn is not None:
             headers.update(turn.response_headers)
             turn.status = upstream.status
         resp = web.StreamResponse(status=upstream.status, headers=headers)
-        await resp.prepare(request)
-        tap = (lambda chunk: chunk) if turn is None else turn.tap.feed
         try:
-            async for chunk in upstream.content.iter_any():
-                chunk = tap(chunk)
-                if chunk:
-                    await resp.write(chunk)
-            if turn is not None and (rest := turn.tap.finish()):
-                await resp.write(rest)
-        except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as e:
-            # The engine died mid-stream: nothing can be retried once bytes went out.
-            log.warning("upstream broke mid-stream: %r", e)
-            self.metrics.upstream_errors.labels(str(upstream.url.origin())).inc()
-            return resp
+            return await self._pass_through(request, resp, upstream)
+        except ConnectionResetError as e:
+            # The client left while we wrote to it (a race with handler cancellation):
+            # not a server error; closing the upstream (in _forward) aborts the request.
+            raise asyncio.CancelledError from e
+
+    async def _pass_through(self, request, resp, upstream) -> web.StreamResponse:
+        await resp.prepare(request)
+        events = SSEFramer() if is_sse(upstream) else None
+        turn: Turn | None = request.get("turn")
+        tap = (lambda chunk: chunk) if turn is None else turn.tap.feed  # usage, tenants
+        while True:
+            try:  # only reading the upstream is guarded: a client that left is not
+                chunk = await upstream.content.readany()  # the engine's failure
+            except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError,
+                    asyncio.TimeoutError) as e:
+                return await self._upstream_broke(request, resp, upstream, events, e)
+            if not chunk:
+                break
+            if events is not None:
+                chunk = events.feed(chunk)
+            chunk = tap(chunk) if chunk else chunk
+            if chunk:
+                await resp.write(chunk)
+        rest = events.pending if events is not None else b""
+        if turn is not None:
+            rest = (tap(rest) if rest else b"") + turn.tap.finish()
+        if rest:
+            await resp.write(rest)
         await resp.write_eof()
         return resp
+
+    async def _upstream_broke(self, request, resp, upstream, events, e) -> web.StreamResponse:
+        """The engine failed after the response started: eject it, and end the client's
+        response as well-formed as can be (SSE) or visibly broken (anything else)."""
+        url = str(upstream.url.origin())
+        log.warning("upstream %s broke mid-stream: %r", url, e)
+        self._failed(url)  # it died: eject it now, not at the next request's failure
+        self.metrics.broken_streams.inc()
+        if events is None:
+            resp.force_close()
+            if request.transport is not None:
+                request.transport.close()
+            return resp
+        if not events.done:
+            await resp.write(sse_error_event(
+                "the engine serving this stream failed mid-response; the output is "
+                "incomplete", "upstream_failed"))
+        await resp.write_eof()
+        return resp
+
+
+# --- reliability helpers --------------------------------------------
+OVERLOADED = web.RequestKey("overloaded", str)  # Retry-After of an overloaded engine
+
+
+async def overloaded(upstream: aiohttp.ClientResponse) -> bool:
+    """Whether a 503 is an engine's ``server_overloaded`` (busy, retry elsewhere, keep
+    it in the pool) rather than a failure (eject it)."""
+    if (upstream.content_length or 0) > 64 << 10:
+        return False
+    try:
+        body = json.loads(await upstream.read())
+        return body["error"]["type"] == "server_overloaded"
+    except (ValueError, KeyError, TypeError, aiohttp.ClientError, asyncio.TimeoutError):
+        return False
+
+
+def overloaded_response(retry_after: str, detail: str) -> web.Response:
+    err = APIError(503, f"every engine is overloaded ({detail}); retry later",
+                   "server_overloaded")
+    return web.json_response(err.body(), status=503, headers={"Retry-After": retry_after})
+
+
+def is_sse(upstream: aiohttp.ClientResponse) -> bool:
+    return upstream.headers.get("Content-Type", "").startswith("text/event-stream")
+
+
+def sse_error_event(message: str, code: str) -> bytes:
+    err = APIError(502, message, "server_error", code=code).body()
+    return b"data: " + json.dumps(err).encode() + b"\n\ndata: [DONE]\n\n"
+
+
+class SSEFramer:
+    """Cuts a byte stream at SSE event boundaries (a blank line): ``feed`` returns the
+    complete events so far and holds back a partial one."""
+
+    def __init__(self):
+        self.pending = b""
+        self.done = False  # [DONE] went out
+
+    def feed(self, chunk: bytes) -> bytes:
+        data = self.pending + chunk
+        cut = data.rfind(b"\n\n") + 2
+        if cut < 2:
+            self.pending = data
+            return b""
+        self.pending = data[cut:]
+        out = data[:cut]
+        if out.endswith(b"data: [DONE]\n\n"):
+            self.done = True
+        return out
 
 
 # --- handlers --------------------------------------------
@@ -374,7 +483,8 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 def build_app(gw: Gateway) -> web.Application:
-    app = web.Application(client_max_size=gw.config.max_body_bytes, middlewares=[middleware])
+    app = web.Application(client_max_size=gw.config.max_body_bytes, middlewares=[
+        middleware, read_body_middleware(gw.config.body_timeout)])
     app[GATEWAY] = gw
     app.router.add_post("/v1/completions", generate)
     app.router.add_post("/v1/chat/completions", generate)
@@ -382,7 +492,21 @@ def build_app(gw: Gateway) -> web.Application:
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     app.router.add_get(USAGE_PATH, tenant_usage)
+    app.router.add_get("/openapi.json", openapi)
     return app
+
+
+GATEWAY_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health")
+
+
+async def openapi(request: web.Request) -> web.Response:
+    """The engine's OpenAPI document, cut to the operations the gateway serves (what
+    clients generate code from and what the gateway's fuzz test sends)."""
+    from llmserve.engine.openapi import openapi_document
+    doc = openapi_document()
+    doc["paths"] = {p: v for p, v in doc["paths"].items() if p in GATEWAY_PATHS}
+    doc["info"] = {**doc["info"], "title": "llmserve gateway"}
+    return web.json_response(doc)
 
 
 async def serve_gateway(config: GatewayConfig, host: str, port: int,
@@ -398,6 +522,7 @@ async def serve_gateway(config: GatewayConfig, host: str, port: int,
     try:
         await serve_until_signal(build_app(gw), host, port, ready=ready,
                                  drain_timeout=config.drain_timeout,
+                                 header_timeout=config.header_timeout,
                                  start_draining=start_draining, in_flight=lambda: gw.in_flight)
     finally:
         await gw.close()

@@ -201,13 +201,19 @@ def engine_container(owner: Owner) -> dict:
                 "--host", "0.0.0.0", "--port", str(port), "--dtype", dtype]
         flags = {"maxNumSeqs": "--max-num-seqs", "maxNumBatchedTokens":
                  "--max-num-batched-tokens", "maxModelLen": "--max-model-len",
-                 "kvCacheMemory": "--kv-cache-memory", "targetITLMs": "--target-itl-ms"}
+                 "kvCacheMemory": "--kv-cache-memory", "targetITLMs": "--target-itl-ms",
+                 "maxWaiting": "--max-waiting", "maxQueueDelaySeconds": "--max-queue-delay"}
         if tp > 1:
             args += ["--tensor-parallel-size", str(tp)]
     else:  # the vLLM OpenAI server, with equivalent arguments
         if engine.get("targetITLMs") is not None:
             raise SpecError("engine.targetITLMs needs engine.kind llmserve (vLLM has no "
                             "step-latency cap)")
+        for key in ("maxWaiting", "maxQueueDelaySeconds"):
+            if engine.get(key) is not None:
+                # Silently dropping an overload bound would leave the queue unbounded.
+                raise SpecError(f"engine.{key} needs engine.kind llmserve (vLLM's waiting "
+                                f"queue has no bound; bound the gateway's instead)")
         image = engine.get("image") or DEFAULT_VLLM_IMAGE
         command = ["vllm", "serve", model]
         args = ["--served-model-name", owner.model_name, "--host", "0.0.0.0",
