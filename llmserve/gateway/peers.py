@@ -72,13 +72,14 @@ class PeerCounters:
         self.reports: dict[str, PeerReport] = {}
         self.published: dict[str, dict[str, float]] = {}  # own counts, as peers see them
         limiter.quota_share = self.share
-        limiter.share_refresh_s = 2 * interval
 
     def set_urls(self, urls: list[str]) -> None:
         """The peers (discovery calls this); this replica's own address is dropped. A
         departed peer's last report is kept for a window: what it admitted still counts."""
         own = f"//{self.own_host}:" if self.own_host else None
         self.urls = sorted(u.rstrip("/") for u in urls if not (own and own in u))
+        # With peers, a refused request may fit as soon as the shares next move.
+        self.limiter.share_refresh_s = 2 * self.interval if self.urls else WINDOW_S
 
     @property
     def replicas(self) -> int:
