@@ -182,7 +182,7 @@ def pct(xs, p):
 
 
 def part_flood(args) -> dict:
-    stack = Stack(tenants_file(), max_in_flight=8)
+    stack = Stack(tenants_file(), max_in_flight=args.flood_in_flight)
     try:
         url = stack.gateways[0].url
         unloaded = asyncio.run(interactive_ttfts(url, args.ttft_requests))
@@ -303,6 +303,8 @@ def main() -> None:
                     help="seconds before the window: past the start's burst")
     ap.add_argument("--window", type=float, default=90.0)
     ap.add_argument("--ttft-requests", type=int, default=30)
+    ap.add_argument("--flood-in-flight", type=int, default=16,
+                    help="flood: requests of a class the gateway lets the engine have")
     args = ap.parse_args()
     parts = {"share": part_share, "flood": part_flood, "replicas": part_replicas,
              "retry": part_retry}
