@@ -7,6 +7,7 @@ import asyncio
 import json
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 
@@ -301,20 +302,29 @@ def test_autoscaling_up_under_load_and_back_down(kubectl, installed):
                                                  "serving.llmserve.io/deployment=auto"), 120)
     url = f"http://{gw[0]}:8080"
 
-    async def load(seconds):
-        deadline = time.monotonic() + seconds
+    stop = threading.Event()
+
+    async def load():
         async with aiohttp.ClientSession() as s:
             async def worker(i):
-                while time.monotonic() < deadline:
+                while not stop.is_set():
                     body = {"model": "auto", "prompt": f"load {i}", "max_tokens": 64,
                             "ignore_eos": True}
                     async with s.post(url + "/v1/completions", json=body) as r:
                         await r.read()
             await asyncio.gather(*(worker(i) for i in range(12)))
 
-    asyncio.run(load(35))
+    # Load until the operator scales up (a loaded CPU can take more than one
+    # autoscaler interval and stabilisation to show it), at most two minutes.
+    loader = threading.Thread(target=lambda: asyncio.run(load()), daemon=True)
+    loader.start()
+    try:
+        wait_for(lambda: get_json(kubectl, "llmd", "auto", "-n", NS)["status"]
+                 .get("desiredReplicas") == 2, 120, 2.0, what="scale up under load")
+    finally:
+        stop.set()
+        loader.join(60)
     status = get_json(kubectl, "llmd", "auto", "-n", NS)["status"]
-    assert status["desiredReplicas"] == 2, status
     assert "queue depth" in status["lastScaleReason"]
     events = get_json(kubectl, "events", "-n", NS,
                       "--field-selector", "involvedObject.name=auto")["items"]
