@@ -22,6 +22,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from llmserve.engine.config import EngineConfig
+from llmserve.engine.host_memory import release_freed_memory
 from llmserve.engine.llm_engine import LLMEngine
 from llmserve.engine.metrics import EngineMetrics
 from llmserve.engine.outputs import RequestOutput
@@ -160,7 +161,9 @@ class AsyncLLMEngine:
                 self.engine.shutdown()
             self._ready.set()
             return
+        release_freed_memory()  # what loading and warm-up freed
         self._ready.set()
+        worked_since_trim = False
         try:
             while not self._stop:
                 self.engine.check_health()  # a dead tensor-parallel worker ends the loop
@@ -169,9 +172,13 @@ class AsyncLLMEngine:
                 self._publish_waiting()
                 if not self.engine.has_unfinished():
                     self.metrics.observe_engine(self.engine)
-                    self._wake.wait(timeout=0.5)
+                    woken = self._wake.wait(timeout=0.5)
                     self._wake.clear()
+                    if not woken and worked_since_trim:  # idle for 0.5 s after work
+                        release_freed_memory()
+                        worked_since_trim = False
                     continue
+                worked_since_trim = True
                 outputs = self.engine.step()
                 self.metrics.observe_step(self.engine, outputs)
                 for out in outputs:

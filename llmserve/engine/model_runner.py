@@ -10,7 +10,7 @@ from llmserve.engine.config import EngineConfig
 from llmserve.engine.kv_cache import KVCache
 from llmserve.engine.models.attention import AttentionMetadata, forward_context
 from llmserve.engine.models.llama import SUPPORTED_ARCHITECTURES, RotaryEmbedding
-from llmserve.engine.models.loader import kv_block_bytes, load_weights
+from llmserve.engine.models.loader import empty_model_init, kv_block_bytes, load_weights
 from llmserve.engine.parallel import StepInputs
 from llmserve.engine.parallel_config import rank_shape
 from llmserve.engine.quantization import quantize_model
@@ -43,7 +43,7 @@ class ModelRunner:
         self.shard = rank_shape(hf_config, rank, tp)
         self._pending_ops = []  # rank 0: block moves the workers have not been sent yet
         arch = next(a for a in hf_config.architectures if a in SUPPORTED_ARCHITECTURES)
-        with torch.device("meta"):
+        with empty_model_init():
             model = SUPPORTED_ARCHITECTURES[arch](hf_config, max_model_len,
                                                   self.shard).to(self.dtype)
         # Built on the meta device (no random init of 100M+ parameters), then

@@ -116,15 +116,19 @@ def weight_only_mm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     than the int4 GEMM of a decode)."""
     if torch.compiler.is_compiling():
         return torch.ops.llmserve.weight_only_mm(x, qweight, scales, bits)
-    return _weight_only_mm(x, qweight, scales, bits)
+    return _weight_only_mm_kernel(x, qweight, scales, bits)
 
 
-@torch.library.custom_op("llmserve::weight_only_mm", mutates_args=())
-def _weight_only_mm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
-                    bits: int) -> torch.Tensor:
+def _weight_only_mm_kernel(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                           bits: int) -> torch.Tensor:
     if bits == 8:
         return torch.ops.aten._weight_int8pack_mm(x, qweight, scales)
     return torch.ops.aten._weight_int4pack_mm_for_cpu(x, qweight, INT4_GROUP, scales)
+
+
+# The op wraps the plain function, which eager calls keep calling directly.
+_weight_only_mm = torch.library.custom_op("llmserve::weight_only_mm", _weight_only_mm_kernel,
+                                          mutates_args=())
 
 
 @_weight_only_mm.register_fake

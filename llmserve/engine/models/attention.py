@@ -56,12 +56,11 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     custom op's dispatch costs ~100 us a call, 3 ms a step of the built-in model)."""
     if torch.compiler.is_compiling():
         return torch.ops.llmserve.paged_attention(q, k, v, kv_cache, scale)
-    return _paged_attention(q, k, v, kv_cache, scale)
+    return _paged_attention_kernel(q, k, v, kv_cache, scale)
 
 
-@torch.library.custom_op("llmserve::paged_attention", mutates_args=("kv_cache",))
-def _paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                     kv_cache: torch.Tensor, scale: float) -> torch.Tensor:
+def _paged_attention_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                            kv_cache: torch.Tensor, scale: float) -> torch.Tensor:
     meta = _current
     assert meta is not None, "paged_attention runs inside forward_context()"
     if not meta.use_triton:
@@ -76,6 +75,12 @@ def _paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len,
                       scale=scale)
     return out
+
+
+# The op wraps the plain function, which eager calls keep calling directly (through
+# the dispatcher they would also import TorchDynamo: ~150 MB resident).
+_paged_attention = torch.library.custom_op("llmserve::paged_attention", _paged_attention_kernel,
+                                           mutates_args=("kv_cache",))
 
 
 @_paged_attention.register_fake

@@ -34,7 +34,10 @@ def rope_inv_freq(config) -> torch.Tensor:
     dim = config.head_dim
     base = getattr(config, "rope_theta", None) or _rope_params(config).get("rope_theta", 10000.0)
     # float32 throughout, as transformers computes it, so positions agree bit for bit.
-    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    # On the CPU explicitly: the model is built on the meta device, where this
+    # arithmetic would go through torch's Python references (and import TorchDynamo).
+    arange = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu")
+    inv_freq = 1.0 / (base ** (arange.float() / dim))
     scaling = _rope_params(config)
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     if kind == "llama3":
@@ -66,7 +69,7 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, config, max_positions: int):
         super().__init__()
-        t = torch.arange(max_positions, dtype=torch.float32)
+        t = torch.arange(max_positions, dtype=torch.float32, device="cpu")
         freqs = torch.outer(t, rope_inv_freq(config))
         self.register_buffer("cos", freqs.cos(), persistent=False)
         self.register_buffer("sin", freqs.sin(), persistent=False)
