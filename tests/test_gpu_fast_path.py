@@ -87,6 +87,49 @@ def test_device_block_tables_refuse_a_table_longer_than_their_rows():
         dt.plan([0], [[1, 2, 3, 4]])
 
 
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_staged_inputs_and_device_tables_through_preemption_and_copy_on_write(tiny_llama, mode):
+    """The engine with a tight KV budget (preemptions), prefix caching and parallel
+    samples (copy-on-write), on the CPU torch path with staged inputs and device block
+    tables: every step's device tables hold each sequence's table, and the outputs are
+    the default path's."""
+    block_bytes = 2 * 2 * 16 * 2 * 16 * 4  # the tiny model's KV block in fp32
+    kw = dict(model=str(tiny_llama), device="cpu", dtype="float32", preemption_mode=mode,
+              kv_cache_memory=24 * block_bytes, swap_space=200 * block_bytes,
+              max_num_batched_tokens=64, watermark=0.0, max_num_seqs=8, num_threads=1)
+    rng = random.Random(2)
+    prefix = [rng.randrange(3, 1000) for _ in range(40)]
+    prompts = [prefix + [rng.randrange(3, 1000) for _ in range(rng.randint(1, 40))]
+               for _ in range(6)]
+    params = SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=40, ignore_eos=True)
+
+    def run(engine):
+        reqs = [engine.add_request(p, params) for p in prompts]
+        while engine.has_unfinished():
+            engine.step()
+        engine.block_manager.check_all_free()
+        return [[s.output_token_ids for s in r.sequences] for r in reqs]
+
+    default = run(LLMEngine(EngineConfig(**kw)))
+    engine = LLMEngine(EngineConfig(**kw))
+    enable_fast_path(engine.runner, engine.max_model_len, pinned_staging=True,
+                     device_block_tables=True)
+    builder = engine.runner.step_builder
+    real_build, checked = builder.build, []
+
+    def build(inputs, seq_ids):
+        ids, pos, meta, rows = real_build(inputs, seq_ids)
+        for i, table in enumerate(inputs.block_tables):
+            assert meta.block_tables[i, :len(table)].tolist() == table
+        assert rows.tolist() == inputs.sample_rows and pos.tolist() == inputs.positions
+        checked.append(len(seq_ids))
+        return ids, pos, meta, rows
+
+    builder.build = build
+    assert run(engine) == default
+    assert engine.scheduler.num_preemptions > 0 and len(checked) > 20
+
+
 # --- CUDA-graph buckets, without capture, under the Triton interpreter -------------------
 def test_default_bucket_sizes():
     assert default_sizes(1) == [1]
@@ -113,7 +156,7 @@ def test_padded_buckets_give_the_greedy_tokens_of_the_eager_path(tiny_llama, max
     engine = LLMEngine(EngineConfig(model=str(tiny_llama), device="cpu", dtype="float32",
                                     attention_backend="triton", kv_cache_memory=4 << 20,
                                     max_num_seqs=8, max_model_len=max_model_len,
-                                    enable_prefix_caching=False))
+                                    enable_prefix_caching=False, num_threads=1))
     rng = random.Random(max_model_len)
     prompts = [[rng.randrange(3, 1000) for _ in range(n)] for n in (5, 40, 17, 60, 9)]
     lengths = [3, 5, 7, 9, 11]
