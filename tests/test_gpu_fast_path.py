@@ -7,6 +7,7 @@ a GPU run (benchmarks/gpu_check.sh)."""
 from __future__ import annotations
 
 import random
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -146,13 +147,52 @@ def _greedy(engine, prompts, lengths):
     return [r.sequences[0].output_token_ids for r in reqs]
 
 
-@pytest.mark.parametrize("max_model_len", [128, 1024])  # split counts 1, and 16
-def test_padded_buckets_give_the_greedy_tokens_of_the_eager_path(tiny_llama, max_model_len):
+class _FakeGraph:
+    """torch.cuda.CUDAGraph on CPU: the "capture" records the forward's arguments and
+    output; a replay runs the forward again on whatever the static buffers hold then
+    and writes the captured output tensor, as a real replay does."""
+
+    def __init__(self):
+        self.call = None
+
+    def replay(self):
+        forward, args, out = self.call
+        out.copy_(forward(*args))
+
+
+def _fake_cuda_graphs(monkeypatch, runner):
+    @contextmanager
+    def graph(g, pool=None):
+        real = runner.forward
+
+        def record(*args):
+            out = real(*args)
+            g.call = (real, args, out)
+            return out
+
+        runner.forward = record
+        try:
+            yield
+        finally:
+            del runner.forward
+
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", _FakeGraph)
+    monkeypatch.setattr(torch.cuda, "graph", graph)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+
+
+@pytest.mark.parametrize("max_model_len,capture", [(128, False), (1024, False), (128, True)])
+def test_padded_buckets_give_the_greedy_tokens_of_the_eager_path(tiny_llama, max_model_len,
+                                                                capture, monkeypatch):
     """The static, padded bucket path (staged inputs, device block tables, a fixed
     split count per bucket, padding slots -1) decodes exactly what the eager path does.
     Five streams of different lengths make batches of 5, 4, 3, 2, 1 in buckets 8, 4, 4,
     2, 1: padding rows are real, and a padding row that wrote the KV cache or a wrong
-    split count would change tokens."""
+    split count would change tokens. Split counts: 1 at max_model_len 128, 16 at 1024.
+    ``capture``: through capture and replay, with a stand-in for CUDA graphs that
+    replays by re-running the captured forward on the static buffers (buckets are
+    captured lazily, in the middle of steps)."""
     engine = LLMEngine(EngineConfig(model=str(tiny_llama), device="cpu", dtype="float32",
                                     attention_backend="triton", kv_cache_memory=4 << 20,
                                     max_num_seqs=8, max_model_len=max_model_len,
@@ -163,8 +203,10 @@ def test_padded_buckets_give_the_greedy_tokens_of_the_eager_path(tiny_llama, max
     eager = _greedy(engine, prompts, lengths)
 
     runner = engine.runner
+    if capture:
+        _fake_cuda_graphs(monkeypatch, runner)
     enable_fast_path(runner, engine.max_model_len, pinned_staging=True,
-                     device_block_tables=True, graph_sizes=[1, 2, 4, 8], capture=False)
+                     device_block_tables=True, graph_sizes=[1, 2, 4, 8], capture=capture)
     assert max(runner.graphs.splits.values()) == (1 if max_model_len == 128 else 16)
     used = []
     real_run = runner.graphs.run
@@ -176,6 +218,7 @@ def test_padded_buckets_give_the_greedy_tokens_of_the_eager_path(tiny_llama, max
     runner.graphs.run = spy
     assert _greedy(engine, prompts, lengths) == eager
     assert {(8, 5), (4, 3), (2, 2), (1, 1)} <= set(used)
+    assert sorted(runner.graphs.graphs) == ([1, 2, 4, 8] if capture else [])
     engine.block_manager.check_all_free()
 
 

@@ -88,12 +88,12 @@ class DecodeGraphs:
         """Hidden states of the step's ``n`` tokens (``ids``/``pos``/``meta`` as the
         eager path builds them, on the device), computed in bucket ``b``."""
         n = ids.shape[0]
+        if self.capture and b not in self.graphs:
+            self._capture(b)  # before the fill: a capture resets every row to padding
         self._fill(b, n, ids, pos, meta)
         if not self.capture:
             return self.runner.forward(self.input_ids[:b], self.positions[:b],
                                        self.metadata(b))[:n]
-        if b not in self.graphs:
-            self._capture(b)
         self.graphs[b].replay()
         return self.outputs[b][:n]
 
