@@ -238,6 +238,38 @@ def test_kv_budget_from_profile():
                                torch_reserved=5 * gib)
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_profiled_forward_runs_a_full_budget_step_and_sizes_from_its_peak(tiny_llama, backend,
+                                                                        monkeypatch):
+    """The profile's dummy step (on CPU, with the CUDA memory queries stubbed): one
+    sequence of max_num_batched_tokens tokens, more than the model's positions, the
+    engine's KV cache untouched, and the budget from the stubbed numbers."""
+    from llmserve.engine import kv_sizing
+    engine = LLMEngine(EngineConfig(model=str(tiny_llama), device="cpu", dtype="float32",
+                                    kv_cache_memory=1 << 20, max_model_len=256,
+                                    attention_backend=backend, num_threads=1))
+    runner = engine.runner
+    gib = 1 << 30
+    for name, fn in {"empty_cache": lambda: None, "synchronize": lambda d=None: None,
+                     "reset_peak_memory_stats": lambda d=None: None,
+                     "max_memory_allocated": lambda d=None: 3 * gib,
+                     "memory_reserved": lambda d=None: 4 * gib,
+                     "mem_get_info": lambda d=None: (10 * gib, 16 * gib)}.items():
+        monkeypatch.setattr(torch.cuda, name, fn)
+    seen = []
+    real_forward = runner.model.forward
+    monkeypatch.setattr(runner.model, "forward",
+                        lambda ids, pos: seen.append((ids.shape[0], int(pos.max())))
+                        or real_forward(ids, pos))
+    before = runner.kv_cache.storage.clone()
+    runner.model.bind_kv_cache(runner.kv_cache.storage)
+    budget = kv_sizing.profile_kv_budget(runner, 300, 8)
+    assert seen == [(300, 255)]  # positions wrap at the model's 256
+    # 0.9 x 16 - 3 (peak) - (6 used - 4 reserved) outside torch
+    assert budget == int(16 * gib * 0.9) - 3 * gib - 2 * gib
+    assert torch.equal(runner.kv_cache.storage, before)
+
+
 # --- flags: refused where they cannot work ------------------------------------------------
 @pytest.mark.parametrize("flag", ["cuda_graphs", "pinned_staging", "device_block_tables",
                                   "profile_kv_cache"])

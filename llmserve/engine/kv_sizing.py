@@ -40,8 +40,8 @@ def kv_budget_from_profile(*, total: int, free: int, utilization: float, torch_p
 def profile_kv_budget(runner, num_tokens: int, num_sampling_rows: int) -> int:
     """Run one dummy step of ``num_tokens`` prompt tokens (one sequence) and the logits of
     ``num_sampling_rows`` rows on ``runner``'s device, before its KV pool exists, and
-    return the KV budget in bytes. The dummy step writes no KV (slots -1) and reads one
-    block, which a one-block cache bound for the duration provides."""
+    return the KV budget in bytes. The dummy step writes and reads only a one-block
+    scratch cache bound for the duration (every token's slot and block are in it)."""
     dev = runner.device
     c = runner.hf_config
     bs = runner.block_size
@@ -51,7 +51,7 @@ def profile_kv_budget(runner, num_tokens: int, num_sampling_rows: int) -> int:
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(dev)
     meta = AttentionMetadata(
-        slot_mapping=torch.full((num_tokens,), -1, dtype=torch.long, device=dev),
+        slot_mapping=torch.arange(num_tokens, dtype=torch.long, device=dev) % bs,
         query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32, device=dev),
         seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=dev),
         block_tables=torch.zeros((1, -(-num_tokens // bs)), dtype=torch.int32, device=dev),
