@@ -126,19 +126,21 @@ def main() -> int:
         tokens = {}
         for name in args.configs:
             res = results["configs"][name] = {"flags": CONFIGS[name]}
+            engine = None
             try:
                 engine, startup = build(path, CONFIGS[name], args.smoke, max(batches))
                 res.update(startup)
                 tokens[name] = greedy(engine, prompts, 8 if args.smoke else 32)
                 res["decode_step_ms"] = {str(b): decode_step_ms(engine, b, steps)
                                          for b in batches}
-                del engine
             except Exception as e:  # noqa: BLE001 - record and go on with the next
                 res["error"] = repr(e)
                 failed = True
-            gc.collect()
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
+            finally:  # the next engine needs this one's KV pool and graphs freed
+                engine = None
+                gc.collect()
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
             if "off" in tokens and name in tokens and name != "off":
                 res["greedy_vs_off"] = agreement(tokens["off"], tokens[name])
                 base = results["configs"]["off"].get("decode_step_ms", {})
