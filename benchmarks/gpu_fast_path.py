@@ -1,5 +1,6 @@
 """The GPU fast-path flags, each against the default (eager) path, on a GPU in bf16:
-greedy agreement, decode step time by batch size, KV blocks and start-up time.
+greedy agreement, decode step time by batch size, host syncs in the model runner, KV
+blocks and start-up time.
 
 Configurations: ``off`` (the default), ``cuda_graphs``, ``staging_tables``
 (``--pinned-staging --device-block-tables``) and ``all`` (those three and
@@ -94,6 +95,34 @@ def decode_step_ms(engine, batch: int, steps: int, prompt_len: int = 128) -> flo
     return 1000 * statistics.median(times)
 
 
+def forward_host_syncs(engine, batch: int = 4, steps: int = 4) -> dict:
+    """Host syncs inside the model runner (not the sampler, whose sampled tokens are the
+    one sync a step needs) during a few decode steps, with CUDA's sync debug mode set to
+    warn: the count per step and the first few warnings."""
+    import warnings
+    real_run, found = engine.runner.run, {"runner_calls": 0, "syncs": 0, "first": []}
+
+    def run(b):
+        found["runner_calls"] += 1
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                return real_run(b)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+                syncs = [str(w.message)[:300] for w in caught if "synchroniz" in str(w.message)]
+                found["syncs"] += len(syncs)
+                found["first"] = (found["first"] + syncs)[:3]
+
+    engine.runner.run = run
+    try:
+        decode_step_ms(engine, batch, steps)
+    finally:
+        del engine.runner.run
+    return found
+
+
 def agreement(a: list[list[int]], b: list[list[int]]) -> dict:
     first = [next((i for i, (x, y) in enumerate(zip(s, t)) if x != y), None)
              for s, t in zip(a, b)]
@@ -133,6 +162,11 @@ def main() -> int:
                 tokens[name] = greedy(engine, prompts, 8 if args.smoke else 32)
                 res["decode_step_ms"] = {str(b): decode_step_ms(engine, b, steps)
                                          for b in batches}
+                if not args.smoke:
+                    try:
+                        res["runner_host_syncs"] = forward_host_syncs(engine)
+                    except Exception as e:  # noqa: BLE001 - a diagnostic, not a result
+                        res["runner_host_syncs"] = {"error": repr(e)}
             except Exception as e:  # noqa: BLE001 - record and go on with the next
                 res["error"] = repr(e)
                 failed = True
