@@ -82,6 +82,16 @@ def test_device_block_tables_equal_a_full_rebuild_after_random_steps():
     assert 0 < total_writes < full_writes / 3  # incremental: far fewer than full uploads
 
 
+def test_device_block_tables_grow_past_max_num_seqs():
+    """One request's parallel samples may exceed max_num_seqs when nothing else runs."""
+    dt = DeviceBlockTables(2, 4, CPU)
+    tables = [[i, i + 10] for i in range(5)]
+    plan = dt.plan(list(range(5)), tables)
+    out = dt.apply(*(torch.tensor(p, dtype=d) for p, d in
+                     zip(plan, (torch.int64, torch.int64, torch.int64, torch.int32))))
+    assert dt.table.shape[0] == 8 and out[:, :2].tolist() == tables
+
+
 def test_device_block_tables_refuse_a_table_longer_than_their_rows():
     dt = DeviceBlockTables(2, 3, CPU)
     with pytest.raises(ValueError, match="exceeds the device table"):

@@ -102,6 +102,8 @@ class DeviceBlockTables:
                                  f"table's {self.max_blocks} (max_model_len / block_size)")
             row = self.row_of.get(sid)
             if row is None:
+                if not self.free:
+                    self._grow()
                 row = self.row_of[sid] = self.free.pop()
                 self.written[row] = []
             old = self.written[row]
@@ -113,6 +115,16 @@ class DeviceBlockTables:
                 self.written[row] = list(table)
             rows.append(row)
         return rows, up_rows, up_cols, up_vals
+
+    def _grow(self) -> None:
+        """Twice the rows. Rare: a batch exceeds max_num_seqs only when one request's
+        parallel samples do, which the scheduler allows when nothing else runs."""
+        old = self.table
+        n = old.shape[0]
+        self.table = torch.zeros((2 * n, self.max_blocks), dtype=old.dtype, device=old.device)
+        self.table[:n] = old
+        self.written += [[] for _ in range(n)]
+        self.free += range(2 * n - 1, n - 1, -1)
 
     def apply(self, rows: torch.Tensor, up_rows: torch.Tensor, up_cols: torch.Tensor,
               up_vals: torch.Tensor) -> torch.Tensor:
