@@ -52,6 +52,21 @@ def add_engine_args(p: argparse.ArgumentParser, overload: bool = True) -> None:
     g.add_argument("--check-kv-integrity", action="store_true",
                    help="debug: hash KV blocks across swaps and copy-on-write, fail loudly "
                         "on a mismatch (slow)")
+    add_gpu_fast_path_args(p)
+
+
+def add_gpu_fast_path_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("GPU fast path (CUDA only; off until validated on a GPU)")
+    g.add_argument("--cuda-graphs", action="store_true",
+                   help="replay CUDA graphs for decode steps, one per batch-size bucket")
+    g.add_argument("--cuda-graph-sizes", default=None, metavar="N,N,...",
+                   help="the buckets (default 1,2,4 and multiples of 8 up to --max-num-seqs)")
+    g.add_argument("--pinned-staging", action="store_true",
+                   help="a step's metadata in one pinned buffer, one non-blocking copy")
+    g.add_argument("--device-block-tables", action="store_true",
+                   help="block tables kept on the GPU, only changed entries written")
+    g.add_argument("--profile-kv-cache", action="store_true",
+                   help="size the KV cache from a profiled max-num-batched-tokens step")
 
 
 # Engine overload flags: config field -> (flag, argparse dest). Their dests differ from
@@ -76,7 +91,8 @@ ENGINE_KEYS = ("model", "served_model_name", "device", "dtype", "block_size", "k
                "max_model_len", "enable_chunked_prefill", "enable_prefix_caching",
                "preemption_mode", "swap_space", "scheduling_policy", "attention_backend",
                "num_threads", "quantization", "compile", "batching", "target_itl_ms",
-               "check_kv_integrity", "tensor_parallel_size")
+               "check_kv_integrity", "tensor_parallel_size", "cuda_graphs",
+               "cuda_graph_sizes", "pinned_staging", "device_block_tables", "profile_kv_cache")
 
 
 def engine_argv(args) -> list[str]:

@@ -67,6 +67,19 @@ class EngineConfig:
     # Overload: a request still unscheduled after this many seconds leaves the
     # waiting queue and is answered 503 server_overloaded; None: it waits forever.
     max_queue_delay: float | None = None
+    # GPU fast path (engine/cuda_graphs.py, step_buffers.py, kv_sizing.py). Each piece is
+    # CUDA-only and off until a GPU run validates it (docs/architecture.md).
+    # CUDA graphs for decode-only steps, one per batch-size bucket.
+    cuda_graphs: bool = False
+    # The buckets, e.g. "1,2,4,8"; None: 1, 2, 4 and multiples of 8 up to max_num_seqs.
+    cuda_graph_sizes: str | list[int] | None = None
+    # A step's int metadata in one pinned host buffer, one non-blocking copy.
+    pinned_staging: bool = False
+    # Block tables kept on the device, only changed entries written each step.
+    device_block_tables: bool = False
+    # KV pool = total x gpu_memory_utilization - the profiled peak of a
+    # max_num_batched_tokens step (instead of a share of the memory free after loading).
+    profile_kv_cache: bool = False
 
     def __post_init__(self) -> None:
         if self.device == "auto":
@@ -113,6 +126,7 @@ class EngineConfig:
         if self.num_threads is None:
             self.num_threads = len(os.sched_getaffinity(0))
         self._check_tensor_parallel()
+        self._check_gpu_fast_path()
 
     def _check_tensor_parallel(self) -> None:
         """What the configuration alone can refuse; the model's shape is checked by the
@@ -137,6 +151,34 @@ class EngineConfig:
             raise ValueError("--compile is not supported with --tensor-parallel-size > 1 yet "
                              "(the all-reduces inside the layers are not traced)")
 
+    GPU_FAST_PATH = ("cuda_graphs", "pinned_staging", "device_block_tables", "profile_kv_cache")
+
+    def _check_gpu_fast_path(self) -> None:
+        """The GPU fast-path flags: CUDA only, one rank, and consistent with the rest."""
+        if self.cuda_graph_sizes is not None:
+            self.cuda_graph_sizes = _parse_sizes(self.cuda_graph_sizes, self.max_num_seqs)
+            if not self.cuda_graphs:
+                raise ValueError("--cuda-graph-sizes is given without --cuda-graphs")
+        flags = ["--" + name.replace("_", "-") for name in self.GPU_FAST_PATH
+                 if getattr(self, name)]
+        if not flags:
+            return
+        if not self.device.startswith("cuda"):
+            raise ValueError(f"{', '.join(flags)}: GPU optimisations that need --device cuda "
+                             f"(this engine runs on {self.device!r}); they are off by "
+                             f"default until a GPU run validates them")
+        if self.tensor_parallel_size > 1:
+            raise ValueError(f"{', '.join(flags)}: not supported with "
+                             f"--tensor-parallel-size > 1 yet")
+        if self.cuda_graphs and not self.uses_triton:
+            raise ValueError("--cuda-graphs captures the Triton attention kernels; it cannot "
+                             "run with --attention-backend torch")
+        if self.cuda_graphs and self.compile:
+            raise ValueError("--cuda-graphs and --compile are not supported together yet")
+        if self.profile_kv_cache and self.kv_cache_memory is not None:
+            raise ValueError("--profile-kv-cache sizes the KV cache and --kv-cache-memory "
+                             "fixes it: give one of them")
+
     @property
     def uses_triton(self) -> bool:
         """Triton attention kernels: on CUDA by default, or when asked for."""
@@ -155,3 +197,17 @@ class EngineConfig:
         if unknown:
             raise TypeError(f"unknown engine arguments: {sorted(unknown)}")
         return cls(**kwargs)
+
+
+def _parse_sizes(sizes: str | list[int], max_num_seqs: int) -> list[int]:
+    """CUDA-graph batch sizes from "1,2,4,8" or a list: distinct integers in
+    [1, max_num_seqs], ascending."""
+    try:
+        values = [int(x) for x in (sizes.split(",") if isinstance(sizes, str) else sizes)]
+    except ValueError:
+        raise ValueError(f"cuda_graph_sizes must be comma-separated integers, "
+                         f"got {sizes!r}") from None
+    if not values or any(not 1 <= v <= max_num_seqs for v in values):
+        raise ValueError(f"cuda_graph_sizes must be integers in [1, max_num_seqs="
+                         f"{max_num_seqs}], got {sizes!r}")
+    return sorted(set(values))

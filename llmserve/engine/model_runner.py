@@ -7,7 +7,9 @@ import logging
 import torch
 
 from llmserve.engine.config import EngineConfig
+from llmserve.engine.cuda_graphs import DecodeGraphs
 from llmserve.engine.kv_cache import KVCache
+from llmserve.engine.kv_sizing import profile_kv_budget
 from llmserve.engine.models.attention import AttentionMetadata, forward_context
 from llmserve.engine.models.llama import SUPPORTED_ARCHITECTURES, RotaryEmbedding
 from llmserve.engine.models.loader import empty_model_init, kv_block_bytes, load_weights
@@ -15,6 +17,7 @@ from llmserve.engine.parallel import StepInputs
 from llmserve.engine.parallel_config import rank_shape
 from llmserve.engine.quantization import quantize_model
 from llmserve.engine.scheduler import ScheduledBatch
+from llmserve.engine.step_buffers import StepBuilder, enable_fast_path_from_config
 from llmserve.kernels.cpu_attention import make_cpu_plan
 
 log = logging.getLogger(__name__)
@@ -59,6 +62,7 @@ class ModelRunner:
         self.model = model.eval()
         self.hf_config = hf_config
         self.block_size = config.block_size
+        self.use_triton = self._want_triton()
         self.num_blocks = self._num_kv_blocks()
         c = hf_config
         self.kv_cache = KVCache(c.num_hidden_layers, self.num_blocks, self.block_size,
@@ -68,7 +72,10 @@ class ModelRunner:
         self.model.bind_kv_cache(self.kv_cache.storage)
         if config.compile:
             self.model.model.compile_layers()
-        self.use_triton = self._want_triton()
+        # The GPU fast path (each piece behind its flag, all off by default).
+        self.step_builder: StepBuilder | None = None
+        self.graphs: DecodeGraphs | None = None
+        enable_fast_path_from_config(self, max_model_len)
 
     # --- KV cache -----------------------------------------------------------------
     def kv_bytes_per_block(self) -> int:
@@ -78,7 +85,10 @@ class ModelRunner:
     def _num_kv_blocks(self) -> int:
         budget = self.config.kv_cache_memory
         if budget is None:
-            if self.device.type == "cuda":
+            if self.device.type == "cuda" and self.config.profile_kv_cache:
+                budget = profile_kv_budget(self, self.config.max_num_batched_tokens,
+                                           self.config.max_num_seqs)
+            elif self.device.type == "cuda":
                 free, total = torch.cuda.mem_get_info(self.device)
                 budget = int(free - total * (1 - self.config.gpu_memory_utilization))
             else:
@@ -125,6 +135,8 @@ class ModelRunner:
         warm_up(num_heads=self.shard.num_heads, num_kv_heads=self.shard.num_kv_heads,
                 head_dim=c.head_dim, block_size=self.block_size, dtype=self.dtype,
                 device=self.device, max_seq_len=max_model_len, max_num_seqs=max_num_seqs)
+        if self.graphs is not None:
+            self.graphs.capture_all()
 
     def _want_triton(self) -> bool:
         if not self.config.uses_triton:
@@ -193,14 +205,26 @@ class ModelRunner:
             return self.model(ids, pos)
 
     @torch.inference_mode()
-    def execute(self, inputs: StepInputs) -> torch.Tensor | None:
+    def execute(self, inputs: StepInputs, seq_ids: list[int] | None = None
+                ) -> torch.Tensor | None:
         """This rank's forward of the step, and the logits of the rows that sample
-        (on rank 0; None elsewhere, or when no row samples)."""
-        ids, pos, meta = self.build(inputs)
-        hidden = self.forward(ids, pos, meta)
+        (on rank 0; None elsewhere, or when no row samples). ``seq_ids``: the batch's
+        sequence ids, which the device block tables key their rows by."""
+        rows = None
+        if self.step_builder is not None:
+            ids, pos, meta, rows = self.step_builder.build(inputs, seq_ids)
+        else:
+            ids, pos, meta = self.build(inputs)
+        bucket = (self.graphs.bucket(len(inputs.seq_lens), inputs.max_query_len)
+                  if self.graphs is not None else None)
+        if bucket is not None:
+            hidden = self.graphs.run(bucket, ids, pos, meta)
+        else:
+            hidden = self.forward(ids, pos, meta)
         if not inputs.sample_rows:
             return None
-        rows = torch.tensor(inputs.sample_rows, device=self.device)
+        if rows is None:
+            rows = torch.tensor(inputs.sample_rows, device=self.device)
         return self.model.compute_logits(hidden[rows])
 
     @torch.inference_mode()
@@ -211,7 +235,8 @@ class ModelRunner:
         ``batch.seqs`` of the sequences those rows belong to)."""
         inputs, due = self.flatten(batch)
         if self.group is None:
-            return self.execute(inputs), due
+            seq_ids = [s.seq_id for s in batch.seqs] if self.step_builder is not None else None
+            return self.execute(inputs, seq_ids), due
         self.group.send(("step", self._pending_ops, inputs))
         self._pending_ops = []
         try:

@@ -33,6 +33,9 @@ class AttentionMetadata:
     max_seq_len: int
     use_triton: bool = False
     plan: CPUAttentionPlan | None = None  # torch path only
+    # Triton decode: a fixed split-KV count (CUDA graphs: the captured launch must not
+    # depend on the step's context lengths); None lets the kernel choose per step.
+    num_splits: int | None = None
 
 
 _current: AttentionMetadata | None = None
@@ -73,7 +76,7 @@ def _paged_attention_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     unified_attention(q, k_cache, v_cache, out, query_start_loc=meta.query_start_loc,
                       seq_lens=meta.seq_lens, block_tables=meta.block_tables,
                       max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len,
-                      scale=scale)
+                      scale=scale, num_splits=meta.num_splits)
     return out
 
 

@@ -1,0 +1,192 @@
+"""The GPU fast-path flags, each against the default (eager) path, on a GPU in bf16:
+greedy agreement, decode step time by batch size, host syncs in the model runner, KV
+blocks and start-up time.
+
+Configurations: ``off`` (the default), ``cuda_graphs``, ``staging_tables``
+(``--pinned-staging --device-block-tables``) and ``all`` (those three and
+``--profile-kv-cache``). The model is the random Llama-shaped checkpoint of
+``engine_gpu_smoke.py`` (about 1B parameters, 32/8 heads of 64).
+
+Greedy tokens of ``staging_tables`` must equal ``off`` exactly (same kernels, same
+inputs). With CUDA graphs a bucket's split-KV count is fixed for ``max_model_len``
+where the eager path chooses it from the step, which changes the order of the fp32
+sums; on a random model's near-ties that can flip a bf16 argmax, so agreement is
+reported with the first differing position rather than asserted.
+
+    python benchmarks/gpu_fast_path.py --out results/gpu_fast_path.json
+    python benchmarks/gpu_fast_path.py --smoke   # CPU, tiny model: the script runs (no speed)
+
+``--smoke`` runs on CPU under Triton's interpreter, where the flags are refused: it
+attaches the same pieces to the runner directly (graphs without capture), as the
+tests do.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+if not torch.cuda.is_available():  # --smoke: the Triton kernels in the interpreter
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from engine_gpu_smoke import greedy, write_checkpoint  # noqa: E402
+
+CONFIGS = {
+    "off": {},
+    "cuda_graphs": {"cuda_graphs": True},
+    "staging_tables": {"pinned_staging": True, "device_block_tables": True},
+    "all": {"cuda_graphs": True, "pinned_staging": True, "device_block_tables": True,
+            "profile_kv_cache": True},
+}
+
+
+def build(path: Path, flags: dict, smoke: bool, max_num_seqs: int):
+    from llmserve.engine.config import EngineConfig
+    from llmserve.engine.llm_engine import LLMEngine
+    from llmserve.engine.step_buffers import enable_fast_path
+    common = dict(model=str(path), attention_backend="triton", max_num_seqs=max_num_seqs,
+                  enable_prefix_caching=False)
+    t0 = time.perf_counter()
+    if smoke:  # refused on CPU as flags: attach the pieces the flags would
+        engine = LLMEngine(EngineConfig(device="cpu", dtype="float32", kv_cache_memory=16 << 20,
+                                        max_model_len=256, **common))
+        sizes = [1, 2, 4] if flags.get("cuda_graphs") else None
+        enable_fast_path(engine.runner, engine.max_model_len,
+                         pinned_staging=flags.get("pinned_staging", False),
+                         device_block_tables=flags.get("device_block_tables", False),
+                         graph_sizes=sizes, capture=False)
+    else:
+        engine = LLMEngine(EngineConfig(device="cuda", dtype="bfloat16", max_model_len=2048,
+                                        **common, **flags))
+    t1 = time.perf_counter()
+    engine.warm_up()  # with --cuda-graphs: captures every bucket
+    return engine, {"load_s": t1 - t0, "warm_up_s": time.perf_counter() - t1,
+                    "kv_blocks": engine.runner.num_blocks}
+
+
+def decode_step_ms(engine, batch: int, steps: int, prompt_len: int = 128) -> float:
+    """Median time of an engine step with ``batch`` sequences decoding (every step
+    ends with the sampled tokens on the host, so it includes the GPU's work)."""
+    from llmserve import SamplingParams
+    rng = random.Random(batch)
+    params = SamplingParams(temperature=0, max_tokens=steps + 4, ignore_eos=True)
+    reqs = [engine.add_request([rng.randrange(3, 32000) for _ in range(prompt_len)], params)
+            for _ in range(batch)]
+    while any(not r.sequences[0].output_token_ids for r in reqs):  # prefills
+        engine.step()
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - t0)
+    while engine.has_unfinished():
+        engine.step()
+    return 1000 * statistics.median(times)
+
+
+def forward_host_syncs(engine, batch: int = 4, steps: int = 4) -> dict:
+    """Host syncs inside the model runner (not the sampler, whose sampled tokens are the
+    one sync a step needs) during a few decode steps, with CUDA's sync debug mode set to
+    warn: the count per step and the first few warnings."""
+    import warnings
+    real_run, found = engine.runner.run, {"runner_calls": 0, "syncs": 0, "first": []}
+
+    def run(b):
+        found["runner_calls"] += 1
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                return real_run(b)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+                syncs = [str(w.message)[:300] for w in caught if "synchroniz" in str(w.message)]
+                found["syncs"] += len(syncs)
+                found["first"] = (found["first"] + syncs)[:3]
+
+    engine.runner.run = run
+    try:
+        decode_step_ms(engine, batch, steps)
+    finally:
+        del engine.runner.run
+    return found
+
+
+def agreement(a: list[list[int]], b: list[list[int]]) -> dict:
+    first = [next((i for i, (x, y) in enumerate(zip(s, t)) if x != y), None)
+             for s, t in zip(a, b)]
+    return {"identical": a == b, "identical_sequences": sum(s == t for s, t in zip(a, b)),
+            "sequences": len(a), "first_difference_at": first}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--smoke", action="store_true", help="tiny model on the CPU, fp32")
+    ap.add_argument("--out", default="benchmarks/results/gpu_fast_path.json")
+    ap.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    args = ap.parse_args()
+    if not args.smoke and not torch.cuda.is_available():
+        print("no CUDA device: nothing to measure (use --smoke to exercise the script)")
+        return 0
+    batches = (1, 3) if args.smoke else (1, 8, 32, 64)
+    steps = 3 if args.smoke else 30
+    results: dict = {"device": torch.cuda.get_device_name() if not args.smoke else "cpu",
+                     "configs": {}}
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    failed = False
+    with tempfile.TemporaryDirectory() as tmp:
+        path = write_checkpoint(Path(tmp) / "model", args.smoke)
+        rng = random.Random(0)
+        longest = 60 if args.smoke else 600
+        prompts = [[rng.randrange(3, 32000) for _ in range(rng.randint(8, longest))]
+                   for _ in range(8)]
+        tokens = {}
+        for name in args.configs:
+            res = results["configs"][name] = {"flags": CONFIGS[name]}
+            engine = None
+            try:
+                engine, startup = build(path, CONFIGS[name], args.smoke, max(batches))
+                res.update(startup)
+                tokens[name] = greedy(engine, prompts, 8 if args.smoke else 32)
+                res["decode_step_ms"] = {str(b): decode_step_ms(engine, b, steps)
+                                         for b in batches}
+                if not args.smoke:
+                    try:
+                        res["runner_host_syncs"] = forward_host_syncs(engine)
+                    except Exception as e:  # noqa: BLE001 - a diagnostic, not a result
+                        res["runner_host_syncs"] = {"error": repr(e)}
+            except Exception as e:  # noqa: BLE001 - record and go on with the next
+                res["error"] = repr(e)
+                failed = True
+            finally:  # the next engine needs this one's KV pool and graphs freed
+                engine = None
+                gc.collect()
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
+            if "off" in tokens and name in tokens and name != "off":
+                res["greedy_vs_off"] = agreement(tokens["off"], tokens[name])
+                base = results["configs"]["off"].get("decode_step_ms", {})
+                res["speedup_vs_off"] = {b: base[b] / ms for b, ms in
+                                         res.get("decode_step_ms", {}).items() if b in base}
+            out.write_text(json.dumps(results, indent=2))
+    print(json.dumps(results, indent=2))
+    if "staging_tables" in tokens and "off" in tokens and tokens["staging_tables"] != tokens["off"]:
+        print("staging_tables changed greedy tokens: a bug, not rounding")
+        failed = True
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
