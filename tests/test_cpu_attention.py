@@ -3,13 +3,26 @@ mixed prefill + decode batches, GQA groups and fp32/bf16 caches."""
 
 from __future__ import annotations
 
+import os
 import random
+import subprocess
+import sys
 
 import pytest
 import torch
 
+from llmserve.kernels import cpu_native
 from llmserve.kernels.cpu_attention import make_cpu_plan, paged_attention_cpu
 from llmserve.kernels.reference import unified_attention_ref
+
+# Decodes in the compiled C kernel (native) and in torch: both must match the oracle.
+# CI machines have a C compiler, so the native kernel must build there.
+PATHS = [pytest.param(False, id="torch"), pytest.param(True, id="native")]
+
+
+@pytest.fixture(autouse=True)
+def _native_kernel_builds():
+    assert cpu_native.decode_kernel() is not None, "the CPU decode kernel did not build"
 
 
 def random_batch(rng, seqs, heads, kv_heads, head_dim, block_size, dtype):
@@ -29,34 +42,38 @@ def random_batch(rng, seqs, heads, kv_heads, head_dim, block_size, dtype):
     return q, k_cache, v_cache, tables, starts, [s for _, s in seqs]
 
 
+@pytest.mark.parametrize("native", PATHS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("heads, kv_heads", [(4, 4), (8, 2), (9, 3), (6, 1)])
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(4, 4, 32), (8, 2, 64), (9, 3, 64),
+                                                       (6, 1, 128), (4, 2, 80)])
 @pytest.mark.parametrize("block_size", [4, 16])
-def test_mixed_batches_match_the_reference(dtype, heads, kv_heads, block_size):
+def test_mixed_batches_match_the_reference(native, dtype, heads, kv_heads, head_dim, block_size):
     rng = random.Random(heads * 100 + kv_heads + block_size)
     seqs = [(1, 37), (12, 12), (1, 1), (5, 70), (1, 523), (30, 95), (1, 16)]
     q, k_cache, v_cache, tables, starts, lens = random_batch(
-        rng, seqs, heads, kv_heads, 32, block_size, dtype)
-    plan = make_cpu_plan(starts, lens, tables, block_size, k_cache.shape[0])
-    got = paged_attention_cpu(q, torch.stack([k_cache, v_cache]), plan, scale=32 ** -0.5)
+        rng, seqs, heads, kv_heads, head_dim, block_size, dtype)
+    plan = make_cpu_plan(starts, lens, tables, block_size, k_cache.shape[0], native)
+    assert plan.native == native
+    got = paged_attention_cpu(q, torch.stack([k_cache, v_cache]), plan, scale=head_dim ** -0.5)
     width = max(map(len, tables))
     table_tensor = torch.tensor([t + [0] * (width - len(t)) for t in tables])
     want = unified_attention_ref(q.float(), k_cache.float(), v_cache.float(),
                                  torch.empty_like(q, dtype=torch.float32),
                                  query_start_loc=torch.tensor(starts),
                                  seq_lens=torch.tensor(lens), block_tables=table_tensor,
-                                 max_query_len=30, max_seq_len=523, scale=32 ** -0.5)
+                                 max_query_len=30, max_seq_len=523, scale=head_dim ** -0.5)
     assert got.dtype == dtype
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
 
 
-def test_decode_only_and_prefill_only_batches():
+@pytest.mark.parametrize("native", PATHS)
+def test_decode_only_and_prefill_only_batches(native):
     rng = random.Random(3)
     for seqs in ([(1, 5), (1, 300)], [(7, 7), (3, 40)]):
         q, k_cache, v_cache, tables, starts, lens = random_batch(rng, seqs, 4, 2, 16, 16,
                                                                  torch.float32)
-        plan = make_cpu_plan(starts, lens, tables, 16, k_cache.shape[0])
+        plan = make_cpu_plan(starts, lens, tables, 16, k_cache.shape[0], native)
         assert plan.decode_only == all(n == 1 for n, _ in seqs)
         got = paged_attention_cpu(q, torch.stack([k_cache, v_cache]), plan, scale=0.25)
         width = max(map(len, tables))
@@ -66,3 +83,58 @@ def test_decode_only_and_prefill_only_batches():
             block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables]),
             max_query_len=7, max_seq_len=300, scale=0.25)
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_native_decode_reads_strided_queries():
+    """q as the engine passes it: a view into the fused QKV projection's output."""
+    rng = random.Random(5)
+    seqs = [(1, 40), (1, 200), (1, 3)]
+    _, k_cache, v_cache, tables, starts, lens = random_batch(rng, seqs, 8, 2, 64, 16,
+                                                             torch.bfloat16)
+    qkv = torch.randn(3, 8 + 2 * 2, 64).to(torch.bfloat16)
+    q = qkv[:, :8]
+    cache, blocks = torch.stack([k_cache, v_cache]), k_cache.shape[0]
+    native = paged_attention_cpu(q, cache, make_cpu_plan(starts, lens, tables, 16, blocks, True),
+                                 0.125)
+    plain = paged_attention_cpu(q.contiguous(), cache,
+                                make_cpu_plan(starts, lens, tables, 16, blocks), 0.125)
+    torch.testing.assert_close(native.float(), plain.float(), atol=2e-2, rtol=2e-2)
+
+
+AVX2_CHECK = """
+import random, torch
+from llmserve.kernels import cpu_native
+from llmserve.kernels.cpu_attention import make_cpu_plan, paged_attention_cpu
+assert "-march=haswell" in cpu_native._march()
+assert cpu_native.decode_kernel() is not None
+rng = random.Random(1)
+num_blocks, tables = 64, [rng.sample(range(64), 20) for _ in range(4)]
+lens = [300, 17, 1, 250]
+cache = torch.randn(2, num_blocks, 16, 2, 64)
+q = torch.randn(4, 8, 64)
+starts = [0, 1, 2, 3, 4]
+native = paged_attention_cpu(q, cache, make_cpu_plan(starts, lens, tables, 16, 64, True), 0.125)
+plain = paged_attention_cpu(q, cache, make_cpu_plan(starts, lens, tables, 16, 64), 0.125)
+print((native - plain).abs().max().item())
+"""
+
+
+def test_the_avx2_build_is_what_an_avx2_machine_gets():
+    """ATEN_CPU_CAPABILITY=avx2 (how CI acts as an AVX2-only machine) builds the
+    kernel for AVX2 + FMA, and it computes the same attention."""
+    env = dict(os.environ, ATEN_CPU_CAPABILITY="avx2")
+    out = subprocess.run([sys.executable, "-c", AVX2_CHECK], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert float(out.stdout.strip().splitlines()[-1]) < 1e-5
+
+
+def test_without_a_compiler_decodes_fall_back_to_torch(tmp_path):
+    check = ("from llmserve.kernels import cpu_native\n"
+             "print(cpu_native.decode_kernel() is None)\n")
+    env = dict(os.environ, CC=str(tmp_path / "no-such-cc"))
+    out = subprocess.run([sys.executable, "-c", check], env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "True"
+    assert "torch path" in out.stderr  # the warning says what happens instead

@@ -123,6 +123,13 @@ def test_cuda_image_has_a_c_compiler_and_headers_for_triton():
             f"no headers for {python} ({python}-dev)"
 
 
+def test_cpu_image_has_a_c_compiler_for_the_decode_kernel():
+    packages = installed_packages(CPU.read_text())
+    assert packages & COMPILERS, f"no C compiler installed (one of {sorted(COMPILERS)})"
+    assert "libc6-dev" in packages or "build-essential" in packages, \
+        "no C library headers (libc6-dev)"
+
+
 def test_cuda_image_installs_before_dropping_root_and_stays_lean():
     text = CUDA.read_text()
     base = next(args for keyword, args in instructions(text) if keyword == "FROM")

@@ -19,6 +19,7 @@ from llmserve.engine.quantization import quantize_model
 from llmserve.engine.scheduler import ScheduledBatch
 from llmserve.engine.step_buffers import StepBuilder, enable_fast_path_from_config
 from llmserve.kernels.cpu_attention import make_cpu_plan
+from llmserve.kernels.cpu_native import DTYPE_CODES, decode_kernel
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +64,7 @@ class ModelRunner:
         self.hf_config = hf_config
         self.block_size = config.block_size
         self.use_triton = self._want_triton()
+        self.native_decode = self._want_native_decode()
         self.num_blocks = self._num_kv_blocks()
         c = hf_config
         self.kv_cache = KVCache(c.num_hidden_layers, self.num_blocks, self.block_size,
@@ -148,6 +150,13 @@ class ModelRunner:
                         dtype=self.dtype)
         return True
 
+    def _want_native_decode(self) -> bool:
+        """Decodes in the C kernel: on CPUs, for the dtypes it knows, when it builds
+        (at start-up, so no request waits for the compiler)."""
+        if self.device.type != "cpu" or self.use_triton or self.dtype not in DTYPE_CODES:
+            return False
+        return decode_kernel() is not None
+
     # --- one step ---------------------------------------------------------------------
     def flatten(self, batch: ScheduledBatch) -> tuple[StepInputs, list[int]]:
         """The batch as plain lists (what the workers receive), and the indices into
@@ -189,7 +198,7 @@ class ModelRunner:
         )
         if not self.use_triton:
             meta.plan = make_cpu_plan(inputs.query_start, inputs.seq_lens, tables,
-                                      self.block_size, self.num_blocks)
+                                      self.block_size, self.num_blocks, self.native_decode)
         ids = torch.tensor(inputs.input_ids, dtype=torch.long, device=dev)
         pos = torch.tensor(inputs.positions, dtype=torch.long, device=dev)
         return ids, pos, meta

@@ -1,0 +1,181 @@
+/* Paged-attention decode on CPUs: one new query token per sequence, attending over
+ * its whole context in the paged KV cache.
+ *
+ * Each (sequence, KV head) task reads that head's K and V rows of every block once,
+ * for the whole GQA group of query heads sharing it, straight from the cache: no
+ * gathered or padded copy of the context, no mask. Scores, softmax and accumulation
+ * are float32 whatever the cache dtype (float32 or bfloat16).
+ *
+ * Layer cache layout: [2 (K, V), num_blocks, block_size, kv_heads, head_dim].
+ * Built and loaded by cpu_native.py (compiled for the machine it runs on).
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+enum { DTYPE_F32 = 0, DTYPE_BF16 = 1 };
+
+static inline float bf16_to_f32(uint16_t x) {
+    uint32_t u = (uint32_t)x << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {  /* round to nearest even */
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    u += 0x7FFFu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+static inline __attribute__((always_inline)) void load_row(const void *base, int64_t offset, int dtype, int n, float *dst) {
+    if (dtype == DTYPE_BF16) {
+        const uint16_t *src = (const uint16_t *)base + offset;
+        for (int i = 0; i < n; i++) dst[i] = bf16_to_f32(src[i]);
+    } else {
+        memcpy(dst, (const float *)base + offset, (size_t)n * sizeof(float));
+    }
+}
+
+/* exp(x) for x <= 0 (scores minus their maximum), vectorisable: 2^n * p(r) with
+ * x = n ln2 + r, |r| <= ln2 / 2, p a degree-6 Taylor polynomial (relative error
+ * below 1e-7, under float32's own rounding of the scores). */
+static void exp_inplace(float *x, int n) {
+    for (int i = 0; i < n; i++) {
+        float v = x[i] < -87.0f ? -87.0f : x[i];
+        float k = __builtin_roundf(v * 1.44269504088896341f);
+        float r = v - k * 0.693145751953125f - k * 1.428606765330187e-06f;
+        float p = 1.0f + r * (1.0f + r * (0.5f + r * (0.16666667f + r * (0.041666668f
+                  + r * (0.008333334f + r * 0.0013888889f)))));
+        int32_t bits = ((int32_t)k + 127) << 23;
+        float scale;
+        memcpy(&scale, &bits, sizeof scale);
+        x[i] = p * scale;
+    }
+}
+
+/* One (sequence, KV head) task. Inlined into callers with a constant head_dim and
+ * dtype, so that the compiler unrolls and vectorises the head_dim loops fully. */
+static inline __attribute__((always_inline)) void attend_one(
+        const void *q, int64_t q_stride, void *out, const void *kv, int64_t q_row,
+        const int32_t *table, int seq_len, int64_t v_offset, int block_size,
+        int num_heads, int kv_heads, const int head_dim, int kv_head, float scale,
+        const int dtype, float *scratch) {
+    const int group = num_heads / kv_heads;
+    float *qf = scratch;                                 /* [group, head_dim] */
+    float *acc = qf + group * head_dim;                  /* [group, head_dim] */
+    float *row = acc + group * head_dim;                 /* [head_dim] */
+    float *scores = row + head_dim;                      /* [group, seq_len] */
+    const int64_t token_stride = (int64_t)kv_heads * head_dim;
+    const int num_blocks = (seq_len + block_size - 1) / block_size;
+    for (int g = 0; g < group; g++) {
+        int64_t off = q_row * q_stride + ((int64_t)kv_head * group + g) * head_dim;
+        load_row(q, off, dtype, head_dim, qf + g * head_dim);
+        for (int d = 0; d < head_dim; d++) qf[g * head_dim + d] *= scale;
+    }
+    /* Scores: each K row read once for the whole group. */
+    for (int b = 0; b < num_blocks; b++) {
+        int64_t base = (int64_t)table[b] * block_size * token_stride
+                       + (int64_t)kv_head * head_dim;
+        int n = seq_len - b * block_size < block_size ? seq_len - b * block_size : block_size;
+        for (int j = 0; j < n; j++) {
+            load_row(kv, base + j * token_stride, dtype, head_dim, row);
+            for (int g = 0; g < group; g++) {
+                const float *qg = qf + g * head_dim;
+                float s = 0.0f;
+                for (int d = 0; d < head_dim; d++) s += qg[d] * row[d];
+                scores[(int64_t)g * seq_len + b * block_size + j] = s;
+            }
+        }
+    }
+    /* Softmax per query head. */
+    for (int g = 0; g < group; g++) {
+        float *sg = scores + (int64_t)g * seq_len;
+        float m = sg[0];
+        for (int t = 1; t < seq_len; t++) m = sg[t] > m ? sg[t] : m;
+        for (int t = 0; t < seq_len; t++) sg[t] -= m;
+        exp_inplace(sg, seq_len);
+        float sum = 0.0f;
+        for (int t = 0; t < seq_len; t++) sum += sg[t];
+        float inv = 1.0f / sum;
+        for (int t = 0; t < seq_len; t++) sg[t] *= inv;
+    }
+    /* Weighted sum of V rows, each read once for the group. */
+    memset(acc, 0, sizeof(float) * group * head_dim);
+    for (int b = 0; b < num_blocks; b++) {
+        int64_t base = v_offset + (int64_t)table[b] * block_size * token_stride
+                       + (int64_t)kv_head * head_dim;
+        int n = seq_len - b * block_size < block_size ? seq_len - b * block_size : block_size;
+        for (int j = 0; j < n; j++) {
+            load_row(kv, base + j * token_stride, dtype, head_dim, row);
+            for (int g = 0; g < group; g++) {
+                float p = scores[(int64_t)g * seq_len + b * block_size + j];
+                float *ag = acc + g * head_dim;
+                for (int d = 0; d < head_dim; d++) ag[d] += p * row[d];
+            }
+        }
+    }
+    for (int g = 0; g < group; g++) {
+        int64_t off = (q_row * num_heads + (int64_t)kv_head * group + g) * head_dim;
+        if (dtype == DTYPE_BF16) {
+            uint16_t *dst = (uint16_t *)out + off;
+            for (int d = 0; d < head_dim; d++) dst[d] = f32_to_bf16(acc[g * head_dim + d]);
+        } else {
+            memcpy((float *)out + off, acc + g * head_dim, sizeof(float) * head_dim);
+        }
+    }
+}
+
+/* attend_one specialised for the common head sizes and each dtype. */
+#define ATTEND(HD, DT) attend_one(q, q_stride, out, kv, q_row, table, seq_len, v_offset, \
+                                  block_size, num_heads, kv_heads, HD, kv_head, scale, DT, \
+                                  scratch)
+static void attend(const void *q, int64_t q_stride, void *out, const void *kv,
+                   int64_t q_row, const int32_t *table, int seq_len, int64_t v_offset,
+                   int block_size, int num_heads, int kv_heads, int head_dim, int kv_head,
+                   float scale, int dtype, float *scratch) {
+    if (dtype == DTYPE_BF16) {
+        if (head_dim == 64) ATTEND(64, DTYPE_BF16);
+        else if (head_dim == 128) ATTEND(128, DTYPE_BF16);
+        else ATTEND(head_dim, DTYPE_BF16);
+    } else {
+        if (head_dim == 64) ATTEND(64, DTYPE_F32);
+        else if (head_dim == 128) ATTEND(128, DTYPE_F32);
+        else ATTEND(head_dim, DTYPE_F32);
+    }
+}
+
+/* q: rows q_stride elements apart, heads head_dim apart; out: [rows, num_heads,
+ * head_dim] contiguous; q_rows[i]: the row of sequence i; tables:
+ * [num_seqs, table_stride] block ids; seq_lens[i]: tokens in sequence i's context
+ * (its new token's K/V already written). Returns 0, or -1 when out of memory. */
+int paged_decode(const void *q, int64_t q_stride, void *out, const void *kv, const int32_t *q_rows,
+                 const int32_t *tables, int table_stride, const int32_t *seq_lens,
+                 int num_seqs, int64_t num_cache_blocks, int block_size, int num_heads,
+                 int kv_heads, int head_dim, float scale, int dtype) {
+    int max_len = 0;
+    for (int i = 0; i < num_seqs; i++) max_len = seq_lens[i] > max_len ? seq_lens[i] : max_len;
+    const int group = num_heads / kv_heads;
+    const size_t scratch_floats = (size_t)(2 * group + 1) * head_dim + (size_t)group * max_len;
+    const int64_t v_offset = num_cache_blocks * block_size * kv_heads * head_dim;
+    const int tasks = num_seqs * kv_heads;
+    int failed = 0;
+    #pragma omp parallel reduction(|:failed) if(tasks > 1)
+    {
+        float *scratch = malloc(scratch_floats * sizeof(float));
+        failed = scratch == NULL;
+        /* Every thread takes part in the loop (a work-sharing construct), even one
+         * whose allocation failed: it then skips its tasks and the call reports it. */
+        #pragma omp for schedule(dynamic, 1)
+        for (int task = 0; task < tasks; task++) {
+            if (scratch == NULL) continue;
+            int i = task / kv_heads, h = task % kv_heads;
+            attend(q, q_stride, out, kv, q_rows[i], tables + (int64_t)i * table_stride,
+                       seq_lens[i], v_offset, block_size, num_heads, kv_heads, head_dim,
+                       h, scale, dtype, scratch);
+        }
+        free(scratch);
+    }
+    return failed ? -1 : 0;
+}
