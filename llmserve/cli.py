@@ -33,9 +33,10 @@ def add_engine_args(p: argparse.ArgumentParser, overload: bool = True) -> None:
     g.add_argument("--attention-backend", choices=["auto", "triton", "torch"], default="auto")
     g.add_argument("--num-threads", type=int, default=None,
                    help="CPU threads for the model (default: all cores we may use)")
-    g.add_argument("--quantization", choices=["none", "int8", "int4"], default="none",
+    g.add_argument("--quantization", choices=["auto", "none", "int8", "int4"], default="auto",
                    help="CPU: weight-only int8/int4 linear layers (bf16 activations); "
-                        "fastest for few concurrent streams")
+                        "fastest for few concurrent streams. auto: int4 for a 4-bit GGUF "
+                        "(the built-in model) served in bf16, none otherwise")
     g.add_argument("--compile", action="store_true",
                    help="torch.compile the decoder layers (CPU: fewer, fused ops per step; "
                         "compiled during the start-up warm-up, cached on disk)")

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from llmserve import LLM, SamplingParams
-from llmserve.engine.quantization import QuantizedLinear
+from llmserve.engine.models.loader import gguf_layer_weight_type
+from llmserve.engine.quantization import QuantizedLinear, resolve_quantization
 from llmserve.engine.scoring import perplexity
 
 TEXT = (Path(__file__).parents[1] / "benchmarks" / "data" / "declaration.txt").read_text()
@@ -59,3 +60,34 @@ def test_fast_modes_keep_quality(fp32, dtype, quantization, max_ppl_ratio, min_a
     agree = sum(next((i for i, (a, b) in enumerate(zip(o, r)) if a != b), len(r)) / len(r)
                 for o, r in zip(outs, ref_tokens)) / len(PROMPTS)
     assert agree >= min_agreement, agree
+
+
+@pytest.mark.parametrize("requested, gguf_type, device, dtype, tp, want", [
+    ("auto", "Q4_1", "cpu", "bfloat16", 1, "int4"),  # the built-in model on a bf16 CPU
+    ("auto", "Q4_K", "cpu", "bfloat16", 1, "int4"),
+    ("auto", "Q4_1", "cpu", "float32", 1, "none"),  # AVX2 CPUs: the fp32 path
+    ("auto", "Q8_0", "cpu", "bfloat16", 1, "none"),  # int4 would lose precision
+    ("auto", None, "cpu", "bfloat16", 1, "none"),  # safetensors checkpoints
+    ("auto", "Q4_1", "cuda", "bfloat16", 1, "none"),
+    ("auto", "Q4_1", "cpu", "bfloat16", 2, "none"),  # int4 + tensor parallel: untested
+    ("int8", None, "cpu", "float32", 1, "int8"),  # explicit modes stay
+    ("none", "Q4_1", "cpu", "bfloat16", 1, "none"),
+])
+def test_auto_quantization_serves_a_4bit_gguf_at_its_precision(requested, gguf_type, device,
+                                                               dtype, tp, want):
+    assert resolve_quantization(requested, gguf_type, device, dtype, tp) == want
+
+
+def test_the_engine_resolves_auto_from_the_checkpoint(builtin_path, tiny_llama):
+    assert gguf_layer_weight_type(builtin_path) == "Q4_1"
+    assert gguf_layer_weight_type(tiny_llama) is None
+    llm = LLM("smollm2-135m-instruct", dtype="bfloat16")  # quantization left to auto
+    assert llm.engine.config.quantization == "int4"
+    layers = llm.engine.runner.model.model.layers
+    assert isinstance(layers[0].mlp.down_proj, QuantizedLinear)
+    out = llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=4))
+    assert out[0].outputs[0].text.strip()
+    llm.shutdown()
+    llm = LLM("smollm2-135m-instruct", dtype="float32")
+    assert llm.engine.config.quantization == "none"
+    llm.shutdown()

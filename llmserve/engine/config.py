@@ -49,8 +49,10 @@ class EngineConfig:
     # torch.compile each decoder layer (one shared graph, dynamic token count); the
     # compile happens during the start-up warm-up and is cached on disk.
     compile: bool = False
-    # Weight-only quantisation of the linear layers on CPU: none | int8 | int4.
-    quantization: str = "none"
+    # Weight-only quantisation of the linear layers on CPU: auto | none | int8 | int4
+    # (auto: int4 for a 4-bit GGUF served in bf16 on a CPU, else none; resolved by the
+    # engine once it knows the checkpoint: quantization.resolve_quantization).
+    quantization: str = "auto"
     # continuous (iteration-level) | static (a batch runs to its end; the A/B baseline)
     batching: str = "continuous"
     # Keep each step's predicted duration at or below this (ms); None: no cap.
@@ -108,9 +110,9 @@ class EngineConfig:
             raise ValueError("batching must be 'continuous' or 'static'")
         if self.target_itl_ms is not None and not self.target_itl_ms > 0:
             raise ValueError("target_itl_ms must be a positive number of milliseconds")
-        if self.quantization not in ("none", "int8", "int4"):
-            raise ValueError("quantization must be 'none', 'int8' or 'int4'")
-        if self.quantization != "none" and self.device.startswith("cuda"):
+        if self.quantization not in ("auto", "none", "int8", "int4"):
+            raise ValueError("quantization must be 'auto', 'none', 'int8' or 'int4'")
+        if self.quantization in ("int8", "int4") and self.device.startswith("cuda"):
             raise ValueError("--quantization int8/int4 uses CPU kernels; on CUDA serve a "
                              "bf16 or fp16 model")
         if self.attention_backend not in ("auto", "triton", "torch"):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 import threading
 import time
 import weakref
@@ -18,22 +19,31 @@ from llmserve.engine.cost_model import StepCostModel
 from llmserve.engine.detokenizer import Detokenizer
 from llmserve.engine.kv_integrity import SequenceKVCheck
 from llmserve.engine.model_runner import ModelRunner
-from llmserve.engine.models.loader import load_config, load_tokenizer, resolve_model
+from llmserve.engine.models.loader import (
+    gguf_layer_weight_type,
+    load_config,
+    load_tokenizer,
+    resolve_model,
+)
 from llmserve.engine.outputs import RequestOutput
 from llmserve.engine.overload import check_admission, expired
 from llmserve.engine.parallel import TensorParallelGroup, WorkerDiedError
 from llmserve.engine.parallel_config import check_tensor_parallel
+from llmserve.engine.quantization import resolve_quantization
 from llmserve.engine.sampler import Sampler
 from llmserve.engine.sampling import SamplingParams
 from llmserve.engine.scheduler import Scheduler
 from llmserve.engine.sequence import Logprob, Request, Sequence, SequenceStatus, Tenancy
 from llmserve.engine.structured import StructuredOutputs
 
+log = logging.getLogger(__name__)
+
 
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
         self.model_path = resolve_model(config.model)
+        self._resolve_quantization()
         self.hf_config = load_config(self.model_path)
         self.tokenizer = load_tokenizer(self.model_path)
         self.model_name = config.served_model_name or config.model
@@ -67,6 +77,17 @@ class LLMEngine:
         self.last_step: tuple[float, float | None] | None = None  # (actual, predicted) s
         self._structured: StructuredOutputs | None = None
         self._structured_lock = threading.Lock()
+
+    def _resolve_quantization(self) -> None:
+        """``--quantization auto`` becomes a mode, before any rank builds its model."""
+        c = self.config
+        gguf_type = gguf_layer_weight_type(self.model_path)
+        resolved = resolve_quantization(c.quantization, gguf_type, c.device, c.dtype,
+                                        c.tensor_parallel_size)
+        if c.quantization == "auto":
+            log.info("quantization auto -> %s (checkpoint: %s, %s on %s)", resolved,
+                     f"GGUF {gguf_type}" if gguf_type else "not a GGUF", c.dtype, c.device)
+        c.quantization = resolved
 
     def _build_runner(self) -> ModelRunner:
         """Rank 0's model runner; with tensor parallelism, once every worker built its."""

@@ -66,7 +66,24 @@ def auto_dtype(device: str) -> str:
 
 
 # --- weight-only quantisation ---------------------------------------------------------
-QUANTIZATION_MODES = ("none", "int8", "int4")
+QUANTIZATION_MODES = ("auto", "none", "int8", "int4")
+# GGUF types at 4 bits or fewer per weight: int4 groups of 32 hold them (nearly) exactly.
+_GGUF_4BIT_PREFIXES = ("Q4_", "IQ4", "Q3_", "IQ3", "Q2_", "IQ2", "IQ1")
+
+
+def resolve_quantization(requested: str, gguf_type: str | None, device: str, dtype: str,
+                         tensor_parallel_size: int = 1) -> str:
+    """``--quantization auto``: serve a 4-bit GGUF checkpoint (the built-in model is
+    Q4_1) at its own precision, int4 in groups of 32, which re-encodes its weights
+    almost exactly, where the int4 kernels run at full speed: on CPUs serving bf16,
+    one rank. Everything else (safetensors checkpoints, 5-8 bit GGUFs, fp32 CPUs, CUDA)
+    is served unquantised. An explicit mode is kept as it is."""
+    if requested != "auto":
+        return requested
+    four_bit = gguf_type is not None and gguf_type.upper().startswith(_GGUF_4BIT_PREFIXES)
+    if four_bit and device == "cpu" and dtype == "bfloat16" and tensor_parallel_size == 1:
+        return "int4"
+    return "none"
 INT4_GROUP = 32  # as GGUF Q4_0/Q4_1: a Q4_1 checkpoint re-encodes (nearly) exactly
 
 

@@ -245,7 +245,7 @@ def load_weights(model: torch.nn.Module, path: Path, dtype: torch.dtype, device:
 def convert_gguf(gguf_path: Path) -> Path:
     """Convert once; return the cached Hugging Face-format directory."""
     stat = gguf_path.stat()
-    key = hashlib.sha256(f"{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}:v1"
+    key = hashlib.sha256(f"{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}:v2"
                          .encode()).hexdigest()[:16]
     target = cache_root() / "models" / f"{gguf_path.stem}-{key}"
     if (target / "config.json").is_file():
@@ -293,7 +293,33 @@ def _convert_gguf_into(gguf_path: Path, out: Path) -> None:
         tensors[name] = w.contiguous()
     save_file(tensors, out / "model.safetensors")
     (out / "config.json").write_text(json.dumps(config, indent=2))
+    (out / GGUF_SOURCE).write_text(json.dumps(_gguf_layer_types(gguf_path.name, reader),
+                                              indent=2))
     _convert_tokenizer(gguf_path, out, meta)
+
+
+GGUF_SOURCE = "gguf_source.json"  # what the checkpoint was converted from
+
+
+def _gguf_layer_types(name: str, reader) -> dict:
+    """The quantisation of the GGUF's decoder layers: elements per tensor type of the
+    2-D layer weights (not the embedding or output, which GGUF keeps finer)."""
+    types: dict[str, int] = {}
+    for t in reader.tensors:
+        if t.name.startswith("blk.") and len(t.shape) == 2:
+            kind = t.tensor_type.name
+            types[kind] = types.get(kind, 0) + int(t.n_elements)
+    return {"file": name, "layer_weight_types": types}
+
+
+def gguf_layer_weight_type(path: Path) -> str | None:
+    """The dominant tensor type of a converted GGUF's layer weights ("Q4_1", ...), or
+    None for checkpoints that did not come from a GGUF."""
+    source = Path(path) / GGUF_SOURCE
+    if not source.is_file():
+        return None
+    types = json.loads(source.read_text()).get("layer_weight_types") or {}
+    return max(types, key=types.get) if types else None
 
 
 def _field_value(field):
