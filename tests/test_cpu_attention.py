@@ -129,12 +129,43 @@ def test_the_avx2_build_is_what_an_avx2_machine_gets():
     assert float(out.stdout.strip().splitlines()[-1]) < 1e-5
 
 
-def test_without_a_compiler_decodes_fall_back_to_torch(tmp_path):
+@pytest.mark.parametrize("broken", ["CC names no program", "no cc on PATH"])
+def test_without_a_compiler_decodes_fall_back_to_torch(tmp_path, broken):
     check = ("from llmserve.kernels import cpu_native\n"
              "print(cpu_native.decode_kernel() is None)\n")
-    env = dict(os.environ, CC=str(tmp_path / "no-such-cc"))
+    env = {k: v for k, v in os.environ.items() if k != "CC"}
+    if broken == "CC names no program":
+        env["CC"] = str(tmp_path / "no-such-cc")
+    else:
+        env["PATH"] = str(tmp_path)  # an empty folder: no cc, no gcc
     out = subprocess.run([sys.executable, "-c", check], env=env, capture_output=True,
                          text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "True"
     assert "torch path" in out.stderr  # the warning says what happens instead
+
+
+def test_the_cpu_engine_decodes_with_the_native_kernel(tiny_llama):
+    from llmserve.engine.config import EngineConfig
+    from llmserve.engine.llm_engine import LLMEngine
+    engine = LLMEngine(EngineConfig(model=str(tiny_llama), kv_cache_memory=1 << 22))
+    assert engine.runner.native_decode
+    engine.shutdown()
+
+
+def test_native_decode_handles_caches_past_2_31_elements():
+    """Offsets are 64-bit: a cache of more than 2^31 elements, read near its end (the
+    untouched pages cost no memory)."""
+    num_blocks, block_size, kv_heads, head_dim = (1 << 16) + 8, 16, 8, 128  # > 2^31 elements
+    cache = torch.empty(2, num_blocks, block_size, kv_heads, head_dim, dtype=torch.bfloat16)
+    tables = [[num_blocks - 3, num_blocks - 1]]
+    k = torch.randn(32, kv_heads, head_dim).to(torch.bfloat16)
+    for i, block in enumerate(tables[0]):
+        cache[:, block] = torch.stack([k[i * 16:(i + 1) * 16], -k[i * 16:(i + 1) * 16]])
+    q = torch.randn(1, 16, head_dim).to(torch.bfloat16)
+    native = paged_attention_cpu(q, cache, make_cpu_plan([0, 1], [30], tables, block_size,
+                                                         num_blocks, True), 0.1)
+    plain = paged_attention_cpu(q, cache, make_cpu_plan([0, 1], [30], tables, block_size,
+                                                        num_blocks), 0.1)
+    assert cache.numel() > 1 << 31
+    torch.testing.assert_close(native.float(), plain.float(), atol=2e-2, rtol=2e-2)

@@ -11,6 +11,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 from llmserve.engine.host_memory import release_freed_memory
 
 ENGINE_RUN = textwrap.dedent("""
@@ -38,8 +40,9 @@ def test_an_eager_cpu_engine_never_imports_the_compiler(tiny_llama):
     assert _modules_after_a_request(tiny_llama, "none") == "[]"
 
 
-def test_quantized_eager_engine_never_imports_the_compiler(tiny_llama):
-    assert _modules_after_a_request(tiny_llama, "int8") == "[]"
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_quantized_eager_engine_never_imports_the_compiler(tiny_llama, mode):
+    assert _modules_after_a_request(tiny_llama, mode) == "[]"
 
 
 def _rss_kib() -> int:

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from llmserve import LLM, SamplingParams
-from llmserve.engine.models.loader import gguf_layer_weight_type
-from llmserve.engine.quantization import QuantizedLinear, resolve_quantization
+from llmserve.engine.models.loader import gguf_layer_weight_types
+from llmserve.engine.quantization import QuantizedLinear, quantize_model, resolve_quantization
 from llmserve.engine.scoring import perplexity
 
 TEXT = (Path(__file__).parents[1] / "benchmarks" / "data" / "declaration.txt").read_text()
@@ -62,26 +62,35 @@ def test_fast_modes_keep_quality(fp32, dtype, quantization, max_ppl_ratio, min_a
     assert agree >= min_agreement, agree
 
 
-@pytest.mark.parametrize("requested, gguf_type, device, dtype, tp, want", [
-    ("auto", "Q4_1", "cpu", "bfloat16", 1, "int4"),  # the built-in model on a bf16 CPU
-    ("auto", "Q4_K", "cpu", "bfloat16", 1, "int4"),
-    ("auto", "Q4_1", "cpu", "float32", 1, "none"),  # AVX2 CPUs: the fp32 path
-    ("auto", "Q8_0", "cpu", "bfloat16", 1, "none"),  # int4 would lose precision
-    ("auto", None, "cpu", "bfloat16", 1, "none"),  # safetensors checkpoints
-    ("auto", "Q4_1", "cuda", "bfloat16", 1, "none"),
-    ("auto", "Q4_1", "cpu", "bfloat16", 2, "none"),  # int4 + tensor parallel: untested
-    ("int8", None, "cpu", "float32", 1, "int8"),  # explicit modes stay
-    ("none", "Q4_1", "cpu", "bfloat16", 1, "none"),
+Q41, Q4KM = {"Q4_1": 1000}, {"Q4_K": 800, "Q6_K": 200}
+
+
+@pytest.mark.parametrize("requested, gguf_types, device, dtype, tp, want", [
+    ("auto", Q41, "cpu", torch.bfloat16, 1, "int4"),  # the built-in model on a bf16 CPU
+    ("auto", {"Q4_K": 10, "Q4_0": 5}, "cpu", torch.bfloat16, 1, "int4"),
+    ("auto", Q41, "cpu", torch.float32, 1, "none"),  # AVX2 CPUs: the fp32 path
+    ("auto", {"Q8_0": 1000}, "cpu", torch.bfloat16, 1, "none"),  # int4 would lose precision
+    ("auto", Q4KM, "cpu", torch.bfloat16, 1, "none"),  # its Q6_K layers too
+    ("auto", None, "cpu", torch.bfloat16, 1, "none"),  # safetensors checkpoints
+    ("auto", Q41, "cuda", torch.bfloat16, 1, "none"),
+    ("auto", Q41, "cpu", torch.bfloat16, 2, "none"),  # int4 + tensor parallel: untested
+    ("int8", None, "cpu", torch.float32, 1, "int8"),  # explicit modes stay
+    ("none", Q41, "cpu", torch.bfloat16, 1, "none"),
 ])
-def test_auto_quantization_serves_a_4bit_gguf_at_its_precision(requested, gguf_type, device,
+def test_auto_quantization_serves_a_4bit_gguf_at_its_precision(requested, gguf_types, device,
                                                                dtype, tp, want):
-    assert resolve_quantization(requested, gguf_type, device, dtype, tp) == want
+    assert resolve_quantization(requested, gguf_types, device, dtype, tp) == want
+
+
+def test_quantize_model_refuses_an_unresolved_mode():
+    with pytest.raises(ValueError, match="unresolved"):
+        quantize_model(torch.nn.Module(), "auto")
 
 
 def test_the_engine_resolves_auto_from_the_checkpoint(builtin_path, tiny_llama):
-    assert gguf_layer_weight_type(builtin_path) == "Q4_1"
-    assert gguf_layer_weight_type(tiny_llama) is None
-    llm = LLM("smollm2-135m-instruct", dtype="bfloat16")  # quantization left to auto
+    assert set(gguf_layer_weight_types(builtin_path)) == {"Q4_1"}
+    assert gguf_layer_weight_types(tiny_llama) is None
+    llm = LLM("smollm2-135m-instruct", dtype="bf16")  # quantization left to auto; an alias
     assert llm.engine.config.quantization == "int4"
     layers = llm.engine.runner.model.model.layers
     assert isinstance(layers[0].mlp.down_proj, QuantizedLinear)

@@ -19,9 +19,13 @@ def _libc():
     name = ctypes.util.find_library("c")
     try:
         libc = ctypes.CDLL(name)
-        return libc if hasattr(libc, "malloc_trim") else None
     except OSError:
         return None
+    if not hasattr(libc, "malloc_trim"):
+        return None
+    libc.malloc_trim.argtypes = [ctypes.c_size_t]
+    libc.malloc_trim.restype = ctypes.c_int
+    return libc
 
 
 def release_freed_memory() -> bool:

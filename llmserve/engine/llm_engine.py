@@ -20,7 +20,7 @@ from llmserve.engine.detokenizer import Detokenizer
 from llmserve.engine.kv_integrity import SequenceKVCheck
 from llmserve.engine.model_runner import ModelRunner
 from llmserve.engine.models.loader import (
-    gguf_layer_weight_type,
+    gguf_layer_weight_types,
     load_config,
     load_tokenizer,
     resolve_model,
@@ -81,12 +81,13 @@ class LLMEngine:
     def _resolve_quantization(self) -> None:
         """``--quantization auto`` becomes a mode, before any rank builds its model."""
         c = self.config
-        gguf_type = gguf_layer_weight_type(self.model_path)
-        resolved = resolve_quantization(c.quantization, gguf_type, c.device, c.dtype,
+        gguf_types = gguf_layer_weight_types(self.model_path)
+        resolved = resolve_quantization(c.quantization, gguf_types, c.device, c.torch_dtype,
                                         c.tensor_parallel_size)
         if c.quantization == "auto":
             log.info("quantization auto -> %s (checkpoint: %s, %s on %s)", resolved,
-                     f"GGUF {gguf_type}" if gguf_type else "not a GGUF", c.dtype, c.device)
+                     f"GGUF {sorted(gguf_types)}" if gguf_types else "not a GGUF",
+                     c.dtype, c.device)
         c.quantization = resolved
 
     def _build_runner(self) -> ModelRunner:

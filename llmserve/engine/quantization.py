@@ -71,17 +71,24 @@ QUANTIZATION_MODES = ("auto", "none", "int8", "int4")
 _GGUF_4BIT_PREFIXES = ("Q4_", "IQ4", "Q3_", "IQ3", "Q2_", "IQ2", "IQ1")
 
 
-def resolve_quantization(requested: str, gguf_type: str | None, device: str, dtype: str,
-                         tensor_parallel_size: int = 1) -> str:
+def is_4bit_gguf(layer_types: dict[str, int] | None) -> bool:
+    """Every layer weight of the GGUF at 4 bits or fewer (a "Q4_K_M" file keeps some
+    layers in Q6_K, which int4 would lose precision on: not 4-bit)."""
+    return bool(layer_types) and all(kind.upper().startswith(_GGUF_4BIT_PREFIXES)
+                                     for kind in layer_types)
+
+
+def resolve_quantization(requested: str, gguf_layer_types: dict[str, int] | None,
+                         device: str, dtype: torch.dtype, tensor_parallel_size: int = 1) -> str:
     """``--quantization auto``: serve a 4-bit GGUF checkpoint (the built-in model is
     Q4_1) at its own precision, int4 in groups of 32, which re-encodes its weights
     almost exactly, where the int4 kernels run at full speed: on CPUs serving bf16,
-    one rank. Everything else (safetensors checkpoints, 5-8 bit GGUFs, fp32 CPUs, CUDA)
-    is served unquantised. An explicit mode is kept as it is."""
+    one rank. Everything else (safetensors checkpoints, GGUFs with 5-8 bit layers, fp32
+    CPUs, CUDA) is served unquantised. An explicit mode is kept as it is."""
     if requested != "auto":
         return requested
-    four_bit = gguf_type is not None and gguf_type.upper().startswith(_GGUF_4BIT_PREFIXES)
-    if four_bit and device == "cpu" and dtype == "bfloat16" and tensor_parallel_size == 1:
+    if (is_4bit_gguf(gguf_layer_types) and device == "cpu" and dtype == torch.bfloat16
+            and tensor_parallel_size == 1):
         return "int4"
     return "none"
 INT4_GROUP = 32  # as GGUF Q4_0/Q4_1: a Q4_1 checkpoint re-encodes (nearly) exactly
@@ -178,6 +185,8 @@ def quantize_model(model: torch.nn.Module, mode: str) -> int:
     dense: a lookup reads a handful of rows. Returns how many layers were quantised."""
     if mode == "none":
         return 0
+    if mode not in ("int8", "int4"):  # "auto" is resolved by the engine, never here
+        raise ValueError(f"unresolved quantization mode {mode!r}")
     bits = 8 if mode == "int8" else 4
     count = 0
     for layer in model.model.layers:

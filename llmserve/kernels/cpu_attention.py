@@ -109,7 +109,7 @@ def paged_attention_cpu(q: torch.Tensor, kv_cache: torch.Tensor, plan: CPUAttent
     """``q [T, heads, d]`` over the layer's paged cache
     ``[2, blocks, block_size, kv_heads, d]``; returns ``[T, heads, d]`` in q's dtype."""
     if plan.native:
-        out = torch.empty(q.shape, dtype=q.dtype)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         paged_decode(q, out, kv_cache, plan.decode_q_rows, plan.decode_tables,
                      plan.decode_seq_lens, scale)
         _prefill(q, kv_cache, plan, scale, out)

@@ -25,6 +25,7 @@ static inline float bf16_to_f32(uint16_t x) {
 static inline uint16_t f32_to_bf16(float f) {  /* round to nearest even */
     uint32_t u;
     memcpy(&u, &f, sizeof u);
+    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((u >> 16) | 0x40u);  /* NaN */
     u += 0x7FFFu + ((u >> 16) & 1u);
     return (uint16_t)(u >> 16);
 }
@@ -39,8 +40,9 @@ static inline __attribute__((always_inline)) void load_row(const void *base, int
 }
 
 /* exp(x) for x <= 0 (scores minus their maximum), vectorisable: 2^n * p(r) with
- * x = n ln2 + r, |r| <= ln2 / 2, p a degree-6 Taylor polynomial (relative error
- * below 1e-7, under float32's own rounding of the scores). */
+ * x = n ln2 + r, |r| <= ln2 / 2, p a degree-6 Taylor polynomial: relative error about
+ * 1e-7 (the reassociation the build allows may fold the two-part ln2 reduction, which
+ * matters only for weights far below anything that moves the sum). */
 static void exp_inplace(float *x, int n) {
     for (int i = 0; i < n; i++) {
         float v = x[i] < -87.0f ? -87.0f : x[i];
@@ -150,7 +152,7 @@ static void attend(const void *q, int64_t q_stride, void *out, const void *kv,
  * head_dim] contiguous; q_rows[i]: the row of sequence i; tables:
  * [num_seqs, table_stride] block ids; seq_lens[i]: tokens in sequence i's context
  * (its new token's K/V already written). Returns 0, or -1 when out of memory. */
-int paged_decode(const void *q, int64_t q_stride, void *out, const void *kv, const int32_t *q_rows,
+int paged_decode(int num_threads, const void *q, int64_t q_stride, void *out, const void *kv, const int32_t *q_rows,
                  const int32_t *tables, int table_stride, const int32_t *seq_lens,
                  int num_seqs, int64_t num_cache_blocks, int block_size, int num_heads,
                  int kv_heads, int head_dim, float scale, int dtype) {
@@ -161,7 +163,9 @@ int paged_decode(const void *q, int64_t q_stride, void *out, const void *kv, con
     const int64_t v_offset = num_cache_blocks * block_size * kv_heads * head_dim;
     const int tasks = num_seqs * kv_heads;
     int failed = 0;
-    #pragma omp parallel reduction(|:failed) if(tasks > 1)
+    /* torch's thread count, passed in: the OpenMP runtime this library links may not be
+     * the one torch configured (a renamed libgomp, clang's libomp). */
+    #pragma omp parallel num_threads(num_threads) reduction(|:failed) if(tasks > 1)
     {
         float *scratch = malloc(scratch_floats * sizeof(float));
         failed = scratch == NULL;
@@ -171,6 +175,12 @@ int paged_decode(const void *q, int64_t q_stride, void *out, const void *kv, con
         for (int task = 0; task < tasks; task++) {
             if (scratch == NULL) continue;
             int i = task / kv_heads, h = task % kv_heads;
+            if (seq_lens[i] <= 0) {  /* no context (a decode always sees itself): zeros */
+                size_t elem = dtype == DTYPE_BF16 ? 2 : 4;
+                int64_t off = ((int64_t)q_rows[i] * num_heads + (int64_t)h * group) * head_dim;
+                memset((char *)out + off * elem, 0, elem * group * head_dim);
+                continue;
+            }
             attend(q, q_stride, out, kv, q_rows[i], tables + (int64_t)i * table_stride,
                        seq_lens[i], v_offset, block_size, num_heads, kv_heads, head_dim,
                        h, scale, dtype, scratch);

@@ -1,11 +1,11 @@
 """The CPU decode-attention kernel (``cpu_decode.c``), compiled for this machine.
 
-Compiled once with the system C compiler (``cc``, ~1 s) for the CPU it runs on
-(``-march=native``, or AVX2 when ``ATEN_CPU_CAPABILITY=avx2`` asks torch to act as an
-AVX2 machine), cached under the llmserve cache folder keyed by the source, the
-compiler and the CPU, and called through ctypes (which releases the GIL). OpenMP
-threads come from the runtime torch already loaded (same ``libgomp.so.1``), so the
-kernel shares torch's thread pool and thread count.
+Compiled once with the system C compiler (``$CC`` or ``cc``, ~0.4 s) for the CPU it
+runs on (``-march=native``; AVX2 + FMA when ``ATEN_CPU_CAPABILITY=avx2`` asks torch to
+act as an AVX2 machine, the baseline ISA for ``default``), cached under the llmserve
+cache folder keyed by the source, the compiler, the flags and the CPU, and called
+through ctypes (which releases the GIL). Each call runs on torch's thread count; with
+torch's own ``libgomp.so.1`` already loaded, the kernel shares its thread pool too.
 
 Where no compiler is found or the build fails, ``decode_kernel()`` returns None and
 the engine keeps the pure-torch path (``cpu_attention.py``), with one warning.
@@ -18,7 +18,10 @@ import functools
 import hashlib
 import logging
 import os
+import platform
+import shlex
 import shutil
+import stat
 import subprocess
 import tempfile
 from pathlib import Path
@@ -35,21 +38,39 @@ CFLAGS = ["-O3", "-fPIC", "-shared", "-fopenmp", "-fno-math-errno", "-fno-trappi
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 
 
-def _march() -> str:
-    if os.environ.get("ATEN_CPU_CAPABILITY", "").lower() in ("avx2", "default"):
-        return "-march=haswell"  # AVX2 + FMA, what torch's AVX2 kernels assume
-    return "-march=native"
+def _march() -> list[str]:
+    isa = os.environ.get("ATEN_CPU_CAPABILITY", "").lower()
+    if isa == "avx2":
+        return ["-march=haswell"]  # AVX2 + FMA, what torch's AVX2 kernels assume
+    if isa == "default" or platform.machine() not in ("x86_64", "AMD64"):
+        return []  # the compiler's baseline for the architecture
+    return ["-march=native"]
 
 
 def _cpu_signature() -> str:
+    """What -march=native depends on: x86's "flags" line, arm's "Features"."""
     try:
         with open("/proc/cpuinfo") as f:
-            return next((line for line in f if line.startswith("flags")), "")
+            lines = [line for line in f if line.startswith(("flags", "Features"))]
     except OSError:
-        return ""
+        lines = []
+    return platform.machine() + (lines[0] if lines else "")
 
 
-def _build_dir() -> Path:
+def _private_dir(path: Path) -> Path | None:
+    """``path``, created 0700 if missing, if it is ours and nobody else may write it:
+    a library loaded from a directory another user controls would run their code."""
+    try:
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        st = path.stat()
+    except OSError:
+        return None
+    if st.st_uid != os.getuid() or st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return None
+    return path
+
+
+def _build_dir() -> Path | None:
     from llmserve.engine.models.loader import cache_root
     root = cache_root() / "kernels"
     try:
@@ -58,15 +79,19 @@ def _build_dir() -> Path:
             return root
     except OSError:
         pass
-    return Path(tempfile.gettempdir()) / "llmserve-kernels"  # read-only cache (images)
+    # A read-only cache (the image's): a private folder of our own under /tmp.
+    return _private_dir(Path(tempfile.gettempdir()) / f"llmserve-kernels-{os.getuid()}")
 
 
-def _compile(compiler: str, flags: list[str]) -> Path:
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True,
+def _compile(compiler: list[str], flags: list[str]) -> Path:
+    version = subprocess.run([*compiler, "--version"], capture_output=True, text=True,
                              timeout=30).stdout
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), version, *flags,
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(compiler), version, *flags,
                                     _cpu_signature()]).encode()).hexdigest()[:16]
-    out_dir = _build_dir() / key
+    build_dir = _build_dir()
+    if build_dir is None:
+        raise OSError("no writable folder of our own to build the kernel in")
+    out_dir = build_dir / key
     target = out_dir / "cpu_decode.so"
     if target.exists():
         return target
@@ -74,7 +99,7 @@ def _compile(compiler: str, flags: list[str]) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
     os.close(fd)
     try:
-        subprocess.run([compiler, *flags, str(SOURCE), "-o", tmp], check=True,
+        subprocess.run([*compiler, *flags, str(SOURCE), "-o", tmp], check=True,
                        capture_output=True, text=True, timeout=120)
         os.replace(tmp, target)  # atomic: concurrent engines never load half a file
     finally:
@@ -88,12 +113,12 @@ def decode_kernel():
     """The compiled ``paged_decode`` function, or None (the torch path is used)."""
     if os.environ.get("LLMSERVE_CPU_KERNELS", "native") == "torch":
         return None
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
         log.warning("no C compiler found: CPU decode attention uses the slower torch path")
         return None
     try:
-        lib = ctypes.CDLL(str(_compile(compiler, [*CFLAGS, _march()])))
+        lib = ctypes.CDLL(str(_compile(shlex.split(cc), [*CFLAGS, *_march()])))
     except (OSError, subprocess.SubprocessError) as e:
         detail = getattr(e, "stderr", "") or e
         log.warning("building the CPU decode kernel failed (%s): using the torch path",
@@ -101,7 +126,7 @@ def decode_kernel():
         return None
     fn = lib.paged_decode
     i64, i32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
-    fn.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, i32, ptr, i32, i64, i32, i32, i32, i32,
+    fn.argtypes = [i32, ptr, i64, ptr, ptr, ptr, ptr, i32, ptr, i32, i64, i32, i32, i32, i32,
                    ctypes.c_float, i32]
     fn.restype = i32
     return fn
@@ -117,10 +142,20 @@ def paged_decode(q: torch.Tensor, out: torch.Tensor, kv_cache: torch.Tensor,
     ``tables`` ``[seqs, max_blocks]`` and ``seq_lens`` contiguous."""
     _, num_blocks, block_size, kv_heads, head_dim = kv_cache.shape
     num_heads = q.shape[1]
-    assert q.stride(2) == 1 and q.stride(1) == head_dim and out.is_contiguous()
-    rc = decode_kernel()(q.data_ptr(), q.stride(0), out.data_ptr(), kv_cache.data_ptr(),
-                         q_rows.data_ptr(), tables.data_ptr(), tables.shape[1],
-                         seq_lens.data_ptr(), seq_lens.shape[0], num_blocks, block_size,
-                         num_heads, kv_heads, head_dim, scale, DTYPE_CODES[q.dtype])
+    if q.dtype not in DTYPE_CODES or kv_cache.dtype != q.dtype or out.dtype != q.dtype:
+        raise ValueError(f"paged_decode: q {q.dtype}, cache {kv_cache.dtype}, out "
+                         f"{out.dtype}: one dtype of {sorted(map(str, DTYPE_CODES))}")
+    if num_heads % kv_heads or q.shape[2] != head_dim:
+        raise ValueError(f"paged_decode: {num_heads} query heads of {q.shape[2]} over "
+                         f"{kv_heads} KV heads of {head_dim}")
+    if not (kv_cache.is_contiguous() and out.is_contiguous()):
+        raise ValueError("paged_decode: the cache and out must be contiguous")
+    if q.stride(2) != 1 or q.stride(1) != head_dim:
+        q = q.contiguous()  # the kernel steps over token rows only
+    rc = decode_kernel()(torch.get_num_threads(), q.data_ptr(), q.stride(0), out.data_ptr(),
+                         kv_cache.data_ptr(), q_rows.data_ptr(), tables.data_ptr(),
+                         tables.shape[1], seq_lens.data_ptr(), seq_lens.shape[0], num_blocks,
+                         block_size, num_heads, kv_heads, head_dim, scale,
+                         DTYPE_CODES[q.dtype])
     if rc != 0:
         raise MemoryError("paged_decode: out of memory for its scratch buffers")

@@ -178,8 +178,16 @@ def load_tokenizer(path: Path):
                              f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from e
 
 
-_INITIALISERS = ("normal_", "uniform_", "kaiming_uniform_", "xavier_uniform_", "trunc_normal_",
-                 "ones_", "zeros_")
+class _SkipInitialisers(torch.overrides.TorchFunctionMode):
+    """Makes ``torch.nn.init``'s functions return their tensor untouched. A torch
+    function mode is per thread, so other threads building modules meanwhile keep
+    their initialisers (patching ``torch.nn.init`` itself would not)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if getattr(func, "__module__", None) == "torch.nn.init":
+            return args[0] if args else kwargs["tensor"]
+        return func(*args, **kwargs)
 
 
 @contextlib.contextmanager
@@ -188,16 +196,8 @@ def empty_model_init():
     checkpoint overwrites every parameter, and on meta tensors torch runs those
     initialisers through its Python references, which import TorchDynamo (and with it
     Triton): ~150 MB of resident memory and a second of start-up for nothing."""
-    import torch.nn.init as init
-    saved = {name: getattr(init, name) for name in _INITIALISERS}
-    try:
-        for name in _INITIALISERS:
-            setattr(init, name, lambda tensor, *args, **kwargs: tensor)
-        with torch.device("meta"):
-            yield
-    finally:
-        for name, fn in saved.items():
-            setattr(init, name, fn)
+    with torch.device("meta"), _SkipInitialisers():
+        yield
 
 
 def load_weights(model: torch.nn.Module, path: Path, dtype: torch.dtype, device: str) -> None:
@@ -312,14 +312,14 @@ def _gguf_layer_types(name: str, reader) -> dict:
     return {"file": name, "layer_weight_types": types}
 
 
-def gguf_layer_weight_type(path: Path) -> str | None:
-    """The dominant tensor type of a converted GGUF's layer weights ("Q4_1", ...), or
-    None for checkpoints that did not come from a GGUF."""
+def gguf_layer_weight_types(path: Path) -> dict[str, int] | None:
+    """Elements per tensor type of a converted GGUF's layer weights ({"Q4_1": ...}), or
+    None for checkpoints that did not come from a GGUF (or were converted before the
+    converter recorded it)."""
     source = Path(path) / GGUF_SOURCE
     if not source.is_file():
         return None
-    types = json.loads(source.read_text()).get("layer_weight_types") or {}
-    return max(types, key=types.get) if types else None
+    return json.loads(source.read_text()).get("layer_weight_types") or None
 
 
 def _field_value(field):
