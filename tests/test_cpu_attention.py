@@ -169,3 +169,27 @@ def test_native_decode_handles_caches_past_2_31_elements():
                                                         num_blocks), 0.1)
     assert cache.numel() > 1 << 31
     torch.testing.assert_close(native.float(), plain.float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(9, 3, 64), (8, 2, 128), (4, 4, 80)])
+def test_rope_and_cache_is_bit_exact_with_the_torch_path(dtype, heads, kv_heads, head_dim):
+    """Rotary embedding + the K/V store in C: the same bits as apply_rotary + write_kv
+    (so fp32 outputs stay token-exact with transformers)."""
+    from llmserve.engine.models.llama import apply_rotary
+    from llmserve.kernels.cpu_attention import write_kv
+    from llmserve.kernels.cpu_native import rope_and_cache
+    torch.manual_seed(heads + head_dim)
+    tokens, num_blocks, block_size = 11, 9, 4
+    qkv = torch.randn(tokens, heads + 2 * kv_heads, head_dim).to(dtype)
+    angles = torch.rand(tokens, head_dim // 2) * 100
+    cos, sin = angles.cos().unsqueeze(1), angles.sin().unsqueeze(1)
+    slots = torch.randperm(num_blocks * block_size)[:tokens]
+    cache_c = torch.randn(2, num_blocks, block_size, kv_heads, head_dim).to(dtype)
+    cache_t = cache_c.clone()
+    q_c = rope_and_cache(qkv, cos, sin, cache_c, slots, heads)
+    qk = apply_rotary(qkv[:, :heads + kv_heads], cos, sin)
+    q_t, k_t = qk.split([heads, kv_heads], dim=1)
+    write_kv(k_t, qkv[:, heads + kv_heads:], cache_t, slots)
+    assert torch.equal(q_c, q_t)
+    assert torch.equal(cache_c, cache_t)

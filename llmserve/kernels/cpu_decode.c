@@ -189,3 +189,60 @@ int paged_decode(int num_threads, const void *q, int64_t q_stride, void *out, co
     }
     return failed ? -1 : 0;
 }
+
+/* Rotary embedding of one head (Hugging Face's "rotate half": the two halves pair up),
+ * in float32, rounded to the cache dtype: bit for bit what the torch path computes
+ * (multiplications and the sum rounded separately, so no fused multiply-add here). */
+__attribute__((optimize("fp-contract=off")))
+static void rotate_head(const void *src, int64_t src_off, void *dst, int64_t dst_off,
+                        const float *cos, const float *sin, int head_dim, int dtype) {
+    const int half = head_dim / 2;
+    float x[512];  /* head_dim <= 512, checked by the caller */
+    load_row(src, src_off, dtype, head_dim, x);
+    for (int d = 0; d < half; d++) {
+        float a = x[d], b = x[d + half];
+        float lo_1 = a * cos[d], lo_2 = b * sin[d];
+        float hi_1 = b * cos[d], hi_2 = a * sin[d];
+        float lo = lo_1 - lo_2, hi = hi_1 + hi_2;
+        if (dtype == DTYPE_BF16) {
+            ((uint16_t *)dst)[dst_off + d] = f32_to_bf16(lo);
+            ((uint16_t *)dst)[dst_off + d + half] = f32_to_bf16(hi);
+        } else {
+            ((float *)dst)[dst_off + d] = lo;
+            ((float *)dst)[dst_off + d + half] = hi;
+        }
+    }
+}
+
+/* For each of num_tokens tokens of the fused projection qkv [tokens, num_heads +
+ * 2 kv_heads, head_dim] (rows qkv_stride elements apart): the rotated query heads into
+ * q_out [tokens, num_heads, head_dim], and the rotated K and the V heads into the layer
+ * cache at flat slot slots[t] (negative: padding, skipped). cos, sin: [tokens,
+ * head_dim / 2] float32. Returns 0, or -1 for an unsupported head_dim. */
+int rope_and_cache(int num_threads, const void *qkv, int64_t qkv_stride, void *q_out,
+                   void *kv, const float *cos, const float *sin, const int64_t *slots,
+                   int num_tokens, int64_t num_cache_blocks, int block_size, int num_heads,
+                   int kv_heads, int head_dim, int dtype) {
+    if (head_dim > 512 || head_dim % 2) return -1;
+    const int64_t v_offset = num_cache_blocks * block_size * kv_heads * head_dim;
+    const size_t elem = dtype == DTYPE_BF16 ? 2 : 4;
+    const int half = head_dim / 2;
+    #pragma omp parallel for num_threads(num_threads) if(num_tokens > 8)
+    for (int t = 0; t < num_tokens; t++) {
+        const float *c = cos + (int64_t)t * half, *s = sin + (int64_t)t * half;
+        const int64_t row = (int64_t)t * qkv_stride;
+        for (int h = 0; h < num_heads; h++)
+            rotate_head(qkv, row + (int64_t)h * head_dim, q_out,
+                        ((int64_t)t * num_heads + h) * head_dim, c, s, head_dim, dtype);
+        if (slots[t] < 0) continue;
+        const int64_t cache_row = slots[t] * kv_heads * head_dim;
+        for (int h = 0; h < kv_heads; h++) {
+            rotate_head(qkv, row + (int64_t)(num_heads + h) * head_dim, kv,
+                        cache_row + (int64_t)h * head_dim, c, s, head_dim, dtype);
+            memcpy((char *)kv + (v_offset + cache_row + (int64_t)h * head_dim) * elem,
+                   (const char *)qkv + (row + (int64_t)(num_heads + kv_heads + h) * head_dim)
+                   * elem, elem * head_dim);
+        }
+    }
+    return 0;
+}

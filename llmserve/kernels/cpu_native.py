@@ -110,7 +110,8 @@ def _compile(compiler: list[str], flags: list[str]) -> Path:
 
 @functools.cache
 def decode_kernel():
-    """The compiled ``paged_decode`` function, or None (the torch path is used)."""
+    """The compiled library (``paged_decode``, ``rope_and_cache``), or None (the torch
+    path is used)."""
     if os.environ.get("LLMSERVE_CPU_KERNELS", "native") == "torch":
         return None
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
@@ -124,12 +125,47 @@ def decode_kernel():
         log.warning("building the CPU decode kernel failed (%s): using the torch path",
                     detail)
         return None
-    fn = lib.paged_decode
-    i64, i32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
-    fn.argtypes = [i32, ptr, i64, ptr, ptr, ptr, ptr, i32, ptr, i32, i64, i32, i32, i32, i32,
-                   ctypes.c_float, i32]
-    fn.restype = i32
-    return fn
+    i64, i32, ptr, f32 = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_float
+    lib.paged_decode.argtypes = [i32, ptr, i64, ptr, ptr, ptr, ptr, i32, ptr, i32, i64, i32,
+                                 i32, i32, i32, f32, i32]
+    lib.rope_and_cache.argtypes = [i32, ptr, i64, ptr, ptr, ptr, ptr, ptr, i32, i64, i32, i32,
+                                   i32, i32, i32]
+    lib.paged_decode.restype = lib.rope_and_cache.restype = i32
+    return lib
+
+
+def _check_cache(kv_cache: torch.Tensor, dtype: torch.dtype) -> None:
+    if dtype not in DTYPE_CODES or kv_cache.dtype != dtype:
+        raise ValueError(f"CPU kernels: tensors {dtype}, cache {kv_cache.dtype}: one dtype "
+                         f"of {sorted(map(str, DTYPE_CODES))}")
+    if not kv_cache.is_contiguous():
+        raise ValueError("CPU kernels: the layer cache must be contiguous")
+
+
+def rope_and_cache(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   kv_cache: torch.Tensor, slots: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """The rotary embedding of one step's fused projection ``qkv [tokens, heads + 2 *
+    kv_heads, head_dim]`` (``cos``, ``sin`` ``[tokens, head_dim / 2]`` float32): the
+    rotated K and the V of token t stored at flat slot ``slots[t]`` (int64) of the layer
+    cache, the rotated queries returned ``[tokens, heads, head_dim]``. One call where the
+    torch path takes a dozen ops."""
+    _, num_blocks, block_size, kv_heads, head_dim = kv_cache.shape
+    _check_cache(kv_cache, qkv.dtype)
+    tokens = qkv.shape[0]
+    if qkv.shape[1:] != (num_heads + 2 * kv_heads, head_dim) or qkv.stride(1) != head_dim \
+            or qkv.stride(2) != 1:
+        qkv = qkv.contiguous().view(tokens, num_heads + 2 * kv_heads, head_dim)
+    cos = cos.reshape(tokens, -1).float().contiguous()
+    sin = sin.reshape(tokens, -1).float().contiguous()
+    slots = slots.to(torch.int64).contiguous()
+    q = torch.empty(tokens, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
+    rc = decode_kernel().rope_and_cache(
+        torch.get_num_threads(), qkv.data_ptr(), qkv.stride(0), q.data_ptr(),
+        kv_cache.data_ptr(), cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), tokens,
+        num_blocks, block_size, num_heads, kv_heads, head_dim, DTYPE_CODES[qkv.dtype])
+    if rc != 0:
+        raise ValueError(f"rope_and_cache: head_dim {head_dim} unsupported (even, <= 512)")
+    return q
 
 
 def paged_decode(q: torch.Tensor, out: torch.Tensor, kv_cache: torch.Tensor,
@@ -142,20 +178,18 @@ def paged_decode(q: torch.Tensor, out: torch.Tensor, kv_cache: torch.Tensor,
     ``tables`` ``[seqs, max_blocks]`` and ``seq_lens`` contiguous."""
     _, num_blocks, block_size, kv_heads, head_dim = kv_cache.shape
     num_heads = q.shape[1]
-    if q.dtype not in DTYPE_CODES or kv_cache.dtype != q.dtype or out.dtype != q.dtype:
-        raise ValueError(f"paged_decode: q {q.dtype}, cache {kv_cache.dtype}, out "
-                         f"{out.dtype}: one dtype of {sorted(map(str, DTYPE_CODES))}")
+    _check_cache(kv_cache, q.dtype)
+    if out.dtype != q.dtype or not out.is_contiguous():
+        raise ValueError("paged_decode: out must be contiguous, in q's dtype")
     if num_heads % kv_heads or q.shape[2] != head_dim:
         raise ValueError(f"paged_decode: {num_heads} query heads of {q.shape[2]} over "
                          f"{kv_heads} KV heads of {head_dim}")
-    if not (kv_cache.is_contiguous() and out.is_contiguous()):
-        raise ValueError("paged_decode: the cache and out must be contiguous")
     if q.stride(2) != 1 or q.stride(1) != head_dim:
         q = q.contiguous()  # the kernel steps over token rows only
-    rc = decode_kernel()(torch.get_num_threads(), q.data_ptr(), q.stride(0), out.data_ptr(),
-                         kv_cache.data_ptr(), q_rows.data_ptr(), tables.data_ptr(),
-                         tables.shape[1], seq_lens.data_ptr(), seq_lens.shape[0], num_blocks,
-                         block_size, num_heads, kv_heads, head_dim, scale,
-                         DTYPE_CODES[q.dtype])
+    rc = decode_kernel().paged_decode(
+        torch.get_num_threads(), q.data_ptr(), q.stride(0), out.data_ptr(),
+        kv_cache.data_ptr(), q_rows.data_ptr(), tables.data_ptr(), tables.shape[1],
+        seq_lens.data_ptr(), seq_lens.shape[0], num_blocks, block_size, num_heads, kv_heads,
+        head_dim, scale, DTYPE_CODES[q.dtype])
     if rc != 0:
         raise MemoryError("paged_decode: out of memory for its scratch buffers")

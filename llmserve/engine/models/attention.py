@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from llmserve.kernels.cpu_attention import CPUAttentionPlan, paged_attention_cpu, write_kv
+from llmserve.kernels.cpu_native import rope_and_cache
 
 
 @dataclass
@@ -50,6 +51,23 @@ def forward_context(meta: AttentionMetadata):
         yield
     finally:
         _current = previous
+
+
+def native_rope_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                          kv_cache: torch.Tensor, scale: float,
+                          num_heads: int) -> torch.Tensor | None:
+    """Eager CPU steps with decodes, where the C kernels are built: rotary embedding and
+    the K/V store in one call (``cpu_native.rope_and_cache``), then the attention of
+    ``paged_attention_cpu`` (decodes in C, any prefill chunks in SDPA). None where this
+    does not apply (compiling, Triton, the torch path, prefill-only steps): the caller
+    takes the general path."""
+    if torch.compiler.is_compiling():
+        return None
+    meta = _current
+    if meta is None or meta.plan is None or not meta.plan.native:
+        return None
+    q = rope_and_cache(qkv, cos, sin, kv_cache, meta.slot_mapping, num_heads)
+    return paged_attention_cpu(q, kv_cache, meta.plan, scale)
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

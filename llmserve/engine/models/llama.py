@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmserve.engine import parallel
-from llmserve.engine.models.attention import paged_attention
+from llmserve.engine.models.attention import native_rope_attention, paged_attention
 from llmserve.engine.parallel_config import RankShape, rank_shape
 
 
@@ -115,10 +115,12 @@ class Attention(nn.Module):
     def forward(self, x, cos, sin):
         t = x.shape[0]
         qkv = self.qkv_proj(x).view(t, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
-        qk = apply_rotary(qkv[:, :self.num_heads + self.num_kv_heads], cos, sin)
-        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
-        v = qkv[:, self.num_heads + self.num_kv_heads:]
-        o = paged_attention(q, k, v, self.kv_cache, self.scale)
+        o = native_rope_attention(qkv, cos, sin, self.kv_cache, self.scale, self.num_heads)
+        if o is None:
+            qk = apply_rotary(qkv[:, :self.num_heads + self.num_kv_heads], cos, sin)
+            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+            v = qkv[:, self.num_heads + self.num_kv_heads:]
+            o = paged_attention(q, k, v, self.kv_cache, self.scale)
         out = self.o_proj(o.view(t, -1))
         return parallel.all_reduce(out) if self.tp_size > 1 else out
 
