@@ -193,3 +193,26 @@ def test_rope_and_cache_is_bit_exact_with_the_torch_path(dtype, heads, kv_heads,
     write_kv(k_t, qkv[:, heads + kv_heads:], cache_t, slots)
     assert torch.equal(q_c, q_t)
     assert torch.equal(cache_c, cache_t)
+
+
+def test_add_rms_norm_matches_hugging_face_in_bf16():
+    """The decoder's residual add + RMSNorm in C, against transformers' LlamaRMSNorm
+    formula (float32 statistics, normalised rows rounded to bf16, times the weight)."""
+    from llmserve.kernels.cpu_native import add_rms_norm
+    torch.manual_seed(0)
+    x, delta = (torch.randn(13, 576).to(torch.bfloat16) for _ in range(2))
+    weight = (torch.rand(576) + 0.5).to(torch.bfloat16)
+
+    def hf(h):
+        h32 = h.float()
+        h32 = h32 * torch.rsqrt(h32.pow(2).mean(-1, keepdim=True) + 1e-5)
+        return weight * h32.to(torch.bfloat16)
+
+    residual, normed = add_rms_norm(x, weight, 1e-5, delta)
+    assert torch.equal(residual, x + delta)  # the same rounding as torch's add
+    torch.testing.assert_close(normed.float(), hf(x + delta).float(), atol=0, rtol=1e-2)
+    same, plain = add_rms_norm(x, weight, 1e-5)
+    assert same is x
+    torch.testing.assert_close(plain.float(), hf(x).float(), atol=0, rtol=1e-2)
+    # a broken normalisation (no eps, wrong mean) would be far off
+    assert (plain.float() - hf(x).float()).abs().max() < 0.05

@@ -12,6 +12,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <math.h>
 
 enum { DTYPE_F32 = 0, DTYPE_BF16 = 1 };
 
@@ -242,6 +243,38 @@ int rope_and_cache(int num_threads, const void *qkv, int64_t qkv_stride, void *q
             memcpy((char *)kv + (v_offset + cache_row + (int64_t)h * head_dim) * elem,
                    (const char *)qkv + (row + (int64_t)(num_heads + kv_heads + h) * head_dim)
                    * elem, elem * head_dim);
+        }
+    }
+    return 0;
+}
+
+/* RMSNorm of bfloat16 rows as Hugging Face computes it: float32 statistics, the
+ * normalised row rounded to bfloat16, then times the bfloat16 weight (rounded again).
+ * With delta != NULL, first residual = x + delta (rounded), written to residual_out:
+ * the decoder layer's "add, then normalise" in one pass. */
+int add_rms_norm_bf16(int num_threads, const uint16_t *x, const uint16_t *delta,
+                      const uint16_t *weight, uint16_t *out, uint16_t *residual_out,
+                      int rows, int dim, float eps) {
+    if (dim > 16384) return -1;
+    #pragma omp parallel for num_threads(num_threads) if(rows > 8)
+    for (int r = 0; r < rows; r++) {
+        float v[16384];
+        const int64_t off = (int64_t)r * dim;
+        float sum = 0.0f;
+        for (int d = 0; d < dim; d++) {
+            float a = bf16_to_f32(x[off + d]);
+            if (delta != NULL) {
+                uint16_t s = f32_to_bf16(a + bf16_to_f32(delta[off + d]));
+                residual_out[off + d] = s;
+                a = bf16_to_f32(s);
+            }
+            v[d] = a;
+            sum += a * a;
+        }
+        float inv = 1.0f / sqrtf(sum / (float)dim + eps);
+        for (int d = 0; d < dim; d++) {
+            float normed = bf16_to_f32(f32_to_bf16(v[d] * inv));
+            out[off + d] = f32_to_bf16(normed * bf16_to_f32(weight[d]));
         }
     }
     return 0;

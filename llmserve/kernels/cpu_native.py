@@ -130,8 +130,36 @@ def decode_kernel():
                                  i32, i32, i32, f32, i32]
     lib.rope_and_cache.argtypes = [i32, ptr, i64, ptr, ptr, ptr, ptr, ptr, i32, i64, i32, i32,
                                    i32, i32, i32]
+    lib.add_rms_norm_bf16.argtypes = [i32, ptr, ptr, ptr, ptr, ptr, i32, i32, f32]
     lib.paged_decode.restype = lib.rope_and_cache.restype = i32
+    lib.add_rms_norm_bf16.restype = i32
     return lib
+
+
+def native_norm_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Eager bf16 CPU tensors with the kernels built (``add_rms_norm``'s domain)."""
+    return (x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16
+            and x.device.type == "cpu" and not torch.compiler.is_compiling()
+            and decode_kernel() is not None)
+
+
+def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 delta: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm of bf16 rows in one call, computed as Hugging Face does (float32
+    statistics; normalised rows rounded to bf16, then times the weight). With
+    ``delta``: (x + delta, its norm), the decoder layer's residual add fused in.
+    Returns (residual, normed); the residual is ``x`` itself without ``delta``."""
+    dim = x.shape[-1]
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    residual = x if delta is None else torch.empty_like(x)
+    delta_ptr = None if delta is None else delta.contiguous().data_ptr()
+    rc = decode_kernel().add_rms_norm_bf16(
+        torch.get_num_threads(), x.data_ptr(), delta_ptr, weight.data_ptr(), out.data_ptr(),
+        None if delta is None else residual.data_ptr(), x.numel() // dim, dim, eps)
+    if rc != 0:
+        raise ValueError(f"add_rms_norm: rows of {dim} unsupported (at most 16384)")
+    return residual, out
 
 
 def _check_cache(kv_cache: torch.Tensor, dtype: torch.dtype) -> None:

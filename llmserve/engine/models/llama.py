@@ -17,6 +17,7 @@ from torch import nn
 from llmserve.engine import parallel
 from llmserve.engine.models.attention import native_rope_attention, paged_attention
 from llmserve.engine.parallel_config import RankShape, rank_shape
+from llmserve.kernels.cpu_native import add_rms_norm, native_norm_applies
 
 
 class RMSNorm(nn.Module):
@@ -26,7 +27,18 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if native_norm_applies(x, self.weight):  # one C call instead of ~8 ops
+            return add_rms_norm(x, self.weight, self.eps)[1]
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+    def add_and_norm(self, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor,
+                                                                           torch.Tensor]:
+        """(x + delta, its norm): the residual add and the next norm, in one C call
+        where it applies."""
+        if native_norm_applies(x, self.weight):
+            return add_rms_norm(x, self.weight, self.eps, delta)
+        x = x + delta
+        return x, self(x)
 
 
 def rope_inv_freq(config) -> torch.Tensor:
@@ -186,8 +198,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, x, cos, sin):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        attn = self.self_attn(self.input_layernorm(x), cos, sin)
+        x, h = self.post_attention_layernorm.add_and_norm(x, attn)
+        return x + self.mlp(h)
 
 
 class LlamaModel(nn.Module):
