@@ -91,6 +91,8 @@ def resolve_quantization(requested: str, gguf_layer_types: dict[str, int] | None
             and tensor_parallel_size == 1):
         return "int4"
     return "none"
+
+
 INT4_GROUP = 32  # as GGUF Q4_0/Q4_1: a Q4_1 checkpoint re-encodes (nearly) exactly
 
 
