@@ -53,6 +53,8 @@ def cluster(tmp_path_factory):
     thread = RunnerThread(runner)
     thread.start()
     c.runner = runner
+    global _RUNNER
+    _RUNNER = runner
     print(f"\n[e2e] control plane ready in {time.monotonic() - t0:.1f} s "
           f"({json.dumps(c.timings)})", file=sys.stderr)
     yield c
@@ -120,3 +122,24 @@ class OperatorProcess:
                 self.proc.wait(20)
             except subprocess.TimeoutExpired:
                 self.kill()
+
+
+_RUNNER: PodRunner | None = None  # set by the cluster fixture, read by the failure report
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """On a failure, attach what the pods said: the last lines of every pod's log (the
+    operator, gateways, engines), which the session's temporary folders do not keep."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.when != "call" or not report.failed or _RUNNER is None:
+        return
+    logs = sorted(_RUNNER.workdir.glob("pods/*/container.log"), key=lambda p: p.stat().st_mtime)
+    names = {str(p.dir): f"{p.namespace}/{p.name} (restarts {p.restarts})"
+             for p in list(_RUNNER.pods.values())}
+    sections = []
+    for log in logs[-12:]:
+        lines = log.read_text(errors="replace").splitlines()[-25:]
+        sections.append(f"--- {names.get(str(log.parent), log.parent.name)}\n" + "\n".join(lines))
+    report.sections.append(("pod logs (last 25 lines of the 12 latest)", "\n".join(sections)))
