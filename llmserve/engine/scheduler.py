@@ -347,7 +347,8 @@ class Scheduler:
         or None if the sequence cap or the budget does not allow it."""
         bs = self.bm.block_size
         if swapped:
-            if len(self.running) >= self.config.max_num_seqs:
+            # Not len(running): unforked first samples hold places for their siblings.
+            if not self._has_seq_slots(seq):
                 return None
             num_new = min(seq.num_uncomputed_tokens, step.chunk_limit(seq.num_computed_tokens))
             if num_new == 0:
@@ -399,8 +400,8 @@ class Scheduler:
         return used + slots(seq) <= self.config.max_num_seqs or not self.running
 
     def _short_of_seq_slots(self, seq: Sequence, swapped: bool) -> bool:
-        if swapped:
-            return len(self.running) >= self.config.max_num_seqs
+        # Swapped or waiting alike (counting only the running list let a swap-in take
+        # a place that a first sample's siblings then forked into: max_num_seqs + 1).
         return not self._has_seq_slots(seq)
 
     def _preempt_for(self, seq: Sequence, step: _Step) -> bool:
