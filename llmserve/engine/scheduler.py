@@ -318,7 +318,7 @@ class Scheduler:
             plan = self._admission_plan(seq, step, swapped)
             if plan is None:
                 # Under priority, a full batch makes room for more urgent work too.
-                if self._short_of_seq_slots(seq, swapped) and self._preempt_for(seq, step):
+                if not self._has_seq_slots(seq) and self._preempt_for(seq, step):
                     continue
                 return False
             num_new, need, hits = plan
@@ -398,11 +398,6 @@ class Scheduler:
 
         used = sum(slots(s) for s in self.running)
         return used + slots(seq) <= self.config.max_num_seqs or not self.running
-
-    def _short_of_seq_slots(self, seq: Sequence, swapped: bool) -> bool:
-        # Swapped or waiting alike (counting only the running list let a swap-in take
-        # a place that a first sample's siblings then forked into: max_num_seqs + 1).
-        return not self._has_seq_slots(seq)
 
     def _preempt_for(self, seq: Sequence, step: _Step) -> bool:
         """Priority policy: preempt the least urgent unscheduled running sequence if
