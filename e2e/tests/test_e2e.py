@@ -43,6 +43,12 @@ def pods(kubectl, ns, selector):
     return get_json(kubectl, "pods", "-n", ns, "-l", selector)["items"]
 
 
+def llmd_status(kubectl, name: str) -> dict:
+    """The resource's status; empty until the operator first writes it (its handler's
+    patch lands after the children it creates, so pods can be ready before it)."""
+    return get_json(kubectl, "llmd", name, "-n", NS).get("status") or {}
+
+
 def ready_ips(kubectl, ns, selector):
     return sorted(p["status"].get("podIP") for p in pods(kubectl, ns, selector)
                   if any(c["type"] == "Ready" and c["status"] == "True"
@@ -319,19 +325,19 @@ def test_autoscaling_up_under_load_and_back_down(kubectl, installed):
     loader = threading.Thread(target=lambda: asyncio.run(load()), daemon=True)
     loader.start()
     try:
-        wait_for(lambda: get_json(kubectl, "llmd", "auto", "-n", NS)["status"]
-                 .get("desiredReplicas") == 2, 120, 2.0, what="scale up under load")
+        wait_for(lambda: llmd_status(kubectl, "auto").get("desiredReplicas") == 2, 120, 2.0,
+                 what="scale up under load")
     finally:
         stop.set()
         loader.join(60)
-    status = get_json(kubectl, "llmd", "auto", "-n", NS)["status"]
+    status = llmd_status(kubectl, "auto")
     assert "queue depth" in status["lastScaleReason"]
     events = get_json(kubectl, "events", "-n", NS,
                       "--field-selector", "involvedObject.name=auto")["items"]
     assert any(e["reason"] == "Scaled" for e in events)
     phase("burst -> scaled up", t0)
-    wait_for(lambda: get_json(kubectl, "llmd", "auto", "-n", NS)["status"]
-             ["desiredReplicas"] == 1, 120, 2.0, what="scale back down after the window")
+    wait_for(lambda: llmd_status(kubectl, "auto").get("desiredReplicas") == 1, 120, 2.0,
+             what="scale back down after the window")
     phase("load stopped -> scaled down", t0)
     kubectl("delete", "llmd", "auto", "-n", NS)
 
