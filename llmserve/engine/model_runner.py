@@ -19,6 +19,7 @@ from llmserve.engine.quantization import quantize_model
 from llmserve.engine.scheduler import ScheduledBatch
 from llmserve.engine.step_buffers import StepBuilder, enable_fast_path_from_config
 from llmserve.kernels.cpu_attention import make_cpu_plan
+from llmserve.kernels.cpu_decoder import NativeDecoder
 from llmserve.kernels.cpu_native import DTYPE_CODES, decode_kernel
 
 log = logging.getLogger(__name__)
@@ -74,6 +75,8 @@ class ModelRunner:
         self.model.bind_kv_cache(self.kv_cache.storage)
         if config.compile:
             self.model.model.compile_layers()
+        elif self.native_decode:  # after the cache is bound: it keeps pointers into it
+            self.model.model.native_decoder = NativeDecoder.try_build(self.model)
         # The GPU fast path (each piece behind its flag, all off by default).
         self.step_builder: StepBuilder | None = None
         self.graphs: DecodeGraphs | None = None

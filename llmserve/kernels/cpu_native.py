@@ -30,7 +30,8 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("cpu_decode.c")
+# Attention, rotary and norms; the int4 decoder stack built on them: one library.
+SOURCES = [Path(__file__).with_name(name) for name in ("cpu_decode.c", "cpu_decoder.c")]
 # Reassociation lets the compiler vectorise the dot products and sums; no
 # finite-math: softmax inputs are finite here, but the flag would change too much.
 CFLAGS = ["-O3", "-fPIC", "-shared", "-fopenmp", "-fno-math-errno", "-fno-trapping-math",
@@ -86,8 +87,8 @@ def _build_dir() -> Path | None:
 def _compile(compiler: list[str], flags: list[str]) -> Path:
     version = subprocess.run([*compiler, "--version"], capture_output=True, text=True,
                              timeout=30).stdout
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(compiler), version, *flags,
-                                    _cpu_signature()]).encode()).hexdigest()[:16]
+    key = hashlib.sha256("\0".join([*(src.read_text() for src in SOURCES), " ".join(compiler),
+                                    version, *flags, _cpu_signature()]).encode()).hexdigest()[:16]
     build_dir = _build_dir()
     if build_dir is None:
         raise OSError("no writable folder of our own to build the kernel in")
@@ -99,7 +100,7 @@ def _compile(compiler: list[str], flags: list[str]) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
     os.close(fd)
     try:
-        subprocess.run([*compiler, *flags, str(SOURCE), "-o", tmp], check=True,
+        subprocess.run([*compiler, *flags, *map(str, SOURCES), "-o", tmp], check=True,
                        capture_output=True, text=True, timeout=120)
         os.replace(tmp, target)  # atomic: concurrent engines never load half a file
     finally:
@@ -133,6 +134,9 @@ def decode_kernel():
     lib.add_rms_norm_bf16.argtypes = [i32, ptr, ptr, ptr, ptr, ptr, i32, i32, f32]
     lib.paged_decode.restype = lib.rope_and_cache.restype = i32
     lib.add_rms_norm_bf16.restype = i32
+    lib.q4_linear_bf16.argtypes = [i32, ptr, i32, ptr, i32, ptr]
+    lib.q4_decode_layers.argtypes = [i32, ptr, ptr, i32, ptr, i32, ptr, ptr, ptr, ptr, i32, ptr]
+    lib.q4_linear_bf16.restype = lib.q4_decode_layers.restype = i32
     return lib
 
 

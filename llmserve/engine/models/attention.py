@@ -53,6 +53,11 @@ def forward_context(meta: AttentionMetadata):
         _current = previous
 
 
+def step_metadata() -> AttentionMetadata | None:
+    """The metadata of the forward in progress (None outside ``forward_context``)."""
+    return _current
+
+
 def native_rope_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                           kv_cache: torch.Tensor, scale: float,
                           num_heads: int) -> torch.Tensor | None:

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmserve.engine import parallel
-from llmserve.engine.models.attention import native_rope_attention, paged_attention
+from llmserve.engine.models.attention import native_rope_attention, paged_attention, step_metadata
 from llmserve.engine.parallel_config import RankShape, rank_shape
 from llmserve.kernels.cpu_native import add_rms_norm, native_norm_applies
 
@@ -213,12 +213,19 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config, max_positions)
         self.run_layer = _run_layer  # or its torch.compile'd version (compile_layers)
+        # Small decode steps of an int4 model on a CPU: every layer in one C call
+        # (kernels/cpu_decoder.py), set by the model runner where it applies.
+        self.native_decoder = None
 
     def forward(self, input_ids, positions):
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary(positions)
-        for layer in self.layers:
-            x = self.run_layer(layer, x, cos, sin)
+        meta = step_metadata()
+        if self.native_decoder is not None and self.native_decoder.applies(x.shape[0], meta):
+            x = self.native_decoder.run(x, cos, sin, meta)
+        else:
+            for layer in self.layers:
+                x = self.run_layer(layer, x, cos, sin)
         return self.norm(x)
 
     def compile_layers(self) -> None:

@@ -1,0 +1,126 @@
+"""The int4 decoder stack in C against the op-by-op path, in one run.
+
+Two sections, each a ratio against a baseline measured in the same run (machines here
+are noisy: compare ratios, not absolute times):
+
+1. The int4 matmul: ATen's ``_weight_int4pack_mm_for_cpu`` vs the C kernel on the same
+   packed weights, the built-in model's projection shapes, 1-16 tokens.
+2. Decode steps of the built-in model (bf16 + int4, eager): the engine's step with the
+   layers in C (``NativeDecoder``) vs op by op, same engine, per batch size. The
+   crossover sets ``cpu_decoder.MAX_NATIVE_TOKENS``.
+
+    python benchmarks/cpu_decoder.py
+    python benchmarks/cpu_decoder.py --batches 1,4,8,16,32 --threads 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+
+import torch
+
+from llmserve import SamplingParams
+from llmserve.engine.config import EngineConfig
+from llmserve.engine.llm_engine import LLMEngine
+from llmserve.engine.quantization import QuantizedLinear
+from llmserve.kernels import cpu_decoder
+from llmserve.kernels.cpu_decoder import q4_matmul
+
+SHAPES = [(960, 576, "qkv"), (576, 576, "o"), (3072, 576, "gate_up"), (576, 1536, "down")]
+
+
+def best_us(fn, reps: int = 20, inner: int = 20) -> float:
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        for _ in range(inner):
+            fn()
+        best = min(best, (time.perf_counter() - t0) / inner)
+    return best * 1e6
+
+
+def matmul_section(tokens: list[int]) -> dict:
+    print("int4 matmul, us (best of 20 x 20): ATen vs C, ratio = ATen / C (> 1: C faster)")
+    out = {}
+    for n, k, name in SHAPES:
+        torch.manual_seed(0)
+        lin = QuantizedLinear(torch.nn.Linear(k, n, bias=False), 4)
+        for m in tokens:
+            x = torch.randn(m, k).to(torch.bfloat16)
+            aten = best_us(lambda lin=lin, x=x: lin(x))
+            native = best_us(lambda lin=lin, x=x: q4_matmul(x, lin))
+            out[f"{name}/{m}"] = {"aten_us": aten, "c_us": native}
+            print(f"  {name:8s} [{m:2d} x {k}] x [{k} x {n}]  ATen {aten:7.1f}  C {native:7.1f}"
+                  f"  ratio {aten / native:5.2f}")
+    return out
+
+
+def step_ms(engine: LLMEngine, batch: int, context: int, steps: int) -> float:
+    rng = random.Random(batch)
+    for _ in range(batch):
+        engine.add_request([rng.randrange(100, 40000) for _ in range(context)],
+                           SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True))
+    while engine.scheduler.waiting or any(s.num_output_tokens == 0
+                                          for s in engine.scheduler.running):
+        engine.step()  # prefill
+    for _ in range(2):
+        engine.step()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    elapsed = (time.perf_counter() - t0) / steps
+    for req_id in list(engine.requests):
+        engine.abort(req_id)
+    engine.step()
+    return elapsed * 1e3
+
+
+def step_section(batches: list[int], context: int, steps: int) -> dict:
+    engine = LLMEngine(EngineConfig(model="smollm2-135m-instruct", dtype="bfloat16",
+                                    quantization="int4"))
+    engine.warm_up()
+    model = engine.runner.model.model
+    native = model.native_decoder
+    if native is None:
+        print("the C decoder stack does not apply on this machine")
+        return {}
+    cpu_decoder.MAX_NATIVE_TOKENS = max(batches)  # measure past the engine's limit
+    print(f"decode step of the built-in model (bf16 + int4, context {context}), ms: "
+          f"op by op vs C, ratio = op by op / C (> 1: C faster)")
+    out = {}
+    for batch in batches:
+        times = {}
+        for label, decoder in (("ops", None), ("c", native), ("ops2", None), ("c2", native)):
+            model.native_decoder = decoder
+            times[label] = step_ms(engine, batch, context, steps)
+        ops, c = min(times["ops"], times["ops2"]), min(times["c"], times["c2"])
+        out[batch] = {"ops_ms": ops, "c_ms": c}
+        print(f"  batch {batch:3d}: op by op {ops:7.2f}  C {c:7.2f}  ratio {ops / c:5.2f}")
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--tokens", default="1,2,4,8,16")
+    ap.add_argument("--batches", default="1,2,4,8,12,16")
+    ap.add_argument("--context", type=int, default=200)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
+    ap.add_argument("--out", default="benchmarks/results/cpu_decoder.json")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    results = {"threads": torch.get_num_threads(),
+               "matmul": matmul_section([int(t) for t in args.tokens.split(",")]),
+               "steps": step_section([int(b) for b in args.batches.split(",")], args.context,
+                                     args.steps)}
+    with open(args.out, "w") as f:
+        json.dump(results, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

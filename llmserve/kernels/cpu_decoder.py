@@ -1,0 +1,181 @@
+"""The int4 decoder stack in one C call per decode step (``cpu_decoder.c``).
+
+An eager decode step of a small int4 model spends about as long in Python between its
+~25 ops a layer as in the ops. ``NativeDecoder`` runs every layer of a decode-only step
+of a few sequences in C, reading the quantised weights where ATen packed them (no
+second copy) and the paged KV cache where the engine keeps it. Prefills, larger
+batches (where ATen's int4 GEMM is the faster kernel), and every model it does not
+cover keep the per-op path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+
+import torch
+
+from llmserve.engine.quantization import INT4_GROUP, QuantizedLinear
+from llmserve.kernels.cpu_native import decode_kernel
+
+log = logging.getLogger(__name__)
+
+# Decode steps of at most this many sequences run in C: its kernel reads each weight
+# block once per 4 tokens, where ATen's int4 GEMM blocks over many more rows
+# (benchmarks/cpu_decoder.py measures the crossover).
+MAX_NATIVE_TOKENS = 8
+
+
+class Q4Linear(ctypes.Structure):
+    _fields_ = [("weight", ctypes.c_void_p), ("scale_zero", ctypes.c_void_p),
+                ("bias", ctypes.c_void_p), ("n", ctypes.c_int64), ("k", ctypes.c_int64)]
+
+
+class Q4Layer(ctypes.Structure):
+    _fields_ = [("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p),
+                ("qkv", Q4Linear), ("o", Q4Linear), ("gate_up", Q4Linear),
+                ("down", Q4Linear), ("kv_cache", ctypes.c_void_p)]
+
+
+class Q4Dims(ctypes.Structure):
+    _fields_ = [("hidden", ctypes.c_int), ("num_heads", ctypes.c_int),
+                ("kv_heads", ctypes.c_int), ("head_dim", ctypes.c_int),
+                ("intermediate", ctypes.c_int), ("block_n", ctypes.c_int),
+                ("eps", ctypes.c_float), ("scale", ctypes.c_float),
+                ("num_cache_blocks", ctypes.c_int64), ("block_size", ctypes.c_int)]
+
+
+@functools.cache
+def int4_pack_block_n() -> int | None:
+    """The column block of ATen's CPU int4 pack on this build and machine (64 for its
+    AVX-512 kernels, 32 for AVX2), checked by packing known codes; None for a layout
+    the C kernel does not read (ATen's scalar build, a future change)."""
+    n, k = 128, 64
+    codes = torch.arange(n * k, dtype=torch.int32).view(n, k) * 7 % 16
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 2).view(-1)
+    for block_n in (64, 32):
+        blocks = codes.view(n // block_n, block_n, k).transpose(1, 2)  # [nb, k, block_n]
+        half = block_n // 2
+        expected = blocks[..., :half] | (blocks[..., half:] << 4)
+        if torch.equal(packed, expected.to(torch.uint8).reshape(-1)):
+            return block_n
+    return None
+
+
+def q4_struct(linear: QuantizedLinear) -> Q4Linear:
+    bias = linear.bias.data_ptr() if linear.bias is not None else None
+    return Q4Linear(linear.qweight.data_ptr(), linear.scales.data_ptr(), bias,
+                    linear.out_features, linear.in_features)
+
+
+def q4_matmul(x: torch.Tensor, linear: QuantizedLinear) -> torch.Tensor:
+    """``linear(x)`` by the C kernel (bf16 ``x [M, K]``): what tests compare with ATen."""
+    block_n = int4_pack_block_n()
+    if block_n is None or decode_kernel() is None:
+        raise RuntimeError("the C int4 kernel is not available here")
+    x = x.to(torch.bfloat16).contiguous()
+    y = torch.empty(x.shape[0], linear.out_features, dtype=torch.bfloat16)
+    lin = q4_struct(linear)
+    rc = decode_kernel().q4_linear_bf16(torch.get_num_threads(), ctypes.byref(lin), block_n,
+                                        x.data_ptr(), x.shape[0], y.data_ptr())
+    if rc != 0:
+        raise ValueError(f"q4_linear_bf16: shapes unsupported ({rc})")
+    return y
+
+
+class NativeDecoder:
+    """Every decoder layer of a bound, int4-quantised ``LlamaForCausalLM`` as one C call.
+    Holds raw pointers into the model's weights and KV cache: build it after both are
+    in place (``try_build``), and drop it if either is replaced."""
+
+    def __init__(self, model, block_n: int):
+        c = model.config
+        layers = model.model.layers
+        first = layers[0].self_attn
+        cache = first.kv_cache
+        self.dims = Q4Dims(c.hidden_size, first.num_heads, first.num_kv_heads, first.head_dim,
+                           layers[0].mlp.intermediate, block_n,
+                           layers[0].input_layernorm.eps, first.scale, cache.shape[1],
+                           cache.shape[2])
+        self.layers = (Q4Layer * len(layers))(*(
+            Q4Layer(layer.input_layernorm.weight.data_ptr(),
+                    layer.post_attention_layernorm.weight.data_ptr(),
+                    q4_struct(layer.self_attn.qkv_proj), q4_struct(layer.self_attn.o_proj),
+                    q4_struct(layer.mlp.gate_up_proj), q4_struct(layer.mlp.down_proj),
+                    layer.self_attn.kv_cache.data_ptr())
+            for layer in layers))
+        self.num_layers = len(layers)
+        self._lib = decode_kernel()
+        self._keep = [layer.self_attn.kv_cache for layer in layers]  # the pointers' owners
+
+    @classmethod
+    def try_build(cls, model) -> NativeDecoder | None:
+        """The native stack for ``model``, or None where it does not apply: not every
+        projection int4, a dtype other than bf16, tensor parallelism, norms with an
+        offset, or no C kernel / an ATen pack layout it does not read."""
+        why = unsupported(model)
+        if why is None:
+            block_n = int4_pack_block_n()
+            if block_n is None:
+                why = "ATen's int4 pack layout is not one the C kernel reads"
+            elif any(lin.out_features % block_n for layer in model.model.layers
+                     for lin in projections(layer)):
+                why = f"a projection's width is not a multiple of {block_n}"
+            else:
+                return cls(model, block_n)
+        log.debug("int4 decode steps run op by op: %s", why)
+        return None
+
+    def applies(self, num_tokens: int, meta) -> bool:
+        """A decode-only step of at most MAX_NATIVE_TOKENS sequences, in order."""
+        plan = meta.plan if meta is not None else None
+        return (plan is not None and plan.native and plan.decode_only
+                and num_tokens <= MAX_NATIVE_TOKENS)
+
+    def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta) -> torch.Tensor:
+        """The residual stream after the last layer, for ``x [tokens, hidden]``."""
+        x = x.to(torch.bfloat16).contiguous()
+        tokens = x.shape[0]
+        cos = cos.reshape(tokens, -1).contiguous()
+        sin = sin.reshape(tokens, -1).contiguous()
+        plan = meta.plan
+        rc = self._lib.q4_decode_layers(
+            torch.get_num_threads(), ctypes.byref(self.dims), self.layers, self.num_layers,
+            x.data_ptr(), tokens, cos.data_ptr(), sin.data_ptr(), meta.slot_mapping.data_ptr(),
+            plan.decode_tables.data_ptr(), plan.decode_tables.shape[1],
+            plan.decode_seq_lens.data_ptr())
+        if rc != 0:
+            raise MemoryError(f"q4_decode_layers failed ({rc})")
+        return x
+
+
+def projections(layer) -> tuple:
+    return (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+            layer.mlp.down_proj)
+
+
+def unsupported(model) -> str | None:
+    """Why the native stack cannot run ``model`` (None: it can, kernel permitting)."""
+    if decode_kernel() is None:
+        return "the C kernels are not built"
+    if model.shard.size > 1:
+        return "tensor parallelism"
+    layers = model.model.layers
+    cache = layers[0].self_attn.kv_cache
+    if cache is None or cache.dtype != torch.bfloat16 or cache.device.type != "cpu":
+        return "no bf16 CPU KV cache bound"
+    for layer in layers:
+        for lin in projections(layer):
+            if not isinstance(lin, QuantizedLinear) or lin.bits != 4:
+                return "not every projection is int4"
+            if lin.in_features % INT4_GROUP:
+                return "an input width not a multiple of the int4 group"
+        norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
+        if any(w.dtype != torch.bfloat16 for w in norms):
+            return "norm weights not bf16"
+        if not layer.self_attn.kv_cache.is_contiguous():
+            return "a layer cache is not contiguous"
+    if layers[0].self_attn.head_dim > 512 or layers[0].self_attn.head_dim % 2:
+        return "head_dim unsupported"
+    return None

@@ -1,0 +1,181 @@
+"""The int4 decoder stack in C (``kernels/cpu_decoder``): its matmul against ATen's
+int4 kernel on the same packed weights, each layer against the model's own torch
+layer, and the engine using it only for the decode steps it covers."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from llmserve import SamplingParams
+from llmserve.engine.quantization import QuantizedLinear
+from llmserve.kernels import cpu_decoder
+from llmserve.kernels.cpu_decoder import NativeDecoder, int4_pack_block_n, q4_matmul
+
+pytestmark = pytest.mark.skipif(int4_pack_block_n() is None,
+                                reason="ATen's int4 pack here is not a layout the kernel reads")
+
+BF16_ULP = 2 ** -7  # relative spacing of bf16 numbers
+
+
+def quantized(out_features: int, in_features: int, bias: bool, seed: int) -> QuantizedLinear:
+    torch.manual_seed(seed)
+    linear = torch.nn.Linear(in_features, out_features, bias=bias)
+    if bias:
+        linear.bias.data.normal_()
+    return QuantizedLinear(linear, 4)
+
+
+@pytest.mark.parametrize("out_features, in_features", [(960, 576), (128, 64), (3072, 576),
+                                                       (576, 1536)])
+@pytest.mark.parametrize("tokens", [1, 3, 4, 5, 9])
+@pytest.mark.parametrize("bias", [False, True])
+def test_int4_matmul_matches_atens_kernel(out_features, in_features, tokens, bias):
+    """Same packed weights, same math up to the float32 summation order: at most one
+    bf16 rounding step apart (a wrong nibble, column or group is off by far more)."""
+    lin = quantized(out_features, in_features, bias, seed=tokens)
+    x = torch.randn(tokens, in_features).to(torch.bfloat16)
+    want, got = lin(x).float(), q4_matmul(x, lin).float()
+    torch.testing.assert_close(got, want, rtol=BF16_ULP, atol=1e-2)
+    assert (got == want).float().mean() > 0.9  # nearly all bit-identical
+
+
+AVX2_CHECK = """
+import torch
+from llmserve.engine.quantization import QuantizedLinear
+from llmserve.kernels.cpu_decoder import int4_pack_block_n, q4_matmul
+torch.manual_seed(0)
+lin = QuantizedLinear(torch.nn.Linear(576, 960), 4)
+x = torch.randn(3, 576).to(torch.bfloat16)
+print(int4_pack_block_n())
+want = lin(x).float()
+print(((q4_matmul(x, lin).float() - want).abs() / want.abs().clamp(min=1)).max().item())
+"""
+
+
+def test_the_avx2_layout_is_read_on_an_avx2_machine():
+    """ATEN_CPU_CAPABILITY=avx2 makes ATen pack int4 in blocks of 32 columns (and the
+    kernel build for AVX2): the kernel finds that layout and still matches ATen."""
+    env = dict(os.environ, ATEN_CPU_CAPABILITY="avx2")
+    out = subprocess.run([sys.executable, "-c", AVX2_CHECK], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    block_n, err = out.stdout.strip().splitlines()[-2:]
+    assert block_n == "32"
+    assert float(err) <= BF16_ULP
+
+
+@pytest.fixture(scope="module")
+def int4_llm():
+    from llmserve.engine.llm_engine import LLM
+    llm = LLM(dtype="bfloat16", quantization="int4", kv_cache_memory=64 << 20)
+    yield llm
+    llm.shutdown()
+
+
+def decode_step_inputs(llm, prompts: int):
+    """A decode step of ``prompts`` running sequences: (model inputs, metadata)."""
+    engine = llm.engine
+    ids = engine.tokenize("Once upon a time, in a small village, there lived an old man who")
+    for i in range(prompts):
+        engine.add_request(ids + [i], SamplingParams(temperature=0, max_tokens=32,
+                                                     ignore_eos=True))
+    while any(s.num_output_tokens < 2 for s in engine.scheduler.running) \
+            or engine.scheduler.waiting:
+        engine.step()
+
+    class Batch:
+        seqs = list(engine.scheduler.running)
+        num_new_tokens = [1] * prompts
+    inputs, _ = engine.runner.flatten(Batch)
+    return engine.runner.build(inputs)
+
+
+def run_layers(decoder: NativeDecoder, first: int, count: int, x, cos, sin,
+               meta) -> torch.Tensor:
+    """Layers ``first .. first + count - 1`` in C on a copy of ``x``."""
+    x = x.clone().contiguous()
+    tokens = x.shape[0]
+    cos, sin = cos.reshape(tokens, -1).contiguous(), sin.reshape(tokens, -1).contiguous()
+    layers = ctypes.byref(decoder.layers, first * ctypes.sizeof(cpu_decoder.Q4Layer))
+    rc = decoder._lib.q4_decode_layers(
+        torch.get_num_threads(), ctypes.byref(decoder.dims), layers, count,
+        x.data_ptr(), tokens, cos.data_ptr(), sin.data_ptr(), meta.slot_mapping.data_ptr(),
+        meta.plan.decode_tables.data_ptr(), meta.plan.decode_tables.shape[1],
+        meta.plan.decode_seq_lens.data_ptr())
+    assert rc == 0
+    return x
+
+
+@pytest.mark.parametrize("prompts", [1, 3])
+def test_each_layer_matches_the_torch_layer(int4_llm, prompts):
+    """Each layer in C computes what the model's torch layer does from the same input
+    (norms, int4 projections, rotary and cache store, attention over the paged context,
+    SiLU): most layers bit for bit, the others where a float32 sum in another order
+    rounded one bf16 value differently (relative error ~1e-3). The whole stack stays
+    within the drift that such steps grow into over 30 bf16 layers (a broken piece is
+    off by ~100 %)."""
+    from llmserve.engine.models.attention import forward_context
+    model = int4_llm.engine.runner.model.model
+    decoder = model.native_decoder
+    assert isinstance(decoder, NativeDecoder)
+    ids, pos, meta = decode_step_inputs(int4_llm, prompts)
+    try:
+        with torch.inference_mode(), forward_context(meta):
+            x = x0 = model.embed_tokens(ids)
+            cos, sin = model.rotary(pos)
+            exact = 0
+            for i, layer in enumerate(model.layers):
+                want = layer(x, cos, sin)
+                got = run_layers(decoder, i, 1, x, cos, sin, meta)
+                rel = ((got.float() - want.float()).norm() / want.float().norm()).item()
+                assert rel < 5e-3, (i, rel)
+                exact += torch.equal(got, want)
+                x = want
+            assert exact >= len(model.layers) // 4  # the same computation, not a lookalike
+            got = run_layers(decoder, 0, len(model.layers), x0, cos, sin, meta)
+            rel = (got.float() - x.float()).norm() / x.float().norm()
+            assert rel < 0.05, rel
+    finally:
+        for req in list(int4_llm.engine.requests):
+            int4_llm.engine.abort(req)
+
+
+def test_the_engine_runs_small_decode_steps_in_c_only(int4_llm, monkeypatch):
+    """Decode-only steps of up to MAX_NATIVE_TOKENS sequences run in C; prefills and
+    bigger decode batches op by op; generation is greedy-stable either way."""
+    decoder = int4_llm.engine.runner.model.model.native_decoder
+    sizes = []
+    real_run = NativeDecoder.run
+    monkeypatch.setattr(NativeDecoder, "run",
+                        lambda self, x, *a: sizes.append(x.shape[0]) or real_run(self, x, *a))
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    many = cpu_decoder.MAX_NATIVE_TOKENS + 2
+    outs = int4_llm.generate([f"Count to {i}:" for i in range(many)], params)
+    assert all(len(o.outputs[0].token_ids) == 6 for o in outs)
+    assert sizes == [], "a decode batch above the limit ran in C"
+    one = int4_llm.generate(["The capital of France is"], params)[0].outputs[0].token_ids
+    assert sizes == [1] * 5  # every decode step of the single stream, never its prefill
+    monkeypatch.setattr(int4_llm.engine.runner.model.model, "native_decoder", None)
+    op_by_op = int4_llm.generate(["The capital of France is"], params)[0].outputs[0].token_ids
+    assert one[:3] == op_by_op[:3]  # bf16 rounding may part them later, not at once
+    assert decoder is not None
+
+
+@pytest.mark.parametrize("kwargs", [dict(dtype="bfloat16", quantization="int8"),
+                                    dict(dtype="bfloat16", quantization="none"),
+                                    dict(dtype="float32", quantization="int4")])
+def test_other_modes_keep_the_per_op_path(kwargs):
+    from llmserve.engine.llm_engine import LLM
+    llm = LLM(kv_cache_memory=16 << 20, **kwargs)
+    try:
+        assert llm.engine.runner.model.model.native_decoder is None
+        out = llm.generate(["Hi"], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+        assert len(out[0].outputs[0].token_ids) == 3
+    finally:
+        llm.shutdown()
