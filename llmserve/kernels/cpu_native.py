@@ -1,4 +1,6 @@
-"""The CPU decode-attention kernel (``cpu_decode.c``), compiled for this machine.
+"""The CPU kernels (``cpu_decode.c``: decode attention, rotary + K/V store, RMSNorm;
+``cpu_decoder.c``: the int4 decoder stack built on them), compiled for this machine
+into one library.
 
 Compiled once with the system C compiler (``$CC`` or ``cc``, ~0.4 s) for the CPU it
 runs on (``-march=native``; AVX2 + FMA when ``ATEN_CPU_CAPABILITY=avx2`` asks torch to
