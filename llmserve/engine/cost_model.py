@@ -22,6 +22,9 @@ import numpy as np
 # Feature scales: keep the normal equations well conditioned (tokens ~ 1-2k, KV reads
 # up to ~1e5, sequences up to ~1e2).
 _SCALE = np.array([1.0, 1e-2, 1e-4, 1e-1])
+# Observations between two fits: a fit costs ~0.25 ms (a third of a fast CPU decode
+# step, were it done every step), and the decay averages over ~200 steps anyway.
+REFIT_EVERY = 8
 
 
 class StepCostModel:
@@ -31,7 +34,8 @@ class StepCostModel:
         self.min_observations = min_observations
         self._gram = np.eye(4) * ridge  # weighted sum of x x^T
         self._moment = np.zeros(4)  # weighted sum of x y
-        self.coef = np.zeros(4)  # in seconds per unit of each (unscaled) feature
+        self._coef = np.zeros(4)  # in seconds per unit of each (unscaled) feature
+        self._unfitted = 0  # observations since the last fit
         self.observations = 0
         self.mixed_observations = 0  # steps with more tokens than sequences (prefill)
         # actual / predicted of recent steps: how far a plan must stay under a target.
@@ -52,7 +56,17 @@ class StepCostModel:
         self._moment = self.decay * self._moment + w * x * seconds
         self.observations += 1
         self.mixed_observations += tokens > seqs
-        self.coef = self._solve() * _SCALE
+        self._unfitted += 1
+
+    @property
+    def coef(self) -> np.ndarray:
+        """The fitted coefficients, refitted every REFIT_EVERY observations (and at
+        the first read after any observation while fewer than that were seen)."""
+        if self._unfitted >= REFIT_EVERY or (self._unfitted
+                                              and self.observations <= REFIT_EVERY):
+            self._coef = self._solve() * _SCALE
+            self._unfitted = 0
+        return self._coef
 
     def _solve(self) -> np.ndarray:
         """Least squares with every coefficient >= 0 (more work never takes less
