@@ -262,12 +262,28 @@ static inline __attribute__((always_inline)) void prefetch_tile(
     }
 }
 
-/* softmax of each head's scores, in place (rows `stride` apart). */
+/* The largest of x[0..n), n a multiple of 16: 16 running maxima (the compiler keeps a
+ * scalar `m = x > m ? x : m` loop scalar, as it may not reorder it around NaNs). */
+static float max16(const float *x, int n) {
+    v16f m;
+    memcpy(&m, x, sizeof m);
+    for (int t = 16; t < n; t += 16) {
+        v16f v;
+        memcpy(&v, x + t, sizeof v);
+        v16i more = v > m;
+        m = (v16f)((more & (v16i)v) | (~more & (v16i)m));
+    }
+    float best = m[0];
+    for (int i = 1; i < 16; i++) best = m[i] > best ? m[i] : best;
+    return best;
+}
+
+/* softmax of each head's scores, in place (rows `stride` apart, n scores each, then
+ * repeats of the last one up to a multiple of 16, which the maximum may include). */
 static void softmax_rows(float *scores, int rows, int64_t stride, int n) {
     for (int g = 0; g < rows; g++) {
         float *sg = scores + g * stride;
-        float m = sg[0];
-        for (int t = 1; t < n; t++) m = sg[t] > m ? sg[t] : m;
+        float m = max16(sg, (n + 15) / 16 * 16);
         for (int t = 0; t < n; t++) sg[t] -= m;
         exp_inplace(sg, n);
         float sum = 0.0f;
