@@ -101,6 +101,24 @@ def test_native_decode_reads_strided_queries():
     torch.testing.assert_close(native.float(), plain.float(), atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(9, 3, 64), (16, 2, 128)])
+def test_native_decode_of_a_large_batch(dtype, heads, kv_heads, head_dim):
+    """Enough sequences that the kernel gives each thread whole sequences (all their KV
+    heads in turn, the first one prefetching for the others): the same attention."""
+    rng = random.Random(heads + head_dim)
+    seqs = [(1, rng.randrange(1, 120)) for _ in range(8 * torch.get_num_threads() + 3)]
+    q, k_cache, v_cache, tables, starts, lens = random_batch(rng, seqs, heads, kv_heads,
+                                                             head_dim, 16, dtype)
+    cache, blocks = torch.stack([k_cache, v_cache]), k_cache.shape[0]
+    native = paged_attention_cpu(q, cache, make_cpu_plan(starts, lens, tables, 16, blocks, True),
+                                 head_dim ** -0.5)
+    plain = paged_attention_cpu(q, cache, make_cpu_plan(starts, lens, tables, 16, blocks),
+                                head_dim ** -0.5)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(native.float(), plain.float(), atol=tol, rtol=tol)
+
+
 AVX2_CHECK = """
 import random, torch
 from llmserve.kernels import cpu_native

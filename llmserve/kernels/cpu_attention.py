@@ -5,14 +5,15 @@ A step's ``CPUAttentionPlan`` is built once and read by every layer:
 
 - Decodes (one new token each) run together in the compiled C kernel
   (``cpu_decode.c`` via ``cpu_native.py``) when the plan is ``native``: straight from
-  the paged cache, each KV block read once for its GQA group, 4-5x faster than the
-  torch path below (``benchmarks/cpu_attention.py``). Otherwise (no C compiler, fp16,
-  ``LLMSERVE_CPU_KERNELS=torch``) they run together in torch: Their block ids, padded to the longest
-  context, are gathered with one ``index_select`` per layer (K and V rows together,
-  from the layer's contiguous cache viewed as one row per block: the cheapest CPU
-  gather; row indices are built once per step), and attended in one SDPA
-  call with the GQA group as the query length: ``q [S, kv_heads, group, d]`` against
-  ``K, V [S, kv_heads, L, d]``, so K/V are never repeated per query head.
+  the paged cache, each KV block read once for its GQA group, 8-35x faster than the
+  torch path below (batches of 1-64, ``benchmarks/cpu_attention.py``). Otherwise (no C
+  compiler, fp16, ``LLMSERVE_CPU_KERNELS=torch``) they run together in torch: Their
+  block ids, padded to the longest context, are gathered with one ``index_select``
+  per layer (K and V rows together, from the layer's contiguous cache viewed as one
+  row per block: the cheapest CPU gather; row indices are built once per step), and
+  attended in one SDPA call with the GQA group as the query length:
+  ``q [S, kv_heads, group, d]`` against ``K, V [S, kv_heads, L, d]``, so K/V are
+  never repeated per query head.
 - Prefill chunks run one SDPA each over their gathered context, causal with the
   offset of the cached prefix.
 

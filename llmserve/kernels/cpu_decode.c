@@ -13,6 +13,9 @@
 #include <stdlib.h>
 #include <string.h>
 #include <math.h>
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 enum { DTYPE_F32 = 0, DTYPE_BF16 = 1 };
 
@@ -130,15 +133,357 @@ static inline __attribute__((always_inline)) void attend_one(
     }
 }
 
-/* attend_one specialised for the common head sizes and each dtype. */
+/* ---- The fast path (attend_tiled): head_dim 64 or 128, GQA group 1..8. Scores a
+ * tile of 16 keys at a time, their 16 dot products reduced together; K and V rows
+ * widened from bf16 straight into registers; the group's accumulators in registers
+ * (group and head_dim compile-time constants in the value pass). ---- */
+
+/* 16 lanes, whatever the ISA: one AVX-512 register, two AVX2 ones (GCC vector types). */
+typedef float v16f __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+typedef uint32_t v16u32 __attribute__((vector_size(64), aligned(4)));
+
+#define TILE 16     /* keys whose scores are reduced together */
+#define MAX_GROUP 8 /* the largest GQA group specialised */
+#define MAX_VECS 8  /* head_dim / 16 for head_dim 128 */
+#define PREFETCH_AHEAD 16 /* V rows asked for ahead of their use */
+
+/* 32 consecutive cache values as two float vectors, in "pair order": for bf16, the
+ * even elements then the odd ones (a 32-bit word holds two bf16, and a bf16 is the
+ * top half of a float, so one shift or one mask widens 16 of them, straight into a
+ * register); for float32, elements 0-15 then 16-31. q and the accumulators are kept in
+ * the same order, so dot products and weighted sums never reorder anything: only q's
+ * load and the output store do (pair_pos). */
+static inline __attribute__((always_inline)) void load_pair(const void *base, int64_t off,
+                                                            const int dtype, v16f *lo,
+                                                            v16f *hi) {
+    if (dtype == DTYPE_BF16) {
+        v16u32 w;
+        memcpy(&w, (const uint16_t *)base + off, sizeof w);
+        *lo = (v16f)(w << 16);
+        *hi = (v16f)(w & 0xFFFF0000u);
+    } else {
+        memcpy(lo, (const float *)base + off, sizeof *lo);
+        memcpy(hi, (const float *)base + off + 16, sizeof *hi);
+    }
+}
+
+/* Where element d of a row sits in pair order. */
+static inline int pair_pos(int d, int dtype) {
+    int r = d % 32;
+    return d - r + (dtype == DTYPE_BF16 ? (r & 1) * 16 + r / 2 : r);
+}
+
+/* Half of lanes of a and half of b, summed: the step of a transpose-and-add tree.
+ * With a's and b's lanes in chunks of 2w, chunk c of the result holds w lanes from
+ * a's chunk c (the sum of its two halves) then w from b's. */
+#define FOLD(a, b, LO, HI) (__builtin_shuffle(a, b, (v16i)LO) + __builtin_shuffle(a, b, (v16i)HI))
+#define FOLD8(a, b) FOLD(a, b, ((v16i){0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23}), \
+                         ((v16i){8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31}))
+#define FOLD4(a, b) FOLD(a, b, ((v16i){0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27}), \
+                         ((v16i){4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31}))
+#define FOLD2(a, b) FOLD(a, b, ((v16i){0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29}), \
+                         ((v16i){2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31}))
+#define FOLD1(a, b) FOLD(a, b, ((v16i){0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30}), \
+                         ((v16i){1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31}))
+
+/* Lane j of the result: the sum of x[j]'s lanes. 15 folds instead of 16 horizontal
+ * sums; pairing j with j + 8, then + 4, + 2, + 1 leaves the keys in order. */
+static inline __attribute__((always_inline)) v16f sum_lanes16(const v16f x[TILE]) {
+    v16f a[8], b[4], c[2];
+    for (int j = 0; j < 8; j++) a[j] = FOLD8(x[j], x[j + 8]);
+    for (int j = 0; j < 4; j++) b[j] = FOLD4(a[j], a[j + 4]);
+    for (int j = 0; j < 2; j++) c[j] = FOLD2(b[j], b[j + 2]);
+    return FOLD1(c[0], c[1]);
+}
+
+/* The scores of one query head (q in pair order, pre-scaled) against a tile of keys
+ * (row offsets into the cache; past the context, repeats of the last key). */
+static inline __attribute__((always_inline)) v16f tile_scores(
+        const void *kv, const int64_t *off, const v16f *qg, const int head_dim,
+        const int dtype) {
+    v16f dots[TILE];
+    for (int j = 0; j < TILE; j++) {
+        v16f s = {0};
+        for (int c = 0; c < head_dim / 32; c++) {
+            v16f lo, hi;
+            load_pair(kv, off[j] + 32 * c, dtype, &lo, &hi);
+            s += qg[2 * c] * lo + qg[2 * c + 1] * hi;
+        }
+        dots[j] = s;
+    }
+    return sum_lanes16(dots);
+}
+
+/* Row offsets of the context's K rows, in token order, padded to whole tiles with
+ * the last one (so tiles never branch on their length): block lookups done once, for
+ * both the K and the V pass. */
+static int64_t *key_offsets(int64_t *off, const int32_t *table, int seq_len, int block_size,
+                            int64_t token_stride, int64_t head_off) {
+    int t = 0;
+    for (int b = 0; t < seq_len; b++) {
+        int64_t base = (int64_t)table[b] * block_size * token_stride + head_off;
+        for (int j = 0; j < block_size && t < seq_len; j++, t++)
+            off[t] = base + j * token_stride;
+    }
+    for (; t % TILE; t++) off[t] = off[seq_len - 1];
+    return off;
+}
+
+/* Asks for the cache lines of rows off[0..n) ahead of their use: a context's rows are
+ * scattered over blocks, one head's slice of each token, which the hardware
+ * prefetchers follow poorly, and the kernel would otherwise wait on every miss. */
+static inline __attribute__((always_inline)) void prefetch_rows(
+        const void *kv, int64_t shift, const int64_t *off, int n, const int head_dim,
+        const int dtype) {
+    const int bytes = head_dim * (dtype == DTYPE_BF16 ? 2 : 4);
+    for (int j = 0; j < n; j++) {
+        const char *row = (const char *)kv + (shift + off[j]) * (bytes / head_dim);
+        for (int b = 0; b < bytes; b += 64) __builtin_prefetch(row + b);
+    }
+}
+
+/* The prefetches of the scores pass, a tile ahead: this head's K rows into L1; with
+ * row_bytes > 0 (the first head of a sequence whose other heads the same thread
+ * takes next), also the whole token rows of K and V, every head's, into L2. A block
+ * holds its tokens' heads side by side, so whole rows are contiguous reads, where
+ * one head's slices are short pieces scattered across them (measured: ~20% faster
+ * past the L3, where the engine's caches live). */
+static inline __attribute__((always_inline)) void prefetch_tile(
+        const void *kv, const int64_t *off, int64_t v_offset, int row_bytes,
+        const int head_dim, const int dtype) {
+    prefetch_rows(kv, 0, off, TILE, head_dim, dtype);
+    const int elem = dtype == DTYPE_BF16 ? 2 : 4;
+    for (int j = 0; j < TILE && row_bytes > 0; j++) {
+        const char *k = (const char *)kv + off[j] * elem, *v = k + v_offset * elem;
+        for (int b = 0; b < row_bytes; b += 64) {
+            __builtin_prefetch(k + b, 0, 2);
+            __builtin_prefetch(v + b, 0, 2);
+        }
+    }
+}
+
+/* The largest of x[0..n), n a multiple of 16: 16 running maxima (the compiler keeps a
+ * scalar `m = x > m ? x : m` loop scalar, as it may not reorder it around NaNs). */
+static float max16(const float *x, int n) {
+    v16f m;
+    memcpy(&m, x, sizeof m);
+    for (int t = 16; t < n; t += 16) {
+        v16f v;
+        memcpy(&v, x + t, sizeof v);
+        v16i more = v > m;
+        m = (v16f)((more & (v16i)v) | (~more & (v16i)m));
+    }
+    float best = m[0];
+    for (int i = 1; i < 16; i++) best = m[i] > best ? m[i] : best;
+    return best;
+}
+
+/* softmax of each head's scores, in place (rows `stride` apart, n scores each, then
+ * repeats of the last one up to a multiple of 16, which the maximum may include). */
+static void softmax_rows(float *scores, int rows, int64_t stride, int n) {
+    for (int g = 0; g < rows; g++) {
+        float *sg = scores + g * stride;
+        float m = max16(sg, (n + 15) / 16 * 16);
+        for (int t = 0; t < n; t++) sg[t] -= m;
+        exp_inplace(sg, n);
+        float sum = 0.0f;
+        for (int t = 0; t < n; t++) sum += sg[t];
+        float inv = 1.0f / sum;
+        for (int t = 0; t < n; t++) sg[t] *= inv;
+    }
+}
+
+/* Scores of the group's query heads (rows q_off + g head_dim of q) against the keys
+ * at off[0..padded), times scale, into scores [group, padded]: a tile of keys at a
+ * time, each K row read from L1 once per query head (the first read brings it in). */
+static inline __attribute__((always_inline)) void scores_fp32(
+        const void *q, int64_t q_off, const void *kv, const int64_t *off, int padded,
+        int64_t v_offset, int row_bytes, const int head_dim, const int group, float scale,
+        const int dtype, float *scores) {
+    v16f qv[MAX_GROUP][MAX_VECS];  /* scaled, in pair order */
+    for (int g = 0; g < group; g++) {
+        float row[128], qs[128];
+        load_row(q, q_off + g * head_dim, dtype, head_dim, row);
+        for (int d = 0; d < head_dim; d++) qs[pair_pos(d, dtype)] = row[d] * scale;
+        memcpy(qv[g], qs, sizeof(float) * head_dim);
+    }
+    for (int t = 0; t < padded; t += TILE) {
+        if (t + TILE < padded)
+            prefetch_tile(kv, off + t + TILE, v_offset, row_bytes, head_dim, dtype);
+        for (int g = 0; g < group; g++) {
+            v16f s = tile_scores(kv, off + t, qv[g], head_dim, dtype);
+            memcpy(scores + (int64_t)g * padded + t, &s, sizeof s);
+        }
+    }
+}
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#define USE_DPBF16 1
+/* scores_fp32 for bf16 caches with AVX512_BF16: vdpbf16ps multiplies pairs of bf16
+ * straight from the cache and adds them in float32, 32 products an instruction and
+ * no widening. Exact where it matters: q is bfloat16 already (the cache's dtype), so
+ * it is used unscaled, and a product of two bf16 is exact in float32; the scale is
+ * applied to the sums. (vdpbf16ps flushes denormals: values below 1e-38.) */
+static inline __attribute__((always_inline)) void scores_dpbf16(
+        const void *q, int64_t q_off, const void *kv, const int64_t *off, int padded,
+        int64_t v_offset, int row_bytes, const int head_dim, const int group, float scale,
+        float *scores) {
+    __m512i qv[MAX_GROUP][MAX_VECS / 2];
+    for (int g = 0; g < group; g++)
+        for (int c = 0; c < head_dim / 32; c++)
+            qv[g][c] = _mm512_loadu_si512((const uint16_t *)q + q_off + g * head_dim + 32 * c);
+    for (int t = 0; t < padded; t += TILE) {
+        if (t + TILE < padded)
+            prefetch_tile(kv, off + t + TILE, v_offset, row_bytes, head_dim, DTYPE_BF16);
+        for (int g = 0; g < group; g++) {
+            v16f dots[TILE];
+            for (int j = 0; j < TILE; j++) {
+                __m512 s = _mm512_setzero_ps();
+                for (int c = 0; c < head_dim / 32; c++) {
+                    __m512i k = _mm512_loadu_si512((const uint16_t *)kv + off[t + j] + 32 * c);
+                    s = _mm512_dpbf16_ps(s, (__m512bh)qv[g][c], (__m512bh)k);
+                }
+                dots[j] = (v16f)s;
+            }
+            v16f sum = sum_lanes16(dots) * scale;
+            memcpy(scores + (int64_t)g * padded + t, &sum, sizeof sum);
+        }
+    }
+}
+#else
+#define USE_DPBF16 0
+#endif
+
+/* The scores pass specialised on head_dim and dtype only: the group is a loop here
+ * (its q rows are read from L1 with the keys), which costs little and keeps the
+ * build fast (fully unrolled tiles for every group size took seconds to compile). */
+static __attribute__((noinline)) void score_tiles(
+        const void *q, int64_t q_off, const void *kv, const int64_t *off, int padded,
+        int64_t v_offset, int row_bytes, int head_dim, int group, float scale, int dtype,
+        float *scores) {
+#define SCORES_FP32(HD, DT) scores_fp32(q, q_off, kv, off, padded, v_offset, row_bytes, HD, \
+                                        group, scale, DT, scores)
+#if USE_DPBF16
+    if (dtype == DTYPE_BF16 && head_dim == 64)
+        scores_dpbf16(q, q_off, kv, off, padded, v_offset, row_bytes, 64, group, scale,
+                      scores);
+    else if (dtype == DTYPE_BF16)
+        scores_dpbf16(q, q_off, kv, off, padded, v_offset, row_bytes, 128, group, scale,
+                      scores);
+#else
+    if (dtype == DTYPE_BF16 && head_dim == 64) SCORES_FP32(64, DTYPE_BF16);
+    else if (dtype == DTYPE_BF16) SCORES_FP32(128, DTYPE_BF16);
+#endif
+    else if (head_dim == 64) SCORES_FP32(64, DTYPE_F32);
+    else SCORES_FP32(128, DTYPE_F32);
+#undef SCORES_FP32
+}
+
+/* The weighted sum of V rows for the whole group, each row widened once, with the
+ * group's accumulators in registers (head_dim and group constants): into acc
+ * [group, head_dim], in pair order. */
+static inline __attribute__((always_inline)) void weighted_values(
+        const void *kv, const int64_t *off, int seq_len, int64_t v_offset,
+        const float *probs, int padded, const int head_dim, const int group,
+        const int dtype, float *acc_out) {
+    const int nv = head_dim / 16;  /* vectors per row */
+    v16f acc[MAX_GROUP][MAX_VECS];
+    for (int g = 0; g < group; g++)
+        for (int k = 0; k < nv; k++) acc[g][k] = (v16f){0};
+    prefetch_rows(kv, v_offset, off, PREFETCH_AHEAD < seq_len ? PREFETCH_AHEAD : seq_len,
+                  head_dim, dtype);
+    for (int t = 0; t < seq_len; t++) {
+        if (t + PREFETCH_AHEAD < seq_len)
+            prefetch_rows(kv, v_offset, off + t + PREFETCH_AHEAD, 1, head_dim, dtype);
+        v16f v[MAX_VECS];
+        for (int c = 0; c < nv / 2; c++)
+            load_pair(kv, v_offset + off[t] + 32 * c, dtype, &v[2 * c], &v[2 * c + 1]);
+        for (int g = 0; g < group; g++) {
+            const float p = probs[(int64_t)g * padded + t];
+            for (int k = 0; k < nv; k++) acc[g][k] += p * v[k];
+        }
+    }
+    for (int g = 0; g < group; g++)
+        memcpy(acc_out + g * head_dim, acc[g], sizeof(float) * head_dim);
+}
+
+/* weighted_values for each (head_dim, group, dtype) the fast path takes (each group
+ * size only with AVX-512's 32 registers: elsewhere it would only spill, and compile
+ * for long). */
+static __attribute__((noinline)) void value_pass(
+        const void *kv, const int64_t *off, int seq_len, int64_t v_offset,
+        const float *probs, int padded, int head_dim, int group, int dtype, float *acc) {
+#define VALUES(HD, G, DT) weighted_values(kv, off, seq_len, v_offset, probs, padded, HD, G, \
+                                          DT, acc)
+#if defined(__AVX512F__)
+#define VALUES_G(HD, DT)                                                        \
+    switch (group) {                                                            \
+    case 1: VALUES(HD, 1, DT); return;                                          \
+    case 2: VALUES(HD, 2, DT); return;                                          \
+    case 3: VALUES(HD, 3, DT); return;                                          \
+    case 4: VALUES(HD, 4, DT); return;                                          \
+    case 5: VALUES(HD, 5, DT); return;                                          \
+    case 6: VALUES(HD, 6, DT); return;                                          \
+    case 7: VALUES(HD, 7, DT); return;                                          \
+    default: VALUES(HD, 8, DT); return;                                         \
+    }
+#else  /* 16 vector registers or fewer: the accumulators would not fit anyway */
+#define VALUES_G(HD, DT) { VALUES(HD, group, DT); return; }
+#endif
+    if (dtype == DTYPE_BF16 && head_dim == 64) VALUES_G(64, DTYPE_BF16)
+    else if (dtype == DTYPE_BF16) VALUES_G(128, DTYPE_BF16)
+    else if (head_dim == 64) VALUES_G(64, DTYPE_F32)
+    else VALUES_G(128, DTYPE_F32)
+#undef VALUES_G
+#undef VALUES
+}
+
+/* One (sequence, KV head) task, as attend_one, for head_dim 64 or 128 and a group of
+ * at most MAX_GROUP: two passes over the context (scores, then values), each
+ * specialised where it pays. Scratch: key offsets, scores, accumulators. */
+static void attend_tiled(const void *q, int64_t q_stride, void *out, const void *kv,
+                         int64_t q_row, const int32_t *table, int seq_len, int64_t v_offset,
+                         int block_size, int num_heads, int kv_heads, int head_dim,
+                         int kv_head, float scale, int dtype, int whole_rows, void *scratch) {
+    const int group = num_heads / kv_heads;
+    const int padded = (seq_len + TILE - 1) / TILE * TILE;
+    int64_t *off = key_offsets(scratch, table, seq_len, block_size,
+                               (int64_t)kv_heads * head_dim, (int64_t)kv_head * head_dim);
+    float *scores = (float *)(off + padded);          /* [group, padded] */
+    float *acc = scores + (int64_t)group * padded;    /* [group, head_dim] */
+    const int64_t q_off = q_row * q_stride + (int64_t)kv_head * group * head_dim;
+    /* the first head of a sequence warms L2 with every head's rows for the others */
+    const int row_bytes = whole_rows && kv_head == 0
+                          ? kv_heads * head_dim * (dtype == DTYPE_BF16 ? 2 : 4) : 0;
+    score_tiles(q, q_off, kv, off, padded, v_offset, row_bytes, head_dim, group, scale, dtype,
+                scores);
+    softmax_rows(scores, group, padded, seq_len);
+    value_pass(kv, off, seq_len, v_offset, scores, padded, head_dim, group, dtype, acc);
+    for (int g = 0; g < group; g++) {
+        const float *a = acc + g * head_dim;
+        int64_t o = (q_row * num_heads + (int64_t)kv_head * group + g) * head_dim;
+        for (int d = 0; d < head_dim; d++) {
+            float x = a[pair_pos(d, dtype)];
+            if (dtype == DTYPE_BF16) ((uint16_t *)out)[o + d] = f32_to_bf16(x);
+            else ((float *)out)[o + d] = x;
+        }
+    }
+}
+
+/* attend_one specialised for the common head sizes and each dtype, where
+ * attend_tiled does not apply. */
 #define ATTEND(HD, DT) attend_one(q, q_stride, out, kv, q_row, table, seq_len, v_offset, \
                                   block_size, num_heads, kv_heads, HD, kv_head, scale, DT, \
                                   scratch)
 static void attend(const void *q, int64_t q_stride, void *out, const void *kv,
                    int64_t q_row, const int32_t *table, int seq_len, int64_t v_offset,
                    int block_size, int num_heads, int kv_heads, int head_dim, int kv_head,
-                   float scale, int dtype, float *scratch) {
-    if (dtype == DTYPE_BF16) {
+                   float scale, int dtype, int whole_rows, float *scratch) {
+    if ((head_dim == 64 || head_dim == 128) && num_heads / kv_heads <= MAX_GROUP) {
+        attend_tiled(q, q_stride, out, kv, q_row, table, seq_len, v_offset, block_size,
+                     num_heads, kv_heads, head_dim, kv_head, scale, dtype, whole_rows, scratch);
+    } else if (dtype == DTYPE_BF16) {
         if (head_dim == 64) ATTEND(64, DTYPE_BF16);
         else if (head_dim == 128) ATTEND(128, DTYPE_BF16);
         else ATTEND(head_dim, DTYPE_BF16);
@@ -160,9 +505,17 @@ int paged_decode(int num_threads, const void *q, int64_t q_stride, void *out, co
     int max_len = 0;
     for (int i = 0; i < num_seqs; i++) max_len = seq_lens[i] > max_len ? seq_lens[i] : max_len;
     const int group = num_heads / kv_heads;
-    const size_t scratch_floats = (size_t)(2 * group + 1) * head_dim + (size_t)group * max_len;
+    const size_t padded = (size_t)(max_len + TILE - 1) / TILE * TILE;
+    /* attend_one's [2 group + 1, head_dim] + [group, max_len], or attend_tiled's key
+     * offsets (int64) + [group, padded] scores + [group, head_dim]: room for either. */
+    const size_t scratch_floats = (size_t)(2 * group + 1) * head_dim + 2 * padded
+                                  + (size_t)group * padded;
     const int64_t v_offset = num_cache_blocks * block_size * kv_heads * head_dim;
     const int tasks = num_seqs * kv_heads;
+    /* With sequences enough to keep every thread busy, one thread takes all the KV
+     * heads of a sequence in turn, and the first warms its L2 for the others. */
+    const int whole_rows = kv_heads > 1 && num_seqs >= 4 * num_threads;
+    const int chunk = whole_rows ? kv_heads : 1;
     int failed = 0;
     /* torch's thread count, passed in: the OpenMP runtime this library links may not be
      * the one torch configured (a renamed libgomp, clang's libomp). */
@@ -172,7 +525,7 @@ int paged_decode(int num_threads, const void *q, int64_t q_stride, void *out, co
         failed = scratch == NULL;
         /* Every thread takes part in the loop (a work-sharing construct), even one
          * whose allocation failed: it then skips its tasks and the call reports it. */
-        #pragma omp for schedule(dynamic, 1)
+        #pragma omp for schedule(dynamic, chunk)
         for (int task = 0; task < tasks; task++) {
             if (scratch == NULL) continue;
             int i = task / kv_heads, h = task % kv_heads;
@@ -184,7 +537,7 @@ int paged_decode(int num_threads, const void *q, int64_t q_stride, void *out, co
             }
             attend(q, q_stride, out, kv, q_rows[i], tables + (int64_t)i * table_stride,
                        seq_lens[i], v_offset, block_size, num_heads, kv_heads, head_dim,
-                       h, scale, dtype, scratch);
+                       h, scale, dtype, whole_rows, scratch);
         }
         free(scratch);
     }
