@@ -106,6 +106,24 @@ def synthetic(tokens, kv, seqs):
     return float(TRUE @ np.array([1, tokens, kv, seqs]))
 
 
+def test_cost_model_refits_on_prefills_and_every_few_decode_steps():
+    """The least-squares fit runs after every step with prefill (those separate the
+    per-token cost from the per-sequence one) and every REFIT_EVERY decode-only steps."""
+    from llmserve.engine.cost_model import REFIT_EVERY
+    model = StepCostModel()
+    for i in range(20):  # a warmed-up model
+        model.observe(64 + i, 2_000, 4, synthetic(64 + i, 2_000, 4))
+    fitted = model.coef.copy()
+    for i in range(REFIT_EVERY - 1):  # decode-only steps, slower than the model says
+        model.observe(8, 2_000 + i, 8, 10 * synthetic(8, 2_000, 8))
+    assert np.array_equal(model.coef, fitted)
+    model.observe(8, 2_100, 8, 10 * synthetic(8, 2_000, 8))
+    assert not np.array_equal(model.coef, fitted)
+    fitted = model.coef.copy()
+    model.observe(300, 2_000, 4, synthetic(300, 2_000, 4))  # a prefill: at once
+    assert not np.array_equal(model.coef, fitted)
+
+
 def test_cost_model_converges_on_a_noisy_synthetic_cost():
     rng = np.random.default_rng(0)
     model = StepCostModel()

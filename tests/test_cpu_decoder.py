@@ -150,6 +150,7 @@ def test_the_engine_runs_small_decode_steps_in_c_only(int4_llm, monkeypatch):
     """Decode-only steps of up to MAX_NATIVE_TOKENS sequences run in C; prefills and
     bigger decode batches op by op; generation is greedy-stable either way."""
     decoder = int4_llm.engine.runner.model.model.native_decoder
+    assert decoder is not None
     sizes = []
     real_run = NativeDecoder.run
     monkeypatch.setattr(NativeDecoder, "run",
@@ -164,7 +165,6 @@ def test_the_engine_runs_small_decode_steps_in_c_only(int4_llm, monkeypatch):
     monkeypatch.setattr(int4_llm.engine.runner.model.model, "native_decoder", None)
     op_by_op = int4_llm.generate(["The capital of France is"], params)[0].outputs[0].token_ids
     assert one[:3] == op_by_op[:3]  # bf16 rounding may part them later, not at once
-    assert decoder is not None
 
 
 @pytest.mark.parametrize("kwargs", [dict(dtype="bfloat16", quantization="int8"),
@@ -179,3 +179,78 @@ def test_other_modes_keep_the_per_op_path(kwargs):
         assert len(out[0].outputs[0].token_ids) == 3
     finally:
         llm.shutdown()
+
+
+def tiny_qwen2_int4(seed: int = 0):
+    """A random Qwen2-shaped model (QKV biases, head_dim 128, GQA group 2), int4, with a
+    bound bf16 cache of random contents: shapes the built-in model does not have."""
+    from transformers import Qwen2Config
+
+    from llmserve.engine.models.llama import LlamaForCausalLM, RotaryEmbedding
+    from llmserve.engine.quantization import quantize_model
+    torch.manual_seed(seed)
+    config = Qwen2Config(vocab_size=512, hidden_size=256, intermediate_size=512,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=256, tie_word_embeddings=False)
+    config.head_dim = 64 if seed else 128
+    config.num_attention_heads = 256 // config.head_dim * 2
+    config.num_key_value_heads = config.num_attention_heads // 2
+    model = LlamaForCausalLM(config, 256).to(torch.bfloat16)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                proj.bias.normal_()
+            for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+                norm.weight.uniform_(0.5, 1.5)
+    model.model.rotary = RotaryEmbedding(config, 256)
+    model.fuse()
+    quantize_model(model, "int4")
+    cache = torch.randn(2, 2, 24, 16, config.num_key_value_heads, config.head_dim)
+    model.bind_kv_cache(cache.to(torch.bfloat16))
+    return model.eval()
+
+
+@pytest.mark.parametrize("seed", [0, 1], ids=["head_dim128", "head_dim64"])
+def test_qwen2_shapes_with_biases_match_the_torch_layers(seed):
+    """Biases, head_dim 128 or 64 (4 or 8 query heads), contexts of 1 to 48 tokens
+    (partial blocks), five sequences (a 4-token tile plus one): the C stack computes what
+    the torch layers compute."""
+    from llmserve.engine.models.attention import AttentionMetadata, forward_context
+    from llmserve.kernels.cpu_attention import make_cpu_plan
+    model = tiny_qwen2_int4(seed)
+    decoder = NativeDecoder.try_build(model)
+    assert decoder is not None
+    seq_lens, block_size = [1, 5, 17, 33, 48], 16
+    free = iter(torch.randperm(24).tolist())
+    tables = [[next(free) for _ in range(-(-n // block_size))] for n in seq_lens]
+    positions = [n - 1 for n in seq_lens]
+    slots = [t[p // block_size] * block_size + p % block_size for t, p in zip(tables, positions)]
+    width = max(map(len, tables))
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots), query_start_loc=torch.arange(6, dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables],
+                                  dtype=torch.int32),
+        max_query_len=1, max_seq_len=max(seq_lens),
+        plan=make_cpu_plan(list(range(6)), seq_lens, tables, block_size, 24, native=True))
+    x = torch.randn(5, 256).to(torch.bfloat16)
+    with torch.inference_mode(), forward_context(meta):
+        cos, sin = model.model.rotary(torch.tensor(positions))
+        want = x
+        for layer in model.model.layers:
+            want = layer(want, cos, sin)
+        assert decoder.applies(5, meta)
+        # float64 tables: run() hands the C side float32 whatever it is given
+        got = decoder.run(x.clone(), cos.double(), sin.double(), meta)
+    rel = (got.float() - want.float()).norm() / want.float().norm()
+    assert rel < 1e-2, rel
+
+
+def test_rebinding_the_cache_drops_the_native_stack():
+    """The stack points into the cache it was built on: binding another one drops it
+    (the model runner builds it after its final bind)."""
+    model = tiny_qwen2_int4()
+    model.model.native_decoder = NativeDecoder.try_build(model)
+    assert model.model.native_decoder is not None
+    model.bind_kv_cache(torch.zeros(2, 2, 4, 16, 2, 128, dtype=torch.bfloat16))
+    assert model.model.native_decoder is None

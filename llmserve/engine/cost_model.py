@@ -22,8 +22,8 @@ import numpy as np
 # Feature scales: keep the normal equations well conditioned (tokens ~ 1-2k, KV reads
 # up to ~1e5, sequences up to ~1e2).
 _SCALE = np.array([1.0, 1e-2, 1e-4, 1e-1])
-# Observations between two fits: a fit costs ~0.25 ms (a third of a fast CPU decode
-# step, were it done every step), and the decay averages over ~200 steps anyway.
+# Decode-only observations between two fits: a fit costs ~0.25 ms (a third of a fast
+# CPU decode step, were it done every step), and the decay averages ~200 steps anyway.
 REFIT_EVERY = 8
 
 
@@ -34,7 +34,7 @@ class StepCostModel:
         self.min_observations = min_observations
         self._gram = np.eye(4) * ridge  # weighted sum of x x^T
         self._moment = np.zeros(4)  # weighted sum of x y
-        self._coef = np.zeros(4)  # in seconds per unit of each (unscaled) feature
+        self.coef = np.zeros(4)  # in seconds per unit of each (unscaled) feature
         self._unfitted = 0  # observations since the last fit
         self.observations = 0
         self.mixed_observations = 0  # steps with more tokens than sequences (prefill)
@@ -57,16 +57,15 @@ class StepCostModel:
         self.observations += 1
         self.mixed_observations += tokens > seqs
         self._unfitted += 1
+        # Steps with prefill are what separate the per-token from the per-sequence
+        # cost (and are long, so a fit costs little next to them): refit at once.
+        if (self._unfitted >= REFIT_EVERY or tokens > seqs
+                or self.observations <= self.min_observations):
+            self.refit()
 
-    @property
-    def coef(self) -> np.ndarray:
-        """The fitted coefficients, refitted every REFIT_EVERY observations (and at
-        the first read after any observation while fewer than that were seen)."""
-        if self._unfitted >= REFIT_EVERY or (self._unfitted
-                                              and self.observations <= REFIT_EVERY):
-            self._coef = self._solve() * _SCALE
-            self._unfitted = 0
-        return self._coef
+    def refit(self) -> None:
+        self.coef = self._solve() * _SCALE
+        self._unfitted = 0
 
     def _solve(self) -> np.ndarray:
         """Least squares with every coefficient >= 0 (more work never takes less

@@ -177,15 +177,19 @@ static inline int pair_pos(int d, int dtype) {
 /* Half of lanes of a and half of b, summed: the step of a transpose-and-add tree.
  * With a's and b's lanes in chunks of 2w, chunk c of the result holds w lanes from
  * a's chunk c (the sum of its two halves) then w from b's. */
-#define FOLD(a, b, LO, HI) (__builtin_shuffle(a, b, (v16i)LO) + __builtin_shuffle(a, b, (v16i)HI))
-#define FOLD8(a, b) FOLD(a, b, ((v16i){0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23}), \
-                         ((v16i){8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31}))
-#define FOLD4(a, b) FOLD(a, b, ((v16i){0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27}), \
-                         ((v16i){4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31}))
-#define FOLD2(a, b) FOLD(a, b, ((v16i){0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29}), \
-                         ((v16i){2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31}))
-#define FOLD1(a, b) FOLD(a, b, ((v16i){0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30}), \
-                         ((v16i){1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31}))
+#if defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 12)
+#define SHUFFLE16(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else  /* GCC before 12 has only its own builtin, with the indices as a vector */
+#define SHUFFLE16(a, b, ...) __builtin_shuffle(a, b, (v16i){__VA_ARGS__})
+#endif
+#define FOLD8(a, b) (SHUFFLE16(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) \
+                     + SHUFFLE16(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31))
+#define FOLD4(a, b) (SHUFFLE16(a, b, 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27) \
+                     + SHUFFLE16(a, b, 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31))
+#define FOLD2(a, b) (SHUFFLE16(a, b, 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29) \
+                     + SHUFFLE16(a, b, 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31))
+#define FOLD1(a, b) (SHUFFLE16(a, b, 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30) \
+                     + SHUFFLE16(a, b, 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31))
 
 /* Lane j of the result: the sum of x[j]'s lanes. 15 folds instead of 16 horizontal
  * sums; pairing j with j + 8, then + 4, + 2, + 1 leaves the keys in order. */

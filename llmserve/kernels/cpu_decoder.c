@@ -123,9 +123,10 @@ static inline __attribute__((always_inline)) void q4_block(
             }
         }
         /* (scale, zero) bf16 pairs as one 32-bit word each: bf16 is float's top half */
-        const uint32_t *szg = (const uint32_t *)sz + (int64_t)g * N + col0;
+        const uint16_t *szg = sz + ((int64_t)g * N + col0) * 2;
         for (int v = 0; v < V; v++) {
-            v16u32 pair = *(const v16u32 *)(szg + 16 * v);
+            v16u32 pair;
+            memcpy(&pair, szg + 32 * v, sizeof pair);  /* bf16 storage, read as words */
             v16f scale = (v16f)(pair << 16), zero = (v16f)(pair & 0xFFFF0000u);
             v16f offset = zero - 8.0f * scale;
             for (int t = 0; t < m; t++)
@@ -202,8 +203,8 @@ int q4_linear_bf16(int num_threads, const q4_linear *lin, int block_n, const uin
 /* Every layer for M decode tokens, one per sequence (token i is sequence i's): x [M,
  * hidden] bf16, the residual stream, updated in place to the last layer's output
  * (before the final norm). cos, sin: [M, head_dim / 2] float32; slots: [M] int64;
- * tables [M, table_stride] and seq_lens [M] int32. Returns 0, -1 out of memory, -2
- * shapes the kernels do not take. */
+ * tables [M, table_stride] and seq_lens [M] int32. Returns 0, or -1: out of memory, or
+ * a shape the kernels do not take (the caller checks shapes first). */
 int q4_decode_layers(int num_threads, const q4_dims *d, const q4_layer *layers, int num_layers,
                      uint16_t *x, int M, const float *cos, const float *sin,
                      const int64_t *slots, const int32_t *tables, int table_stride,
@@ -229,7 +230,9 @@ int q4_decode_layers(int num_threads, const q4_dims *d, const q4_layer *layers, 
     for (int i = 0; i < M; i++) rows[i] = i;
     for (int l = 0; l < num_layers && rc == 0; l++) {
         const q4_layer *L = &layers[l];
-        add_rms_norm_bf16(num_threads, x, NULL, L->input_norm, h, NULL, M, (int)hidden, d->eps);
+        rc = add_rms_norm_bf16(num_threads, x, NULL, L->input_norm, h, NULL, M, (int)hidden,
+                               d->eps);
+        if (rc != 0) break;
         q4_matmul(num_threads, &L->qkv, d->block_n, h, M, qkv, xf, xsum);
         rc = rope_and_cache(num_threads, qkv, qkv_dim, q, L->kv_cache, cos, sin, slots, M,
                             d->num_cache_blocks, d->block_size, d->num_heads, d->kv_heads,
@@ -240,7 +243,8 @@ int q4_decode_layers(int num_threads, const q4_dims *d, const q4_layer *layers, 
                               d->num_heads, d->kv_heads, d->head_dim, d->scale, 1);
         if (rc != 0) break;
         q4_matmul(num_threads, &L->o, d->block_n, attn, M, o, xf, xsum);
-        add_rms_norm_bf16(num_threads, x, o, L->post_norm, h, x, M, (int)hidden, d->eps);
+        rc = add_rms_norm_bf16(num_threads, x, o, L->post_norm, h, x, M, (int)hidden, d->eps);
+        if (rc != 0) break;
         q4_matmul(num_threads, &L->gate_up, d->block_n, h, M, gate_up, xf, xsum);
         silu_and_mul(gate_up, M, inter, act);
         q4_matmul(num_threads, &L->down, d->block_n, act, M, o, xf, xsum);

@@ -107,13 +107,13 @@ class NativeDecoder:
             for layer in layers))
         self.num_layers = len(layers)
         self._lib = decode_kernel()
-        self._keep = [layer.self_attn.kv_cache for layer in layers]  # the pointers' owners
+        # The tensors the pointers point into: kept alive as long as this is.
+        self._keep = [t for layer in layers for t in layer_tensors(layer)]
 
     @classmethod
     def try_build(cls, model) -> NativeDecoder | None:
-        """The native stack for ``model``, or None where it does not apply: not every
-        projection int4, a dtype other than bf16, tensor parallelism, norms with an
-        offset, or no C kernel / an ATen pack layout it does not read."""
+        """The native stack for ``model``, or None where it does not apply (see
+        ``unsupported``), or for an ATen pack layout the kernel does not read."""
         why = unsupported(model)
         if why is None:
             block_n = int4_pack_block_n()
@@ -128,7 +128,8 @@ class NativeDecoder:
         return None
 
     def applies(self, num_tokens: int, meta) -> bool:
-        """A decode-only step of at most MAX_NATIVE_TOKENS sequences, in order."""
+        """A decode-only step of at most MAX_NATIVE_TOKENS sequences (``decode_only``:
+        row i is sequence i's token, which is how the C side reads them)."""
         plan = meta.plan if meta is not None else None
         return (plan is not None and plan.native and plan.decode_only
                 and num_tokens <= MAX_NATIVE_TOKENS)
@@ -137,8 +138,8 @@ class NativeDecoder:
         """The residual stream after the last layer, for ``x [tokens, hidden]``."""
         x = x.to(torch.bfloat16).contiguous()
         tokens = x.shape[0]
-        cos = cos.reshape(tokens, -1).contiguous()
-        sin = sin.reshape(tokens, -1).contiguous()
+        cos = cos.reshape(tokens, -1).float().contiguous()  # the C side reads float32
+        sin = sin.reshape(tokens, -1).float().contiguous()
         plan = meta.plan
         rc = self._lib.q4_decode_layers(
             torch.get_num_threads(), ctypes.byref(self.dims), self.layers, self.num_layers,
@@ -146,13 +147,22 @@ class NativeDecoder:
             plan.decode_tables.data_ptr(), plan.decode_tables.shape[1],
             plan.decode_seq_lens.data_ptr())
         if rc != 0:
-            raise MemoryError(f"q4_decode_layers failed ({rc})")
+            raise MemoryError("q4_decode_layers: out of memory for its scratch buffers")
         return x
 
 
 def projections(layer) -> tuple:
     return (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
             layer.mlp.down_proj)
+
+
+def layer_tensors(layer) -> list[torch.Tensor]:
+    """Every tensor of ``layer`` the C stack holds a pointer into."""
+    tensors = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
+               layer.self_attn.kv_cache]
+    for lin in projections(layer):
+        tensors += [lin.qweight, lin.scales] + ([lin.bias] if lin.bias is not None else [])
+    return tensors
 
 
 def unsupported(model) -> str | None:
@@ -178,4 +188,6 @@ def unsupported(model) -> str | None:
             return "a layer cache is not contiguous"
     if layers[0].self_attn.head_dim > 512 or layers[0].self_attn.head_dim % 2:
         return "head_dim unsupported"
+    if model.config.hidden_size > 16384:  # add_rms_norm_bf16's row limit
+        return "hidden size above 16384"
     return None

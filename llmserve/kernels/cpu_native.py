@@ -2,7 +2,7 @@
 ``cpu_decoder.c``: the int4 decoder stack built on them), compiled for this machine
 into one library.
 
-Compiled once with the system C compiler (``$CC`` or ``cc``, ~0.4 s) for the CPU it
+Compiled once with the system C compiler (``$CC`` or ``cc``, 1-3 s) for the CPU it
 runs on (``-march=native``; AVX2 + FMA when ``ATEN_CPU_CAPABILITY=avx2`` asks torch to
 act as an AVX2 machine, the baseline ISA for ``default``), cached under the llmserve
 cache folder keyed by the source, the compiler, the flags and the CPU, and called

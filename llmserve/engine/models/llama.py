@@ -275,6 +275,8 @@ class LlamaForCausalLM(nn.Module):
         ``[layers, 2, blocks, block_size, kv_heads, head_dim]``."""
         for i, layer in enumerate(self.model.layers):
             layer.self_attn.kv_cache = storage[i]
+        # It points into the previous cache: the model runner builds it again.
+        self.model.native_decoder = None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Logits of ``hidden``'s rows; with several ranks, gathered onto rank 0 (every
