@@ -27,10 +27,20 @@ def prompts(n, seed=0, length=12):
     dict(max_tokens=-1), dict(min_tokens=5, max_tokens=2), dict(logprobs=50),
     dict(presence_penalty=3.0), dict(repetition_penalty=0.0), dict(stop=[""]),
     dict(seed="x"), dict(temperature=float("nan")), dict(stop_token_ids=[-1]),
+    dict(seed=2 ** 63), dict(seed=-2 ** 63 - 1),
 ])
 def test_invalid_params_raise_value_error(bad):
     with pytest.raises(ValueError):
         SamplingParams(**bad)
+
+
+def test_a_top_k_beyond_int64_is_no_top_k(llm):
+    """Any positive top_k is valid (above the vocabulary it keeps every token), even one
+    no int64 holds: the fuzzer's 2**70 used to kill the engine loop."""
+    base = dict(temperature=1.0, seed=7, max_tokens=6, ignore_eos=True)
+    huge = llm.generate(prompts(1), SamplingParams(top_k=2 ** 70, **base))[0].outputs[0]
+    none = llm.generate(prompts(1), SamplingParams(**base))[0].outputs[0]
+    assert huge.token_ids == none.token_ids
 
 
 def test_seeded_request_is_batch_independent(llm):

@@ -99,7 +99,8 @@ class Sampler:
         if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
             sorted_logits, order = logits.sort(dim=-1, descending=True)
             vocab = logits.shape[1]
-            k = torch.tensor([k if k > 0 else vocab for k in top_k], device=dev).clamp(max=vocab)
+            # Clamped on the host: any positive top_k is valid, but not every int fits int64.
+            k = torch.tensor([min(k, vocab) if k > 0 else vocab for k in top_k], device=dev)
             ranks = torch.arange(vocab, device=dev).unsqueeze(0)
             cut = ranks >= k.unsqueeze(1)
             probs_sorted = torch.softmax(sorted_logits.masked_fill(cut, float("-inf")), dim=-1)

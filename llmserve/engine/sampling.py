@@ -54,7 +54,8 @@ class SamplingParams:
         check(_is_int(self.top_k) and (self.top_k == -1 or self.top_k >= 1),
               "top_k", "must be -1 (disabled) or a positive integer")
         check(_is_num(self.min_p) and 0.0 <= self.min_p <= 1.0, "min_p", "must be in [0, 1]")
-        check(self.seed is None or _is_int(self.seed), "seed", "must be an integer")
+        check(self.seed is None or (_is_int(self.seed) and -2**63 <= self.seed < 2**63),
+              "seed", "must be a 64-bit signed integer")
         check(self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1),
               "max_tokens", "must be a positive integer")
         check(_is_int(self.min_tokens) and self.min_tokens >= 0,
