@@ -17,12 +17,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import time
 
 import torch
+from cpu_modes import step_time  # benchmarks/ is the script's folder, first on sys.path
 
-from llmserve import SamplingParams
 from llmserve.engine.config import EngineConfig
 from llmserve.engine.llm_engine import LLMEngine
 from llmserve.engine.quantization import QuantizedLinear
@@ -58,26 +57,6 @@ def matmul_section(tokens: list[int]) -> dict:
     return out
 
 
-def step_ms(engine: LLMEngine, batch: int, context: int, steps: int) -> float:
-    rng = random.Random(batch)
-    for _ in range(batch):
-        engine.add_request([rng.randrange(100, 40000) for _ in range(context)],
-                           SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True))
-    while engine.scheduler.waiting or any(s.num_output_tokens == 0
-                                          for s in engine.scheduler.running):
-        engine.step()  # prefill
-    for _ in range(2):
-        engine.step()
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        engine.step()
-    elapsed = (time.perf_counter() - t0) / steps
-    for req_id in list(engine.requests):
-        engine.abort(req_id)
-    engine.step()
-    return elapsed * 1e3
-
-
 def step_section(batches: list[int], context: int, steps: int) -> dict:
     engine = LLMEngine(EngineConfig(model="smollm2-135m-instruct", dtype="bfloat16",
                                     quantization="int4"))
@@ -95,7 +74,7 @@ def step_section(batches: list[int], context: int, steps: int) -> dict:
         times = {}
         for label, decoder in (("ops", None), ("c", native), ("ops2", None), ("c2", native)):
             model.native_decoder = decoder
-            times[label] = step_ms(engine, batch, context, steps)
+            times[label] = step_time(engine, batch, context, steps) * 1e3
         ops, c = min(times["ops"], times["ops2"]), min(times["c"], times["c2"])
         out[batch] = {"ops_ms": ops, "c_ms": c}
         print(f"  batch {batch:3d}: op by op {ops:7.2f}  C {c:7.2f}  ratio {ops / c:5.2f}")
