@@ -97,6 +97,10 @@ class PodRunner:
         uid = pod.metadata.uid
         if kind == "DELETED" or pod.metadata.deletion_timestamp is not None:
             if uid in self.pods and not self.pods[uid].stopping:
+                # Marked here, not in stop(): the watch can hand over the DELETED
+                # event before the stop task first runs, and a second stop would
+                # free the pod's IP twice (two later pods then shared one address).
+                self.pods[uid].stopping = True
                 grace = pod.metadata.deletion_grace_period_seconds
                 task = asyncio.create_task(self.stop(self.pods[uid], grace,
                                                      remove=kind != "DELETED"))
@@ -321,7 +325,7 @@ class PodRunner:
                 os.killpg(p.proc.pid, signal.SIGKILL)
                 p.proc.wait()
         run("ip", "netns", "del", p.netns, check=False)
-        self.free_ips.append(p.ip)
+        self.release_ip(p.ip)
         self.pods.pop(p.uid, None)
         if remove:  # as the kubelet does: confirm the deletion once the pod is gone
             core = client.CoreV1Api(self.api)
@@ -332,6 +336,12 @@ class PodRunner:
                     raise
         shutil.rmtree(p.dir, ignore_errors=True)
         log.info("stopped %s/%s", p.namespace, p.name)
+
+    def release_ip(self, ip: str) -> None:
+        # Reused last, as a CNI's allocator does: a client still holding the old
+        # pod's address (an endpoint cache, a keep-alive) must not reach a new pod.
+        if ip not in self.free_ips:
+            self.free_ips.insert(0, ip)
 
     async def stop_all(self) -> None:
         await asyncio.gather(*self._stopping, return_exceptions=True)
