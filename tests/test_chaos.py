@@ -66,7 +66,8 @@ def outcome(r: dict) -> str:
     if r["status"] != 200 or "exc" in r:
         return "failed"
     if ev and ev[-1] == b"[DONE]":
-        if len(ev) >= 2 and b'"error"' in ev[-2]:
+        # Parsed, not a substring test: a sampled chunk's text can be "error".
+        if len(ev) >= 2 and "error" in json.loads(ev[-2]):
             err = json.loads(ev[-2])["error"]
             assert set(err) == {"message", "type", "param", "code"}
             return "broken-with-error-event"

@@ -159,6 +159,12 @@ async def stream(session, url: str, i: int) -> dict:
     return out
 
 
+def is_error_event(event: bytes) -> bool:
+    """An OpenAI error event, not a chunk whose text happens to be "error" (sampled
+    text can be: a substring match once failed this test on a healthy stream)."""
+    return event != b"[DONE]" and "error" in json.loads(event)
+
+
 def test_engine_pod_sigkilled_under_load_is_replaced_and_routing_recovers(
         cluster, kubectl, smollm):
     """After the scaling test: two engines behind the gateway. One crashes (SIGKILL)
@@ -189,10 +195,11 @@ def test_engine_pod_sigkilled_under_load_is_replaced_and_routing_recovers(
     for r in first + later:
         assert r["exc"] is None and r["status"] == 200, r
         assert r["events"] and r["events"][-1] == b"[DONE]", r  # ended, never cut
-        if len(r["events"]) >= 2 and b'"error"' in r["events"][-2]:
-            assert r in first and len(r["events"]) > 2, "only a started stream may break"
-    assert all(b'"error"' not in e for r in later for e in r["events"]), "later ones complete"
-    broken = sum(len(r["events"]) >= 2 and b'"error"' in r["events"][-2] for r in first)
+        errors = [e for e in r["events"] if is_error_event(e)]
+        if errors:
+            assert errors == [r["events"][-2]], r  # an error ends a stream
+            assert r in first and len(r["events"]) > 2, f"only a started stream may break: {r}"
+    broken = sum(len(r["events"]) >= 2 and is_error_event(r["events"][-2]) for r in first)
 
     # Replaced: a new pod, Ready, and the gateway routes to both engines again.
     ips = wait_for(lambda: (ips := ready_ips(kubectl, NS, sel)) and len(ips) == 2
