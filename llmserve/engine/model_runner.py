@@ -20,6 +20,7 @@ from llmserve.engine.scheduler import ScheduledBatch
 from llmserve.engine.step_buffers import StepBuilder, enable_fast_path_from_config
 from llmserve.kernels.cpu_attention import make_cpu_plan
 from llmserve.kernels.cpu_decoder import NativeDecoder
+from llmserve.kernels.cpu_linear import pack_linears, packing_applies
 from llmserve.kernels.cpu_native import DTYPE_CODES, decode_kernel
 
 log = logging.getLogger(__name__)
@@ -61,6 +62,8 @@ class ModelRunner:
         model.model.rotary = RotaryEmbedding(hf_config, max_model_len).to(self.device)
         model.fuse()
         quantize_model(model, config.quantization)
+        if packing_applies(self.device, self.dtype) and not config.compile:
+            pack_linears(model)  # the dense ones: oneDNN's layout once, not every call
         self.model = model.eval()
         self.hf_config = hf_config
         self.block_size = config.block_size
