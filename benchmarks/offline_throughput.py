@@ -5,7 +5,8 @@ same model, in the same process, one after the other; throughput counts only the
 tokens each request asked for. Prints tokens/s of each and the ratio, and where
 llmserve's step time goes.
 
-    python benchmarks/offline_throughput.py --num-requests 64 --min-out 20 --max-out 300
+    python benchmarks/offline_throughput.py --num-requests 64 --min-out 20 --max-out 300 \
+        [--rounds 3]
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import statistics
 import time
 
 import torch
@@ -28,10 +30,14 @@ def make_workload(n: int, lo: int, hi: int, prompt_lo: int, prompt_hi: int, seed
     return prompts, outs
 
 
-def run_llmserve(model: str, prompts, outs, max_num_seqs: int, dtype: str,
-                 engine_args: dict) -> dict:
+def make_llm(model: str, max_num_seqs: int, dtype: str, engine_args: dict) -> LLM:
     llm = LLM(model, max_num_seqs=max_num_seqs, dtype=dtype, **engine_args)
-    llm.generate([prompts[0]], SamplingParams(max_tokens=4, ignore_eos=True))  # warm up
+    # Warm up on a prompt of no round (a cached prefix would shorten the first one).
+    llm.generate([list(range(50, 66))], SamplingParams(max_tokens=4, ignore_eos=True))
+    return llm
+
+
+def run_llmserve(llm: LLM, prompts, outs) -> dict:
     params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in outs]
     stats = llm.engine.stats
     stats.__init__()
@@ -47,11 +53,15 @@ def run_llmserve(model: str, prompts, outs, max_num_seqs: int, dtype: str,
             "model_path": str(llm.engine.model_path), "dtype": llm.engine.config.dtype}
 
 
-def run_transformers(path: str, prompts, outs, batch_size: int, dtype: str) -> dict:
+def load_transformers(path: str, dtype: str):
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).eval()
     model.generation_config.eos_token_id = None  # ignore_eos, like the llmserve run
     model.generation_config.pad_token_id = 0
+    return model
+
+
+def run_transformers(model, prompts, outs, batch_size: int, dtype: str) -> dict:
     t0 = time.perf_counter()
     for start in range(0, len(prompts), batch_size):
         batch, lens = prompts[start:start + batch_size], outs[start:start + batch_size]
@@ -82,29 +92,46 @@ def main() -> None:
     ap.add_argument("--quantization", default="none", help="llmserve only: none|int8|int4")
     ap.add_argument("--compile", action="store_true", help="llmserve only")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="alternate the two sides this many times; the median ratio counts")
     ap.add_argument("--json", default=None, help="write the results here")
     args = ap.parse_args()
-    prompts, outs = make_workload(args.num_requests, args.min_out, args.max_out,
-                                  args.min_prompt, args.max_prompt, args.seed)
-    ours = run_llmserve(args.model, prompts, outs, args.max_num_seqs, args.dtype,
-                        {"quantization": args.quantization, "compile": args.compile})
-    print(f"\nllmserve:     {ours['tokens_per_s']:8.1f} tokens/s  ({ours['wall_s']:.1f} s, "
-          f"{ours['steps']} steps, {ours['dtype']})")
-    total = ours["wall_s"]
-    for part in ("schedule_s", "forward_s", "postprocess_s", "other_s"):
-        print(f"  {part[:-2]:<12} {ours[part]:7.2f} s  {100 * ours[part] / total:5.1f} %")
-    result = {"llmserve": ours, "args": vars(args)}
+    def workload(r: int):  # new prompts each round: none is in the prefix cache
+        return make_workload(args.num_requests, args.min_out, args.max_out,
+                             args.min_prompt, args.max_prompt, args.seed + r)
+
+    prompts, outs = workload(0)
+    llm = make_llm(args.model, args.max_num_seqs, args.dtype,
+                   {"quantization": args.quantization, "compile": args.compile})
+    hf_model = None
+    rounds = []
+    for r in range(args.rounds):  # alternating sides: a noisy neighbour hits both
+        prompts, outs = workload(r)
+        ours = run_llmserve(llm, prompts, outs)
+        print(f"\nround {r + 1}: llmserve {ours['tokens_per_s']:8.1f} tokens/s  "
+              f"({ours['wall_s']:.1f} s, {ours['steps']} steps, {ours['dtype']})")
+        total = ours["wall_s"]
+        for part in ("schedule_s", "forward_s", "postprocess_s", "other_s"):
+            print(f"  {part[:-2]:<12} {ours[part]:7.2f} s  {100 * ours[part] / total:5.1f} %")
+        result = {"llmserve": ours}
+        if not args.skip_transformers:
+            if hf_model is None:
+                hf_model = load_transformers(ours["model_path"], ours["dtype"])
+            hf = run_transformers(hf_model, prompts, outs, args.hf_batch_size, ours["dtype"])
+            result.update(transformers=hf, ratio=ours["tokens_per_s"] / hf["tokens_per_s"])
+            print(f"round {r + 1}: transformers {hf['tokens_per_s']:8.1f} tokens/s  "
+                  f"({hf['wall_s']:.1f} s, static batches of {args.hf_batch_size}, "
+                  f"{hf['dtype']}): ratio {result['ratio']:.2f}x", flush=True)
+        rounds.append(result)
+    summary = {"rounds": rounds, "args": vars(args)}
     if not args.skip_transformers:
-        hf = run_transformers(ours["model_path"], prompts, outs, args.hf_batch_size,
-                              ours["dtype"])
-        ratio = ours["tokens_per_s"] / hf["tokens_per_s"]
-        print(f"transformers: {hf['tokens_per_s']:8.1f} tokens/s  ({hf['wall_s']:.1f} s, "
-              f"static batches of {args.hf_batch_size}, {hf['dtype']})")
-        print(f"ratio llmserve / transformers: {ratio:.2f}x")
-        result.update(transformers=hf, ratio=ratio)
+        ratios = sorted(r["ratio"] for r in rounds)
+        summary["median_ratio"] = statistics.median(ratios)
+        print(f"ratio llmserve / transformers: median {summary['median_ratio']:.2f}x "
+              f"over {len(ratios)} rounds ({', '.join(f'{x:.2f}' for x in ratios)})")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+            json.dump(summary, f, indent=2)
 
 
 if __name__ == "__main__":

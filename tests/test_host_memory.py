@@ -7,6 +7,7 @@ device with initialisers on, and by calling the custom ops through the dispatche
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -30,14 +31,20 @@ ENGINE_RUN = textwrap.dedent("""
 """)
 
 
-def _modules_after_a_request(model, quantization: str) -> str:
+def _modules_after_a_request(model, quantization: str, dtype: str | None = None) -> str:
+    env = dict(os.environ, **({"LLMSERVE_CPU_DTYPE": dtype} if dtype else {}))
     out = subprocess.run([sys.executable, "-c", ENGINE_RUN, str(model), quantization],
-                         capture_output=True, text=True, timeout=300, check=True)
+                         capture_output=True, text=True, timeout=300, check=True, env=env)
     return out.stdout.strip().splitlines()[-1]
 
 
 def test_an_eager_cpu_engine_never_imports_the_compiler(tiny_llama):
     assert _modules_after_a_request(tiny_llama, "none") == "[]"
+
+
+def test_a_bf16_engine_with_packed_weights_never_imports_the_compiler(tiny_llama):
+    """bf16 packs its dense linears through torch.ops.mkldnn (kernels/cpu_linear)."""
+    assert _modules_after_a_request(tiny_llama, "none", "bfloat16") == "[]"
 
 
 @pytest.mark.parametrize("mode", ["int8", "int4"])
