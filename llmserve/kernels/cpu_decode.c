@@ -16,23 +16,7 @@
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #include <immintrin.h>
 #endif
-
-enum { DTYPE_F32 = 0, DTYPE_BF16 = 1 };
-
-static inline float bf16_to_f32(uint16_t x) {
-    uint32_t u = (uint32_t)x << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) {  /* round to nearest even */
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((u >> 16) | 0x40u);  /* NaN */
-    u += 0x7FFFu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
+#include "cpu_kernels.h"
 
 static inline __attribute__((always_inline)) void load_row(const void *base, int64_t offset, int dtype, int n, float *dst) {
     if (dtype == DTYPE_BF16) {
@@ -137,11 +121,6 @@ static inline __attribute__((always_inline)) void attend_one(
  * tile of 16 keys at a time, their 16 dot products reduced together; K and V rows
  * widened from bf16 straight into registers; the group's accumulators in registers
  * (group and head_dim compile-time constants in the value pass). ---- */
-
-/* 16 lanes, whatever the ISA: one AVX-512 register, two AVX2 ones (GCC vector types). */
-typedef float v16f __attribute__((vector_size(64)));
-typedef int32_t v16i __attribute__((vector_size(64)));
-typedef uint32_t v16u32 __attribute__((vector_size(64), aligned(4)));
 
 #define TILE 16     /* keys whose scores are reduced together */
 #define MAX_GROUP 8 /* the largest GQA group specialised */

@@ -20,37 +20,10 @@
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
+#include "cpu_kernels.h"
 
 #define GROUP 32  /* int4 group size along K (quantization.INT4_GROUP) */
 #define TILE 4    /* tokens sharing one read of a weight block */
-
-int add_rms_norm_bf16(int num_threads, const uint16_t *x, const uint16_t *delta,
-                      const uint16_t *weight, uint16_t *out, uint16_t *residual_out,
-                      int rows, int dim, float eps);
-int rope_and_cache(int num_threads, const void *qkv, int64_t qkv_stride, void *q_out,
-                   void *kv, const float *cos, const float *sin, const int64_t *slots,
-                   int num_tokens, int64_t num_cache_blocks, int block_size, int num_heads,
-                   int kv_heads, int head_dim, int dtype);
-int paged_decode(int num_threads, const void *q, int64_t q_stride, void *out, const void *kv,
-                 const int32_t *q_rows, const int32_t *tables, int table_stride,
-                 const int32_t *seq_lens, int num_seqs, int64_t num_cache_blocks,
-                 int block_size, int num_heads, int kv_heads, int head_dim, float scale,
-                 int dtype);
-
-static inline float bf16f(uint16_t x) {
-    uint32_t u = (uint32_t)x << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-static inline uint16_t to_bf16(float f) {  /* round to nearest even */
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((u >> 16) | 0x40u);
-    u += 0x7FFFu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
 
 typedef struct {
     const uint8_t *weight;      /* ATen's int4 pack */
@@ -71,11 +44,6 @@ typedef struct {
     int64_t num_cache_blocks;
     int block_size;
 } q4_dims;
-
-/* 16 lanes, whatever the ISA: one AVX-512 register, two AVX2 ones (GCC vector types). */
-typedef int32_t v16i __attribute__((vector_size(64)));
-typedef float v16f __attribute__((vector_size(64)));
-typedef uint32_t v16u32 __attribute__((vector_size(64), aligned(4)));
 
 /* 16 bytes zero-extended to 16 int32 lanes (GCC's generic conversion would load them
  * one by one). */
@@ -152,7 +120,7 @@ static void q4_tile(const float *xf, const float *xsum, int m, int64_t K, int64_
 static void q4_matmul(int num_threads, const q4_linear *lin, int BN, const uint16_t *x, int M,
                       uint16_t *y, float *xf, float *xsum) {
     const int64_t K = lin->k, N = lin->n, groups = K / GROUP;
-    for (int64_t i = 0; i < (int64_t)M * K; i++) xf[i] = bf16f(x[i]);
+    for (int64_t i = 0; i < (int64_t)M * K; i++) xf[i] = bf16_to_f32(x[i]);
     for (int t = 0; t < M; t++)
         for (int64_t g = 0; g < groups; g++) {
             float s = 0.0f;
@@ -171,8 +139,8 @@ static void q4_matmul(int num_threads, const q4_linear *lin, int BN, const uint1
             for (int t = 0; t < m; t++)
                 for (int j = 0; j < BN; j++) {
                     const int64_t col = nb * BN + j;
-                    uint16_t v = to_bf16(acc[t][j / 16][j % 16]);
-                    if (lin->bias != NULL) v = to_bf16(bf16f(v) + bf16f(lin->bias[col]));
+                    uint16_t v = f32_to_bf16(acc[t][j / 16][j % 16]);
+                    if (lin->bias != NULL) v = f32_to_bf16(bf16_to_f32(v) + bf16_to_f32(lin->bias[col]));
                     y[(t0 + t) * N + col] = v;
                 }
         }
@@ -183,9 +151,9 @@ static void q4_matmul(int num_threads, const q4_linear *lin, int BN, const uint1
 static void silu_and_mul(const uint16_t *gate_up, int M, int64_t inter, uint16_t *act) {
     for (int t = 0; t < M; t++)
         for (int64_t i = 0; i < inter; i++) {
-            const float g = bf16f(gate_up[t * 2 * inter + i]);
-            const float u = bf16f(gate_up[t * 2 * inter + inter + i]);
-            act[t * inter + i] = to_bf16(bf16f(to_bf16(g / (1.0f + expf(-g)))) * u);
+            const float g = bf16_to_f32(gate_up[t * 2 * inter + i]);
+            const float u = bf16_to_f32(gate_up[t * 2 * inter + inter + i]);
+            act[t * inter + i] = f32_to_bf16(bf16_to_f32(f32_to_bf16(g / (1.0f + expf(-g)))) * u);
         }
 }
 
@@ -236,11 +204,11 @@ int q4_decode_layers(int num_threads, const q4_dims *d, const q4_layer *layers, 
         q4_matmul(num_threads, &L->qkv, d->block_n, h, M, qkv, xf, xsum);
         rc = rope_and_cache(num_threads, qkv, qkv_dim, q, L->kv_cache, cos, sin, slots, M,
                             d->num_cache_blocks, d->block_size, d->num_heads, d->kv_heads,
-                            d->head_dim, 1);
+                            d->head_dim, DTYPE_BF16);
         if (rc == 0)
             rc = paged_decode(num_threads, q, qdim, attn, L->kv_cache, rows, tables,
                               table_stride, seq_lens, M, d->num_cache_blocks, d->block_size,
-                              d->num_heads, d->kv_heads, d->head_dim, d->scale, 1);
+                              d->num_heads, d->kv_heads, d->head_dim, d->scale, DTYPE_BF16);
         if (rc != 0) break;
         q4_matmul(num_threads, &L->o, d->block_n, attn, M, o, xf, xsum);
         rc = add_rms_norm_bf16(num_threads, x, o, L->post_norm, h, x, M, (int)hidden, d->eps);
@@ -249,7 +217,7 @@ int q4_decode_layers(int num_threads, const q4_dims *d, const q4_layer *layers, 
         silu_and_mul(gate_up, M, inter, act);
         q4_matmul(num_threads, &L->down, d->block_n, act, M, o, xf, xsum);
         for (int64_t i = 0; i < (int64_t)M * hidden; i++)
-            x[i] = to_bf16(bf16f(x[i]) + bf16f(o[i]));
+            x[i] = f32_to_bf16(bf16_to_f32(x[i]) + bf16_to_f32(o[i]));
     }
 done:
     free(h);

@@ -34,6 +34,7 @@ log = logging.getLogger(__name__)
 
 # Attention, rotary and norms; the int4 decoder stack built on them: one library.
 SOURCES = [Path(__file__).with_name(name) for name in ("cpu_decode.c", "cpu_decoder.c")]
+HEADERS = [Path(__file__).with_name("cpu_kernels.h")]  # in the cache key, not compiled
 # Reassociation lets the compiler vectorise the dot products and sums; no
 # finite-math: softmax inputs are finite here, but the flag would change too much.
 CFLAGS = ["-O3", "-fPIC", "-shared", "-fopenmp", "-fno-math-errno", "-fno-trapping-math",
@@ -89,8 +90,9 @@ def _build_dir() -> Path | None:
 def _compile(compiler: list[str], flags: list[str]) -> Path:
     version = subprocess.run([*compiler, "--version"], capture_output=True, text=True,
                              timeout=30).stdout
-    key = hashlib.sha256("\0".join([*(src.read_text() for src in SOURCES), " ".join(compiler),
-                                    version, *flags, _cpu_signature()]).encode()).hexdigest()[:16]
+    texts = [src.read_text() for src in SOURCES + HEADERS]
+    key = hashlib.sha256("\0".join([*texts, " ".join(compiler), version, *flags,
+                                    _cpu_signature()]).encode()).hexdigest()[:16]
     build_dir = _build_dir()
     if build_dir is None:
         raise OSError("no writable folder of our own to build the kernel in")
