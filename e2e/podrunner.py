@@ -77,18 +77,18 @@ class PodRunner:
         async with client.ApiClient() as api:
             self.api = api
             core = client.CoreV1Api(api)
-            while True:
-                try:
-                    w = watch.Watch()
-                    async for event in w.stream(core.list_pod_for_all_namespaces,
-                                                timeout_seconds=120):
-                        await self.on_event(event["type"], event["object"])
-                except asyncio.CancelledError:
-                    await self.stop_all()
-                    raise
-                except Exception as e:  # noqa: BLE001 - keep running through API blips
-                    log.warning("pod watch: %r", e)
-                    await asyncio.sleep(0.5)
+            try:
+                while True:
+                    try:
+                        w = watch.Watch()
+                        async for event in w.stream(core.list_pod_for_all_namespaces,
+                                                    timeout_seconds=120):
+                            await self.on_event(event["type"], event["object"])
+                    except Exception as e:  # noqa: BLE001 - keep running through API blips
+                        log.warning("pod watch: %r", e)
+                        await asyncio.sleep(0.5)
+            finally:  # cancelled (the cluster is going down), wherever it was waiting
+                await self.stop_all()
 
     async def on_event(self, kind: str, pod) -> None:
         node = pod.spec.node_name or ""
@@ -105,7 +105,7 @@ class PodRunner:
                 task = asyncio.create_task(self.stop(self.pods[uid], grace,
                                                      remove=kind != "DELETED"))
                 self._stopping.add(task)
-                task.add_done_callback(self._stopping.discard)
+                task.add_done_callback(self._stop_done)
             return
         if uid not in self.pods and pod.status.phase in (None, "Pending"):
             await self.start(self.api.sanitize_for_serialization(pod))
@@ -337,6 +337,11 @@ class PodRunner:
         shutil.rmtree(p.dir, ignore_errors=True)
         log.info("stopped %s/%s", p.namespace, p.name)
 
+    def _stop_done(self, task: asyncio.Task) -> None:
+        self._stopping.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.warning("stopping a pod failed: %r", task.exception())
+
     def release_ip(self, ip: str) -> None:
         # Reused last, as a CNI's allocator does: a client still holding the old
         # pod's address (an endpoint cache, a keep-alive) must not reach a new pod.
@@ -345,8 +350,9 @@ class PodRunner:
 
     async def stop_all(self) -> None:
         await asyncio.gather(*self._stopping, return_exceptions=True)
-        await asyncio.gather(*(self.stop(p, 5, remove=False) for p in list(self.pods.values())
-                               if not p.stopping), return_exceptions=True)
+        # Every pod still here: never asked to stop, or its stop task failed midway.
+        await asyncio.gather(*(self.stop(p, 5, remove=False) for p in list(self.pods.values())),
+                             return_exceptions=True)
 
     def running_pods(self) -> list[str]:
         return [f"{p.namespace}/{p.name}" for p in self.pods.values()
