@@ -96,11 +96,13 @@ def main() -> None:
                     help="alternate the two sides this many times; the median ratio counts")
     ap.add_argument("--json", default=None, help="write the results here")
     args = ap.parse_args()
+    if args.rounds < 1:
+        ap.error("--rounds must be at least 1")
+
     def workload(r: int):  # new prompts each round: none is in the prefix cache
         return make_workload(args.num_requests, args.min_out, args.max_out,
                              args.min_prompt, args.max_prompt, args.seed + r)
 
-    prompts, outs = workload(0)
     llm = make_llm(args.model, args.max_num_seqs, args.dtype,
                    {"quantization": args.quantization, "compile": args.compile})
     hf_model = None

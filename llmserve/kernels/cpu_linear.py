@@ -4,9 +4,10 @@
 weight, which oneDNN copies into its own blocked layout on every call. At decode
 batch sizes that copy, a pass over every weight of the model per step, costs about
 as much as the product itself. Reordering each weight once (what ``torch.compile``'s
-freezing and IPEX do) and calling oneDNN's linear on the packed weight gives
-bit-identical results, 1.2-2.5x faster at 1-128 rows on the built-in model's shapes
-(``benchmarks/cpu_linear.py``).
+freezing and IPEX do) and calling oneDNN's linear on the packed weight gives the same
+results (bit-identical on a Zen 4, within bf16 rounding wherever oneDNN picks another
+kernel), 1.04x faster at 1 row, 1.6x at 8, 1.25x at 64 and 1.14x at 128 for the
+built-in model's shapes (``benchmarks/cpu_linear.py``).
 
 The packed weight is an opaque oneDNN tensor: it replaces the plain one (no second
 copy), except where the LM head shares its weight with the token embedding, whose
