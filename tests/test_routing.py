@@ -92,6 +92,13 @@ def test_prefix_key_uses_system_and_first_user_message():
     assert prefix_key(long_a, max_chars=200) != prefix_key(long_b, max_chars=200)
     assert prefix_key({"prompt": [1, 2, 3]}) != prefix_key({"prompt": [1, 2, 4]})
     assert prefix_key("garbage") == ""
+    # Malformed content parts (the API fuzzer's: a list or a number as "text") get a
+    # key, not a 500; the engine answers them with a 400.
+    for text in ([], 1.5, None, {"a": 1}):
+        parts = {"messages": [{"role": "system", "content": [{"type": "text", "text": text}]},
+                              {"role": "user", "content": [{"text": text}, {"text": "hi"}]}]}
+        assert prefix_key(parts) == prefix_key({"messages": [{"role": "user",
+                                                              "content": "hi"}]})
 
 
 def test_endpoint_slices_to_urls():

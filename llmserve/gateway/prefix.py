@@ -13,7 +13,9 @@ def _content(message: dict) -> str:
     if isinstance(content, str):
         return content
     if isinstance(content, list):  # content parts
-        return "".join(p.get("text", "") for p in content if isinstance(p, dict))
+        # Any shape may arrive here (the engine validates it later): strings only.
+        texts = (p.get("text") for p in content if isinstance(p, dict))
+        return "".join(t for t in texts if isinstance(t, str))
     return ""
 
 
