@@ -131,7 +131,8 @@ def test_each_layer_matches_the_torch_layer(int4_llm, prompts):
             cos, sin = model.rotary(pos)
             exact = 0
             for i, layer in enumerate(model.layers):
-                want = layer(x, cos, sin)
+                out, residual = layer(None, x, cos, sin)
+                want = residual + out  # the residual stream after the layer
                 got = run_layers(decoder, i, 1, x, cos, sin, meta)
                 rel = ((got.float() - want.float()).norm() / want.float().norm()).item()
                 assert rel < 5e-3, (i, rel)
@@ -236,9 +237,10 @@ def test_qwen2_shapes_with_biases_match_the_torch_layers(seed):
     x = torch.randn(5, 256).to(torch.bfloat16)
     with torch.inference_mode(), forward_context(meta):
         cos, sin = model.model.rotary(torch.tensor(positions))
-        want = x
+        out, residual = None, x
         for layer in model.model.layers:
-            want = layer(want, cos, sin)
+            out, residual = layer(out, residual, cos, sin)
+        want = residual + out
         assert decoder.applies(5, meta)
         # float64 tables: run() hands the C side float32 whatever it is given
         got = decoder.run(x.clone(), cos.double(), sin.double(), meta)

@@ -15,6 +15,7 @@ import torch
 
 from llmserve.engine.sequence import Sequence
 from llmserve.engine.structured import apply_bitmask
+from llmserve.kernels.cpu_native import argmax_rows, native_bf16_applies
 
 
 @dataclass
@@ -35,8 +36,13 @@ class Sampler:
                  bitmask: torch.Tensor | None = None) -> SamplerOutput:
         """``bitmask`` (one row per entry of ``grammar_rows``) lists the tokens each
         constrained row may take; the others are never sampled."""
-        logits = logits[:, : self.vocab_size].float()
+        logits = logits[:, : self.vocab_size]
         params = [s.params for s in seqs]
+        if not grammar_rows and all(self._plain_greedy(s) for s in seqs):
+            # Nothing to transform or report: the argmax of the raw logits, in their
+            # dtype (bf16 -> float32 is exact, so the same token), without the copy.
+            return SamplerOutput(greedy_tokens(logits).tolist(), [None] * len(seqs))
+        logits = logits.float()
         dev = logits.device
         if any(p.has_penalties for p in params):
             logits = self._apply_penalties(logits, seqs)
@@ -57,6 +63,14 @@ class Sampler:
             tokens = torch.where(greedy, logits.argmax(dim=-1), self._race(probs, seqs))
         token_list = tokens.tolist()
         return SamplerOutput(token_list, self._gather_logprobs(logprobs, tokens, params))
+
+    @staticmethod
+    def _plain_greedy(seq: Sequence) -> bool:
+        """Greedy with no penalty, no logprobs, no grammar and no token banned yet."""
+        p = seq.params
+        return (p.greedy and not p.has_penalties and p.logprobs is None
+                and seq.matcher is None
+                and not (p.min_tokens and seq.num_output_tokens < p.min_tokens))
 
     # --- steps -----------------------------------------------------------------
     def _apply_penalties(self, logits, seqs):
@@ -144,3 +158,10 @@ class Sampler:
             top = list(zip(top_ids[i][:n], top_vals[i][:n])) if n else []
             result.append((chosen[i], top))
         return result
+
+
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """The argmax of each row (the first, on ties), by the C kernel for bf16 CPU logits."""
+    if logits.dim() == 2 and native_bf16_applies(logits):
+        return argmax_rows(logits)
+    return logits.argmax(dim=-1)

@@ -551,6 +551,37 @@ static void rotate_head(const void *src, int64_t src_off, void *dst, int64_t dst
     }
 }
 
+/* rotate_head for bf16, 16 lanes at a time (half a multiple of 16): the same
+ * products and sums, each rounded as there. */
+__attribute__((optimize("fp-contract=off")))
+static void rotate_head_bf16(const uint16_t *src, uint16_t *dst, const float *cos,
+                             const float *sin, int half) {
+    for (int d = 0; d < half; d += 16) {
+        v16f a = load16_bf16(src + d), b = load16_bf16(src + d + half), c, s;
+        memcpy(&c, cos + d, sizeof c);
+        memcpy(&s, sin + d, sizeof s);
+        v16f lo_1 = a * c, lo_2 = b * s, hi_1 = b * c, hi_2 = a * s;
+        store16_bf16(dst + d, lo_1 - lo_2);
+        store16_bf16(dst + d + half, hi_1 + hi_2);
+    }
+}
+
+/* One token of rope_and_cache, bf16: its query heads rotated into q, its K heads
+ * rotated and V heads copied into the cache row at cache_row (negative: padding). */
+static void rope_token_bf16(const uint16_t *qkv, uint16_t *q, uint16_t *kv, int64_t cache_row,
+                            int64_t v_offset, const float *cos, const float *sin,
+                            int num_heads, int kv_heads, int head_dim) {
+    for (int h = 0; h < num_heads; h++)
+        rotate_head_bf16(qkv + (int64_t)h * head_dim, q + (int64_t)h * head_dim, cos, sin,
+                         head_dim / 2);
+    if (cache_row < 0) return;
+    for (int h = 0; h < kv_heads; h++)
+        rotate_head_bf16(qkv + (int64_t)(num_heads + h) * head_dim,
+                         kv + cache_row + (int64_t)h * head_dim, cos, sin, head_dim / 2);
+    memcpy(kv + v_offset + cache_row, qkv + (int64_t)(num_heads + kv_heads) * head_dim,
+           sizeof(uint16_t) * kv_heads * head_dim);
+}
+
 /* For each of num_tokens tokens of the fused projection qkv [tokens, num_heads +
  * 2 kv_heads, head_dim] (rows qkv_stride elements apart): the rotated query heads into
  * q_out [tokens, num_heads, head_dim], and the rotated K and the V heads into the layer
@@ -568,6 +599,13 @@ int rope_and_cache(int num_threads, const void *qkv, int64_t qkv_stride, void *q
     for (int t = 0; t < num_tokens; t++) {
         const float *c = cos + (int64_t)t * half, *s = sin + (int64_t)t * half;
         const int64_t row = (int64_t)t * qkv_stride;
+        if (dtype == DTYPE_BF16 && half % 16 == 0) {
+            rope_token_bf16((const uint16_t *)qkv + row, (uint16_t *)q_out
+                            + (int64_t)t * num_heads * head_dim, (uint16_t *)kv, slots[t]
+                            * kv_heads * head_dim, v_offset, c, s, num_heads, kv_heads,
+                            head_dim);
+            continue;
+        }
         for (int h = 0; h < num_heads; h++)
             rotate_head(qkv, row + (int64_t)h * head_dim, q_out,
                         ((int64_t)t * num_heads + h) * head_dim, c, s, head_dim, dtype);
@@ -612,6 +650,81 @@ int add_rms_norm_bf16(int num_threads, const uint16_t *x, const uint16_t *delta,
             float normed = bf16_to_f32(f32_to_bf16(v[d] * inv));
             out[off + d] = f32_to_bf16(normed * bf16_to_f32(weight[d]));
         }
+    }
+    return 0;
+}
+
+/* act [rows, inter] = silu(gate) * up for gate_up [rows, 2 inter] (gate columns, then
+ * up), bfloat16: silu(gate) rounded to bf16, then times up, rounded again, as torch's
+ * F.silu(gate) * up rounds. exp is exp_inplace's polynomial (relative error ~1e-7, as
+ * torch's vectorised exp): a bf16 result can differ from torch's by one unit where the
+ * float32 value lies that close to a rounding boundary. */
+int silu_and_mul_bf16(int num_threads, const uint16_t *gate_up, int rows, int64_t inter,
+                      uint16_t *act) {
+    enum { CHUNK = 256 };
+    const int64_t chunks = (inter + CHUNK - 1) / CHUNK;
+    #pragma omp parallel for num_threads(num_threads) if(rows * inter >= 16384)
+    for (int64_t task = 0; task < rows * chunks; task++) {
+        const int64_t r = task / chunks, start = task % chunks * CHUNK;
+        const int n = (int)(inter - start < CHUNK ? inter - start : CHUNK);
+        const uint16_t *gate = gate_up + r * 2 * inter + start, *up = gate + inter;
+        uint16_t *dst = act + r * inter + start;
+        float g[CHUNK], e[CHUNK];
+        for (int i = 0; i < n; i++) {
+            g[i] = bf16_to_f32(gate[i]);
+            e[i] = -g[i];
+        }
+        exp_inplace(e, n);
+        for (int i = 0; i < n; i++) {
+            float silu = bf16_to_f32(f32_to_bf16(g[i] / (1.0f + e[i])));
+            dst[i] = f32_to_bf16(silu * bf16_to_f32(up[i]));
+        }
+    }
+    return 0;
+}
+
+/* The first index of each row's largest value (of its first NaN, if it has one), as
+ * torch.argmax: greedy sampling straight from bfloat16 logits [rows, n] (row stride
+ * `stride`), without a float32 copy. Lane-wise maxima first, then the first 16-wide
+ * chunk holding the row's maximum. */
+int argmax_rows_bf16(int num_threads, const uint16_t *x, int rows, int64_t n, int64_t stride,
+                     int64_t *out) {
+    #pragma omp parallel for num_threads(num_threads) if(rows > 1)
+    for (int r = 0; r < rows; r++) {
+        const uint16_t *row = x + (int64_t)r * stride;
+        const int64_t whole = n / 16 * 16;
+        v16f best = (v16f){0} - INFINITY;
+        v16i nan = (v16i){0};
+        for (int64_t i = 0; i < whole; i += 16) {
+            v16f v = load16_bf16(row + i);
+            v16i greater = v > best;
+            best = (v16f)((greater & (v16i)v) | (~greater & (v16i)best));
+            nan |= v != v;
+        }
+        float m = -INFINITY;
+        int any_nan = 0;
+        for (int j = 0; j < 16; j++) {
+            m = best[j] > m ? best[j] : m;
+            any_nan |= nan[j] != 0;
+        }
+        for (int64_t i = whole; i < n; i++) {
+            float v = bf16_to_f32(row[i]);
+            any_nan |= v != v;
+            m = v > m ? v : m;
+        }
+        int64_t k = 0;
+        for (; k < whole; k += 16) {  /* skip chunks without the answer */
+            v16f v = load16_bf16(row + k);
+            v16i hit = any_nan ? v != v : v == m;
+            int any = 0;
+            for (int j = 0; j < 16; j++) any |= hit[j] != 0;
+            if (any) break;
+        }
+        for (; k < n; k++) {
+            float v = bf16_to_f32(row[k]);
+            if (any_nan ? v != v : v == m) break;
+        }
+        out[r] = k < n ? k : 0;
     }
     return 0;
 }

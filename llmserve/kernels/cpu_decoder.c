@@ -147,16 +147,6 @@ static void q4_matmul(int num_threads, const q4_linear *lin, int BN, const uint1
     }
 }
 
-/* act = silu(gate) * up, each rounded to bf16 as torch's F.silu(gate) * up. */
-static void silu_and_mul(const uint16_t *gate_up, int M, int64_t inter, uint16_t *act) {
-    for (int t = 0; t < M; t++)
-        for (int64_t i = 0; i < inter; i++) {
-            const float g = bf16_to_f32(gate_up[t * 2 * inter + i]);
-            const float u = bf16_to_f32(gate_up[t * 2 * inter + inter + i]);
-            act[t * inter + i] = f32_to_bf16(bf16_to_f32(f32_to_bf16(g / (1.0f + expf(-g)))) * u);
-        }
-}
-
 /* Exposed for tests: y [M, N] = x [M, K] times one int4 weight. */
 int q4_linear_bf16(int num_threads, const q4_linear *lin, int block_n, const uint16_t *x,
                    int M, uint16_t *y) {
@@ -214,7 +204,7 @@ int q4_decode_layers(int num_threads, const q4_dims *d, const q4_layer *layers, 
         rc = add_rms_norm_bf16(num_threads, x, o, L->post_norm, h, x, M, (int)hidden, d->eps);
         if (rc != 0) break;
         q4_matmul(num_threads, &L->gate_up, d->block_n, h, M, gate_up, xf, xsum);
-        silu_and_mul(gate_up, M, inter, act);
+        silu_and_mul_bf16(num_threads, gate_up, M, inter, act);
         q4_matmul(num_threads, &L->down, d->block_n, act, M, o, xf, xsum);
         for (int64_t i = 0; i < (int64_t)M * hidden; i++)
             x[i] = f32_to_bf16(bf16_to_f32(x[i]) + bf16_to_f32(o[i]));

@@ -29,6 +29,29 @@ typedef float v16f __attribute__((vector_size(64)));
 typedef int32_t v16i __attribute__((vector_size(64)));
 typedef uint32_t v16u32 __attribute__((vector_size(64), aligned(4)));
 
+/* 16 bfloat16 values as float32 lanes, and back (rounded to nearest even, as
+ * f32_to_bf16). */
+static inline v16f load16_bf16(const uint16_t *src) {
+    typedef uint16_t v16u16 __attribute__((vector_size(32), aligned(2)));
+    v16u16 raw;
+    memcpy(&raw, src, sizeof raw);
+    v16u32 wide = __builtin_convertvector(raw, v16u32) << 16;
+    v16f out;
+    memcpy(&out, &wide, sizeof out);
+    return out;
+}
+
+static inline void store16_bf16(uint16_t *dst, v16f x) {
+    typedef uint16_t v16u16 __attribute__((vector_size(32), aligned(2)));
+    v16u32 u;
+    memcpy(&u, &x, sizeof u);
+    v16u32 rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+    v16u32 nan = (v16u32)((u & 0x7FFFFFFFu) > 0x7F800000u);  /* all ones where NaN */
+    v16u32 bits = (nan & ((u >> 16) | 0x40u)) | (~nan & rounded);
+    v16u16 out = __builtin_convertvector(bits, v16u16);
+    memcpy(dst, &out, sizeof out);
+}
+
 int add_rms_norm_bf16(int num_threads, const uint16_t *x, const uint16_t *delta,
                       const uint16_t *weight, uint16_t *out, uint16_t *residual_out,
                       int rows, int dim, float eps);
@@ -41,5 +64,7 @@ int paged_decode(int num_threads, const void *q, int64_t q_stride, void *out, co
                  const int32_t *seq_lens, int num_seqs, int64_t num_cache_blocks,
                  int block_size, int num_heads, int kv_heads, int head_dim, float scale,
                  int dtype);
+int silu_and_mul_bf16(int num_threads, const uint16_t *gate_up, int rows, int64_t inter,
+                      uint16_t *act);
 
 #endif

@@ -141,14 +141,45 @@ def decode_kernel():
     lib.q4_linear_bf16.argtypes = [i32, ptr, i32, ptr, i32, ptr]
     lib.q4_decode_layers.argtypes = [i32, ptr, ptr, i32, ptr, i32, ptr, ptr, ptr, ptr, i32, ptr]
     lib.q4_linear_bf16.restype = lib.q4_decode_layers.restype = i32
+    lib.silu_and_mul_bf16.argtypes = [i32, ptr, i32, i64, ptr]
+    lib.argmax_rows_bf16.argtypes = [i32, ptr, i32, i64, i64, ptr]
+    lib.silu_and_mul_bf16.restype = lib.argmax_rows_bf16.restype = i32
     return lib
 
 
+def native_bf16_applies(x: torch.Tensor) -> bool:
+    """An eager bf16 CPU tensor, with the kernels built: the domain of the bf16 kernels
+    below (``add_rms_norm``, ``silu_and_mul``, ``argmax_rows``)."""
+    return (x.dtype == torch.bfloat16 and x.device.type == "cpu"
+            and not torch.compiler.is_compiling() and decode_kernel() is not None)
+
+
 def native_norm_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Eager bf16 CPU tensors with the kernels built (``add_rms_norm``'s domain)."""
-    return (x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16
-            and x.device.type == "cpu" and not torch.compiler.is_compiling()
-            and decode_kernel() is not None)
+    """``add_rms_norm``'s domain: bf16 rows and a bf16 weight."""
+    return weight.dtype == torch.bfloat16 and native_bf16_applies(x)
+
+
+def silu_and_mul(gate_up: torch.Tensor, intermediate: int) -> torch.Tensor:
+    """``F.silu(gate) * up`` of the fused projection ``gate_up [..., 2 * intermediate]``
+    (bf16, gate columns first) in one pass, instead of a split, two ops and a temporary
+    (rounding as torch's; see ``silu_and_mul_bf16``)."""
+    gate_up = gate_up.contiguous()
+    rows = gate_up.numel() // (2 * intermediate)
+    act = torch.empty(*gate_up.shape[:-1], intermediate, dtype=gate_up.dtype)
+    decode_kernel().silu_and_mul_bf16(torch.get_num_threads(), gate_up.data_ptr(), rows,
+                                      intermediate, act.data_ptr())
+    return act
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """``x.argmax(dim=-1)`` of a 2-D bf16 tensor whose rows are contiguous (a column
+    slice of logits is fine): greedy sampling without a float32 copy of the logits."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    out = torch.empty(x.shape[0], dtype=torch.int64)
+    decode_kernel().argmax_rows_bf16(torch.get_num_threads(), x.data_ptr(), x.shape[0],
+                                     x.shape[1], x.stride(0), out.data_ptr())
+    return out
 
 
 def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,

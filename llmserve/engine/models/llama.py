@@ -17,7 +17,12 @@ from torch import nn
 from llmserve.engine import parallel
 from llmserve.engine.models.attention import native_rope_attention, paged_attention, step_metadata
 from llmserve.engine.parallel_config import RankShape, rank_shape
-from llmserve.kernels.cpu_native import add_rms_norm, native_norm_applies
+from llmserve.kernels.cpu_native import (
+    add_rms_norm,
+    native_bf16_applies,
+    native_norm_applies,
+    silu_and_mul,
+)
 
 
 class RMSNorm(nn.Module):
@@ -155,8 +160,13 @@ class MLP(nn.Module):
         del self.gate_proj, self.up_proj
 
     def forward(self, x):
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        out = self.down_proj(F.silu(gate) * up)
+        gate_up = self.gate_up_proj(x)
+        if native_bf16_applies(gate_up):  # one C pass instead of a split and two ops
+            act = silu_and_mul(gate_up, self.intermediate)
+        else:
+            gate, up = gate_up.split(self.intermediate, dim=-1)
+            act = F.silu(gate) * up
+        out = self.down_proj(act)
         return parallel.all_reduce(out) if self.tp_size > 1 else out
 
 
@@ -197,10 +207,18 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x, cos, sin):
-        attn = self.self_attn(self.input_layernorm(x), cos, sin)
-        x, h = self.post_attention_layernorm.add_and_norm(x, attn)
-        return x + self.mlp(h)
+    def forward(self, x, residual, cos, sin):
+        """``x``: the previous layer's MLP output, still to be added to the residual
+        stream (None before the first layer, where ``residual`` is the embedding).
+        Returns (this layer's MLP output, the residual stream): each residual add is
+        fused into the norm after it, vLLM's layout."""
+        if x is None:
+            h = self.input_layernorm(residual)
+        else:
+            residual, h = self.input_layernorm.add_and_norm(residual, x)
+        attn = self.self_attn(h, cos, sin)
+        residual, h = self.post_attention_layernorm.add_and_norm(residual, attn)
+        return self.mlp(h), residual
 
 
 class LlamaModel(nn.Module):
@@ -222,11 +240,11 @@ class LlamaModel(nn.Module):
         cos, sin = self.rotary(positions)
         meta = step_metadata()
         if self.native_decoder is not None and self.native_decoder.applies(x.shape[0], meta):
-            x = self.native_decoder.run(x, cos, sin, meta)
-        else:
-            for layer in self.layers:
-                x = self.run_layer(layer, x, cos, sin)
-        return self.norm(x)
+            return self.norm(self.native_decoder.run(x, cos, sin, meta))
+        out, residual = None, x
+        for layer in self.layers:
+            out, residual = self.run_layer(layer, out, residual, cos, sin)
+        return self.norm.add_and_norm(residual, out)[1]
 
     def compile_layers(self) -> None:
         """One compiled graph for a decoder layer, shared by every layer (their weights
@@ -235,8 +253,8 @@ class LlamaModel(nn.Module):
         self.run_layer = torch.compile(_run_layer, dynamic=True)
 
 
-def _run_layer(layer: DecoderLayer, x, cos, sin):
-    return layer(x, cos, sin)
+def _run_layer(layer: DecoderLayer, x, residual, cos, sin):
+    return layer(x, residual, cos, sin)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -279,11 +297,12 @@ class LlamaForCausalLM(nn.Module):
         self.model.native_decoder = None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        """Logits of ``hidden``'s rows; with several ranks, gathered onto rank 0 (every
-        rank must call this; the others get None)."""
-        logits = self.lm_head(hidden).float()
+        """Logits of ``hidden``'s rows, in the model's dtype; with several ranks,
+        gathered onto rank 0 in float32 (every rank must call this; the others get
+        None)."""
+        logits = self.lm_head(hidden)  # in the model's dtype: the sampler converts
         if self.shard.size > 1:
-            return parallel.gather_logits(logits, self.config.vocab_size)
+            return parallel.gather_logits(logits.float(), self.config.vocab_size)
         return logits
 
 
