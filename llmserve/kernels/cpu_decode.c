@@ -672,11 +672,14 @@ int silu_and_mul_bf16(int num_threads, const uint16_t *gate_up, int rows, int64_
         float g[CHUNK], e[CHUNK];
         for (int i = 0; i < n; i++) {
             g[i] = bf16_to_f32(gate[i]);
-            e[i] = -g[i];
+            e[i] = -g[i] > 88.0f ? 88.0f : -g[i];  /* exp_inplace's range */
         }
         exp_inplace(e, n);
         for (int i = 0; i < n; i++) {
-            float silu = bf16_to_f32(f32_to_bf16(g[i] / (1.0f + e[i])));
+            /* silu -> -0 for g below -88 (torch: below -88.7, where exp(-g) overflows;
+             * in between, its values are under 1e-36) */
+            float den = g[i] < -88.0f ? INFINITY : 1.0f + e[i];
+            float silu = bf16_to_f32(f32_to_bf16(g[i] / den));
             dst[i] = f32_to_bf16(silu * bf16_to_f32(up[i]));
         }
     }

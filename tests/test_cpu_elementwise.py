@@ -1,0 +1,101 @@
+"""The small bf16 CPU kernels between the GEMMs (``cpu_native.silu_and_mul``,
+``argmax_rows``) against the torch ops they replace, and the sampler's greedy fast path
+against its general path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from llmserve.engine.sampler import Sampler, greedy_tokens
+from llmserve.engine.sampling import SamplingParams
+from llmserve.engine.sequence import Request, Sequence
+from llmserve.kernels import cpu_native
+
+
+@pytest.fixture(autouse=True)
+def _native_kernel_builds():
+    assert cpu_native.decode_kernel() is not None, "the CPU kernels did not build"
+
+
+@pytest.mark.parametrize("rows, intermediate", [(1, 1536), (3, 1536), (64, 1536), (5, 300),
+                                                (2, 17)])
+def test_silu_and_mul_is_torchs_silu_times_up(rows, intermediate):
+    """The same bits as F.silu(gate) * up on bf16 (a unit of difference allowed where
+    the float32 value sits on a rounding boundary: it never did on these draws), over
+    wide inputs, partial chunks and widths that are not a multiple of the vector."""
+    torch.manual_seed(rows * intermediate)
+    gate_up = (torch.randn(rows, 2 * intermediate) * 4).bfloat16()
+    got = cpu_native.silu_and_mul(gate_up, intermediate)
+    gate, up = gate_up.split(intermediate, dim=-1)
+    want = F.silu(gate) * up
+    assert got.shape == want.shape and got.dtype == torch.bfloat16
+    torch.testing.assert_close(got, want, atol=0, rtol=2 ** -7)
+    assert (got == want).float().mean() > 0.999
+
+
+def test_silu_and_mul_keeps_leading_dims_and_special_values():
+    gate_up = torch.tensor([[[0.0, -100.0, 100.0, float("inf"), -87.5, -1e30, float("nan"),
+                             1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0]]]).bfloat16()
+    got = cpu_native.silu_and_mul(gate_up, 7)
+    gate, up = gate_up.split(7, dim=-1)
+    assert got.shape == (1, 1, 7)
+    want = F.silu(gate) * up
+    assert torch.equal(got[..., :6], want[..., :6]) and got[..., 6].isnan().all()
+
+
+@pytest.mark.parametrize("rows, vocab", [(1, 49152), (7, 49152), (32, 1000), (3, 15), (2, 16)])
+def test_argmax_rows_is_torchs_argmax(rows, vocab):
+    torch.manual_seed(rows + vocab)
+    logits = torch.randn(rows, vocab).bfloat16()
+    assert torch.equal(cpu_native.argmax_rows(logits), logits.argmax(dim=-1))
+    # a column slice (the sampler cuts padded vocabularies): rows stay strided
+    assert torch.equal(cpu_native.argmax_rows(logits[:, : vocab - 3]),
+                       logits[:, : vocab - 3].argmax(dim=-1))
+
+
+def test_argmax_rows_ties_infinities_and_nans_as_torch():
+    logits = torch.randn(5, 100).bfloat16()
+    logits[0, 40:60] = 50.0                   # ties: the first
+    logits[1, 7] = logits[1, 3] = float("nan")  # a NaN wins, the first one
+    logits[2] = float("-inf")                 # all -inf: index 0
+    logits[3, 99] = float("inf")              # in the tail past the last full vector
+    logits[4, 98] = float("nan")
+    assert torch.equal(cpu_native.argmax_rows(logits), logits.argmax(dim=-1))
+    assert cpu_native.argmax_rows(logits).tolist()[:4] == [40, 3, 0, 99]
+
+
+def _seqs(params: list[SamplingParams]) -> list[Sequence]:
+    return [Sequence(Request(f"r{i}", None, [1, 2, 3], p), 0, [1, 2, 3])
+            for i, p in enumerate(params)]
+
+
+def test_the_greedy_fast_path_picks_what_the_float_path_picks():
+    """bf16 logits straight to the C argmax (no float32 copy) give the tokens that the
+    general path (float32, then argmax) gives, and the fast path is the one taken."""
+    torch.manual_seed(0)
+    logits = torch.randn(6, 1000).bfloat16()
+    sampler = Sampler(vocab_size=990, eos_token_ids={2})
+    plain = sampler(logits, _seqs([SamplingParams(temperature=0, max_tokens=4)] * 6))
+    want = logits[:, :990].float().argmax(dim=-1).tolist()
+    assert plain.token_ids == want
+    assert plain.logprobs == [None] * 6
+    # one row asking for logprobs sends the batch down the general path: same tokens
+    mixed = [SamplingParams(temperature=0, max_tokens=4)] * 5 + [
+        SamplingParams(temperature=0, max_tokens=4, logprobs=2)]
+    general = sampler(logits, _seqs(mixed))
+    assert general.token_ids == want and general.logprobs[5] is not None
+    assert greedy_tokens(logits[:, :990]).tolist() == want
+
+
+def test_min_tokens_still_bans_eos_for_greedy_rows():
+    """A greedy row still due to reach min_tokens is not plain greedy: its EOS stays
+    banned even where EOS has the largest logit."""
+    logits = torch.zeros(2, 50).bfloat16()
+    logits[:, 2] = 10.0  # EOS the argmax
+    logits[:, 7] = 5.0
+    params = [SamplingParams(temperature=0, max_tokens=8, min_tokens=3),
+              SamplingParams(temperature=0, max_tokens=8)]
+    out = Sampler(vocab_size=50, eos_token_ids={2})(logits, _seqs(params))
+    assert out.token_ids == [7, 2]
