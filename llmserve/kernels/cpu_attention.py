@@ -14,8 +14,10 @@ A step's ``CPUAttentionPlan`` is built once and read by every layer:
   attended in one SDPA call with the GQA group as the query length:
   ``q [S, kv_heads, group, d]`` against ``K, V [S, kv_heads, L, d]``, so K/V are
   never repeated per query head.
-- Prefill chunks run one SDPA each over their gathered context, causal with the
-  offset of the cached prefix.
+- Short prefill chunks (at most ``MAX_ROWWISE_PREFILL`` tokens) run in the same C
+  kernel when the plan is ``native``: each token a query row over its causal prefix.
+  Longer chunks, and every chunk on the torch path, run one SDPA each over their
+  gathered context, causal with the offset of the cached prefix.
 
 Softmax and accumulation are in float32 whatever the cache dtype: CPU SDPA in bf16 with
 a mask is several times slower than in fp32 (measured: 32 decodes of ~200 tokens, 9.0
@@ -40,7 +42,8 @@ class CPUAttentionPlan:
     decode_mask: torch.Tensor | None = None  # [S, 1, 1, max_blocks * block_size], True = key
     num_decodes: int = 0
     decode_only: bool = False  # every row of q is a decode, in order: no scatter needed
-    # The C kernel's inputs (native plans): int32 rows of q, block tables, lengths.
+    # The C kernel's inputs (native plans): int32 rows of q (every decode, and each row
+    # of a short prefill chunk), their block tables and context lengths.
     native: bool = False
     decode_q_rows: torch.Tensor | None = None
     decode_tables: torch.Tensor | None = None
@@ -49,33 +52,40 @@ class CPUAttentionPlan:
     prefills: list[tuple] = field(default_factory=list)
 
 
+# With the C kernel, a prefill chunk of at most this many tokens attends row by row,
+# each row a query over its own causal prefix (what a decode is): no gathered float32
+# copy of the context and no SDPA call per chunk. Measured on the built-in model in
+# bf16, whole prefills: 64 prompts of 16-128 tokens 3.6 -> 3.1 s; one prompt of 128
+# to 2,000 tokens 15-20% faster. Each row re-reads its context (from L2 at these
+# lengths), so longer chunks keep SDPA's blocked kernel.
+MAX_ROWWISE_PREFILL = 2048
+
+
 def make_cpu_plan(query_start_loc: list[int], seq_lens: list[int],
                   block_tables: list[list[int]], block_size: int,
                   num_cache_blocks: int, native: bool = False) -> CPUAttentionPlan:
     """From plain lists (the model runner's per-step bookkeeping): no device syncs.
     ``num_cache_blocks`` is the cache's block count (V rows follow the K rows);
-    ``native``: decodes run in the C kernel (the caller checked it is built and
-    supports the dtype)."""
+    ``native``: decodes (and short prefill chunks, row by row) run in the C kernel
+    (the caller checked it is built and supports the dtype)."""
     def kv_rows(blocks: list[int]) -> torch.Tensor:
         ids = torch.tensor(blocks)
         return torch.cat([ids, ids + num_cache_blocks])
 
     plan = CPUAttentionPlan()
-    decodes = [i for i in range(len(seq_lens))
-               if query_start_loc[i + 1] - query_start_loc[i] == 1]
-    if decodes:
+    query_lens = [query_start_loc[i + 1] - query_start_loc[i] for i in range(len(seq_lens))]
+    decodes = [i for i, n in enumerate(query_lens) if n == 1]
+    plan.num_decodes = len(decodes)
+    plan.decode_only = len(decodes) == len(seq_lens)
+    rowwise = [i for i, n in enumerate(query_lens)
+               if n == 1 or (native and 1 < n <= MAX_ROWWISE_PREFILL)]
+    if rowwise and native:
+        _native_rows(plan, rowwise, query_start_loc, query_lens, seq_lens, block_tables,
+                     block_size)
+    elif decodes:
         num_blocks = max(-(-seq_lens[i] // block_size) for i in decodes)
         padded = [block_tables[i][:num_blocks] + [0] * (num_blocks - len(block_tables[i]))
                   for i in decodes]
-        plan.num_decodes = len(decodes)
-        plan.decode_only = len(decodes) == len(seq_lens)
-    if decodes and native:
-        plan.native = True
-        plan.decode_q_rows = torch.tensor([query_start_loc[i] for i in decodes],
-                                          dtype=torch.int32)
-        plan.decode_tables = torch.tensor(padded, dtype=torch.int32)
-        plan.decode_seq_lens = torch.tensor([seq_lens[i] for i in decodes], dtype=torch.int32)
-    elif decodes:
         plan.decode_rows = torch.tensor([query_start_loc[i] for i in decodes])
         plan.decode_rows_kv = kv_rows([b for row in padded for b in row])
         lens = torch.tensor([seq_lens[i] for i in decodes])
@@ -84,7 +94,7 @@ def make_cpu_plan(query_start_loc: list[int], seq_lens: list[int],
     for i in range(len(seq_lens)):
         start, end, seq_len = query_start_loc[i], query_start_loc[i + 1], seq_lens[i]
         n = end - start
-        if n <= 1:
+        if n <= 1 or (plan.native and n <= MAX_ROWWISE_PREFILL):
             continue
         blocks = kv_rows(block_tables[i][:-(-seq_len // block_size)])
         mask = None
@@ -93,6 +103,30 @@ def make_cpu_plan(query_start_loc: list[int], seq_lens: list[int],
             mask = torch.arange(seq_len).unsqueeze(0) <= rows
         plan.prefills.append((start, end, seq_len, blocks, mask))
     return plan
+
+
+def _native_rows(plan: CPUAttentionPlan, seqs: list[int], query_start_loc: list[int],
+                 query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]],
+                 block_size: int) -> None:
+    """The C kernel's inputs: one query row per decode and per token of each short
+    prefill chunk (row r of a chunk of n sees the first seq_len - n + r + 1 tokens),
+    with its sequence's block table."""
+    width = max(-(-seq_lens[i] // block_size) for i in seqs)
+    tables = torch.tensor([block_tables[i][:width] + [0] * (width - len(block_tables[i][:width]))
+                           for i in seqs], dtype=torch.int32)
+    counts = torch.tensor([query_lens[i] for i in seqs])
+    plan.native = True
+    if int(counts.max()) == 1:  # decodes only: a row each
+        plan.decode_q_rows = torch.tensor([query_start_loc[i] for i in seqs], dtype=torch.int32)
+        plan.decode_tables = tables
+        plan.decode_seq_lens = torch.tensor([seq_lens[i] for i in seqs], dtype=torch.int32)
+        return
+    plan.decode_q_rows = torch.cat([torch.arange(query_start_loc[i], query_start_loc[i + 1],
+                                                 dtype=torch.int32) for i in seqs])
+    plan.decode_tables = tables.repeat_interleave(counts, dim=0)
+    plan.decode_seq_lens = torch.cat([torch.arange(seq_lens[i] - query_lens[i] + 1,
+                                                   seq_lens[i] + 1, dtype=torch.int32)
+                                      for i in seqs])
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
