@@ -10,6 +10,7 @@ of K/V read (each context's K and V once) and the ratio torch / C (> 1: C faster
     python benchmarks/cpu_attention.py
     python benchmarks/cpu_attention.py --batches 64 --contexts 256 --skip-torch
     python benchmarks/cpu_attention.py --threads 1 --cpu-time   # on a busy machine
+    python benchmarks/cpu_attention.py --skip-torch --layers 30 # caches past the L3
 """
 
 from __future__ import annotations
@@ -70,13 +71,16 @@ def measure(batch: int, context: int, args, dtype: torch.dtype) -> dict:
     scale = args.head_dim ** -0.5
     native = make_cpu_plan(starts, lens, tables, args.block_size, blocks, native=True)
     out = torch.empty_like(q)
+    # --layers: one cache per layer, as the engine has, so the K/V come from memory
+    layer_caches = [cache] + [cache.clone() for _ in range(args.layers - 1)]
 
     def c_call():
-        paged_decode(q, out, cache, native.decode_q_rows, native.decode_tables,
-                     native.decode_seq_lens, scale)
+        for layer_cache in layer_caches:
+            paged_decode(q, out, layer_cache, native.decode_q_rows, native.decode_tables,
+                         native.decode_seq_lens, scale)
 
     kv_bytes = 2 * sum(lens) * args.kv_heads * args.head_dim * cache.element_size()
-    row = {"batch": batch, "context": context, "c_ms": best_ms(c_call)}
+    row = {"batch": batch, "context": context, "c_ms": best_ms(c_call) / args.layers}
     row["c_gbs"] = kv_bytes / row["c_ms"] / 1e6
     if not args.skip_torch:
         plain = make_cpu_plan(starts, lens, tables, args.block_size, blocks, native=False)
@@ -104,6 +108,9 @@ def main() -> int:
                     help="time with this thread's CPU clock (needs --threads 1): steadier "
                          "than the wall clock on a machine shared with other work")
     ap.add_argument("--skip-torch", action="store_true", help="time the C kernel only")
+    ap.add_argument("--layers", type=int, default=1,
+                    help="time the C kernel over this many layers' caches (30: past the L3, "
+                         "as in the engine) and report per layer")
     ap.add_argument("--out", default=None, help="also write the rows as JSON here")
     args = ap.parse_args()
     if args.threads:
@@ -117,8 +124,10 @@ def main() -> int:
         print("the C kernel did not build on this machine")
         return 1
     dtype = DTYPES[args.dtype]
-    print(f"decode attention, one layer: {args.heads} heads / {args.kv_heads} KV heads x "
-          f"{args.head_dim}, {args.dtype}, blocks of {args.block_size}, "
+    if args.layers < 1:
+        ap.error("--layers must be at least 1")
+    print(f"decode attention, one layer of {args.layers}: {args.heads} heads / "
+          f"{args.kv_heads} KV heads x {args.head_dim}, {args.dtype}, blocks of {args.block_size}, "
           f"{torch.get_num_threads()} threads; ratio = torch / C (> 1: C faster)")
     rows = []
     for context in map(int, args.contexts.split(",")):

@@ -145,6 +145,30 @@ def test_native_decode_of_a_large_batch(dtype, heads, kv_heads, head_dim):
     torch.testing.assert_close(native.float(), plain.float(), atol=tol, rtol=tol)
 
 
+def test_whole_sequence_mode_with_empty_and_uneven_contexts():
+    """Enough sequences for the claim-ahead mode (each thread takes whole sequences and
+    prefetches the next one's rows): contexts of very different lengths (a short one
+    followed by a long one, whose lookahead stops partway) and empty contexts (a
+    caller's padding rows: zeros) all come out right."""
+    rng = random.Random(21)
+    lens = [3, 400, 0, 17, 1, 250, 0, 90] * 2 + [33]
+    seqs = [(1, max(n, 1)) for n in lens]
+    q, k_cache, v_cache, tables, starts, _ = random_batch(rng, seqs, 9, 3, 64, 16,
+                                                         torch.bfloat16)
+    cache, blocks = torch.stack([k_cache, v_cache]), k_cache.shape[0]
+    plan = make_cpu_plan(starts, [max(n, 1) for n in lens], tables, 16, blocks, True)
+    out = torch.full_like(q, 7.0)
+    cpu_native.paged_decode(q, out, cache, plan.decode_q_rows, plan.decode_tables,
+                            torch.tensor(lens, dtype=torch.int32), 0.125)
+    plain = paged_attention_cpu(q, cache, make_cpu_plan(starts, [max(n, 1) for n in lens],
+                                                        tables, 16, blocks), 0.125)
+    for i, n in enumerate(lens):
+        if n == 0:
+            assert torch.equal(out[i], torch.zeros_like(out[i]))
+        else:
+            torch.testing.assert_close(out[i].float(), plain[i].float(), atol=2e-2, rtol=2e-2)
+
+
 AVX2_CHECK = """
 import random, torch
 from llmserve.kernels import cpu_native
