@@ -87,26 +87,27 @@ def test_decode_only_and_prefill_only_batches(native):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_short_prefill_chunks_attend_row_by_row_in_c(dtype, monkeypatch):
-    """Native plans give each token of a short prefill chunk its own query row over its
-    causal prefix (cached prefix included), and leave longer chunks to SDPA: both
-    match the reference, in one batch with decodes."""
+    """Native plans give each token of a prefill chunk with a short context its own
+    query row over its causal prefix (cached prefix included), and leave long contexts
+    to SDPA (a long chunk, or a short chunk after a long cached prefix): both match the
+    reference, in one batch with decodes."""
     from llmserve.kernels import cpu_attention
-    monkeypatch.setattr(cpu_attention, "MAX_ROWWISE_PREFILL", 8)
+    monkeypatch.setattr(cpu_attention, "MAX_ROWWISE_CONTEXT", 40)
     rng = random.Random(11)
-    seqs = [(1, 30), (8, 8), (5, 40), (20, 20), (9, 50)]  # the last two: SDPA
+    seqs = [(1, 30), (8, 8), (5, 40), (45, 45), (9, 50)]  # the last two: SDPA
     q, k_cache, v_cache, tables, starts, lens = random_batch(rng, seqs, 9, 3, 64, 16, dtype)
     plan = make_cpu_plan(starts, lens, tables, 16, k_cache.shape[0], native=True)
     assert plan.native and not plan.decode_only
     assert plan.decode_q_rows.tolist() == [0, *range(1, 9), *range(9, 14)]
     assert plan.decode_seq_lens.tolist() == [30, *range(1, 9), *range(36, 41)]
-    assert [(start, end) for start, end, *_ in plan.prefills] == [(14, 34), (34, 43)]
+    assert [(start, end) for start, end, *_ in plan.prefills] == [(14, 59), (59, 68)]
     got = paged_attention_cpu(q, torch.stack([k_cache, v_cache]), plan, scale=0.125)
     width = max(map(len, tables))
     want = unified_attention_ref(
         q.float(), k_cache.float(), v_cache.float(), torch.empty_like(q, dtype=torch.float32),
         query_start_loc=torch.tensor(starts), seq_lens=torch.tensor(lens),
         block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables]),
-        max_query_len=20, max_seq_len=50, scale=0.125)
+        max_query_len=45, max_seq_len=50, scale=0.125)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
 

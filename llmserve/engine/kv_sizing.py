@@ -65,7 +65,8 @@ def profile_kv_budget(runner, num_tokens: int, num_sampling_rows: int) -> int:
     pos = torch.arange(num_tokens, dtype=torch.long, device=dev) % max_positions
     with forward_context(meta):
         hidden = runner.model(ids, pos)
-    runner.model.compute_logits(hidden[:num_sampling_rows])
+    # float32, as the sampler's general path converts them
+    runner.model.compute_logits(hidden[:num_sampling_rows]).float()
     torch.cuda.synchronize(dev)
     peak = torch.cuda.max_memory_allocated(dev)
     del hidden

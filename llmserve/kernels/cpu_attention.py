@@ -14,10 +14,11 @@ A step's ``CPUAttentionPlan`` is built once and read by every layer:
   attended in one SDPA call with the GQA group as the query length:
   ``q [S, kv_heads, group, d]`` against ``K, V [S, kv_heads, L, d]``, so K/V are
   never repeated per query head.
-- Short prefill chunks (at most ``MAX_ROWWISE_PREFILL`` tokens) run in the same C
-  kernel when the plan is ``native``: each token a query row over its causal prefix.
-  Longer chunks, and every chunk on the torch path, run one SDPA each over their
-  gathered context, causal with the offset of the cached prefix.
+- Prefill chunks of short contexts (cached prefix + chunk at most
+  ``MAX_ROWWISE_CONTEXT`` tokens) run in the same C kernel when the plan is ``native``:
+  each token a query row over its causal prefix. Longer contexts, and every chunk on
+  the torch path, run one SDPA each over their gathered context, causal with the
+  offset of the cached prefix.
 
 Softmax and accumulation are in float32 whatever the cache dtype: CPU SDPA in bf16 with
 a mask is several times slower than in fp32 (measured: 32 decodes of ~200 tokens, 9.0
@@ -52,13 +53,15 @@ class CPUAttentionPlan:
     prefills: list[tuple] = field(default_factory=list)
 
 
-# With the C kernel, a prefill chunk of at most this many tokens attends row by row,
-# each row a query over its own causal prefix (what a decode is): no gathered float32
-# copy of the context and no SDPA call per chunk. Measured on the built-in model in
-# bf16, whole prefills: 64 prompts of 16-128 tokens 3.6 -> 3.1 s; one prompt of 128
-# to 2,000 tokens 15-20% faster. Each row re-reads its context (from L2 at these
-# lengths), so longer chunks keep SDPA's blocked kernel.
-MAX_ROWWISE_PREFILL = 2048
+# With the C kernel, a prefill chunk whose context (cached prefix + chunk) is at most
+# this many tokens attends row by row, each row a query over its own causal prefix
+# (what a decode is): no gathered float32 copy of the context and no SDPA call per
+# chunk. Measured on the built-in model in bf16, whole prefills: 64 prompts of 16-128
+# tokens 3.6 -> 3.1 s; one prompt of 128 to 2,000 tokens 15-20% faster. Each row
+# re-reads its context, so the cost grows with chunk x context: past ~2k tokens of
+# context (a later chunk of a long prompt, a long cached prefix) SDPA's blocked kernel
+# is faster (32 heads of 128, 512-token chunk after a 4k prefix: 754 vs 659 ms).
+MAX_ROWWISE_CONTEXT = 2048
 
 
 def make_cpu_plan(query_start_loc: list[int], seq_lens: list[int],
@@ -66,7 +69,8 @@ def make_cpu_plan(query_start_loc: list[int], seq_lens: list[int],
                   num_cache_blocks: int, native: bool = False) -> CPUAttentionPlan:
     """From plain lists (the model runner's per-step bookkeeping): no device syncs.
     ``num_cache_blocks`` is the cache's block count (V rows follow the K rows);
-    ``native``: decodes (and short prefill chunks, row by row) run in the C kernel
+    ``native``: decodes (and prefill chunks of short contexts, row by row) run in the C
+    kernel
     (the caller checked it is built and supports the dtype)."""
     def kv_rows(blocks: list[int]) -> torch.Tensor:
         ids = torch.tensor(blocks)
@@ -76,9 +80,9 @@ def make_cpu_plan(query_start_loc: list[int], seq_lens: list[int],
     query_lens = [query_start_loc[i + 1] - query_start_loc[i] for i in range(len(seq_lens))]
     decodes = [i for i, n in enumerate(query_lens) if n == 1]
     plan.num_decodes = len(decodes)
-    plan.decode_only = len(decodes) == len(seq_lens)
+    plan.decode_only = bool(decodes) and len(decodes) == len(seq_lens)
     rowwise = [i for i, n in enumerate(query_lens)
-               if n == 1 or (native and 1 < n <= MAX_ROWWISE_PREFILL)]
+               if n == 1 or (native and seq_lens[i] <= MAX_ROWWISE_CONTEXT)]
     if rowwise and native:
         _native_rows(plan, rowwise, query_start_loc, query_lens, seq_lens, block_tables,
                      block_size)
@@ -94,7 +98,7 @@ def make_cpu_plan(query_start_loc: list[int], seq_lens: list[int],
     for i in range(len(seq_lens)):
         start, end, seq_len = query_start_loc[i], query_start_loc[i + 1], seq_lens[i]
         n = end - start
-        if n <= 1 or (plan.native and n <= MAX_ROWWISE_PREFILL):
+        if n <= 1 or (plan.native and seq_len <= MAX_ROWWISE_CONTEXT):
             continue
         blocks = kv_rows(block_tables[i][:-(-seq_len // block_size)])
         mask = None
