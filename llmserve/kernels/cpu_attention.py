@@ -69,9 +69,8 @@ def make_cpu_plan(query_start_loc: list[int], seq_lens: list[int],
                   num_cache_blocks: int, native: bool = False) -> CPUAttentionPlan:
     """From plain lists (the model runner's per-step bookkeeping): no device syncs.
     ``num_cache_blocks`` is the cache's block count (V rows follow the K rows);
-    ``native``: decodes (and prefill chunks of short contexts, row by row) run in the C
-    kernel
-    (the caller checked it is built and supports the dtype)."""
+    ``native``: decodes, and prefill chunks of short contexts row by row, run in the C
+    kernel (the caller checked it is built and supports the dtype)."""
     def kv_rows(blocks: list[int]) -> torch.Tensor:
         ids = torch.tensor(blocks)
         return torch.cat([ids, ids + num_cache_blocks])
@@ -112,8 +111,8 @@ def make_cpu_plan(query_start_loc: list[int], seq_lens: list[int],
 def _native_rows(plan: CPUAttentionPlan, seqs: list[int], query_start_loc: list[int],
                  query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]],
                  block_size: int) -> None:
-    """The C kernel's inputs: one query row per decode and per token of each short
-    prefill chunk (row r of a chunk of n sees the first seq_len - n + r + 1 tokens),
+    """The C kernel's inputs: one query row per decode and per token of each prefill
+    chunk of a short context (row r of a chunk of n sees the first seq_len - n + r + 1 tokens),
     with its sequence's block table."""
     width = max(-(-seq_lens[i] // block_size) for i in seqs)
     tables = torch.tensor([block_tables[i][:width] + [0] * (width - len(block_tables[i][:width]))
