@@ -1,5 +1,6 @@
-"""Dense bf16 linears on oneDNN-packed weights (``kernels/cpu_linear``): the same
-product as ``F.linear``, and the engine packing exactly the dense projections."""
+"""Dense bf16 linears on packed weights (``kernels/cpu_linear``), in oneDNN's layout
+or in our own GEMM's (``cpu_gemm.c``): the same product as ``F.linear``, and the engine
+packing exactly the dense projections."""
 
 from __future__ import annotations
 
@@ -10,22 +11,36 @@ import torch.nn.functional as F
 from llmserve import LLM, SamplingParams
 from llmserve.engine import model_runner
 from llmserve.engine.quantization import QuantizedLinear
-from llmserve.kernels.cpu_linear import PackedLinear, packing_available
+from llmserve.kernels.cpu_linear import (
+    NativeLinear,
+    PackedLinear,
+    gemm_backend,
+    native_gemm_available,
+    packing_available,
+)
 
 pytestmark = pytest.mark.skipif(not packing_available(),
                                 reason="oneDNN has no bf16 kernels on this CPU")
+needs_native = pytest.mark.skipif(not native_gemm_available(),
+                                  reason="cpu_gemm.c needs AVX512-BF16")
+BACKENDS = [PackedLinear, pytest.param(NativeLinear, marks=needs_native)]
 
 
 def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got.float() - want.float()).norm() / want.float().norm()).item()
 
 
-@pytest.mark.parametrize("rows", [1, 5, 64, 130])
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("rows", [1, 5, 13, 64, 130, 250])
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("out_features, in_features", [(960, 576), (576, 1536), (100, 24)])
-def test_packed_linear_computes_the_dense_product(rows, bias, out_features, in_features):
+@pytest.mark.parametrize("out_features, in_features",
+                         [(960, 576), (576, 1536), (80, 24), (16, 2), (1552, 64)])
+def test_packed_linear_computes_the_dense_product(backend, rows, bias, out_features,
+                                                  in_features):
     """As accurate as F.linear against a float32 reference, and equal to it up to
-    bf16 rounding (a wrong layout or a dropped bias is off by ~100 %)."""
+    bf16 rounding (a wrong layout or a dropped bias is off by ~100 %). The shapes take
+    the native kernel's edges: row tiles of 1-6, chunks of 112 rows, groups of 1-4
+    panels, 97 panels split over the threads."""
     torch.manual_seed(rows)
     linear = torch.nn.Linear(in_features, out_features, bias=bias).to(torch.bfloat16)
     if bias:
@@ -34,18 +49,45 @@ def test_packed_linear_computes_the_dense_product(rows, bias, out_features, in_f
     reference = F.linear(x.float(), linear.weight.float(),
                          None if linear.bias is None else linear.bias.float())
     dense = F.linear(x, linear.weight, linear.bias)
-    packed = PackedLinear(linear)(x)
+    packed = backend(linear)(x)
     assert packed.shape == dense.shape and packed.dtype == torch.bfloat16
     assert relative_error(packed, reference) <= 2 * relative_error(dense, reference) + 1e-3
     assert relative_error(packed, dense) < 1e-2
 
 
-def test_packed_linear_takes_any_leading_shape_and_no_rows():
-    linear = torch.nn.Linear(24, 40).to(torch.bfloat16)
-    packed = PackedLinear(linear)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_packed_linear_takes_any_leading_shape_and_no_rows(backend):
+    linear = torch.nn.Linear(24, 48).to(torch.bfloat16)
+    packed = backend(linear)
     x = torch.randn(2, 3, 24).to(torch.bfloat16)
     assert relative_error(packed(x), linear(x)) < 1e-2
-    assert packed(x[0, :0]).shape == (0, 40)
+    assert packed(x[0, :0]).shape == (0, 48)
+
+
+@needs_native
+def test_native_linear_reads_strided_rows_and_refuses_what_it_cannot_take():
+    """Rows of a wider tensor (a column slice: row stride > in_features) are read in
+    place; a float32 input or a shape off the kernel's grid is an error, not garbage."""
+    linear = torch.nn.Linear(64, 32).to(torch.bfloat16)
+    wide = torch.randn(9, 100).to(torch.bfloat16)
+    x = wide[:, 10:74]
+    assert relative_error(NativeLinear(linear)(x), linear(x.contiguous())) < 1e-2
+    with pytest.raises(TypeError):
+        NativeLinear(linear)(x.float())
+    with pytest.raises(ValueError):
+        NativeLinear(torch.nn.Linear(24, 40).to(torch.bfloat16))  # 40 % 16 != 0
+    with pytest.raises(ValueError):
+        NativeLinear(torch.nn.Linear(23, 48).to(torch.bfloat16))  # odd in_features
+
+
+def test_the_backend_is_chosen_from_the_cpu_and_can_be_forced(monkeypatch):
+    monkeypatch.setenv("LLMSERVE_BF16_GEMM", "onednn")
+    assert gemm_backend() == "onednn"
+    monkeypatch.setenv("LLMSERVE_BF16_GEMM", "native")
+    assert gemm_backend() == ("native" if native_gemm_available() else "onednn")
+    monkeypatch.setenv("LLMSERVE_BF16_GEMM", "fastest")
+    with pytest.raises(ValueError):
+        gemm_backend()
 
 
 def first_token_logprobs(llm: LLM) -> list[tuple[int, float]]:
@@ -54,13 +96,16 @@ def first_token_logprobs(llm: LLM) -> list[tuple[int, float]]:
     return out.logprobs[0].top
 
 
+@pytest.mark.parametrize("backend", ["onednn", pytest.param("native", marks=needs_native)])
 @pytest.mark.parametrize("kind", ["qwen2", "llama3"])
 def test_the_engine_packs_its_dense_projections_and_computes_the_same(tiny_models, kind,
-                                                                      monkeypatch):
+                                                                      backend, monkeypatch):
     """A bf16 CPU engine packs every dense projection and the LM head (tied to the
-    embedding in llama3, whose lookups keep the plain rows). Its first token's
-    distribution is the unpacked engine's (biases, qwen2, included), up to bf16
-    rounding: a near-tie may pick the other token, never one far behind."""
+    embedding in llama3, whose lookups keep the plain rows) for the chosen backend.
+    Its first token's distribution is the unpacked engine's (biases, qwen2, included),
+    up to bf16 rounding: a near-tie may pick the other token, never one far behind."""
+    monkeypatch.setenv("LLMSERVE_BF16_GEMM", backend)
+    expected = NativeLinear if backend == "native" else PackedLinear
     llm = LLM(str(tiny_models[kind]), dtype="bfloat16", quantization="none",
               kv_cache_memory=16 << 20)
     try:
@@ -68,7 +113,7 @@ def test_the_engine_packs_its_dense_projections_and_computes_the_same(tiny_model
         layer = model.model.layers[0]
         for module in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
                        layer.mlp.gate_up_proj, layer.mlp.down_proj, model.lm_head):
-            assert isinstance(module, PackedLinear)
+            assert isinstance(module, expected)
         packed = first_token_logprobs(llm)
     finally:
         llm.shutdown()
@@ -94,6 +139,6 @@ def test_quantised_projections_are_left_alone(tiny_llama):
         model = llm.engine.runner.model
         assert isinstance(model.model.layers[0].self_attn.qkv_proj, QuantizedLinear)
         assert isinstance(model.lm_head, QuantizedLinear)
-        assert not any(isinstance(m, PackedLinear) for m in model.modules())
+        assert not any(isinstance(m, (PackedLinear, NativeLinear)) for m in model.modules())
     finally:
         llm.shutdown()

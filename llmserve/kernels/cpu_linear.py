@@ -1,4 +1,6 @@
-"""Dense bf16 linears on the CPU with their weights packed once, at load time.
+"""Dense bf16 linears on the CPU with their weights packed once, at load time: in
+oneDNN's layout (``PackedLinear``), or, on AVX512-BF16 CPUs without AMX, in the layout
+of our own GEMM (``NativeLinear``, ``cpu_gemm.c``), whichever this CPU runs faster.
 
 ``F.linear`` on a bf16 CPU tensor gives oneDNN the checkpoint's plain ``[N, K]``
 weight, which oneDNN copies into its own blocked layout on every call. At decode
@@ -9,17 +11,26 @@ results (bit-identical on a Zen 4, within bf16 rounding wherever oneDNN picks an
 kernel), 1.04x faster at 1 row, 1.6x at 8, 1.25x at 64 and 1.14x at 128 for the
 built-in model's shapes (``benchmarks/cpu_linear.py``).
 
-The packed weight is an opaque oneDNN tensor: it replaces the plain one (no second
-copy), except where the LM head shares its weight with the token embedding, whose
-lookups still need the plain rows.
+On a Zen 4 (AVX512-BF16, no AMX), oneDNN reaches 63 % of the bf16 peak at 32 rows
+and ~18 GB/s of weights below 16, where our kernel reaches ~90 % and ~30 GB/s: a whole
+decode step's linears 1.6x faster at 1 row, 1.3x at 32, 1.2x at 64, 1.04x at 512
+(``benchmarks/cpu_linear.py``). With AMX, oneDNN's tile kernels are another class of
+fast, and it keeps them. ``LLMSERVE_BF16_GEMM=onednn|native`` forces the choice.
+
+The packed weight replaces the plain one (no second copy), except where the LM head
+shares its weight with the token embedding, whose lookups still need the plain rows.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 from torch import nn
+
+from llmserve.engine.quantization import cpu_features
+from llmserve.kernels.cpu_native import decode_kernel
 
 # oneDNN picks the packed layout for a batch of this many rows; the packed weight
 # serves any row count. 64 measured as fast as 256 and faster than 1 (a hint of 1
@@ -59,11 +70,77 @@ class PackedLinear(nn.Module):
                 f"bias={self.bias is not None}, packed=oneDNN")
 
 
+class NativeLinear(nn.Module):
+    """``linear``'s product by ``cpu_gemm.c`` on its weight packed in that kernel's
+    layout (a plain bf16 tensor of the weight's size); bias kept in float32, added
+    before the one rounding to bf16, as oneDNN does."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        if not native_shape_ok(self.out_features, self.in_features):
+            raise ValueError(f"bf16_gemm takes out_features % 16 == 0 and even "
+                             f"in_features, not {self.out_features} x {self.in_features}")
+        weight = linear.weight.detach().to(torch.bfloat16).contiguous()
+        self.packed = torch.empty_like(weight)
+        decode_kernel().bf16_gemm_pack(torch.get_num_threads(), weight.data_ptr(),
+                                       self.out_features, self.in_features,
+                                       self.packed.data_ptr())
+        self.bias = None if linear.bias is None else linear.bias.detach().float().contiguous()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != torch.bfloat16:
+            raise TypeError(f"NativeLinear takes bf16 inputs, not {x.dtype}")
+        k, n = self.in_features, self.out_features
+        rows = x.reshape(-1, k)
+        if rows.stride(-1) != 1 or (rows.shape[0] > 1 and rows.stride(0) < k):
+            rows = rows.contiguous()
+        y = torch.empty(rows.shape[0], n, dtype=torch.bfloat16)
+        if rows.shape[0]:
+            decode_kernel().bf16_gemm(
+                torch.get_num_threads(), rows.data_ptr(), rows.shape[0], rows.stride(0),
+                self.packed.data_ptr(), n, k,
+                None if self.bias is None else self.bias.data_ptr(), y.data_ptr(), n)
+        return y.view(*x.shape[:-1], n)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.bias is not None}, packed=cpu_gemm")
+
+
+def native_shape_ok(out_features: int, in_features: int) -> bool:
+    return out_features % 16 == 0 and in_features % 2 == 0
+
+
+@functools.cache
+def native_gemm_available() -> bool:
+    """``cpu_gemm.c`` built with its AVX512-BF16 kernel (not the stub)."""
+    lib = decode_kernel()
+    return lib is not None and lib.bf16_gemm_available() == 1
+
+
+def gemm_backend() -> str:
+    """Who computes packed bf16 linears here: "native" (``cpu_gemm.c``) on AVX512-BF16
+    without AMX, else "onednn"; ``LLMSERVE_BF16_GEMM`` forces one ("native" only
+    where the kernel is built)."""
+    forced = os.environ.get("LLMSERVE_BF16_GEMM", "auto")
+    if forced not in ("auto", "native", "onednn"):
+        raise ValueError(f"LLMSERVE_BF16_GEMM={forced!r}: one of auto, native, onednn")
+    if forced == "onednn" or not native_gemm_available():
+        return "onednn"
+    if forced == "native":
+        return "native"
+    return "onednn" if cpu_features().amx_bf16 else "native"
+
+
 def pack_linears(model: nn.Module) -> int:
     """Replace every dense ``nn.Linear`` of ``model`` (quantised ones are left as
-    they are) by a ``PackedLinear``. Returns how many were packed."""
+    they are) by a ``NativeLinear`` or a ``PackedLinear`` (``gemm_backend``; oneDNN
+    for shapes the native kernel does not take). Returns how many were packed."""
+    native = gemm_backend() == "native"
     targets = [(parent, name, child) for parent in model.modules()
                for name, child in parent.named_children() if type(child) is nn.Linear]
     for parent, name, child in targets:
-        setattr(parent, name, PackedLinear(child))
+        use_native = native and native_shape_ok(child.out_features, child.in_features)
+        setattr(parent, name, NativeLinear(child) if use_native else PackedLinear(child))
     return len(targets)

@@ -1,6 +1,6 @@
 """The CPU kernels (``cpu_decode.c``: decode attention, rotary + K/V store, RMSNorm;
-``cpu_decoder.c``: the int4 decoder stack built on them), compiled for this machine
-into one library.
+``cpu_decoder.c``: the int4 decoder stack built on them; ``cpu_gemm.c``: bf16 linears
+on AVX512-BF16), compiled for this machine into one library.
 
 Compiled once with the system C compiler (``$CC`` or ``cc``, 1-3 s) for the CPU it
 runs on (``-march=native``; AVX2 + FMA when ``ATEN_CPU_CAPABILITY=avx2`` asks torch to
@@ -32,8 +32,10 @@ import torch
 
 log = logging.getLogger(__name__)
 
-# Attention, rotary and norms; the int4 decoder stack built on them: one library.
-SOURCES = [Path(__file__).with_name(name) for name in ("cpu_decode.c", "cpu_decoder.c")]
+# Attention, rotary and norms; the int4 decoder stack built on them; bf16 GEMMs: one
+# library.
+SOURCES = [Path(__file__).with_name(name)
+           for name in ("cpu_decode.c", "cpu_decoder.c", "cpu_gemm.c")]
 HEADERS = [Path(__file__).with_name("cpu_kernels.h")]  # in the cache key, not compiled
 # Reassociation lets the compiler vectorise the dot products and sums; no
 # finite-math: softmax inputs are finite here, but the flag would change too much.
@@ -144,6 +146,9 @@ def decode_kernel():
     lib.silu_and_mul_bf16.argtypes = [i32, ptr, i32, i64, ptr]
     lib.argmax_rows_bf16.argtypes = [i32, ptr, i32, i64, i64, ptr]
     lib.silu_and_mul_bf16.restype = lib.argmax_rows_bf16.restype = i32
+    lib.bf16_gemm.argtypes = [i32, ptr, i64, i64, ptr, i64, i64, ptr, ptr, i64]
+    lib.bf16_gemm_pack.argtypes = [i32, ptr, i64, i64, ptr]
+    lib.bf16_gemm.restype = lib.bf16_gemm_pack.restype = lib.bf16_gemm_available.restype = i32
     return lib
 
 
