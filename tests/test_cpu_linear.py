@@ -4,6 +4,10 @@ packing exactly the dense projections."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -88,6 +92,19 @@ def test_the_backend_is_chosen_from_the_cpu_and_can_be_forced(monkeypatch):
     monkeypatch.setenv("LLMSERVE_BF16_GEMM", "fastest")
     with pytest.raises(ValueError):
         gemm_backend()
+
+
+def test_an_avx2_build_has_no_native_gemm_and_keeps_onednn():
+    """ATEN_CPU_CAPABILITY=avx2 (CI acting as an AVX2-only machine) builds the kernel
+    library for AVX2, where cpu_gemm.c is a stub that says so: linears stay on oneDNN
+    even when forced, never an illegal instruction."""
+    check = ("from llmserve.kernels import cpu_linear\n"
+             "print(cpu_linear.native_gemm_available(), cpu_linear.gemm_backend())\n")
+    env = dict(os.environ, ATEN_CPU_CAPABILITY="avx2", LLMSERVE_BF16_GEMM="native")
+    out = subprocess.run([sys.executable, "-c", check], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["False", "onednn"]
 
 
 def first_token_logprobs(llm: LLM) -> list[tuple[int, float]]:

@@ -13,9 +13,10 @@ built-in model's shapes (``benchmarks/cpu_linear.py``).
 
 On a Zen 4 (AVX512-BF16, no AMX), oneDNN reaches 63 % of the bf16 peak at 32 rows
 and ~18 GB/s of weights below 16, where our kernel reaches ~90 % and ~30 GB/s: a whole
-decode step's linears 1.6x faster at 1 row, 1.3x at 32, 1.2x at 64, 1.04x at 512
-(``benchmarks/cpu_linear.py``). With AMX, oneDNN's tile kernels are another class of
-fast, and it keeps them. ``LLMSERVE_BF16_GEMM=onednn|native`` forces the choice.
+decode step's linears 1.4-1.6x faster than oneDNN's at 1 row, 1.2-1.3x at 32,
+1.15-1.2x at 64, 1.0-1.05x at 512 (``benchmarks/cpu_linear.py``, several runs).
+With AMX, oneDNN's tile kernels are another class of fast, and it keeps them.
+``LLMSERVE_BF16_GEMM=onednn|native`` forces the choice.
 
 The packed weight replaces the plain one (no second copy), except where the LM head
 shares its weight with the token embedding, whose lookups still need the plain rows.
