@@ -28,6 +28,12 @@ import torch.distributed as dist
 from llmserve import LLM, SamplingParams
 from llmserve.engine.config import EngineConfig
 from llmserve.engine.parallel_config import check_tensor_parallel, rank_shape
+from llmserve.kernels.cpu_linear import (
+    NativeLinear,
+    PackedLinear,
+    gemm_backend,
+    packing_available,
+)
 from llmserve.launcher import ServerProcess
 from tests.conftest import BUILTIN, write_tiny_checkpoint
 from tests.differential import reconfigure
@@ -158,6 +164,37 @@ def test_builtin_model_on_three_ranks(builtin_path):
     ref = LLM(BUILTIN, **args).generate(prompts, greedy(4))
     three = tp_engine("builtin-3", lambda: LLM(BUILTIN, tensor_parallel_size=3, **args))
     assert_same_greedy(ref, three.generate(prompts, greedy(4)))
+
+
+@pytest.mark.skipif(not packing_available(), reason="no native bf16 on this CPU")
+def test_bf16_ranks_pack_their_shards_and_agree_with_one_rank(tiny_models):
+    """bf16 on a CPU (the suite's other engines are float32): every rank packs its own
+    shard of each dense projection for this CPU's GEMM (ours on AVX512-BF16, oneDNN
+    with AMX), and the first token's distribution over two ranks is one rank's up to
+    bf16 rounding (each rank rounds its partial sums before the all-reduce): the top
+    token is one rank's top or within 0.05 of it, never a token far behind."""
+    args = dict(ENGINE_ARGS, dtype="bfloat16", quantization="none")
+    path = str(tiny_models["llama"])
+    prompts = prompts_with_shared_prefix(5)
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, logprobs=5)
+    one = LLM(path, **args)
+    try:
+        ref = one.generate(prompts, params)
+    finally:
+        one.shutdown()
+    two = tp_engine("llama-bf16", lambda: LLM(path, tensor_parallel_size=2, **args))
+    expected = NativeLinear if gemm_backend() == "native" else PackedLinear
+    layer = two.engine.runner.model.model.layers[0]
+    assert isinstance(layer.self_attn.qkv_proj, expected)  # rank 0's shard
+    assert layer.self_attn.qkv_proj.out_features == 2 * 16 + 2 * 16  # 2 of 4 heads, 1 of 2
+    got = two.generate(prompts, params)
+    for r, g in zip(ref, got, strict=True):
+        want, have = r.outputs[0].logprobs[0].top, g.outputs[0].logprobs[0].top
+        want_logprob = dict(want)
+        assert have[0][0] in want_logprob
+        assert want_logprob[have[0][0]] >= want[0][1] - 0.05
+        assert abs(have[0][1] - want[0][1]) < 0.05
+    two.engine.block_manager.check_all_free()
 
 
 def test_unsplittable_shapes_are_refused_before_any_worker_starts():
