@@ -20,6 +20,7 @@ from llmserve.kernels.cpu_linear import (
     PackedLinear,
     gemm_backend,
     native_gemm_available,
+    pack_linears,
     packing_available,
 )
 
@@ -38,13 +39,15 @@ def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
 @pytest.mark.parametrize("rows", [1, 5, 13, 64, 130, 250])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("out_features, in_features",
-                         [(960, 576), (576, 1536), (80, 24), (16, 2), (1552, 64)])
+                         [(960, 576), (576, 1536), (80, 24), (16, 2), (1552, 64), (100, 23)])
 def test_packed_linear_computes_the_dense_product(backend, rows, bias, out_features,
                                                   in_features):
     """As accurate as F.linear against a float32 reference, and equal to it up to
     bf16 rounding (a wrong layout or a dropped bias is off by ~100 %). The shapes take
     the native kernel's edges: row tiles of 1-6, chunks of 112 rows, groups of 1-4
-    panels, 97 panels split over the threads."""
+    panels, 97 panels split over the threads; 100 x 23, off its grid, is oneDNN's."""
+    if backend is NativeLinear and out_features % 16:
+        pytest.skip("off the native kernel's grid (see the refusal test)")
     torch.manual_seed(rows)
     linear = torch.nn.Linear(in_features, out_features, bias=bias).to(torch.bfloat16)
     if bias:
@@ -84,6 +87,32 @@ def test_native_linear_reads_strided_rows_and_refuses_what_it_cannot_take():
         NativeLinear(torch.nn.Linear(23, 48).to(torch.bfloat16))  # odd in_features
 
 
+@needs_native
+@pytest.mark.parametrize("forced", [False, True])
+def test_pack_linears_mixes_backends_by_shape(monkeypatch, forced):
+    """Native where the shape is on the kernel's grid and (unless forced) within what was
+    measured; oneDNN for the rest; every product still right."""
+    monkeypatch.setenv("LLMSERVE_BF16_GEMM", "native" if forced else "auto")
+    if not forced and gemm_backend() != "native":
+        pytest.skip("this CPU's default is oneDNN (AMX)")
+    torch.manual_seed(0)
+    shapes = {"fits": (24, 16 * 4 * torch.get_num_threads()), "few_panels": (24, 16),
+              "off_grid": (24, 40), "odd_in": (23, 48), "wide_in": (4098, 16 * 8)}
+    model = torch.nn.ModuleDict({name: torch.nn.Linear(i, o).to(torch.bfloat16)
+                                 for name, (i, o) in shapes.items()})
+    plain = {name: torch.nn.Linear(i, o).to(torch.bfloat16) for name, (i, o) in shapes.items()}
+    for name in shapes:
+        plain[name].load_state_dict(model[name].state_dict())
+    assert pack_linears(model) == len(shapes)
+    native = {"fits", "few_panels", "wide_in"} if forced else {"fits"}
+    for name, (i, _) in shapes.items():
+        assert isinstance(model[name], NativeLinear if name in native else PackedLinear), name
+        x = torch.randn(7, i).to(torch.bfloat16)
+        assert relative_error(model[name](x), plain[name](x)) < 1e-2, name
+    with pytest.raises(ValueError):
+        model["fits"](torch.randn(2, 25).to(torch.bfloat16))  # the wrong width
+
+
 def test_the_backend_is_chosen_from_the_cpu_and_can_be_forced(monkeypatch):
     monkeypatch.setenv("LLMSERVE_BF16_GEMM", "onednn")
     assert gemm_backend() == "onednn"
@@ -97,14 +126,19 @@ def test_the_backend_is_chosen_from_the_cpu_and_can_be_forced(monkeypatch):
 def test_an_avx2_build_has_no_native_gemm_and_keeps_onednn():
     """ATEN_CPU_CAPABILITY=avx2 (CI acting as an AVX2-only machine) builds the kernel
     library for AVX2, where cpu_gemm.c is a stub that says so: linears stay on oneDNN
-    even when forced, never an illegal instruction."""
-    check = ("from llmserve.kernels import cpu_linear\n"
-             "print(cpu_linear.native_gemm_available(), cpu_linear.gemm_backend())\n")
+    even when forced, and a NativeLinear is refused, never garbage from the stub."""
+    check = ("import torch\n"
+             "from llmserve.kernels import cpu_linear\n"
+             "print(cpu_linear.native_gemm_available(), cpu_linear.gemm_backend())\n"
+             "try:\n"
+             "    cpu_linear.NativeLinear(torch.nn.Linear(32, 32).to(torch.bfloat16))\n"
+             "except RuntimeError:\n"
+             "    print('refused')\n")
     env = dict(os.environ, ATEN_CPU_CAPABILITY="avx2", LLMSERVE_BF16_GEMM="native")
     out = subprocess.run([sys.executable, "-c", check], env=env, capture_output=True,
                          text=True, timeout=300)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == ["False", "onednn"]
+    assert out.stdout.split() == ["False", "onednn", "refused"]
 
 
 def first_token_logprobs(llm: LLM) -> list[tuple[int, float]]:

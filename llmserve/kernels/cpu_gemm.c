@@ -1,14 +1,14 @@
 /* bf16 linears, y [M, N] = x [M, K] W^T (+ bias), on CPUs with AVX512-BF16 and no AMX.
  *
  * oneDNN reaches ~89 % of this machine's bf16 peak at 256 rows but 63 % at 32, the
- * decode range, and stalls on reading the weights below 16 rows (~18 GB/s where the
- * memory streams 23). This kernel is the classic register-tiled one for VDPBF16PS:
+ * decode range, and stalls on reading the weights below 16 rows (~18 GB/s where this
+ * kernel streams ~30). This kernel is the classic register-tiled one for VDPBF16PS:
  *
  * - the weight is packed once into panels of 16 output columns, each K/2 rows of 16
  *   column pairs [k, k+1]: one 64-byte load feeds one VDPBF16PS, and a panel is read
  *   front to back (what the hardware prefetcher follows best);
  * - a tile of up to TILE_ROWS rows x TILE_PANELS panels keeps its float32 sums in
- *   registers (7 x 4 = 28 of AVX-512's 32); each k pair loads the tile's panels once
+ *   registers (6 x 4 = 24 of AVX-512's 32); each k pair loads the tile's panels once
  *   and broadcasts each row's pair from memory;
  * - threads split the panels (16-column units, so 576 columns split evenly over two
  *   threads where 64-column blocks would not); within a thread, all row tiles of a
@@ -29,8 +29,8 @@ enum {
     PANEL_COLS = 16,   /* output columns of one panel: one register of float32 sums */
     TILE_ROWS = 6,     /* 6 rows x 4 panels = 24 accumulators, 4 registers of weights */
     TILE_PANELS = 4,
-    CHUNK_ROWS = 112,
-    LINE = 64,         /* bytes of a cache line */  /* rows whose tiles reuse a group of panels from L2 */
+    CHUNK_ROWS = 112,  /* rows whose tiles reuse a group of panels from L2 */
+    LINE = 64,         /* bytes of a cache line */
 };
 
 int bf16_gemm_available(void) { return 1; }
@@ -153,7 +153,7 @@ int bf16_gemm_pack(int num_threads, const uint16_t *w, int64_t n, int64_t k,
                    uint16_t *packed) {
     if (n % PANEL_COLS || k % 2) return -2;
     const int64_t panels = n / PANEL_COLS, pairs = k / 2;
-    #pragma omp parallel for num_threads(num_threads)
+    #pragma omp parallel for num_threads(num_threads > 1 ? num_threads : 1)
     for (int64_t j = 0; j < panels; j++) {
         uint16_t *panel = packed + j * pairs * 2 * PANEL_COLS;
         for (int64_t i = 0; i < pairs; i++)

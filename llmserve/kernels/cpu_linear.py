@@ -79,29 +79,33 @@ class NativeLinear(nn.Module):
     def __init__(self, linear: nn.Linear):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        if not native_shape_ok(self.out_features, self.in_features):
+        if not native_gemm_available():
+            raise RuntimeError("cpu_gemm.c is not built for AVX512-BF16 on this machine")
+        if not native_takes(self.out_features, self.in_features):
             raise ValueError(f"bf16_gemm takes out_features % 16 == 0 and even "
                              f"in_features, not {self.out_features} x {self.in_features}")
         weight = linear.weight.detach().to(torch.bfloat16).contiguous()
         self.packed = torch.empty_like(weight)
-        decode_kernel().bf16_gemm_pack(torch.get_num_threads(), weight.data_ptr(),
-                                       self.out_features, self.in_features,
-                                       self.packed.data_ptr())
+        _check(decode_kernel().bf16_gemm_pack(torch.get_num_threads(), weight.data_ptr(),
+                                              self.out_features, self.in_features,
+                                              self.packed.data_ptr()))
         self.bias = None if linear.bias is None else linear.bias.detach().float().contiguous()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != torch.bfloat16:
             raise TypeError(f"NativeLinear takes bf16 inputs, not {x.dtype}")
         k, n = self.in_features, self.out_features
+        if x.shape[-1] != k:
+            raise ValueError(f"NativeLinear: input of {x.shape[-1]} features, weight of {k}")
         rows = x.reshape(-1, k)
         if rows.stride(-1) != 1 or (rows.shape[0] > 1 and rows.stride(0) < k):
             rows = rows.contiguous()
         y = torch.empty(rows.shape[0], n, dtype=torch.bfloat16)
         if rows.shape[0]:
-            decode_kernel().bf16_gemm(
+            _check(decode_kernel().bf16_gemm(
                 torch.get_num_threads(), rows.data_ptr(), rows.shape[0], rows.stride(0),
                 self.packed.data_ptr(), n, k,
-                None if self.bias is None else self.bias.data_ptr(), y.data_ptr(), n)
+                None if self.bias is None else self.bias.data_ptr(), y.data_ptr(), n))
         return y.view(*x.shape[:-1], n)
 
     def extra_repr(self) -> str:
@@ -109,8 +113,28 @@ class NativeLinear(nn.Module):
                 f"bias={self.bias is not None}, packed=cpu_gemm")
 
 
-def native_shape_ok(out_features: int, in_features: int) -> bool:
+def _check(rc: int) -> None:
+    if rc != 0:  # the callers check shapes and availability first: never expected
+        raise RuntimeError(f"cpu_gemm.c failed with code {rc}")
+
+
+def native_takes(out_features: int, in_features: int) -> bool:
+    """The kernel's grid: whole 16-column panels, whole k pairs."""
     return out_features % 16 == 0 and in_features % 2 == 0
+
+
+# Where the kernel was measured to beat oneDNN (2 cores, in_features up to 1536): a
+# group of 4 panels (128 x in_features bytes) well inside a Zen 4 core's 1 MB L2, and
+# a whole group per thread (a thread with one panel has no next group to prefetch).
+# Outside it (a 70B model's 28672-wide down_proj, 64 threads on a 576-column output)
+# the choice is oneDNN's until a machine there measures otherwise.
+MAX_NATIVE_IN_FEATURES = 4096
+MIN_PANELS_PER_THREAD = 4
+
+
+def native_measured(out_features: int, in_features: int, threads: int) -> bool:
+    return (in_features <= MAX_NATIVE_IN_FEATURES
+            and out_features // 16 >= MIN_PANELS_PER_THREAD * threads)
 
 
 @functools.cache
@@ -120,13 +144,18 @@ def native_gemm_available() -> bool:
     return lib is not None and lib.bf16_gemm_available() == 1
 
 
+def _forced_backend() -> str:
+    forced = os.environ.get("LLMSERVE_BF16_GEMM", "auto")
+    if forced not in ("auto", "native", "onednn"):
+        raise ValueError(f"LLMSERVE_BF16_GEMM={forced!r}: one of auto, native, onednn")
+    return forced
+
+
 def gemm_backend() -> str:
     """Who computes packed bf16 linears here: "native" (``cpu_gemm.c``) on AVX512-BF16
     without AMX, else "onednn"; ``LLMSERVE_BF16_GEMM`` forces one ("native" only
     where the kernel is built)."""
-    forced = os.environ.get("LLMSERVE_BF16_GEMM", "auto")
-    if forced not in ("auto", "native", "onednn"):
-        raise ValueError(f"LLMSERVE_BF16_GEMM={forced!r}: one of auto, native, onednn")
+    forced = _forced_backend()
     if forced == "onednn" or not native_gemm_available():
         return "onednn"
     if forced == "native":
@@ -136,12 +165,21 @@ def gemm_backend() -> str:
 
 def pack_linears(model: nn.Module) -> int:
     """Replace every dense ``nn.Linear`` of ``model`` (quantised ones are left as
-    they are) by a ``NativeLinear`` or a ``PackedLinear`` (``gemm_backend``; oneDNN
-    for shapes the native kernel does not take). Returns how many were packed."""
+    they are) by a ``NativeLinear`` or a ``PackedLinear``: native where
+    ``gemm_backend`` says so and the shape is on its grid and, unless forced, within
+    what was measured (``native_measured``); oneDNN otherwise. Returns how many were
+    packed. Each original is dropped as soon as it is replaced, so that loading never
+    holds two copies of all the weights."""
     native = gemm_backend() == "native"
-    targets = [(parent, name, child) for parent in model.modules()
+    forced = native and _forced_backend() == "native"
+    threads = torch.get_num_threads()
+    targets = [(parent, name) for parent in model.modules()
                for name, child in parent.named_children() if type(child) is nn.Linear]
-    for parent, name, child in targets:
-        use_native = native and native_shape_ok(child.out_features, child.in_features)
+    for parent, name in targets:
+        child = getattr(parent, name)
+        out_f, in_f = child.out_features, child.in_features
+        use_native = native and native_takes(out_f, in_f) and (
+            forced or native_measured(out_f, in_f, threads))
         setattr(parent, name, NativeLinear(child) if use_native else PackedLinear(child))
+        del child
     return len(targets)
