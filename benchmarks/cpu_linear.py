@@ -3,11 +3,15 @@ on a weight packed once (``kernels/cpu_linear.PackedLinear``) and, where it is b
 (AVX512-BF16), our own GEMM on its packed layout (``NativeLinear``, ``cpu_gemm.c``);
 same run, the three alternating. Ratios are against the plain ``F.linear``.
 
+``--int4``: the int4 projections instead, ATen's weight-only kernel (what the engine
+uses below ``INT4_TILED_MIN_ROWS``) versus ``cpu_gemm.c``'s q4_gemm (dequantised per
+group of panels into the bf16 tiles), ratios against ATen.
+
 Each shape is timed over as many distinct weights as the built-in model has layers,
 so that the weights come from memory as they do in a decode step, not from a cache
 that one weight timed in a loop would sit in.
 
-    python benchmarks/cpu_linear.py [--rows 1 8 32 64 128] [--repeats 5]
+    python benchmarks/cpu_linear.py [--rows 1 8 32 64 128] [--repeats 7] [--int4]
 """
 
 from __future__ import annotations
@@ -17,11 +21,14 @@ import time
 
 import torch
 
+from llmserve.engine.quantization import QuantizedLinear, weight_only_mm
 from llmserve.kernels.cpu_linear import (
     NativeLinear,
     PackedLinear,
+    int4_tiled_available,
     native_gemm_available,
     packing_available,
+    q4_gemm,
 )
 
 # (name, out_features, in_features, copies): the built-in model's projections.
@@ -43,19 +50,27 @@ def main() -> None:
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 64, 128])
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--int4", action="store_true", help="ATen's int4 kernel vs q4_gemm")
     args = ap.parse_args()
     if not packing_available():
         raise SystemExit("oneDNN has no bf16 kernels on this CPU: nothing to compare")
     if args.threads:
         torch.set_num_threads(args.threads)
-    kinds = {"plain": lambda lin: lin, "onednn": PackedLinear}
-    if native_gemm_available():
-        kinds["native"] = NativeLinear
+    if args.int4:
+        if not int4_tiled_available():
+            raise SystemExit("q4_gemm does not run here (AVX512-BF16 without AMX)")
+        kinds = {"aten": lambda lin: aten_int4(QuantizedLinear(lin.float(), 4)),
+                 "q4_gemm": lambda lin: tiled_int4(QuantizedLinear(lin.float(), 4))}
+    else:
+        kinds = {"plain": lambda lin: lin, "onednn": PackedLinear}
+        if native_gemm_available():
+            kinds["native"] = NativeLinear
     print(f"threads {torch.get_num_threads()}; best time per step of each projection "
           f"(all layers) over {args.repeats} alternating repeats: "
-          + " | ".join(kinds) + " (speed-up over plain)")
+          + " | ".join(kinds) + f" (speed-up over {next(iter(kinds))})")
     totals = {m: dict.fromkeys(kinds, 0.0) for m in args.rows}
-    for name, n, k, copies in SHAPES:
+    shapes = [s for s in SHAPES if not (args.int4 and s[0] == "lm_head")]  # int8 there
+    for name, n, k, copies in shapes:
         linears = [torch.nn.Linear(k, n, bias=False).to(torch.bfloat16) for _ in range(copies)]
         modules = {kind: [make(lin) for lin in linears] for kind, make in kinds.items()}
         cells = []
@@ -72,10 +87,18 @@ def main() -> None:
     print("all      " + " | ".join(f"M={m}: " + format_cell(t) for m, t in totals.items()))
 
 
+def aten_int4(q: QuantizedLinear):
+    return lambda x: weight_only_mm(x, q.qweight, q.scales, 4)
+
+
+def tiled_int4(q: QuantizedLinear):
+    return lambda x: q4_gemm(x, q)
+
+
 def format_cell(seconds: dict) -> str:
-    plain = seconds["plain"]
-    return " -> ".join(f"{s * 1e3:.2f}" + ("" if kind == "plain" else f" ({plain / s:.2f}x)")
-                       for kind, s in seconds.items()) + " ms"
+    base = next(iter(seconds.values()))
+    return " -> ".join(f"{s * 1e3:.2f}" + ("" if i == 0 else f" ({base / s:.2f}x)")
+                       for i, s in enumerate(seconds.values())) + " ms"
 
 
 if __name__ == "__main__":

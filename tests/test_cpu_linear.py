@@ -14,14 +14,18 @@ import torch.nn.functional as F
 
 from llmserve import LLM, SamplingParams
 from llmserve.engine import model_runner
-from llmserve.engine.quantization import QuantizedLinear
+from llmserve.engine.quantization import QuantizedLinear, weight_only_mm
 from llmserve.kernels.cpu_linear import (
+    INT4_TILED_MIN_ROWS,
     NativeLinear,
     PackedLinear,
     gemm_backend,
+    int4_tiled,
+    int4_tiled_available,
     native_gemm_available,
     pack_linears,
     packing_available,
+    q4_gemm,
 )
 
 pytestmark = pytest.mark.skipif(not packing_available(),
@@ -139,6 +143,56 @@ def test_an_avx2_build_has_no_native_gemm_and_keeps_onednn():
                          text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["False", "onednn", "refused"]
+
+
+needs_int4_tiled = pytest.mark.skipif(not int4_tiled_available(),
+                                      reason="q4_gemm needs AVX512-BF16 and ATen's AVX-512 pack")
+
+
+def int4_linear(out_features: int, in_features: int, bias: bool, seed: int) -> QuantizedLinear:
+    torch.manual_seed(seed)
+    linear = torch.nn.Linear(in_features, out_features, bias=bias)
+    if bias:
+        linear.bias.data.normal_()
+    return QuantizedLinear(linear, 4)
+
+
+@needs_int4_tiled
+@pytest.mark.parametrize("rows", [1, 6, 7, 8, 40, 113, 300])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("out_features, in_features", [(960, 576), (576, 1536), (64, 32),
+                                                       (192, 96)])
+def test_q4_gemm_computes_atens_int4_product(rows, bias, out_features, in_features):
+    """The same int4 weights as ATen's kernel reads them (nibbles, 64-column blocks,
+    groups of 32, scale and zero), dequantised to bf16 once: within bf16 rounding of
+    ATen's product (a wrong nibble, panel or group is off by ~100 %)."""
+    lin = int4_linear(out_features, in_features, bias, seed=rows)
+    x = torch.randn(rows, in_features).to(torch.bfloat16)
+    want = weight_only_mm(x, lin.qweight, lin.scales, 4).float()
+    if bias:
+        want = want + lin.bias.float()
+    got = q4_gemm(x, lin)
+    assert got.shape == want.shape and got.dtype == torch.bfloat16
+    assert relative_error(got, want) < 1e-2
+    torch.testing.assert_close(got.float(), want, rtol=0.03, atol=0.05)
+
+
+@needs_int4_tiled
+def test_int4_linears_take_the_tiles_from_enough_rows():
+    """A QuantizedLinear multiplies by q4_gemm from INT4_TILED_MIN_ROWS rows on (any
+    leading shape), by ATen's kernel below; an int8 one never by q4_gemm."""
+    lin = int4_linear(128, 64, bias=True, seed=0)
+    many = torch.randn(2, INT4_TILED_MIN_ROWS, 64).to(torch.bfloat16)
+    few = torch.randn(INT4_TILED_MIN_ROWS - 1, 64).to(torch.bfloat16)
+    assert int4_tiled(few, lin) is None
+    assert torch.equal(lin(many), q4_gemm(many, lin))
+    assert torch.equal(lin(many.float()), q4_gemm(many, lin).float())  # dtype kept
+    assert relative_error(lin(few), q4_gemm(few, lin)) < 1e-2
+    with torch.no_grad():
+        int8 = QuantizedLinear(torch.nn.Linear(64, 128), 8)
+    rows = many.view(-1, 64)  # ATen's int8 kernel takes 2-D inputs only
+    want = weight_only_mm(rows, int8.qweight, int8.scales, 8) + int8.bias
+    assert torch.equal(int8(rows), want)
 
 
 def first_token_logprobs(llm: LLM) -> list[tuple[int, float]]:

@@ -17,6 +17,7 @@ exactly with transformers on any machine; bf16 is tested where a test asks for i
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
@@ -125,13 +126,25 @@ class QuantizedLinear(torch.nn.Module):
         self.register_buffer("bias", None if bias is None else bias.detach().to(torch.bfloat16))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = weight_only_mm(x.to(torch.bfloat16), self.qweight, self.scales, self.bits)
+        x16 = x.to(torch.bfloat16)
+        if self.bits == 4:  # many rows: dequantised per panel group into bf16 tiles
+            y = _cpu_linear().int4_tiled(x16, self)
+            if y is not None:
+                return y.to(x.dtype)
+        y = weight_only_mm(x16, self.qweight, self.scales, self.bits)
         if self.bias is not None:
             y = y + self.bias
         return y.to(x.dtype)
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, int{self.bits}"
+
+
+@functools.cache
+def _cpu_linear():
+    # kernels.cpu_linear imports this module (cpu_features): bound at first use.
+    from llmserve.kernels import cpu_linear
+    return cpu_linear
 
 
 def weight_only_mm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,

@@ -20,6 +20,7 @@
  * Built and loaded by cpu_native.py; elsewhere than AVX512-BF16 it builds as a stub
  * that says so (bf16_gemm_available). */
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
@@ -166,6 +167,106 @@ int bf16_gemm_pack(int num_threads, const uint16_t *w, int64_t n, int64_t k,
     return 0;
 }
 
+/* ---- int4 weights through the same tiles ------------------------------------------
+ * ATen's CPU int4 pack as AVX-512 builds lay it out (cpu_decoder.c has the details):
+ * blocks of 64 columns, [n / 64, k, 32] bytes, byte j of row k holding column j in its
+ * low nibble and column j + 32 in its high one, and a [k / 32, n, 2] bf16 (scale, zero)
+ * table: w = (q - 8) scale + zero. Panel p of a block (its columns 16 p .. 16 p + 15)
+ * is bytes 16 (p % 2) .. 16 (p % 2) + 15 of each row, nibble p / 2. At a few rows,
+ * reading an eighth of the bytes is what counts (the whole-stack C decoder covers
+ * that); from ~16 rows on, the arithmetic does, and ATen's kernel multiplies in float32
+ * FMAs, re-dequantising for each small tile of rows. Here each group of panels is
+ * dequantised once, to bf16 in an L2-resident scratch, and every row tile then runs the
+ * bf16 tiles over it. */
+
+enum { Q4_BLOCK_COLS = 64, Q4_GROUP = 32 };
+
+/* Word order taking [w0[0..15], w1[0..15]] (cvtne2ps) to pairs [w0[c], w1[c]]. */
+static const uint16_t pair_order[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22,
+                                        7, 23, 8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29,
+                                        14, 30, 15, 31};
+
+static inline __m512 q4_row(const uint8_t *bytes, __m128i shift, __m512 scale,
+                            __m512 offset) {
+    __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)bytes));
+    q = _mm512_and_si512(_mm512_srl_epi32(q, shift), _mm512_set1_epi32(15));
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), scale, offset);
+}
+
+/* Panel j (columns 16 j ..) of the int4 weight, dequantised and rounded to bf16, in
+ * bf16_gemm_pack's layout at out. */
+static void q4_panel(const uint8_t *qweight, const uint16_t *scale_zero, int64_t n,
+                     int64_t k, int64_t j, uint16_t *out) {
+    const int64_t p = j % 4, row_bytes = Q4_BLOCK_COLS / 2;
+    const uint8_t *base = qweight + (j / 4) * k * row_bytes + (p % 2) * 16;
+    const __m128i shift = _mm_cvtsi32_si128((int)(p / 2) * 4);
+    const __m512i order = _mm512_loadu_si512(pair_order);
+    for (int64_t g = 0; g < k / Q4_GROUP; g++) {
+        /* 16 (scale, zero) bf16 pairs, one 32-bit lane each: bf16 is float's top half */
+        __m512i sz = _mm512_loadu_si512(scale_zero + (g * n + j * PANEL_COLS) * 2);
+        __m512 scale = _mm512_castsi512_ps(_mm512_slli_epi32(sz, 16));
+        __m512 zero = _mm512_castsi512_ps(_mm512_and_si512(sz, _mm512_set1_epi32(-65536)));
+        __m512 offset = _mm512_fnmadd_ps(_mm512_set1_ps(8.0f), scale, zero);
+        for (int64_t r = g * Q4_GROUP; r < (g + 1) * Q4_GROUP; r += 2) {
+            __m512 w0 = q4_row(base + r * row_bytes, shift, scale, offset);
+            __m512 w1 = q4_row(base + (r + 1) * row_bytes, shift, scale, offset);
+            __m512i both = (__m512i)_mm512_cvtne2ps_pbh(w1, w0);
+            _mm512_storeu_si512(out + r * PANEL_COLS, _mm512_permutexvar_epi16(order, both));
+        }
+    }
+}
+
+/* One thread's panels [first, last): each group of TILE_PANELS dequantised once into
+ * scratch, then every tile of rows over it. */
+static void q4_gemm_panels(const uint16_t *x, int64_t m, int64_t ldx, const uint8_t *qweight,
+                           const uint16_t *scale_zero, int64_t n, int64_t k,
+                           const float *bias, uint16_t *y, int64_t ldy, int64_t first,
+                           int64_t last, uint16_t *scratch) {
+    const int64_t pairs = k / 2, panel_stride = pairs * 2 * PANEL_COLS;
+    for (int64_t p0 = first; p0 < last; p0 += TILE_PANELS) {
+        int panels = last - p0 < TILE_PANELS ? (int)(last - p0) : TILE_PANELS;
+        for (int q = 0; q < panels; q++)
+            q4_panel(qweight, scale_zero, n, k, p0 + q, scratch + q * panel_stride);
+        const float *b = bias == NULL ? NULL : bias + p0 * PANEL_COLS;
+        for (int64_t m0 = 0; m0 < m; m0 += CHUNK_ROWS) {
+            int64_t rows = m - m0 < CHUNK_ROWS ? m - m0 : CHUNK_ROWS;
+            int64_t tiles = (rows + TILE_ROWS - 1) / TILE_ROWS;
+            for (int64_t t = 0; t < tiles; t++) {
+                int64_t r0 = m0 + rows * t / tiles, r1 = m0 + rows * (t + 1) / tiles;
+                tile_dispatch((int)(r1 - r0), panels, x + r0 * ldx, ldx, scratch,
+                              panel_stride, pairs, b, y + r0 * ldy + p0 * PANEL_COLS, ldy,
+                              (const char *)scratch, 0);
+            }
+        }
+    }
+}
+
+/* y [m, n] = x [m, k] times an int4 weight in ATen's AVX-512 CPU pack (see above), plus
+ * bias (float32 [n], or NULL). n a multiple of 64, k of 32: returns -2 otherwise, -1
+ * out of memory, 0 when done. */
+int q4_gemm(int num_threads, const uint16_t *x, int64_t m, int64_t ldx,
+            const uint8_t *qweight, const uint16_t *scale_zero, int64_t n, int64_t k,
+            const float *bias, uint16_t *y, int64_t ldy) {
+    if (n % Q4_BLOCK_COLS || k % Q4_GROUP) return -2;
+    const int64_t panels = n / PANEL_COLS;
+    const size_t scratch_bytes = (size_t)TILE_PANELS * (size_t)k * PANEL_COLS * 2;
+    int threads = num_threads < panels ? num_threads : (int)panels, failed = 0;
+    #pragma omp parallel num_threads(threads) if(threads > 1) reduction(|:failed)
+    {
+        extern int omp_get_thread_num(void), omp_get_num_threads(void);
+        int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+        uint16_t *scratch = aligned_alloc(64, scratch_bytes);
+        if (scratch == NULL) {
+            failed = 1;
+        } else {
+            q4_gemm_panels(x, m, ldx, qweight, scale_zero, n, k, bias, y, ldy,
+                           panels * t / nt, panels * (t + 1) / nt, scratch);
+            free(scratch);
+        }
+    }
+    return failed ? -1 : 0;
+}
+
 #else  /* no AVX512-BF16: the caller keeps oneDNN (or float32) */
 
 int bf16_gemm_available(void) { return 0; }
@@ -181,6 +282,14 @@ int bf16_gemm(int num_threads, const uint16_t *x, int64_t m, int64_t ldx,
 int bf16_gemm_pack(int num_threads, const uint16_t *w, int64_t n, int64_t k,
                    uint16_t *packed) {
     (void)num_threads, (void)w, (void)n, (void)k, (void)packed;
+    return -3;
+}
+
+int q4_gemm(int num_threads, const uint16_t *x, int64_t m, int64_t ldx,
+            const uint8_t *qweight, const uint16_t *scale_zero, int64_t n, int64_t k,
+            const float *bias, uint16_t *y, int64_t ldy) {
+    (void)num_threads, (void)x, (void)m, (void)ldx, (void)qweight, (void)scale_zero;
+    (void)n, (void)k, (void)bias, (void)y, (void)ldy;
     return -3;
 }
 
