@@ -3,15 +3,16 @@ on a weight packed once (``kernels/cpu_linear.PackedLinear``) and, where it is b
 (AVX512-BF16), our own GEMM on its packed layout (``NativeLinear``, ``cpu_gemm.c``);
 same run, the three alternating. Ratios are against the plain ``F.linear``.
 
-``--int4``: the int4 projections instead, ATen's weight-only kernel (what the engine
-uses below ``INT4_TILED_MIN_ROWS``) versus ``cpu_gemm.c``'s q4_gemm (dequantised per
-group of panels into the bf16 tiles), ratios against ATen.
+``--quantized``: the weight-only projections instead (int4, and the int8 LM head of
+both quantised modes), ATen's kernels (what the engine uses below
+``QUANT_TILED_MIN_ROWS``) versus ``cpu_gemm.c``'s quant_gemm (dequantised per group of
+panels into the bf16 tiles), ratios against ATen.
 
 Each shape is timed over as many distinct weights as the built-in model has layers,
 so that the weights come from memory as they do in a decode step, not from a cache
 that one weight timed in a loop would sit in.
 
-    python benchmarks/cpu_linear.py [--rows 1 8 32 64 128] [--repeats 7] [--int4]
+    python benchmarks/cpu_linear.py [--rows 1 8 32 64 128] [--repeats 7] [--quantized]
 """
 
 from __future__ import annotations
@@ -25,10 +26,10 @@ from llmserve.engine.quantization import QuantizedLinear, weight_only_mm
 from llmserve.kernels.cpu_linear import (
     NativeLinear,
     PackedLinear,
-    int4_tiled_available,
     native_gemm_available,
     packing_available,
-    q4_gemm,
+    quant_gemm,
+    quant_tiled_available,
 )
 
 # (name, out_features, in_features, copies): the built-in model's projections.
@@ -50,17 +51,18 @@ def main() -> None:
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 64, 128])
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--int4", action="store_true", help="ATen's int4 kernel vs q4_gemm")
+    ap.add_argument("--quantized", action="store_true",
+                    help="int4 projections and int8 LM head: ATen's kernels vs quant_gemm")
     args = ap.parse_args()
     if not packing_available():
         raise SystemExit("oneDNN has no bf16 kernels on this CPU: nothing to compare")
     if args.threads:
         torch.set_num_threads(args.threads)
-    if args.int4:
-        if not int4_tiled_available():
-            raise SystemExit("q4_gemm does not run here (AVX512-BF16 without AMX)")
-        kinds = {"aten": lambda lin: aten_int4(QuantizedLinear(lin.float(), 4)),
-                 "q4_gemm": lambda lin: tiled_int4(QuantizedLinear(lin.float(), 4))}
+    if args.quantized:
+        if not quant_tiled_available():
+            raise SystemExit("quant_gemm does not run here (AVX512-BF16 without AMX)")
+        kinds = {"aten": lambda lin: aten_quantized(quantize(lin)),
+                 "quant_gemm": lambda lin: tiled_quantized(quantize(lin))}
     else:
         kinds = {"plain": lambda lin: lin, "onednn": PackedLinear}
         if native_gemm_available():
@@ -69,8 +71,7 @@ def main() -> None:
           f"(all layers) over {args.repeats} alternating repeats: "
           + " | ".join(kinds) + f" (speed-up over {next(iter(kinds))})")
     totals = {m: dict.fromkeys(kinds, 0.0) for m in args.rows}
-    shapes = [s for s in SHAPES if not (args.int4 and s[0] == "lm_head")]  # int8 there
-    for name, n, k, copies in shapes:
+    for name, n, k, copies in SHAPES:
         linears = [torch.nn.Linear(k, n, bias=False).to(torch.bfloat16) for _ in range(copies)]
         modules = {kind: [make(lin) for lin in linears] for kind, make in kinds.items()}
         cells = []
@@ -87,12 +88,17 @@ def main() -> None:
     print("all      " + " | ".join(f"M={m}: " + format_cell(t) for m, t in totals.items()))
 
 
-def aten_int4(q: QuantizedLinear):
-    return lambda x: weight_only_mm(x, q.qweight, q.scales, 4)
+def quantize(lin: torch.nn.Linear) -> QuantizedLinear:
+    """As the engine's int4 mode does: int4 projections, an int8 LM head."""
+    return QuantizedLinear(lin.float(), 8 if lin.out_features == SHAPES[-1][1] else 4)
 
 
-def tiled_int4(q: QuantizedLinear):
-    return lambda x: q4_gemm(x, q)
+def aten_quantized(q: QuantizedLinear):
+    return lambda x: weight_only_mm(x, q.qweight, q.scales, q.bits)
+
+
+def tiled_quantized(q: QuantizedLinear):
+    return lambda x: quant_gemm(x, q)
 
 
 def format_cell(seconds: dict) -> str:

@@ -16,16 +16,16 @@ from llmserve import LLM, SamplingParams
 from llmserve.engine import model_runner
 from llmserve.engine.quantization import QuantizedLinear, weight_only_mm
 from llmserve.kernels.cpu_linear import (
-    INT4_TILED_MIN_ROWS,
+    QUANT_TILED_MIN_ROWS,
     NativeLinear,
     PackedLinear,
     gemm_backend,
-    int4_tiled,
-    int4_tiled_available,
     native_gemm_available,
     pack_linears,
     packing_available,
-    q4_gemm,
+    quant_gemm,
+    quant_tiled,
+    quant_tiled_available,
 )
 
 pytestmark = pytest.mark.skipif(not packing_available(),
@@ -145,54 +145,70 @@ def test_an_avx2_build_has_no_native_gemm_and_keeps_onednn():
     assert out.stdout.split() == ["False", "onednn", "refused"]
 
 
-needs_int4_tiled = pytest.mark.skipif(not int4_tiled_available(),
-                                      reason="q4_gemm needs AVX512-BF16 and ATen's AVX-512 pack")
+needs_quant_tiled = pytest.mark.skipif(not quant_tiled_available(),
+                                       reason="quant_gemm needs AVX512-BF16 and ATen's "
+                                              "AVX-512 int4 pack")
 
 
-def int4_linear(out_features: int, in_features: int, bias: bool, seed: int) -> QuantizedLinear:
+def quantized_linear(bits: int, out_features: int, in_features: int, bias: bool,
+                     seed: int) -> QuantizedLinear:
     torch.manual_seed(seed)
     linear = torch.nn.Linear(in_features, out_features, bias=bias)
     if bias:
         linear.bias.data.normal_()
-    return QuantizedLinear(linear, 4)
+    return QuantizedLinear(linear, bits)
 
 
-@needs_int4_tiled
+def aten_product(x: torch.Tensor, lin: QuantizedLinear) -> torch.Tensor:
+    want = weight_only_mm(x, lin.qweight, lin.scales, lin.bits).float()
+    return want if lin.bias is None else want + lin.bias.float()
+
+
+@needs_quant_tiled
+@pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("rows", [1, 6, 7, 8, 40, 113, 300])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("out_features, in_features", [(960, 576), (576, 1536), (64, 32),
                                                        (192, 96)])
-def test_q4_gemm_computes_atens_int4_product(rows, bias, out_features, in_features):
-    """The same int4 weights as ATen's kernel reads them (nibbles, 64-column blocks,
-    groups of 32, scale and zero), dequantised to bf16 once: within bf16 rounding of
-    ATen's product (a wrong nibble, panel or group is off by ~100 %)."""
-    lin = int4_linear(out_features, in_features, bias, seed=rows)
+def test_quant_gemm_computes_atens_weight_only_product(bits, rows, bias, out_features,
+                                                       in_features):
+    """The same quantised weights as ATen's kernels read them (int4: nibbles, 64-column
+    blocks, groups of 32, scale and zero; int8: per-column scales, the 16 x 16
+    transposes), dequantised to bf16 once: within bf16 rounding of ATen's product (a
+    wrong nibble, column, panel or group is off by ~100 %)."""
+    lin = quantized_linear(bits, out_features, in_features, bias, seed=rows)
     x = torch.randn(rows, in_features).to(torch.bfloat16)
-    want = weight_only_mm(x, lin.qweight, lin.scales, 4).float()
-    if bias:
-        want = want + lin.bias.float()
-    got = q4_gemm(x, lin)
+    want = aten_product(x, lin)
+    got = quant_gemm(x, lin)
     assert got.shape == want.shape and got.dtype == torch.bfloat16
     assert relative_error(got, want) < 1e-2
     torch.testing.assert_close(got.float(), want, rtol=0.03, atol=0.05)
 
 
-@needs_int4_tiled
-def test_int4_linears_take_the_tiles_from_enough_rows():
-    """A QuantizedLinear multiplies by q4_gemm from INT4_TILED_MIN_ROWS rows on (any
-    leading shape), by ATen's kernel below; an int8 one never by q4_gemm."""
-    lin = int4_linear(128, 64, bias=True, seed=0)
-    many = torch.randn(2, INT4_TILED_MIN_ROWS, 64).to(torch.bfloat16)
-    few = torch.randn(INT4_TILED_MIN_ROWS - 1, 64).to(torch.bfloat16)
-    assert int4_tiled(few, lin) is None
-    assert torch.equal(lin(many), q4_gemm(many, lin))
-    assert torch.equal(lin(many.float()), q4_gemm(many, lin).float())  # dtype kept
-    assert relative_error(lin(few), q4_gemm(few, lin)) < 1e-2
-    with torch.no_grad():
-        int8 = QuantizedLinear(torch.nn.Linear(64, 128), 8)
-    rows = many.view(-1, 64)  # ATen's int8 kernel takes 2-D inputs only
-    want = weight_only_mm(rows, int8.qweight, int8.scales, 8) + int8.bias
-    assert torch.equal(int8(rows), want)
+@needs_quant_tiled
+def test_an_int8_lm_head_shape_and_strided_rows():
+    """The LM head's shape (49152 x 576, as in both quantised modes) from rows of a
+    wider tensor, as the engine's sampled hidden rows may be."""
+    lin = quantized_linear(8, 49152, 576, bias=False, seed=1)
+    wide = torch.randn(5, 600).to(torch.bfloat16)
+    x = wide[:, 3:579]
+    assert relative_error(quant_gemm(x, lin), aten_product(x.contiguous(), lin)) < 1e-2
+
+
+@needs_quant_tiled
+@pytest.mark.parametrize("bits", [4, 8])
+def test_quantized_linears_take_the_tiles_from_enough_rows(bits):
+    """A QuantizedLinear multiplies by quant_gemm from QUANT_TILED_MIN_ROWS rows on
+    (any leading shape; the input's dtype kept), by ATen's kernel below."""
+    least = QUANT_TILED_MIN_ROWS
+    lin = quantized_linear(bits, 128, 64, bias=True, seed=0)
+    many = torch.randn(2, least, 64).to(torch.bfloat16)
+    few = torch.randn(least - 1, 64).to(torch.bfloat16)
+    assert quant_tiled(few, lin) is None
+    assert torch.equal(lin(many), quant_gemm(many, lin))
+    assert torch.equal(lin(many.float()), quant_gemm(many, lin).float())
+    aten = weight_only_mm(few, lin.qweight, lin.scales, bits) + lin.bias  # the bf16 add
+    assert torch.equal(lin(few), aten)
 
 
 def first_token_logprobs(llm: LLM) -> list[tuple[int, float]]:

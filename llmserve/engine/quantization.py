@@ -127,10 +127,9 @@ class QuantizedLinear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x16 = x.to(torch.bfloat16)
-        if self.bits == 4:  # many rows: dequantised per panel group into bf16 tiles
-            y = _cpu_linear().int4_tiled(x16, self)
-            if y is not None:
-                return y.to(x.dtype)
+        y = _cpu_linear().quant_tiled(x16, self)  # many rows: dequantised into bf16 tiles
+        if y is not None:
+            return y.to(x.dtype)
         y = weight_only_mm(x16, self.qweight, self.scales, self.bits)
         if self.bias is not None:
             y = y + self.bias

@@ -23,6 +23,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cpu_kernels.h"
+
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #include <immintrin.h>
 
@@ -167,19 +169,20 @@ int bf16_gemm_pack(int num_threads, const uint16_t *w, int64_t n, int64_t k,
     return 0;
 }
 
-/* ---- int4 weights through the same tiles ------------------------------------------
- * ATen's CPU int4 pack as AVX-512 builds lay it out (cpu_decoder.c has the details):
+/* ---- weight-only int4 and int8 through the same tiles ---------------------------
+ * At a few rows, reading a quarter or an eighth of the bytes is what counts (the
+ * whole-stack C decoder covers int4 there); from ~8 rows on the arithmetic does, and
+ * ATen's weight-only kernels multiply in float32 FMAs, re-dequantising the weights for
+ * each small tile of rows (its int8 one: 4.6x slower than bf16 at 32 rows). Here each
+ * group of panels is dequantised once, to bf16 in an L2-resident scratch, and every
+ * row tile then runs the bf16 tiles over it. */
+
+/* ATen's CPU int4 pack as AVX-512 builds lay it out (cpu_decoder.c has the details):
  * blocks of 64 columns, [n / 64, k, 32] bytes, byte j of row k holding column j in its
  * low nibble and column j + 32 in its high one, and a [k / 32, n, 2] bf16 (scale, zero)
  * table: w = (q - 8) scale + zero. Panel p of a block (its columns 16 p .. 16 p + 15)
- * is bytes 16 (p % 2) .. 16 (p % 2) + 15 of each row, nibble p / 2. At a few rows,
- * reading an eighth of the bytes is what counts (the whole-stack C decoder covers
- * that); from ~16 rows on, the arithmetic does, and ATen's kernel multiplies in float32
- * FMAs, re-dequantising for each small tile of rows. Here each group of panels is
- * dequantised once, to bf16 in an L2-resident scratch, and every row tile then runs the
- * bf16 tiles over it. */
-
-enum { Q4_BLOCK_COLS = 64, Q4_GROUP = 32 };
+ * is bytes 16 (p % 2) .. 16 (p % 2) + 15 of each row, nibble p / 2. */
+enum { Q4_BLOCK_COLS = 64, QUANT_GROUP = 32 };
 
 /* Word order taking [w0[0..15], w1[0..15]] (cvtne2ps) to pairs [w0[c], w1[c]]. */
 static const uint16_t pair_order[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22,
@@ -201,13 +204,13 @@ static void q4_panel(const uint8_t *qweight, const uint16_t *scale_zero, int64_t
     const uint8_t *base = qweight + (j / 4) * k * row_bytes + (p % 2) * 16;
     const __m128i shift = _mm_cvtsi32_si128((int)(p / 2) * 4);
     const __m512i order = _mm512_loadu_si512(pair_order);
-    for (int64_t g = 0; g < k / Q4_GROUP; g++) {
+    for (int64_t g = 0; g < k / QUANT_GROUP; g++) {
         /* 16 (scale, zero) bf16 pairs, one 32-bit lane each: bf16 is float's top half */
         __m512i sz = _mm512_loadu_si512(scale_zero + (g * n + j * PANEL_COLS) * 2);
         __m512 scale = _mm512_castsi512_ps(_mm512_slli_epi32(sz, 16));
         __m512 zero = _mm512_castsi512_ps(_mm512_and_si512(sz, _mm512_set1_epi32(-65536)));
         __m512 offset = _mm512_fnmadd_ps(_mm512_set1_ps(8.0f), scale, zero);
-        for (int64_t r = g * Q4_GROUP; r < (g + 1) * Q4_GROUP; r += 2) {
+        for (int64_t r = g * QUANT_GROUP; r < (g + 1) * QUANT_GROUP; r += 2) {
             __m512 w0 = q4_row(base + r * row_bytes, shift, scale, offset);
             __m512 w1 = q4_row(base + (r + 1) * row_bytes, shift, scale, offset);
             __m512i both = (__m512i)_mm512_cvtne2ps_pbh(w1, w0);
@@ -216,17 +219,79 @@ static void q4_panel(const uint8_t *qweight, const uint16_t *scale_zero, int64_t
     }
 }
 
+/* r[i][j] <- r[j][i] for 16 x 16 32-bit lanes: pairs, then 64-bit halves within each
+ * 128-bit lane, then the lanes themselves. */
+static inline void transpose16x16(__m512i r[16]) {
+    __m512i t[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {
+        r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+        r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+        r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+        r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    for (int i = 0; i < 4; i++) {
+        t[i] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0x88);
+        t[i + 4] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0xdd);
+        t[i + 8] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0x88);
+        t[i + 12] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0xdd);
+    }
+    for (int i = 0; i < 8; i++) {
+        r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
+        r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xdd);
+    }
+}
+
+/* Panel j of an int8 weight (ATen's int8 pack: [n, k] int8 rows, one bf16 scale per
+ * output column: w = q scale), dequantised and rounded to bf16, in bf16_gemm_pack's
+ * layout at out. Each column's 32 k values become 16 pairs in one register; 16
+ * columns' registers, transposed, are 16 rows of the panel. */
+static void q8_panel(const int8_t *qweight, const uint16_t *scales, int64_t k, int64_t j,
+                     uint16_t *out) {
+    __m512 scale[PANEL_COLS];
+    for (int c = 0; c < PANEL_COLS; c++)
+        scale[c] = _mm512_set1_ps(bf16_to_f32(scales[j * PANEL_COLS + c]));
+    for (int64_t k0 = 0; k0 < k; k0 += QUANT_GROUP) {
+        __m512i r[PANEL_COLS];
+        for (int c = 0; c < PANEL_COLS; c++) {
+            const int8_t *src = qweight + (j * PANEL_COLS + c) * k + k0;
+            __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                _mm_loadu_si128((const __m128i *)src)));
+            __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                _mm_loadu_si128((const __m128i *)(src + 16))));
+            r[c] = (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(hi, scale[c]),
+                                                _mm512_mul_ps(lo, scale[c]));
+        }
+        transpose16x16(r);
+        for (int p = 0; p < PANEL_COLS; p++)
+            _mm512_storeu_si512(out + (k0 / 2 + p) * 2 * PANEL_COLS, r[p]);
+    }
+}
+
+typedef struct {
+    int bits;                /* 4 or 8 */
+    const uint8_t *qweight;  /* ATen's pack (see above) */
+    const uint16_t *scales;  /* int4: [k / 32, n, 2] (scale, zero); int8: [n] */
+    int64_t n, k;
+} quant_weight;
+
+static void dequant_panel(const quant_weight *w, int64_t j, uint16_t *out) {
+    if (w->bits == 4) q4_panel(w->qweight, w->scales, w->n, w->k, j, out);
+    else q8_panel((const int8_t *)w->qweight, w->scales, w->k, j, out);
+}
+
 /* One thread's panels [first, last): each group of TILE_PANELS dequantised once into
  * scratch, then every tile of rows over it. */
-static void q4_gemm_panels(const uint16_t *x, int64_t m, int64_t ldx, const uint8_t *qweight,
-                           const uint16_t *scale_zero, int64_t n, int64_t k,
-                           const float *bias, uint16_t *y, int64_t ldy, int64_t first,
-                           int64_t last, uint16_t *scratch) {
-    const int64_t pairs = k / 2, panel_stride = pairs * 2 * PANEL_COLS;
+static void quant_gemm_panels(const uint16_t *x, int64_t m, int64_t ldx, const quant_weight *w,
+                              const float *bias, uint16_t *y, int64_t ldy, int64_t first,
+                              int64_t last, uint16_t *scratch) {
+    const int64_t pairs = w->k / 2, panel_stride = pairs * 2 * PANEL_COLS;
     for (int64_t p0 = first; p0 < last; p0 += TILE_PANELS) {
         int panels = last - p0 < TILE_PANELS ? (int)(last - p0) : TILE_PANELS;
-        for (int q = 0; q < panels; q++)
-            q4_panel(qweight, scale_zero, n, k, p0 + q, scratch + q * panel_stride);
+        for (int q = 0; q < panels; q++) dequant_panel(w, p0 + q, scratch + q * panel_stride);
         const float *b = bias == NULL ? NULL : bias + p0 * PANEL_COLS;
         for (int64_t m0 = 0; m0 < m; m0 += CHUNK_ROWS) {
             int64_t rows = m - m0 < CHUNK_ROWS ? m - m0 : CHUNK_ROWS;
@@ -241,13 +306,16 @@ static void q4_gemm_panels(const uint16_t *x, int64_t m, int64_t ldx, const uint
     }
 }
 
-/* y [m, n] = x [m, k] times an int4 weight in ATen's AVX-512 CPU pack (see above), plus
- * bias (float32 [n], or NULL). n a multiple of 64, k of 32: returns -2 otherwise, -1
- * out of memory, 0 when done. */
-int q4_gemm(int num_threads, const uint16_t *x, int64_t m, int64_t ldx,
-            const uint8_t *qweight, const uint16_t *scale_zero, int64_t n, int64_t k,
-            const float *bias, uint16_t *y, int64_t ldy) {
-    if (n % Q4_BLOCK_COLS || k % Q4_GROUP) return -2;
+/* y [m, n] = x [m, k] times a weight-only int4 (bits 4) or int8 (bits 8) weight in
+ * ATen's pack (see above), plus bias (float32 [n], or NULL). k a multiple of 32; n of
+ * 64 (int4) or 16 (int8): returns -2 otherwise, -1 out of memory, 0 when done. */
+int quant_gemm(int num_threads, const uint16_t *x, int64_t m, int64_t ldx,
+               const uint8_t *qweight, const uint16_t *scales, int bits, int64_t n, int64_t k,
+               const float *bias, uint16_t *y, int64_t ldy) {
+    if ((bits != 4 && bits != 8) || k % QUANT_GROUP
+            || n % (bits == 4 ? Q4_BLOCK_COLS : PANEL_COLS))
+        return -2;
+    const quant_weight w = {bits, qweight, scales, n, k};
     const int64_t panels = n / PANEL_COLS;
     const size_t scratch_bytes = (size_t)TILE_PANELS * (size_t)k * PANEL_COLS * 2;
     int threads = num_threads < panels ? num_threads : (int)panels, failed = 0;
@@ -259,8 +327,8 @@ int q4_gemm(int num_threads, const uint16_t *x, int64_t m, int64_t ldx,
         if (scratch == NULL) {
             failed = 1;
         } else {
-            q4_gemm_panels(x, m, ldx, qweight, scale_zero, n, k, bias, y, ldy,
-                           panels * t / nt, panels * (t + 1) / nt, scratch);
+            quant_gemm_panels(x, m, ldx, &w, bias, y, ldy, panels * t / nt,
+                              panels * (t + 1) / nt, scratch);
             free(scratch);
         }
     }
@@ -285,10 +353,10 @@ int bf16_gemm_pack(int num_threads, const uint16_t *w, int64_t n, int64_t k,
     return -3;
 }
 
-int q4_gemm(int num_threads, const uint16_t *x, int64_t m, int64_t ldx,
-            const uint8_t *qweight, const uint16_t *scale_zero, int64_t n, int64_t k,
-            const float *bias, uint16_t *y, int64_t ldy) {
-    (void)num_threads, (void)x, (void)m, (void)ldx, (void)qweight, (void)scale_zero;
+int quant_gemm(int num_threads, const uint16_t *x, int64_t m, int64_t ldx,
+               const uint8_t *qweight, const uint16_t *scales, int bits, int64_t n, int64_t k,
+               const float *bias, uint16_t *y, int64_t ldy) {
+    (void)num_threads, (void)x, (void)m, (void)ldx, (void)qweight, (void)scales, (void)bits;
     (void)n, (void)k, (void)bias, (void)y, (void)ldy;
     return -3;
 }

@@ -1,7 +1,8 @@
 """Dense bf16 linears on the CPU with their weights packed once, at load time: in
 oneDNN's layout (``PackedLinear``), or, on AVX512-BF16 CPUs without AMX, in the layout
 of our own GEMM (``NativeLinear``, ``cpu_gemm.c``), whichever this CPU runs faster.
-Where our GEMM runs, int4 linears of many rows go through it too (``int4_tiled``).
+Where our GEMM runs, int4 and int8 linears of many rows go through it too
+(``quant_tiled``).
 
 ``F.linear`` on a bf16 CPU tensor gives oneDNN the checkpoint's plain ``[N, K]``
 weight, which oneDNN copies into its own blocked layout on every call. At decode
@@ -186,33 +187,37 @@ def pack_linears(model: nn.Module) -> int:
     return len(targets)
 
 
-# int4 products of at least this many rows go through cpu_gemm.c's q4_gemm (each group
-# of panels dequantised once to bf16, then the bf16 tiles); fewer rows stay on ATen's
-# int4 kernel, which reads the packed bytes directly (benchmarks/cpu_linear.py --int4).
-INT4_TILED_MIN_ROWS = 8
+# Weight-only products of at least this many rows go through cpu_gemm.c's quant_gemm
+# (each group of panels dequantised once to bf16, then the bf16 tiles); fewer rows stay
+# on ATen's kernels, which read the packed bytes directly. Crossovers measured with
+# benchmarks/cpu_linear.py --quantized: between 4 and 8 rows for the int4 projections
+# and for the int8 LM head of both quantised modes (at 32 rows: 1.9x and 3.1x).
+QUANT_TILED_MIN_ROWS = 8
 
 
 @functools.cache
-def int4_tiled_available() -> bool:
-    """q4_gemm reads ATen's int4 pack as AVX-512 builds lay it out (64-column blocks),
-    and runs where our bf16 GEMM does."""
+def quant_tiled_available() -> bool:
+    """quant_gemm runs where our bf16 GEMM does, and reads ATen's int4 pack as its
+    AVX-512 builds lay it out (64-column blocks)."""
     from llmserve.kernels.cpu_decoder import int4_pack_block_n
     return gemm_backend() == "native" and int4_pack_block_n() == 64
 
 
-def int4_tiled(x: torch.Tensor, linear) -> torch.Tensor | None:
-    """``linear(x)`` of an int4 ``QuantizedLinear`` by q4_gemm (bf16 ``x``), or None
-    where it does not apply: too few rows, a shape off its grid, under torch.compile."""
-    k, n = linear.in_features, linear.out_features
-    if (x.numel() < INT4_TILED_MIN_ROWS * k or n % 64 or k % 32 or x.dtype != torch.bfloat16
-            or torch.compiler.is_compiling() or not int4_tiled_available()):
+def quant_tiled(x: torch.Tensor, linear) -> torch.Tensor | None:
+    """``linear(x)`` of a weight-only ``QuantizedLinear`` by quant_gemm (bf16 ``x``), or
+    None where it does not apply: too few rows, a shape off its grid, under
+    torch.compile."""
+    k, n, bits = linear.in_features, linear.out_features, linear.bits
+    if (x.numel() < QUANT_TILED_MIN_ROWS * k or k % 32 or n % (64 if bits == 4 else 16)
+            or x.dtype != torch.bfloat16 or torch.compiler.is_compiling()
+            or not quant_tiled_available()):
         return None
-    return q4_gemm(x, linear)
+    return quant_gemm(x, linear)
 
 
-def q4_gemm(x: torch.Tensor, linear) -> torch.Tensor:
-    """``linear(x)`` by q4_gemm whatever the row count (int4 ``QuantizedLinear``, bf16
-    ``x [..., K]``; ``int4_tiled_available()`` and the shape checked by the caller)."""
+def quant_gemm(x: torch.Tensor, linear) -> torch.Tensor:
+    """``linear(x)`` by quant_gemm whatever the row count (a ``QuantizedLinear``, bf16
+    ``x [..., K]``; ``quant_tiled_available()`` and the shape checked by the caller)."""
     k, n = linear.in_features, linear.out_features
     rows = x.reshape(-1, k)
     if rows.stride(-1) != 1 or (rows.shape[0] > 1 and rows.stride(0) < k):
@@ -220,11 +225,11 @@ def q4_gemm(x: torch.Tensor, linear) -> torch.Tensor:
     bias = None if linear.bias is None else linear.bias.float()
     y = torch.empty(rows.shape[0], n, dtype=torch.bfloat16)
     if rows.shape[0]:
-        rc = decode_kernel().q4_gemm(
+        rc = decode_kernel().quant_gemm(
             torch.get_num_threads(), rows.data_ptr(), rows.shape[0], rows.stride(0),
-            linear.qweight.data_ptr(), linear.scales.data_ptr(), n, k,
+            linear.qweight.data_ptr(), linear.scales.data_ptr(), linear.bits, n, k,
             None if bias is None else bias.data_ptr(), y.data_ptr(), n)
         if rc == -1:
-            raise MemoryError("q4_gemm: out of memory for its dequantisation scratch")
+            raise MemoryError("quant_gemm: out of memory for its dequantisation scratch")
         _check(rc)
     return y.view(*x.shape[:-1], n)

@@ -149,8 +149,8 @@ def decode_kernel():
     lib.bf16_gemm.argtypes = [i32, ptr, i64, i64, ptr, i64, i64, ptr, ptr, i64]
     lib.bf16_gemm_pack.argtypes = [i32, ptr, i64, i64, ptr]
     lib.bf16_gemm.restype = lib.bf16_gemm_pack.restype = lib.bf16_gemm_available.restype = i32
-    lib.q4_gemm.argtypes = [i32, ptr, i64, i64, ptr, ptr, i64, i64, ptr, ptr, i64]
-    lib.q4_gemm.restype = i32
+    lib.quant_gemm.argtypes = [i32, ptr, i64, i64, ptr, ptr, i32, i64, i64, ptr, ptr, i64]
+    lib.quant_gemm.restype = i32
     return lib
 
 
