@@ -4,7 +4,7 @@ An eager decode step of a small int4 model spends about as long in Python betwee
 ~25 ops a layer as in the ops. ``NativeDecoder`` runs every layer of a decode-only step
 of a few sequences in C, reading the quantised weights where ATen packed them (no
 second copy) and the paged KV cache where the engine keeps it. Prefills, larger
-batches (where ATen's int4 GEMM is the faster kernel), and every model it does not
+batches (where ``quant_gemm``'s bf16 tiles are faster), and every model it does not
 cover keep the per-op path.
 """
 
@@ -22,8 +22,8 @@ from llmserve.kernels.cpu_native import decode_kernel
 log = logging.getLogger(__name__)
 
 # Decode steps of at most this many sequences run in C: its kernel reads each weight
-# block once per 4 tokens, where ATen's int4 GEMM blocks over many more rows
-# (benchmarks/cpu_decoder.py measures the crossover).
+# block once per 4 tokens, where the per-op path's quant_gemm dequantises each block
+# once for all rows (benchmarks/cpu_decoder.py measures the crossover).
 MAX_NATIVE_TOKENS = 8
 
 
