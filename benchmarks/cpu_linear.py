@@ -59,7 +59,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.quantized:
-        if not quant_tiled_available():
+        if not quant_tiled_available(4):
             raise SystemExit("quant_gemm does not run here (AVX512-BF16 without AMX)")
         kinds = {"aten": lambda lin: aten_quantized(quantize(lin)),
                  "quant_gemm": lambda lin: tiled_quantized(quantize(lin))}

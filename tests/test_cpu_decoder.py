@@ -46,7 +46,7 @@ def test_int4_matmul_matches_atens_kernel(out_features, in_features, tokens, bia
 
 
 def aten_int4(x: torch.Tensor, lin: QuantizedLinear) -> torch.Tensor:
-    """ATen's weight-only int4 kernel itself (``lin(x)`` takes q4_gemm from 8 rows on)."""
+    """ATen's weight-only int4 kernel itself (``lin(x)`` takes quant_gemm from 8 rows on)."""
     y = weight_only_mm(x, lin.qweight, lin.scales, 4)
     return y if lin.bias is None else y + lin.bias
 

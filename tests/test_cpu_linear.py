@@ -145,17 +145,22 @@ def test_an_avx2_build_has_no_native_gemm_and_keeps_onednn():
     assert out.stdout.split() == ["False", "onednn", "refused"]
 
 
-needs_quant_tiled = pytest.mark.skipif(not quant_tiled_available(),
+needs_quant_tiled = pytest.mark.skipif(not quant_tiled_available(4),
                                        reason="quant_gemm needs AVX512-BF16 and ATen's "
                                               "AVX-512 int4 pack")
 
 
 def quantized_linear(bits: int, out_features: int, in_features: int, bias: bool,
                      seed: int) -> QuantizedLinear:
+    """Columns (and int4 groups) of very different magnitudes, so that a scale or zero
+    read from the wrong column, panel or group is ~100 % off, not lost in rounding."""
     torch.manual_seed(seed)
     linear = torch.nn.Linear(in_features, out_features, bias=bias)
-    if bias:
-        linear.bias.data.normal_()
+    with torch.no_grad():
+        spread = torch.randn(out_features, in_features // 32, 1).mul(1.5).exp()
+        linear.weight.mul_(spread.expand(-1, -1, 32).reshape(out_features, in_features))
+        if bias:
+            linear.bias.normal_(std=0.1)
     return QuantizedLinear(linear, bits)
 
 
@@ -182,7 +187,22 @@ def test_quant_gemm_computes_atens_weight_only_product(bits, rows, bias, out_fea
     got = quant_gemm(x, lin)
     assert got.shape == want.shape and got.dtype == torch.bfloat16
     assert relative_error(got, want) < 1e-2
-    torch.testing.assert_close(got.float(), want, rtol=0.03, atol=0.05)
+    if rows >= 6:  # column by column too: one column's wrong scale cannot hide
+        column_error = (got.float() - want).norm(dim=0) / want.norm(dim=0).clamp(min=1e-6)
+        assert column_error.max() < 0.03
+
+
+@needs_quant_tiled
+@pytest.mark.parametrize("bits, out_features", [(4, 96), (8, 24)])
+def test_quantized_linears_off_the_grid_stay_on_aten(bits, out_features):
+    """Output widths the tiles do not take (int4: whole 64-column blocks; int8: 16) and
+    a wrong input width fall back to ATen, whatever the row count."""
+    lin = quantized_linear(bits, out_features, 64, bias=False, seed=2)
+    x = torch.randn(40, 64).to(torch.bfloat16)
+    assert quant_tiled(x, lin) is None
+    assert torch.equal(lin(x), weight_only_mm(x, lin.qweight, lin.scales, bits))
+    wide = quantized_linear(bits, 128, 64, bias=False, seed=3)
+    assert quant_tiled(torch.randn(40, 32).to(torch.bfloat16), wide) is None
 
 
 @needs_quant_tiled
@@ -205,6 +225,7 @@ def test_quantized_linears_take_the_tiles_from_enough_rows(bits):
     many = torch.randn(2, least, 64).to(torch.bfloat16)
     few = torch.randn(least - 1, 64).to(torch.bfloat16)
     assert quant_tiled(few, lin) is None
+    assert torch.equal(lin(many[0]), quant_gemm(many[0], lin))  # exactly the least
     assert torch.equal(lin(many), quant_gemm(many, lin))
     assert torch.equal(lin(many.float()), quant_gemm(many, lin).float())
     aten = weight_only_mm(few, lin.qweight, lin.scales, bits) + lin.bias  # the bf16 add

@@ -127,9 +127,12 @@ class QuantizedLinear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x16 = x.to(torch.bfloat16)
-        y = _cpu_linear().quant_tiled(x16, self)  # many rows: dequantised into bf16 tiles
-        if y is not None:
-            return y.to(x.dtype)
+        # Many rows, eagerly: dequantised into bf16 tiles (the check stays out of compiled
+        # graphs: a guard on the row count there would compile each layer twice).
+        if not torch.compiler.is_compiling():
+            y = _cpu_linear().quant_tiled(x16, self)
+            if y is not None:
+                return y.to(x.dtype)
         y = weight_only_mm(x16, self.qweight, self.scales, self.bits)
         if self.bias is not None:
             y = y + self.bias

@@ -196,28 +196,38 @@ QUANT_TILED_MIN_ROWS = 8
 
 
 @functools.cache
-def quant_tiled_available() -> bool:
-    """quant_gemm runs where our bf16 GEMM does, and reads ATen's int4 pack as its
-    AVX-512 builds lay it out (64-column blocks)."""
+def quant_tiled_available(bits: int) -> bool:
+    """quant_gemm runs where our bf16 GEMM does; for int4 it also needs ATen's int4 pack
+    as its AVX-512 builds lay it out (64-column blocks). Decided once per process, like
+    ``native_gemm_available`` (``LLMSERVE_BF16_GEMM`` read at the first call)."""
+    if gemm_backend() != "native":
+        return False
+    if bits == 8:
+        return True
     from llmserve.kernels.cpu_decoder import int4_pack_block_n
-    return gemm_backend() == "native" and int4_pack_block_n() == 64
+    return int4_pack_block_n() == 64
 
 
 def quant_tiled(x: torch.Tensor, linear) -> torch.Tensor | None:
-    """``linear(x)`` of a weight-only ``QuantizedLinear`` by quant_gemm (bf16 ``x``), or
-    None where it does not apply: too few rows, a shape off its grid, under
-    torch.compile."""
+    """``linear(x)`` of a weight-only ``QuantizedLinear`` by quant_gemm (bf16 CPU
+    ``x``), or None where it does not apply and ATen's kernel should run: under
+    torch.compile, too few rows, a shape off the kernel's grid or outside where it was
+    measured (``native_measured``, unless forced), another device or dtype."""
+    if torch.compiler.is_compiling():
+        return None
     k, n, bits = linear.in_features, linear.out_features, linear.bits
-    if (x.numel() < QUANT_TILED_MIN_ROWS * k or k % 32 or n % (64 if bits == 4 else 16)
-            or x.dtype != torch.bfloat16 or torch.compiler.is_compiling()
-            or not quant_tiled_available()):
+    if (x.device.type != "cpu" or x.dtype != torch.bfloat16 or x.shape[-1] != k
+            or x.numel() < QUANT_TILED_MIN_ROWS * k
+            or k % 32 or n % (64 if bits == 4 else 16) or not quant_tiled_available(bits)):
+        return None
+    if _forced_backend() != "native" and not native_measured(n, k, torch.get_num_threads()):
         return None
     return quant_gemm(x, linear)
 
 
 def quant_gemm(x: torch.Tensor, linear) -> torch.Tensor:
     """``linear(x)`` by quant_gemm whatever the row count (a ``QuantizedLinear``, bf16
-    ``x [..., K]``; ``quant_tiled_available()`` and the shape checked by the caller)."""
+    ``x [..., K]``; ``quant_tiled_available`` and the shape checked by the caller)."""
     k, n = linear.in_features, linear.out_features
     rows = x.reshape(-1, k)
     if rows.stride(-1) != 1 or (rows.shape[0] > 1 and rows.stride(0) < k):
