@@ -39,19 +39,22 @@ def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got.float() - want.float()).norm() / want.float().norm()).item()
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+ON_GRID = [(960, 576), (576, 1536), (80, 24), (16, 2), (1552, 64)]
+OFF_GRID = [(100, 23)]  # the native kernel refuses it (see the refusal test): oneDNN only
+SHAPES_BY_BACKEND = ([(PackedLinear, *shape) for shape in ON_GRID + OFF_GRID]
+                     + [pytest.param(NativeLinear, *shape, marks=needs_native)
+                        for shape in ON_GRID])
+
+
+@pytest.mark.parametrize("backend, out_features, in_features", SHAPES_BY_BACKEND)
 @pytest.mark.parametrize("rows", [1, 5, 13, 64, 130, 250])
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("out_features, in_features",
-                         [(960, 576), (576, 1536), (80, 24), (16, 2), (1552, 64), (100, 23)])
 def test_packed_linear_computes_the_dense_product(backend, rows, bias, out_features,
                                                   in_features):
     """As accurate as F.linear against a float32 reference, and equal to it up to
     bf16 rounding (a wrong layout or a dropped bias is off by ~100 %). The shapes take
     the native kernel's edges: row tiles of 1-6, chunks of 112 rows, groups of 1-4
     panels, 97 panels split over the threads; 100 x 23, off its grid, is oneDNN's."""
-    if backend is NativeLinear and out_features % 16:
-        pytest.skip("off the native kernel's grid (see the refusal test)")
     torch.manual_seed(rows)
     linear = torch.nn.Linear(in_features, out_features, bias=bias).to(torch.bfloat16)
     if bias:

@@ -99,9 +99,7 @@ class NativeLinear(nn.Module):
         k, n = self.in_features, self.out_features
         if x.shape[-1] != k:
             raise ValueError(f"NativeLinear: input of {x.shape[-1]} features, weight of {k}")
-        rows = x.reshape(-1, k)
-        if rows.stride(-1) != 1 or (rows.shape[0] > 1 and rows.stride(0) < k):
-            rows = rows.contiguous()
+        rows = _kernel_rows(x, k)
         y = torch.empty(rows.shape[0], n, dtype=torch.bfloat16)
         if rows.shape[0]:
             _check(decode_kernel().bf16_gemm(
@@ -113,6 +111,15 @@ class NativeLinear(nn.Module):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"bias={self.bias is not None}, packed=cpu_gemm")
+
+
+def _kernel_rows(x: torch.Tensor, k: int) -> torch.Tensor:
+    """``x`` as rows of ``k`` the C kernels read in place (unit column stride, rows
+    apart by at least ``k``), copied only where a view cannot be."""
+    rows = x.reshape(-1, k)
+    if rows.stride(-1) != 1 or (rows.shape[0] > 1 and rows.stride(0) < k):
+        rows = rows.contiguous()
+    return rows
 
 
 def _check(rc: int) -> None:
@@ -229,9 +236,7 @@ def quant_gemm(x: torch.Tensor, linear) -> torch.Tensor:
     """``linear(x)`` by quant_gemm whatever the row count (a ``QuantizedLinear``, bf16
     ``x [..., K]``; ``quant_tiled_available`` and the shape checked by the caller)."""
     k, n = linear.in_features, linear.out_features
-    rows = x.reshape(-1, k)
-    if rows.stride(-1) != 1 or (rows.shape[0] > 1 and rows.stride(0) < k):
-        rows = rows.contiguous()
+    rows = _kernel_rows(x, k)
     bias = None if linear.bias is None else linear.bias.float()
     y = torch.empty(rows.shape[0], n, dtype=torch.bfloat16)
     if rows.shape[0]:
