@@ -35,3 +35,19 @@ def test_examples_build_children():
         assert doc["kind"] == "LLMDeployment"
         objs = children(Owner(doc["metadata"]["name"], "default", "uid", doc["spec"]), 1)
         assert len(objs) == 8, path.name
+
+
+def cluster_role_rules() -> list[dict]:
+    """The ClusterRole's rules, read from the template (its Helm lines left out)."""
+    text = (ROOT / "charts" / "llmserve" / "templates" / "clusterrole.yaml").read_text()
+    plain = "\n".join(line for line in text.splitlines() if "{{" not in line)
+    return next(d for d in yaml.safe_load_all(plain) if d["kind"] == "ClusterRole")["rules"]
+
+
+def test_cluster_role_deletes_exactly_the_kinds_the_operator_prunes():
+    from llmserve.operator.kube import CHILD_KINDS
+    rules = cluster_role_rules()
+    assert all("*" not in r["verbs"] and "*" not in r["resources"] for r in rules)
+    deletable = {(g, res) for r in rules if "delete" in r["verbs"]
+                 for g in r["apiGroups"] for res in r["resources"]}
+    assert deletable == {(k.group, k.resource) for k in CHILD_KINDS.values()}

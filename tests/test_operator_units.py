@@ -1,11 +1,20 @@
-"""Desired-state builders and the autoscaler decision table (pure functions)."""
+"""Desired-state builders, pruning and the autoscaler decision table (pure functions)."""
 
 from __future__ import annotations
 
 import pytest
 
 from llmserve.operator.autoscaler import Decision, History, Observation, Policy, decide
-from llmserve.operator.builders import Owner, SpecError, children, endpoint_url, model_source
+from llmserve.operator.builders import (
+    Owner,
+    SpecError,
+    children,
+    children_selector,
+    endpoint_url,
+    model_source,
+    stale_children,
+)
+from llmserve.operator.kube import CHILD_KINDS
 
 
 def owner(**spec) -> Owner:
@@ -262,6 +271,68 @@ def test_tenants_and_api_key_secrets_are_exclusive():
     with pytest.raises(SpecError, match="exclusive"):
         children(owner(gateway={"tenantsSecret": {"name": "t"},
                                 "apiKeySecret": {"name": "k"}}), 1)
+
+
+# --- pruning ----------------------------------------------------------------------------------
+def live(objs):
+    """What the API server would list back: the applied manifests, with uids."""
+    return [{**o, "metadata": {**o["metadata"], "uid": f"live-{i}"}} for i, o in enumerate(objs)]
+
+
+def named(objs):
+    return sorted((o["kind"], o["metadata"]["name"]) for o in objs)
+
+
+TENANTED = {"gateway": {"tenantsSecret": {"name": "tenants"}}}
+
+
+def test_every_kind_the_builders_render_can_be_listed_and_pruned():
+    assert {o["kind"] for o in children(owner(**TENANTED), 1)} <= set(CHILD_KINDS)
+
+
+def test_removing_tenants_makes_only_the_peers_service_stale():
+    was = live(children(owner(**TENANTED), 1))
+    now = children(owner(), 1)
+    assert named(stale_children(owner(), now, was)) == [("Service", "chat-gateway-peers")]
+    assert stale_children(owner(**TENANTED), children(owner(**TENANTED), 1), was) == []
+    assert stale_children(owner(), now, live(now)) == []
+
+
+def peers_like(**meta):
+    """A Service named like the peers Service, with our labels and owner unless told."""
+    peers = next(o for o in children(owner(**TENANTED), 1)
+                 if o["metadata"]["name"] == "chat-gateway-peers")
+    return {**peers, "metadata": {**peers["metadata"], "uid": "other", **meta}}
+
+
+@pytest.mark.parametrize("why,obj", [
+    ("no owner reference", peers_like(ownerReferences=[])),
+    ("another LLMDeployment of the same name (a predecessor's uid)",
+     peers_like(ownerReferences=[{**owner().ref, "uid": "uid-old"}])),
+    ("owned, but not as its controller",
+     peers_like(ownerReferences=[{**owner().ref, "controller": False}])),
+    ("owned by something that is not an LLMDeployment",
+     peers_like(ownerReferences=[{**owner().ref, "kind": "ConfigMap"}])),
+    ("not labelled at all", peers_like(labels={})),
+    ("not labelled as managed by the operator",
+     peers_like(labels={"serving.llmserve.io/deployment": "chat"})),
+    ("labelled for another LLMDeployment",
+     peers_like(labels={**peers_like()["metadata"]["labels"],
+                        "serving.llmserve.io/deployment": "other"})),
+    ("in another namespace", peers_like(namespace="team-b")),
+    ("already being deleted", peers_like(deletionTimestamp="2026-01-01T00:00:00Z")),
+])
+def test_only_our_own_labelled_children_are_pruned(why, obj):
+    now = children(owner(), 1)
+    assert stale_children(owner(), now, [obj]) == [], why
+    assert named(stale_children(owner(), now, [peers_like()])) == \
+        [("Service", "chat-gateway-peers")]  # the same object, ours: pruned
+
+
+def test_children_selector_matches_every_child():
+    selector = dict(kv.split("=") for kv in children_selector(owner()).split(","))
+    for o in children(owner(**TENANTED), 1):
+        assert selector.items() <= o["metadata"]["labels"].items(), o["metadata"]["name"]
 
 
 # --- autoscaler -------------------------------------------------------------------------------

@@ -38,7 +38,13 @@ def test_template_renders_labelled_least_privilege_objects():
             assert labels["app.kubernetes.io/instance"] == "rel"
     role = next(d for d in docs if d["kind"] == "ClusterRole")
     verbs = {v for rule in role["rules"] for v in rule["verbs"]}
-    assert "*" not in verbs and "delete" not in verbs
+    assert "*" not in verbs
+    # delete: only the kinds of child the operator prunes (tests/test_chart_static.py
+    # checks they are exactly kube.CHILD_KINDS)
+    deletable = {r for rule in role["rules"] if "delete" in rule["verbs"]
+                 for r in rule["resources"]}
+    assert deletable == {"deployments", "services", "serviceaccounts", "roles",
+                         "rolebindings", "networkpolicies"}
     # Secrets: only `get`, for the one tenants Secret an LLMDeployment names; never
     # list or watch (the operator cannot enumerate or read Secrets it is not pointed at).
     for rule in role["rules"]:

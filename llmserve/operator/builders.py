@@ -2,7 +2,8 @@
 
 Pure functions of the resource (no API calls), so they are unit tested directly and
 applying them twice changes nothing. Every child carries an owner reference to the
-LLMDeployment, so deleting it garbage-collects them.
+LLMDeployment, so deleting it garbage-collects them; a child the spec no longer
+calls for (``stale_children``) is pruned by the operator.
 """
 
 from __future__ import annotations
@@ -435,3 +436,33 @@ def children(owner: Owner, engine_replicas: int) -> list[dict]:
             engine_deployment(owner, engine_replicas), network_policy(owner),
             gateway_deployment(owner), gateway_service(owner),
             *([gateway_peers_service(owner)] if tenants_secret(owner) else [])]
+
+
+# --- pruning --------------------------------------------
+def children_selector(owner: Owner) -> str:
+    """The labels every child of ``owner`` carries: what the operator lists to prune."""
+    return ",".join(f"{k}={v}" for k, v in
+                    {"serving.llmserve.io/deployment": owner.name, **MANAGED_BY}.items())
+
+
+def is_own_child(owner: Owner, obj: dict) -> bool:
+    """Ours to delete: controlled by this very LLMDeployment (its uid, so not a
+    same-named predecessor) and labelled as its child by this operator."""
+    m = obj["metadata"]
+    controlled = any(r.get("uid") == owner.uid and r.get("kind") == "LLMDeployment"
+                     and r.get("controller") for r in m.get("ownerReferences") or [])
+    obj_labels = m.get("labels") or {}
+    return (controlled and m.get("namespace") == owner.namespace
+            and obj_labels.get("serving.llmserve.io/deployment") == owner.name
+            and all(obj_labels.get(k) == v for k, v in MANAGED_BY.items()))
+
+
+def stale_children(owner: Owner, desired: list[dict], live: list[dict]) -> list[dict]:
+    """The live objects to delete: our own children (``is_own_child``) whose kind and
+    name the desired state no longer has. Anything else, even same-named or labelled
+    alike, is left alone, as are objects already being deleted."""
+    wanted = {(m["kind"], m["metadata"]["name"]) for m in desired}
+    return [obj for obj in live
+            if (obj["kind"], obj["metadata"]["name"]) not in wanted
+            and not obj["metadata"].get("deletionTimestamp")
+            and is_own_child(owner, obj)]

@@ -1,8 +1,9 @@
 """kopf handlers for LLMDeployment.
 
 Reconciling is level-based: every pass computes the whole desired state from the
-spec (``builders``) and server-side-applies it, so it is idempotent, repairs
-drift, and an operator restarted at any point converges to the same state. A
+spec (``builders``), server-side-applies it and deletes the children it no longer
+has (``builders.stale_children``), so it is idempotent, repairs drift, and an
+operator restarted at any point converges to the same state. A
 timer per LLMDeployment re-applies, scrapes the engines' /metrics, runs the
 autoscaler decision (``autoscaler.decide``) and keeps the status current.
 """
@@ -27,9 +28,11 @@ from llmserve.operator.builders import (
     Owner,
     SpecError,
     children,
+    children_selector,
     endpoint_url,
     names,
     selector_string,
+    stale_children,
     tenants_secret,
 )
 
@@ -120,13 +123,22 @@ async def reconcile(body, patch, logger) -> None:
             patch.status["conditions"] = merge_conditions(status.get("conditions"), conditions)
             patch.status["observedGeneration"] = o.generation
             return
-        manifest = None
+        step = None
         try:
             for manifest in desired:
+                step = f"applying {manifest['kind']} {manifest['metadata']['name']}"
                 await kube.apply(api, manifest)
+            # After applying, so that what replaces a child (e.g. a gateway no longer
+            # pointed at its peers) is in place before the child goes.
+            step = "listing children to prune"
+            for obj in stale_children(o, desired, await kube.list_children(
+                    api, o.namespace, children_selector(o))):
+                step = f"pruning {obj['kind']} {obj['metadata']['name']}"
+                await kube.delete(api, obj)
+                kopf.info(body, reason="Pruned", message=f"deleted {obj['kind']} "
+                          f"{obj['metadata']['name']}: the spec no longer calls for it")
         except client.exceptions.ApiException as e:
-            what = f"{manifest['kind']} {manifest['metadata']['name']}"
-            message = f"applying {what} failed: {e.status} {e.reason}: {api_message(e)}"
+            message = f"{step} failed: {e.status} {e.reason}: {api_message(e)}"
             kopf.warn(body, reason="ApplyFailed", message=message)
             patch.status["conditions"] = merge_conditions(status.get("conditions"), [
                 condition("Degraded", True, "ApplyFailed", message, o.generation)])

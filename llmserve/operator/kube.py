@@ -1,4 +1,4 @@
-"""Thin Kubernetes access for the operator: server-side apply and a few reads.
+"""Thin Kubernetes access for the operator: server-side apply, pruning, a few reads.
 
 Server-side apply (one PATCH per child, ``force`` under our field manager) makes
 reconciling idempotent and level-based: applying the same desired state twice
@@ -7,19 +7,42 @@ changes nothing, and a child edited or deleted by hand is put back.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from kubernetes_asyncio import client, config
 
 FIELD_MANAGER = "llmserve-operator"
 
-# kind -> (typed API class, patch method)
-_PATCHERS = {
-    "Deployment": (client.AppsV1Api, "patch_namespaced_deployment"),
-    "Service": (client.CoreV1Api, "patch_namespaced_service"),
-    "ServiceAccount": (client.CoreV1Api, "patch_namespaced_service_account"),
-    "Role": (client.RbacAuthorizationV1Api, "patch_namespaced_role"),
-    "RoleBinding": (client.RbacAuthorizationV1Api, "patch_namespaced_role_binding"),
-    "NetworkPolicy": (client.NetworkingV1Api, "patch_namespaced_network_policy"),
+
+
+@dataclass(frozen=True)
+class ChildKind:
+    """How to reach one kind of child: the typed API class, the suffix of its
+    ``*_namespaced_<suffix>`` methods, and its RBAC group and resource (the chart's
+    ClusterRole grants ``delete`` on exactly these, a test checks)."""
+    api: type
+    suffix: str
+    group: str
+    resource: str
+
+
+# Every kind the builders render; each is also listed and pruned.
+CHILD_KINDS = {
+    "Deployment": ChildKind(client.AppsV1Api, "deployment", "apps", "deployments"),
+    "Service": ChildKind(client.CoreV1Api, "service", "", "services"),
+    "ServiceAccount": ChildKind(client.CoreV1Api, "service_account", "", "serviceaccounts"),
+    "Role": ChildKind(client.RbacAuthorizationV1Api, "role", "rbac.authorization.k8s.io",
+                      "roles"),
+    "RoleBinding": ChildKind(client.RbacAuthorizationV1Api, "role_binding",
+                             "rbac.authorization.k8s.io", "rolebindings"),
+    "NetworkPolicy": ChildKind(client.NetworkingV1Api, "network_policy", "networking.k8s.io",
+                               "networkpolicies"),
 }
+
+
+def _method(api: client.ApiClient, kind: str, verb: str):
+    k = CHILD_KINDS[kind]
+    return getattr(k.api(api), f"{verb}_namespaced_{k.suffix}")
 
 
 async def load_config() -> None:
@@ -31,11 +54,36 @@ async def load_config() -> None:
 
 async def apply(api: client.ApiClient, manifest: dict) -> None:
     """Server-side apply ``manifest`` (create it, or take back the fields we own)."""
-    api_class, method = _PATCHERS[manifest["kind"]]
     m = manifest["metadata"]
-    await getattr(api_class(api), method)(
+    await _method(api, manifest["kind"], "patch")(
         m["name"], m["namespace"], manifest, field_manager=FIELD_MANAGER, force=True,
         _content_type="application/apply-patch+yaml")
+
+
+async def list_children(api: client.ApiClient, namespace: str, label_selector: str
+                        ) -> list[dict]:
+    """Every object of the child kinds in ``namespace`` that matches the selector, as
+    plain dicts with their ``kind`` (list responses leave it out of the items)."""
+    out = []
+    for kind in CHILD_KINDS:
+        listed = await _method(api, kind, "list")(namespace, label_selector=label_selector)
+        for item in listed.items:
+            out.append({**api.sanitize_for_serialization(item), "kind": kind})
+    return out
+
+
+async def delete(api: client.ApiClient, obj: dict) -> None:
+    """Delete one live child, only if it is still the object that was listed: the uid
+    precondition keeps a same-named object created since (not ours) from going. Gone
+    already, or replaced (409), is left as is."""
+    m = obj["metadata"]
+    options = client.V1DeleteOptions(preconditions=client.V1Preconditions(uid=m["uid"]),
+                                      propagation_policy="Background")
+    try:
+        await _method(api, obj["kind"], "delete")(m["name"], m["namespace"], body=options)
+    except client.exceptions.ApiException as e:
+        if e.status not in (404, 409):
+            raise
 
 
 async def get_deployment(api: client.ApiClient, namespace: str, name: str) -> dict | None:
