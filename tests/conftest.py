@@ -59,6 +59,9 @@ def write_tiny_checkpoint(out: Path, builtin: Path, kind: str = "llama", seed: i
                 for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj,
                              layer.self_attn.v_proj):
                     proj.bias.normal_(0, 0.5)
+    elif kind == "mistral":  # overrides usually set sliding_window
+        from transformers import MistralConfig, MistralForCausalLM
+        model = MistralForCausalLM(MistralConfig(**common, rope_theta=10000.0))
     else:
         raise ValueError(kind)
     model.save_pretrained(out)

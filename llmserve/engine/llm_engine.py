@@ -25,6 +25,7 @@ from llmserve.engine.models.loader import (
     load_tokenizer,
     resolve_model,
 )
+from llmserve.engine.models.supported import check_model_config
 from llmserve.engine.outputs import RequestOutput
 from llmserve.engine.overload import check_admission, expired
 from llmserve.engine.parallel import TensorParallelGroup, WorkerDiedError
@@ -49,6 +50,7 @@ class LLMEngine:
         self.model_name = config.served_model_name or config.model
         model_max = getattr(self.hf_config, "max_position_embeddings", None) or 4096
         self.max_model_len = min(config.max_model_len or model_max, model_max)
+        check_model_config(self.hf_config, self.max_model_len)
         if not config.enable_chunked_prefill:
             # Unchunked, a whole prompt must fit one step's budget.
             config.max_num_batched_tokens = max(config.max_num_batched_tokens,

@@ -16,6 +16,7 @@ from torch import nn
 
 from llmserve.engine import parallel
 from llmserve.engine.models.attention import native_rope_attention, paged_attention, step_metadata
+from llmserve.engine.models.supported import rope_params, rope_type
 from llmserve.engine.parallel_config import RankShape, rank_shape
 from llmserve.kernels.cpu_native import (
     add_rms_norm,
@@ -49,14 +50,14 @@ class RMSNorm(nn.Module):
 def rope_inv_freq(config) -> torch.Tensor:
     """Inverse frequencies, with Llama 3's long-context scaling when configured."""
     dim = config.head_dim
-    base = getattr(config, "rope_theta", None) or _rope_params(config).get("rope_theta", 10000.0)
+    base = getattr(config, "rope_theta", None) or rope_params(config).get("rope_theta", 10000.0)
     # float32 throughout, as transformers computes it, so positions agree bit for bit.
     # On the CPU explicitly: the model is built on the meta device, where this
     # arithmetic would go through torch's Python references (and import TorchDynamo).
     arange = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu")
     inv_freq = 1.0 / (base ** (arange.float() / dim))
-    scaling = _rope_params(config)
-    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    scaling = rope_params(config)
+    kind = rope_type(config)
     if kind == "llama3":
         factor = scaling["factor"]
         low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
@@ -70,15 +71,9 @@ def rope_inv_freq(config) -> torch.Tensor:
         inv_freq = torch.where(is_mid, mid, scaled)
     elif kind == "linear":
         inv_freq = inv_freq / scaling["factor"]
-    elif kind not in ("default", None):
+    elif kind != "default":  # supported.check_model_config refuses it at start-up
         raise ValueError(f"unsupported rope scaling {kind!r}")
     return inv_freq.float()
-
-
-def _rope_params(config) -> dict:
-    # transformers 5 keeps these in rope_parameters; 4.x in rope_scaling/rope_theta.
-    return dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
-                or {})
 
 
 class RotaryEmbedding(nn.Module):

@@ -219,13 +219,18 @@ def load_weights(model: torch.nn.Module, path: Path, dtype: torch.dtype, device:
             names += [(h, n) for n in h.keys()]
     except Exception as e:  # noqa: BLE001
         raise ModelLoadError(f"cannot read safetensors in {path}: {e}") from e
+    handle_of = dict((n, h) for h, n in names)
     for handle, name in tqdm(names, desc="loading weights", unit="tensor", leave=False):
         if name not in params:
             if tied and name == "lm_head.weight":
+                _check_tied_head(handle_of, path)
                 continue
-            if name.endswith("rotary_emb.inv_freq"):
+            if name.endswith("rotary_emb.inv_freq"):  # derived from the config
                 continue
-            raise ModelLoadError(f"unexpected tensor {name!r} in {path}")
+            raise ModelLoadError(
+                f"unexpected tensor {name!r} in {path}: {type(model).__name__}, as its "
+                f"config.json configures it, has no such parameter, and serving without "
+                f"it would give wrong answers (does the config match the weights?)")
         tensor = (read_shard(handle, name, shard, model.config.head_dim) if sharded
                   else handle.get_tensor(name))
         param = params[name]
@@ -236,16 +241,34 @@ def load_weights(model: torch.nn.Module, path: Path, dtype: torch.dtype, device:
             param.copy_(tensor.to(dtype))
         loaded.add(name)
     missing = set(params) - loaded - ({"lm_head.weight"} if tied else set())
+    if missing == {"lm_head.weight"}:
+        raise ModelLoadError(f"checkpoint {path} has no lm_head.weight, and its config says "
+                             f"tie_word_embeddings={tied}: the head is not tied to the "
+                             f"embedding (set tie_word_embeddings to true if it is)")
     if missing:
         raise ModelLoadError(f"checkpoint {path} lacks tensors: {sorted(missing)[:4]}")
     model.to(device=device, dtype=dtype)
+
+
+def _check_tied_head(handle_of: dict, path: Path) -> None:
+    """A tied model computes its logits with the embedding: a checkpoint whose own
+    ``lm_head.weight`` differs would be served with a head it was not trained with."""
+    embed = handle_of.get("model.embed_tokens.weight")
+    if embed is None:
+        return  # reported as a missing tensor
+    head = handle_of["lm_head.weight"].get_tensor("lm_head.weight")
+    if not torch.equal(head, embed.get_tensor("model.embed_tokens.weight")):
+        raise ModelLoadError(f"{path}: config.json says tie_word_embeddings=True, but the "
+                             f"checkpoint's lm_head.weight differs from its "
+                             f"model.embed_tokens.weight (set tie_word_embeddings to false "
+                             f"if the head is its own)")
 
 
 # --- GGUF conversion -------------------------------------------------------------
 def convert_gguf(gguf_path: Path) -> Path:
     """Convert once; return the cached Hugging Face-format directory."""
     stat = gguf_path.stat()
-    key = hashlib.sha256(f"{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}:v2"
+    key = hashlib.sha256(f"{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}:v3"
                          .encode()).hexdigest()[:16]
     target = cache_root() / "models" / f"{gguf_path.stem}-{key}"
     if (target / "config.json").is_file():
@@ -330,10 +353,14 @@ def _field_value(field):
 
 
 def _hf_name(gguf_name: str) -> str:
+    i, rest = None, gguf_name
     if gguf_name.startswith("blk."):
         _, i, rest = gguf_name.split(".", 2)
-        return _GGUF_NAMES[rest].format(i=i)
-    return _GGUF_NAMES[gguf_name]
+    if rest not in _GGUF_NAMES:
+        # e.g. Llama 3.1's rope_freqs.weight: a tensor the model would not apply.
+        raise ModelLoadError(f"GGUF tensor {gguf_name!r} is not one the engine computes "
+                             f"with; this GGUF variant is not supported")
+    return _GGUF_NAMES[rest].format(i=i)
 
 
 def _unpermute_rope(w: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -366,7 +393,25 @@ def _gguf_config(meta: dict, arch: str, has_output: bool) -> dict:
         "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
         "torch_dtype": "float32",
     }
+    config.update(_gguf_attention_variants(meta, p, config["head_dim"]))
     return {k: v for k, v in config.items() if v is not None}
+
+
+def _gguf_attention_variants(meta: dict, p: str, head_dim: int) -> dict:
+    """The GGUF's rope scaling, partial rotary and sliding window, in config.json's
+    names: carried over so that ``supported.check_model_config`` sees them (and
+    refuses what the engine does not compute) instead of their being dropped."""
+    out = {}
+    scaling = meta.get(p + "rope.scaling.type")
+    if scaling and scaling != "none":
+        out["rope_scaling"] = {"rope_type": scaling,
+                               "factor": float(meta.get(p + "rope.scaling.factor") or 1.0)}
+    rotary_dim = meta.get(p + "rope.dimension_count")
+    if rotary_dim and int(rotary_dim) != head_dim:
+        out["partial_rotary_factor"] = int(rotary_dim) / head_dim
+    if meta.get(p + "attention.sliding_window"):
+        out["sliding_window"] = int(meta[p + "attention.sliding_window"])
+    return out
 
 
 def _convert_tokenizer(gguf_path: Path, out: Path, meta: dict) -> None:
