@@ -198,7 +198,6 @@ def test_bf16_ranks_pack_their_shards_and_agree_with_one_rank(tiny_models):
 
 
 def test_unsplittable_shapes_are_refused_before_any_worker_starts():
-    import multiprocessing
     if _live.get("llm") is not None:
         _live.pop("llm").shutdown()
     with pytest.raises(ValueError, match=r"tensor parallel size 2 cannot split "
@@ -206,7 +205,7 @@ def test_unsplittable_shapes_are_refused_before_any_worker_starts():
                                          r".*Sizes that work for it: 1, 3"):
         LLM(BUILTIN, tensor_parallel_size=2)
     assert not dist.is_initialized()
-    assert not [p for p in multiprocessing.active_children() if "tp-rank" in p.name]
+    assert not _worker_pids(os.getpid())
 
 
 def test_refusals_and_rank_shapes():
@@ -257,7 +256,7 @@ def _worker_pids(pid: int) -> list[int]:
     for task in Path(f"/proc/{pid}/task").iterdir():
         children += (task / "children").read_text().split()
     return [int(c) for c in children
-            if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes()]
+            if b"llmserve-tp-rank" in Path(f"/proc/{c}/cmdline").read_bytes()]
 
 
 def _post(url: str, body: dict) -> dict:

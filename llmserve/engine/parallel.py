@@ -1,8 +1,9 @@
 """Tensor parallelism: one model across N devices of a pod.
 
 Rank 0 is the engine process itself: it runs the scheduler, the block manager, the
-sampler and its own shard of the model. Ranks 1..N-1 are worker processes it spawns
-(``torch.multiprocessing``, one per device), which loop in ``_worker_loop``:
+sampler and its own shard of the model. Ranks 1..N-1 are worker processes it starts
+(``WorkerProcess``, one per device: fresh interpreters that import llmserve, never the
+caller's main module), which loop in ``_worker_loop``:
 
 1. receive the step once, over a pipe from rank 0: the step's block moves (swap-out,
    swap-in, copy-on-write, in decision order) and the flat batch (``StepInputs``:
@@ -28,11 +29,15 @@ from __future__ import annotations
 
 import datetime
 import logging
+import multiprocessing
 import multiprocessing.connection as mpc
 import os
 import pickle
 import signal
+import subprocess
+import sys
 import threading
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -132,6 +137,75 @@ def _free_port() -> int:
     return free_port("127.0.0.1")
 
 
+class WorkerProcess:
+    """One worker rank: ``python -c`` running ``_worker_bootstrap``, with a duplex pipe to
+    rank 0 and the arguments of ``_worker_main`` sent over it.
+
+    Not multiprocessing's spawn: a spawned child re-runs the caller's main script (as
+    ``__mp_main__``) to find what it must unpickle, so a script that builds an
+    ``LLM(..., tensor_parallel_size=N)`` at module level, without an
+    ``if __name__ == "__main__":`` guard, would build another engine inside each worker
+    (and multiprocessing refuses to start processes there). A worker needs nothing of
+    the caller's main module (its target and arguments are llmserve's), so it starts
+    a fresh interpreter that imports only llmserve. The surface is the part of
+    ``multiprocessing.Process`` the group uses: pid, sentinel, exitcode, join, kill."""
+
+    def __init__(self, rank: int, worker_args: tuple):
+        self.conn, child = multiprocessing.Pipe()
+        # Readable (EOF) once the worker is gone: it holds the only write end.
+        self.sentinel, held_by_worker = os.pipe()
+        # The caller's import path, so llmserve imports in the worker as it did here
+        # (e.g. a source checkout found through the script's directory).
+        path = [p or os.getcwd() for p in sys.path]
+        code = (f"import sys; sys.path[:0] = {path!r}; "
+                f"from llmserve.engine.parallel import _worker_bootstrap; "
+                f"_worker_bootstrap({child.fileno()})")
+        try:
+            self._popen = subprocess.Popen(
+                [sys.executable, "-c", code, f"llmserve-tp-rank{rank}"],
+                pass_fds=(child.fileno(), held_by_worker))
+        finally:
+            child.close()
+            os.close(held_by_worker)
+        self.pid = self._popen.pid
+        weakref.finalize(self, os.close, self.sentinel)
+        try:
+            self.conn.send(worker_args)
+        except OSError:
+            pass  # it died at once: the group's wait for "hello" says how
+
+    @property
+    def exitcode(self) -> int | None:
+        """As multiprocessing's: None while it runs, -N after signal N."""
+        if self._popen.returncode is None and mpc.wait([self.sentinel], timeout=0):
+            # Its descriptors are closed, so it is exiting; it may just not be a zombie
+            # yet, which a non-blocking poll would read as "running".
+            self._popen.wait()
+        return self._popen.poll()
+
+    def is_alive(self) -> bool:
+        return self.exitcode is None
+
+    def join(self, timeout: float | None = None) -> None:
+        try:
+            self._popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
+
+    def kill(self) -> None:
+        if self.is_alive():
+            self._popen.kill()
+
+
+def _worker_bootstrap(fd: int) -> None:
+    """A worker's entry point (see ``WorkerProcess``): its arguments, then its life."""
+    # Ctrl-C reaches the whole process group; rank 0 alone decides, and its workers
+    # stop when it tells them or when it is gone (EOF on the pipe).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    conn = mpc.Connection(fd)
+    _worker_main(*conn.recv(), conn)
+
+
 class TensorParallelGroup:
     """Rank 0's handle on the workers: start, per-step messages, supervision, stop."""
 
@@ -141,20 +215,16 @@ class TensorParallelGroup:
             raise ValueError("this process already runs a tensor-parallel engine (one "
                              "torch.distributed group per process); shut it down first")
         init_method = f"tcp://127.0.0.1:{_free_port()}"
-        ctx = torch.multiprocessing.get_context("spawn")
-        self.procs, self.conns = [], []
+        self.procs: list[WorkerProcess] = []
+        self.conns: list[mpc.Connection] = []
         self.failure: str | None = None
         self._stopping = False
-        for rank in range(1, self.size):
-            parent, child = ctx.Pipe()
-            p = ctx.Process(target=_worker_main, name=f"llmserve-tp-rank{rank}", daemon=True,
-                            args=(rank, init_method, config, hf_config, str(model_path),
-                                  max_model_len, child))
-            p.start()
-            child.close()
-            self.procs.append(p)
-            self.conns.append(parent)
         try:
+            for rank in range(1, self.size):
+                p = WorkerProcess(rank, (rank, init_method, config, hf_config,
+                                         str(model_path), max_model_len))
+                self.procs.append(p)
+                self.conns.append(p.conn)
             self._expect("hello")  # imported torch: now all ranks can rendezvous
             dist.init_process_group(backend_for(config.device), init_method=init_method,
                                     rank=0, world_size=self.size, timeout=COLLECTIVE_TIMEOUT)
@@ -171,11 +241,16 @@ class TensorParallelGroup:
                 # start-up collective time out.
                 ready = mpc.wait([conn, p.sentinel])
                 if conn in ready and conn.poll():
-                    kind, detail = conn.recv()
-                    if kind == "error":
-                        raise WorkerDiedError(f"tensor-parallel rank {rank} failed: {detail}")
-                    assert kind == what, (kind, what)
-                    break
+                    try:
+                        kind, detail = conn.recv()
+                    except EOFError:  # it died: say how, below
+                        pass
+                    else:
+                        if kind == "error":
+                            raise WorkerDiedError(
+                                f"tensor-parallel rank {rank} failed: {detail}")
+                        assert kind == what, (kind, what)
+                        break
                 p.join(1)
                 raise WorkerDiedError(f"tensor-parallel rank {rank} (pid {p.pid}) exited "
                                       f"with {_describe_exit(p.exitcode)} before {what!r}")
