@@ -11,7 +11,7 @@ import sys
 from llmserve.errors import EngineDeadError, EngineStartError, ModelLoadError, WorkerDiedError
 
 
-def add_engine_args(p: argparse.ArgumentParser, overload: bool = True) -> None:
+def add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
     g.add_argument("--model", default="smollm2-135m-instruct",
                    help="checkpoint directory, .gguf file or built-in name")
@@ -48,8 +48,7 @@ def add_engine_args(p: argparse.ArgumentParser, overload: bool = True) -> None:
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="split the model across this many ranks: one per GPU (GPUs "
                         "0..N-1), or on CPU processes that share the cores")
-    if overload:  # not under `up`, where --max-waiting is the gateway's spill-over level
-        add_overload_args(g)
+    add_overload_args(g)
     g.add_argument("--check-kv-integrity", action="store_true",
                    help="debug: hash KV blocks across swaps and copy-on-write, fail loudly "
                         "on a mismatch (slow)")
@@ -168,7 +167,9 @@ def cmd_serve(args) -> int:
     return 0
 
 
-def add_gateway_args(p: argparse.ArgumentParser) -> None:
+def add_gateway_args(p: argparse.ArgumentParser, spill_over_flag: str = "--max-waiting") -> None:
+    """``spill_over_flag``: the name of the gateway's --max-waiting (under `up` that name
+    is the engines' overload flag, as under `serve`)."""
     g = p.add_argument_group("gateway")
     g.add_argument("--policy", choices=["prefix-hash", "least-load", "round-robin"],
                    default="prefix-hash")
@@ -179,7 +180,7 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
                    help="leading prompt characters that form the routing key")
     g.add_argument("--max-attempts", type=int, default=3)
     g.add_argument("--scrape-interval", type=float, default=2.0)
-    g.add_argument("--max-waiting", type=float, default=16,
+    g.add_argument(spill_over_flag, dest="max_waiting", type=float, default=16,
                    help="skip endpoints whose vllm:num_requests_waiting is above this")
     g.add_argument("--max-kv-usage", type=float, default=0.95,
                    help="skip endpoints whose vllm:kv_cache_usage_perc is above this")
@@ -238,12 +239,38 @@ def cmd_gateway(args) -> int:
     return 0
 
 
+def add_up_parser(sub) -> argparse.ArgumentParser:
+    """`up`: the engine flags (overload ones included, named as under `serve`), the
+    server flags and the gateway's, whose spill-over level is --gateway-max-waiting."""
+    up = sub.add_parser("up", help="the local platform on the built-in model, one command")
+    add_engine_args(up)
+    add_server_args(up, 8000)
+    add_gateway_args(up, spill_over_flag="--gateway-max-waiting")
+    up.add_argument("--engines", type=int, default=1, help="engine processes behind the gateway")
+    up.set_defaults(func=cmd_up)
+    return up
+
+
+def check_up_args(args) -> None:
+    """Refuse what the gateway would refuse, before the engines take their time to start."""
+    if args.tenants:
+        from llmserve.gateway.tenants import TenantsFile
+        TenantsFile(args.tenants)  # TenantsError (a ValueError) names what is wrong
+        if args.api_key:
+            raise ValueError("with --tenants, API keys come from the tenants file only: "
+                             "drop --api-key (and LLMSERVE_API_KEY)")
+    if (args.peer or args.peer_service) and not args.tenants:
+        raise ValueError("--peer / --peer-service share tenants' limits: give --tenants")
+
+
 def cmd_up(args) -> int:
-    """The local platform on one machine: engine processes behind the gateway."""
+    """The local platform on one machine: engine processes behind the gateway (which
+    applies --tenants; the engines order their queues by the tenants it names)."""
     import subprocess
 
     from llmserve.gateway.server import serve_gateway
     from llmserve.launcher import ServerProcess
+    check_up_args(args)
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     engine_args = ["serve", "--log-level", "WARNING", *engine_argv(args)]
@@ -309,12 +336,7 @@ def main(argv: list[str] | None = None) -> int:
     add_engine_args(srv)
     add_server_args(srv, 8000)
     srv.set_defaults(func=cmd_serve)
-    up = sub.add_parser("up", help="the local platform on the built-in model, one command")
-    add_engine_args(up, overload=False)
-    add_server_args(up, 8000)
-    add_gateway_args(up)
-    up.add_argument("--engines", type=int, default=1, help="engine processes behind the gateway")
-    up.set_defaults(func=cmd_up)
+    add_up_parser(sub)
     gw = sub.add_parser("gateway", help="prefix-aware router in front of engines")
     gw.add_argument("--backend", action="append", help="engine base URL (repeatable)")
     gw.add_argument("--k8s-service", default=None,
