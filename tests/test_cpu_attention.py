@@ -285,3 +285,60 @@ def test_add_rms_norm_matches_hugging_face_in_bf16():
     torch.testing.assert_close(plain.float(), hf(x).float(), atol=0, rtol=1e-2)
     # a broken normalisation (no eps, wrong mean) would be far off
     assert (plain.float() - hf(x).float()).abs().max() < 0.05
+
+
+# --- the torch backend on another device (issue 27: on CUDA the plan was built on the CPU)
+# The meta device stands in for CUDA here: it refuses index and mask tensors on another
+# device exactly as CUDA does ("Tensor on device cpu is not on the expected device meta").
+META = torch.device("meta")
+MIXED_STEP = dict(query_start=[0, 1, 13, 14, 19], seq_lens=[37, 12, 1, 70],
+                  block_tables=[[1, 2, 3], [4], [5], [6, 7, 8, 9, 10]])
+
+
+def plan_tensors(plan) -> list[torch.Tensor]:
+    """Every tensor a plan holds, its prefill chunks' included."""
+    found = [v for v in vars(plan).values() if isinstance(v, torch.Tensor)]
+    found += [t for chunk in plan.prefills for t in chunk if isinstance(t, torch.Tensor)]
+    return found
+
+
+def test_the_torch_path_plans_and_attends_on_the_cache_device():
+    """Decodes, a chunk without a cached prefix and one after a cached prefix (a mask):
+    every index and mask lands on the requested device, and attention runs there."""
+    s = MIXED_STEP
+    plan = make_cpu_plan(s["query_start"], s["seq_lens"], s["block_tables"], 16, 11,
+                         device=META)
+    tensors = plan_tensors(plan)
+    assert len(tensors) == 6 and {t.device for t in tensors} == {META}
+    q = torch.empty(19, 4, 16, device=META)
+    out = paged_attention_cpu(q, torch.empty(2, 11, 16, 2, 16, device=META), plan, 0.25)
+    assert out.device == META and out.shape == q.shape
+    with pytest.raises(ValueError, match="CPU caches only"):
+        make_cpu_plan(s["query_start"], s["seq_lens"], s["block_tables"], 16, 11,
+                      native=True, device=META)
+
+
+def test_both_step_builders_plan_on_their_device(tiny_llama):
+    """The model runner's build and the fast path's StepBuilder (the one CUDA engines
+    with --pinned-staging / --device-block-tables use) hand make_cpu_plan their device.
+    A real CPU engine on the torch backend, its runner then pointed at the meta device."""
+    from llmserve.engine.config import EngineConfig
+    from llmserve.engine.llm_engine import LLMEngine
+    from llmserve.engine.parallel import StepInputs
+    from llmserve.engine.step_buffers import StepBuilder
+    engine = LLMEngine(EngineConfig(model=str(tiny_llama), attention_backend="torch",
+                                    kv_cache_memory=1 << 22))
+    runner = engine.runner
+    s = MIXED_STEP
+    inputs = StepInputs(input_ids=list(range(19)), positions=list(range(19)),
+                        slots=list(range(19)), query_start=s["query_start"],
+                        seq_lens=s["seq_lens"], block_tables=s["block_tables"],
+                        sample_rows=[0, 12, 13, 18], max_query_len=12)
+    runner.device, runner.native_decode = META, False  # the C kernel is CPU-only
+    _, _, meta = runner.build(inputs)
+    assert {t.device for t in plan_tensors(meta.plan)} == {META}
+    builder = StepBuilder(META, runner.block_size, runner.num_blocks, use_triton=False,
+                          staging=False, block_tables=None)
+    _, _, meta, _ = builder.build(inputs, seq_ids=[0, 1, 2, 3])
+    assert {t.device for t in plan_tensors(meta.plan)} == {META}
+    engine.shutdown()

@@ -59,7 +59,7 @@ def profile_kv_budget(runner, num_tokens: int, num_sampling_rows: int) -> int:
     if not runner.use_triton:
         from llmserve.kernels.cpu_attention import make_cpu_plan
         meta.plan = make_cpu_plan([0, num_tokens], [num_tokens],
-                                  [[0] * -(-num_tokens // bs)], bs, 1)
+                                  [[0] * -(-num_tokens // bs)], bs, 1, device=dev)
     ids = torch.zeros(num_tokens, dtype=torch.long, device=dev)
     max_positions = runner.model.model.rotary.cos.shape[0]  # the budget may exceed it
     pos = torch.arange(num_tokens, dtype=torch.long, device=dev) % max_positions

@@ -6,6 +6,7 @@ import logging
 
 import torch
 
+from llmserve.distributed.shapes import rank_shape
 from llmserve.engine.config import EngineConfig
 from llmserve.engine.cuda_graphs import DecodeGraphs
 from llmserve.engine.kv_cache import KVCache
@@ -13,13 +14,12 @@ from llmserve.engine.kv_sizing import profile_kv_budget
 from llmserve.engine.models.attention import AttentionMetadata, forward_context
 from llmserve.engine.models.llama import SUPPORTED_ARCHITECTURES, RotaryEmbedding
 from llmserve.engine.models.loader import empty_model_init, kv_block_bytes, load_weights
+from llmserve.engine.models.native_decoder import NativeDecoder
 from llmserve.engine.parallel import StepInputs
-from llmserve.engine.parallel_config import rank_shape
 from llmserve.engine.quantization import quantize_model
 from llmserve.engine.scheduler import ScheduledBatch
 from llmserve.engine.step_buffers import StepBuilder, enable_fast_path_from_config
 from llmserve.kernels.cpu_attention import make_cpu_plan
-from llmserve.kernels.cpu_decoder import NativeDecoder
 from llmserve.kernels.cpu_linear import pack_linears, packing_applies
 from llmserve.kernels.cpu_native import DTYPE_CODES, decode_kernel
 
@@ -204,7 +204,8 @@ class ModelRunner:
         )
         if not self.use_triton:
             meta.plan = make_cpu_plan(inputs.query_start, inputs.seq_lens, tables,
-                                      self.block_size, self.num_blocks, self.native_decode)
+                                      self.block_size, self.num_blocks, self.native_decode,
+                                      device=dev)
         ids = torch.tensor(inputs.input_ids, dtype=torch.long, device=dev)
         pos = torch.tensor(inputs.positions, dtype=torch.long, device=dev)
         return ids, pos, meta

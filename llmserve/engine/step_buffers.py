@@ -180,7 +180,8 @@ class StepBuilder:
                                  max_seq_len=max(inputs.seq_lens), use_triton=self.use_triton)
         if not self.use_triton:  # the torch attention path plans on the host, as build() does
             meta.plan = make_cpu_plan(inputs.query_start, inputs.seq_lens, inputs.block_tables,
-                                      self.block_size, self.num_blocks)  # never native: CUDA
+                                      self.block_size, self.num_blocks,  # never native: CUDA
+                                      device=self.device)
         return ids, pos, meta, rows
 
     def _upload(self, fields):

@@ -66,13 +66,23 @@ MAX_ROWWISE_CONTEXT = 2048
 
 def make_cpu_plan(query_start_loc: list[int], seq_lens: list[int],
                   block_tables: list[list[int]], block_size: int,
-                  num_cache_blocks: int, native: bool = False) -> CPUAttentionPlan:
+                  num_cache_blocks: int, native: bool = False,
+                  device: torch.device | str = "cpu") -> CPUAttentionPlan:
     """From plain lists (the model runner's per-step bookkeeping): no device syncs.
     ``num_cache_blocks`` is the cache's block count (V rows follow the K rows);
     ``native``: decodes, and prefill chunks of short contexts row by row, run in the C
-    kernel (the caller checked it is built and supports the dtype)."""
+    kernel (the caller checked it is built and supports the dtype). ``device``: the KV
+    cache's: every index and mask tensor is built there, since ``index_select`` and
+    SDPA refuse operands on two devices (the torch backend on CUDA)."""
+    device = torch.device(device)
+    if native and device.type != "cpu":
+        raise ValueError(f"the C attention kernel reads CPU caches only, not {device}")
+
+    def tensor(values) -> torch.Tensor:
+        return torch.tensor(values, device=device)
+
     def kv_rows(blocks: list[int]) -> torch.Tensor:
-        ids = torch.tensor(blocks)
+        ids = tensor(blocks)
         return torch.cat([ids, ids + num_cache_blocks])
 
     plan = CPUAttentionPlan()
@@ -89,10 +99,10 @@ def make_cpu_plan(query_start_loc: list[int], seq_lens: list[int],
         num_blocks = max(-(-seq_lens[i] // block_size) for i in decodes)
         padded = [block_tables[i][:num_blocks] + [0] * (num_blocks - len(block_tables[i]))
                   for i in decodes]
-        plan.decode_rows = torch.tensor([query_start_loc[i] for i in decodes])
+        plan.decode_rows = tensor([query_start_loc[i] for i in decodes])
         plan.decode_rows_kv = kv_rows([b for row in padded for b in row])
-        lens = torch.tensor([seq_lens[i] for i in decodes])
-        keys = torch.arange(num_blocks * block_size)
+        lens = tensor([seq_lens[i] for i in decodes])
+        keys = torch.arange(num_blocks * block_size, device=device)
         plan.decode_mask = (keys.unsqueeze(0) < lens.unsqueeze(1))[:, None, None, :]
     for i in range(len(seq_lens)):
         start, end, seq_len = query_start_loc[i], query_start_loc[i + 1], seq_lens[i]
@@ -102,8 +112,8 @@ def make_cpu_plan(query_start_loc: list[int], seq_lens: list[int],
         blocks = kv_rows(block_tables[i][:-(-seq_len // block_size)])
         mask = None
         if seq_len > n:  # causal over a cached prefix: row r sees keys <= context + r
-            rows = torch.arange(n).unsqueeze(1) + (seq_len - n)
-            mask = torch.arange(seq_len).unsqueeze(0) <= rows
+            rows = torch.arange(n, device=device).unsqueeze(1) + (seq_len - n)
+            mask = torch.arange(seq_len, device=device).unsqueeze(0) <= rows
         plan.prefills.append((start, end, seq_len, blocks, mask))
     return plan
 
