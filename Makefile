@@ -22,6 +22,7 @@ run: $(STAMP)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check llmserve tests benchmarks e2e
+	$(VENV)/bin/lint-imports
 
 # kube-apiserver, controller-manager, scheduler, etcd and helm from the Go module
 # proxy; cached in ~/go and ~/.cache (cold: ~10 min on 2 cores, warm: seconds).

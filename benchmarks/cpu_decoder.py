@@ -7,7 +7,7 @@ are noisy: compare ratios, not absolute times):
    packed weights, the built-in model's projection shapes, 1-16 tokens.
 2. Decode steps of the built-in model (bf16 + int4, eager): the engine's step with the
    layers in C (``NativeDecoder``) vs op by op, same engine, per batch size. The
-   crossover sets ``cpu_decoder.MAX_NATIVE_TOKENS``.
+   crossover sets ``native_decoder.MAX_NATIVE_TOKENS``.
 
     python benchmarks/cpu_decoder.py
     python benchmarks/cpu_decoder.py --batches 1,4,8,16,32 --threads 2
@@ -24,8 +24,8 @@ from cpu_modes import step_time  # benchmarks/ is the script's folder, first on 
 
 from llmserve.engine.config import EngineConfig
 from llmserve.engine.llm_engine import LLMEngine
+from llmserve.engine.models import native_decoder
 from llmserve.engine.quantization import QuantizedLinear
-from llmserve.kernels import cpu_decoder
 from llmserve.kernels.cpu_decoder import q4_matmul
 
 SHAPES = [(960, 576, "qkv"), (576, 576, "o"), (3072, 576, "gate_up"), (576, 1536, "down")]
@@ -66,7 +66,7 @@ def step_section(batches: list[int], context: int, steps: int) -> dict:
     if native is None:
         print("the C decoder stack does not apply on this machine")
         return {}
-    cpu_decoder.MAX_NATIVE_TOKENS = max(batches)  # measure past the engine's limit
+    native_decoder.MAX_NATIVE_TOKENS = max(batches)  # measure past the engine's limit
     print(f"decode step of the built-in model (bf16 + int4, context {context}), ms: "
           f"op by op vs C, ratio = op by op / C (> 1: C faster)")
     out = {}

@@ -13,9 +13,11 @@ import pytest
 import torch
 
 from llmserve import SamplingParams
+from llmserve.engine.models import native_decoder
+from llmserve.engine.models.native_decoder import NativeDecoder
 from llmserve.engine.quantization import QuantizedLinear, weight_only_mm
 from llmserve.kernels import cpu_decoder
-from llmserve.kernels.cpu_decoder import NativeDecoder, int4_pack_block_n, q4_matmul
+from llmserve.kernels.cpu_decoder import int4_pack_block_n, q4_matmul
 
 pytestmark = pytest.mark.skipif(int4_pack_block_n() is None,
                                 reason="ATen's int4 pack here is not a layout the kernel reads")
@@ -163,7 +165,7 @@ def test_the_engine_runs_small_decode_steps_in_c_only(int4_llm, monkeypatch):
     monkeypatch.setattr(NativeDecoder, "run",
                         lambda self, x, *a: sizes.append(x.shape[0]) or real_run(self, x, *a))
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
-    many = cpu_decoder.MAX_NATIVE_TOKENS + 2
+    many = native_decoder.MAX_NATIVE_TOKENS + 2
     outs = int4_llm.generate([f"Count to {i}:" for i in range(many)], params)
     assert all(len(o.outputs[0].token_ids) == 6 for o in outs)
     assert sizes == [], "a decode batch above the limit ran in C"

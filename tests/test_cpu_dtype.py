@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from llmserve.engine.quantization import CpuFeatures, cpu_features
+from llmserve.platforms.cpu import CpuFeatures, cpu_features
 
 
 @pytest.mark.parametrize("features, native", [

@@ -26,8 +26,8 @@ import pytest
 import torch.distributed as dist
 
 from llmserve import LLM, SamplingParams
+from llmserve.distributed.shapes import check_tensor_parallel, rank_shape
 from llmserve.engine.config import EngineConfig
-from llmserve.engine.parallel_config import check_tensor_parallel, rank_shape
 from llmserve.kernels.cpu_linear import (
     NativeLinear,
     PackedLinear,

@@ -43,7 +43,8 @@ class RunnerThread(threading.Thread):
 def cluster(tmp_path_factory):
     t0 = time.monotonic()
     c = Cluster(tmp_path_factory.mktemp("cluster")).up()
-    from llmserve.engine.models.loader import cache_root, resolve_model
+    from llmserve.engine.models.loader import resolve_model
+    from llmserve.envs import cache_root
     resolve_model("smollm2-135m-instruct")  # warm the "image's" model cache once
     os.environ["LLMSERVE_CACHE"] = str(cache_root())
     # Pod directories live outside /tmp: a pod's emptyDir mounted at /tmp must not

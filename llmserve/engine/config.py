@@ -87,7 +87,7 @@ class EngineConfig:
         if self.device == "auto":
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
         if self.dtype == "auto":
-            from llmserve.engine.quantization import auto_dtype
+            from llmserve.platforms.cpu import auto_dtype
             self.dtype = auto_dtype(self.device)
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
@@ -132,7 +132,7 @@ class EngineConfig:
 
     def _check_tensor_parallel(self) -> None:
         """What the configuration alone can refuse; the model's shape is checked by the
-        engine once its config is loaded (``parallel_config.check_tensor_parallel``)."""
+        engine once its config is loaded (``shapes.check_tensor_parallel``)."""
         tp = self.tensor_parallel_size
         if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
             raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {tp!r}")

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from llmserve.distributed.shapes import check_tensor_parallel
 from llmserve.engine.block_manager import BlockManager
 from llmserve.engine.config import EngineConfig
 from llmserve.engine.cost_model import StepCostModel
@@ -29,7 +30,6 @@ from llmserve.engine.models.supported import check_model_config
 from llmserve.engine.outputs import RequestOutput
 from llmserve.engine.overload import check_admission, expired
 from llmserve.engine.parallel import TensorParallelGroup, WorkerDiedError
-from llmserve.engine.parallel_config import check_tensor_parallel
 from llmserve.engine.quantization import resolve_quantization
 from llmserve.engine.sampler import Sampler
 from llmserve.engine.sampling import SamplingParams

@@ -22,7 +22,7 @@ by the collective or pipe write that fails; the engine then fails (``/health`` 5
 reads EOF on its pipe, or fails its collective, and exits.
 
 The sharding itself (which rows and columns each rank loads) is ``read_shard``; the
-arithmetic of shapes is ``parallel_config``.
+arithmetic of shapes is ``llmserve.distributed.shapes``.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from llmserve.engine.parallel_config import RankShape
+from llmserve.distributed.shapes import RankShape
 from llmserve.errors import WorkerDiedError  # noqa: F401 - raised here, re-exported
 
 log = logging.getLogger(__name__)

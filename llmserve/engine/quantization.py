@@ -1,70 +1,13 @@
-"""What the CPU can do fast, and the dtype the engine serves in.
-
-bf16 pays on a CPU only where it has native bf16 arithmetic: AMX-BF16 (Intel Xeon
-Sapphire Rapids and later) or AVX512-BF16 (AMD Zen 4, Intel Cooper Lake). Measured on
-these machines, ``F.linear`` [M,576]x[576,1536]: AVX512-BF16 EPYC fp32 0.42 ms vs bf16
-0.19 ms at M=32; AMX Xeon fp32 174 vs bf16 717 GFLOP/s at M=64; but on an AVX2-only
-EPYC bf16 ran at 1.2 GFLOP/s, far below fp32. So ``--dtype auto`` is bf16 with native
-bf16 support and fp32 elsewhere.
-
-The choice honours the knobs that restrict the kernels' instruction set:
-``ATEN_CPU_CAPABILITY`` (ATen's own vector kernels) and ``ONEDNN_MAX_CPU_ISA`` (oneDNN's
-GEMMs): a machine told to act as AVX2 gets the AVX2 choice, which is also how CI tests
-both paths on one machine. ``LLMSERVE_CPU_DTYPE`` overrides the automatic CPU
-choice for a whole process tree (the test suite sets float32, so outputs compare
-exactly with transformers on any machine; bf16 is tested where a test asks for it).
+"""Weight-only quantisation (int8/int4) of the engine's linears, and which mode a
+checkpoint is served in (``resolve_quantization``). The CPU's features and the dtype
+choice are ``llmserve.platforms.cpu``.
 """
 
 from __future__ import annotations
 
-import functools
-import os
-from dataclasses import dataclass
-
 import torch
 
-# oneDNN ISA names below AVX512_CORE_BF16 (see oneDNN's cpu_isa_t): no native bf16.
-_ONEDNN_WITHOUT_BF16 = ("SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE",
-                        "AVX512_CORE_VNNI")
-
-
-@dataclass(frozen=True)
-class CpuFeatures:
-    aten_isa: str  # what ATen's vector kernels use: DEFAULT, AVX2, AVX512 ...
-    amx_bf16: bool
-    avx512_bf16: bool
-    onednn_max_isa: str | None
-
-    @property
-    def native_bf16(self) -> bool:
-        if not (self.amx_bf16 or self.avx512_bf16) or self.aten_isa not in ("AVX512",):
-            return False
-        return (self.onednn_max_isa or "ALL").upper() not in _ONEDNN_WITHOUT_BF16
-
-    def describe(self) -> str:
-        extras = [name for name, on in (("amx_bf16", self.amx_bf16),
-                                        ("avx512_bf16", self.avx512_bf16)) if on]
-        return f"{self.aten_isa}{'+' + '+'.join(extras) if extras else ''}"
-
-
-def cpu_features() -> CpuFeatures:
-    caps = torch.cpu.get_capabilities() if hasattr(torch.cpu, "get_capabilities") else {}
-    return CpuFeatures(aten_isa=torch.backends.cpu.get_cpu_capability(),
-                       amx_bf16=bool(caps.get("amx_bf16")),
-                       avx512_bf16=bool(caps.get("avx512_bf16")),
-                       onednn_max_isa=os.environ.get("ONEDNN_MAX_CPU_ISA"))
-
-
-def auto_dtype(device: str) -> str:
-    """``--dtype auto``: bf16 on CUDA and on CPUs with native bf16, else float32."""
-    if device.startswith("cuda"):
-        return "bfloat16"
-    if os.environ.get("LLMSERVE_CPU_DTYPE"):
-        return os.environ["LLMSERVE_CPU_DTYPE"]
-    if cpu_features().native_bf16:
-        return "bfloat16"
-    return "float32"
-
+from llmserve.kernels.cpu_linear import quant_tiled
 
 # --- weight-only quantisation ---------------------------------------------------------
 QUANTIZATION_MODES = ("auto", "none", "int8", "int4")
@@ -130,7 +73,7 @@ class QuantizedLinear(torch.nn.Module):
         # Many rows, eagerly: dequantised into bf16 tiles (the check stays out of compiled
         # graphs: a guard on the row count there would compile each layer twice).
         if not torch.compiler.is_compiling():
-            y = _cpu_linear().quant_tiled(x16, self)
+            y = quant_tiled(x16, self)
             if y is not None:
                 return y.to(x.dtype)
         y = weight_only_mm(x16, self.qweight, self.scales, self.bits)
@@ -140,13 +83,6 @@ class QuantizedLinear(torch.nn.Module):
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, int{self.bits}"
-
-
-@functools.cache
-def _cpu_linear():
-    # kernels.cpu_linear imports this module (cpu_features): bound at first use.
-    from llmserve.kernels import cpu_linear
-    return cpu_linear
 
 
 def weight_only_mm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,

@@ -32,8 +32,9 @@ import os
 import torch
 from torch import nn
 
-from llmserve.engine.quantization import cpu_features
+from llmserve.kernels.cpu_decoder import int4_pack_block_n
 from llmserve.kernels.cpu_native import decode_kernel
+from llmserve.platforms.cpu import cpu_features
 
 # oneDNN picks the packed layout for a batch of this many rows; the packed weight
 # serves any row count. 64 measured as fast as 256 and faster than 1 (a hint of 1
@@ -211,7 +212,6 @@ def quant_tiled_available(bits: int) -> bool:
         return False
     if bits == 8:
         return True
-    from llmserve.kernels.cpu_decoder import int4_pack_block_n
     return int4_pack_block_n() == 64
 
 

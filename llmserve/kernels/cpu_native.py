@@ -30,6 +30,8 @@ from pathlib import Path
 
 import torch
 
+from llmserve.envs import cache_root
+
 log = logging.getLogger(__name__)
 
 # Attention, rotary and norms; the int4 decoder stack built on them; bf16 GEMMs: one
@@ -77,7 +79,6 @@ def _private_dir(path: Path) -> Path | None:
 
 
 def _build_dir() -> Path | None:
-    from llmserve.engine.models.loader import cache_root
     root = cache_root() / "kernels"
     try:
         root.mkdir(parents=True, exist_ok=True)

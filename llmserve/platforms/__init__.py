@@ -1,0 +1,1 @@
+"""What the machine can do: CPU features and the dtype choice that follows."""
