@@ -42,3 +42,14 @@ def test_auto_dtype_follows_this_cpu_and_the_avx2_restriction():
     forced = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
     assert auto_dtype_in_a_fresh_process(forced) == "float32"
     assert auto_dtype_in_a_fresh_process({"LLMSERVE_CPU_DTYPE": "float32"}) == "float32"
+
+
+def test_device_cuda_without_cuda_refuses_instead_of_serving_on_the_cpu():
+    """The operator's GPU pods pass --device cuda: a node whose runtime hides the GPU
+    must fail the pod, not serve on its CPU (no GPU visible, here or anywhere)."""
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    run = subprocess.run([sys.executable, "-m", "llmserve.cli", "serve", "--device", "cuda",
+                          "--port", "1"], capture_output=True, text=True, timeout=120, env=env)
+    assert run.returncode != 0
+    assert "--device cuda, but CUDA is not available" in run.stderr, run.stderr
+    assert "Traceback" not in run.stderr

@@ -442,3 +442,41 @@ def test_builtin_shape_matches_the_converted_checkpoint(builtin_path):
     config = load_config(builtin_path)
     for key, value in BUILTIN_SHAPES["smollm2-135m-instruct"].items():
         assert getattr(config, key) == value, key
+
+
+# --- GPU pods (issue 27, item 4) --------------------------------------------------------
+def test_a_gpu_pod_refuses_the_cpu_has_shared_memory_and_tolerates_the_gpu_taint():
+    pod = engine_pod(owner(resources={"gpus": 3}))
+    c = pod["containers"][0]
+    assert c["args"][c["args"].index("--device") + 1] == "cuda"
+    shm = next(v for v in pod["volumes"] if v["name"] == "dshm")
+    assert shm["emptyDir"] == {"medium": "Memory", "sizeLimit": "2Gi"}
+    assert {"name": "dshm", "mountPath": "/dev/shm"} in c["volumeMounts"]
+    assert pod["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists",
+                                   "effect": "NoSchedule"}]
+    assert "runtimeClassName" not in pod
+
+
+def test_gpu_pod_options_runtime_class_shm_size_and_own_tolerations():
+    own = [{"key": "nvidia.com/gpu", "operator": "Equal", "value": "a100",
+            "effect": "NoSchedule"}, {"key": "spot", "operator": "Exists"}]
+    pod = engine_pod(owner(resources={"gpus": 1, "runtimeClassName": "nvidia",
+                                      "shmSize": "8Gi", "tolerations": own}))
+    assert pod["runtimeClassName"] == "nvidia"
+    assert next(v for v in pod["volumes"] if v["name"] == "dshm")["emptyDir"][
+        "sizeLimit"] == "8Gi"
+    assert pod["tolerations"] == own  # the user's own toleration for the key wins
+
+
+def test_a_vllm_gpu_pod_gets_shared_memory_but_no_llmserve_flag():
+    pod = engine_pod(owner(engine={"kind": "vllm"}, resources={"gpus": 2},
+                           model={"source": "hf://Qwen/Qwen2.5-7B-Instruct", "name": "q"}))
+    assert "--device" not in pod["containers"][0]["args"]
+    assert any(v["name"] == "dshm" for v in pod["volumes"])
+
+
+def test_a_cpu_pod_has_none_of_the_gpu_additions():
+    pod = engine_pod(owner(resources={"cpu": "2"}))
+    assert "--device" not in pod["containers"][0]["args"]
+    assert not any(v["name"] == "dshm" for v in pod["volumes"])
+    assert "tolerations" not in pod and "runtimeClassName" not in pod

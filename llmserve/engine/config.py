@@ -86,6 +86,12 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.device == "auto":
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        elif self.device.startswith("cuda") and not torch.cuda.is_available():
+            # Asked for a GPU (the operator's GPU pods ask): never serve on the CPU instead.
+            raise ValueError(f"--device {self.device}, but CUDA is not available to this "
+                             f"process (torch.cuda.is_available() is False): no GPU is "
+                             f"visible, or the driver does not match; on Kubernetes, check "
+                             f"the node's NVIDIA runtime (spec.resources.runtimeClassName)")
         if self.dtype == "auto":
             from llmserve.platforms.cpu import auto_dtype
             self.dtype = auto_dtype(self.device)

@@ -233,6 +233,10 @@ def engine_container(owner: Owner) -> dict:
         # Classes reach the engine as request priorities; vLLM refuses a nonzero
         # priority unless it schedules by priority, and ours ignores it under fcfs.
         args += ["--scheduling-policy", "priority"]
+    if gpus and kind == "llmserve":
+        # A node whose runtime hides the GPU must not quietly serve on its CPU: with
+        # --device cuda the engine refuses to start without CUDA.
+        args += ["--device", "cuda"]
     args += list(engine.get("args", []))
     probe = {"httpGet": {"path": "/health", "port": "http"}}
     return {
@@ -247,7 +251,8 @@ def engine_container(owner: Owner) -> dict:
         "livenessProbe": {**probe, "periodSeconds": 10, "failureThreshold": 6},
         "securityContext": CONTAINER_SECURITY,
         "volumeMounts": [{"name": "cache", "mountPath": CACHE_DIR},
-                         {"name": "tmp", "mountPath": "/tmp"}, *mounts],
+                         {"name": "tmp", "mountPath": "/tmp"}, *mounts,
+                         *([{"name": "dshm", "mountPath": "/dev/shm"}] if gpus else [])],
     }
 
 
@@ -257,8 +262,23 @@ def resources(res: dict) -> dict:
         if res.get(key) is not None:
             requests[key] = limits[key] = str(res[key])
     if res.get("gpus"):
-        requests["nvidia.com/gpu"] = limits["nvidia.com/gpu"] = str(res["gpus"])
+        requests[GPU_RESOURCE] = limits[GPU_RESOURCE] = str(res["gpus"])
     return {k: v for k, v in (("requests", requests), ("limits", limits)) if v}
+
+
+GPU_RESOURCE = "nvidia.com/gpu"
+# GPU node pools are commonly tainted with the resource's name (GKE and AKS do it for
+# every GPU pool, and NVIDIA's GPU operator documents it): a GPU pod tolerates it.
+GPU_TOLERATION = {"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}
+# NCCL moves tensor-parallel traffic through /dev/shm; the container runtime's default
+# is 64 MiB, where NCCL fails or hangs. Memory-backed, counted against the pod's memory.
+DEFAULT_SHM_SIZE = "2Gi"
+
+
+def shared_memory_volume(res: dict) -> dict:
+    return {"name": "dshm",
+            "emptyDir": {"medium": "Memory", "sizeLimit": str(res.get("shmSize") or
+                                                              DEFAULT_SHM_SIZE)}}
 
 
 def engine_deployment(owner: Owner, replicas: int) -> dict:
@@ -277,8 +297,15 @@ def engine_deployment(owner: Owner, replicas: int) -> dict:
     }
     if res.get("nodeSelector"):
         pod_spec["nodeSelector"] = dict(res["nodeSelector"])
-    if res.get("tolerations"):
-        pod_spec["tolerations"] = list(res["tolerations"])
+    tolerations = list(res.get("tolerations") or [])
+    if res.get("gpus"):
+        pod_spec["volumes"].append(shared_memory_volume(res))
+        if not any(t.get("key") == GPU_RESOURCE for t in tolerations):
+            tolerations.append(GPU_TOLERATION)
+    if tolerations:
+        pod_spec["tolerations"] = tolerations
+    if res.get("runtimeClassName"):  # e.g. "nvidia" where it is not the node's default
+        pod_spec["runtimeClassName"] = res["runtimeClassName"]
     return {
         "apiVersion": "apps/v1", "kind": "Deployment",
         "metadata": meta(owner, names(owner)["engine"], "engine"),
