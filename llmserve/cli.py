@@ -191,9 +191,11 @@ def add_gateway_args(p: argparse.ArgumentParser, spill_over_flag: str = "--max-w
     g.add_argument("--no-endpoint-wait", type=float, default=0.0,
                    help="seconds a request waits for an endpoint when none exists "
                         "(scale from zero)")
-    g.add_argument("--max-in-flight", type=int, default=0,
+    g.add_argument("--max-in-flight", type=int, default=None,
                    help="requests one engine may have in flight before the gateway holds "
-                        "more back (0 = no cap)")
+                        "more back (0 = no cap). Default: with --tenants, the engine's "
+                        "max_num_seqs as its /metrics reports it, so requests queue "
+                        "fairly here; without, no cap")
     t = p.add_argument_group("tenants")
     t.add_argument("--tenants", default=None, metavar="FILE",
                    help="tenants file (classes, tenants, API keys, limits); re-read when it "

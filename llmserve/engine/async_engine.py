@@ -154,7 +154,8 @@ class AsyncLLMEngine:
         try:
             self.engine = LLMEngine(self.config)
             self._warm_up()
-            self.metrics = EngineMetrics(self.engine.model_name)
+            self.metrics = EngineMetrics(self.engine.model_name,
+                                         max_num_seqs=self.config.max_num_seqs)
         except BaseException as e:  # noqa: BLE001 - reported by start()
             self.error = e
             if self.engine is not None:

@@ -12,7 +12,8 @@ LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0
 
 
 class EngineMetrics:
-    def __init__(self, model_name: str, registry: CollectorRegistry | None = None):
+    def __init__(self, model_name: str, registry: CollectorRegistry | None = None,
+                 max_num_seqs: int | None = None):
         self.registry = registry or CollectorRegistry()
         self.model_name = model_name
         r, labels = self.registry, ["model_name"]
@@ -31,6 +32,12 @@ class EngineMetrics:
         self.waiting = gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled.")
         self.swapped = gauge("vllm:num_requests_swapped", "Requests swapped out to CPU.")
         self.kv_usage = gauge("vllm:kv_cache_usage_perc", "KV-cache usage, 1 = 100%.")
+        # What the gateway caps its in-flight requests at with tenants (endpoints.py):
+        # more would wait here, outside the gateway's fair queue.
+        self.max_num_seqs = gauge("llmserve:max_num_seqs",
+                                  "Sequences the engine runs at once (--max-num-seqs).")
+        if max_num_seqs is not None:
+            self.max_num_seqs.set(max_num_seqs)
         self.prefix_queries = counter("vllm:prefix_cache_queries",
                                       "Prompt tokens looked up in the prefix cache.")
         self.prefix_hits = counter("vllm:prefix_cache_hits",

@@ -4,6 +4,14 @@ In-flight counts are the gateway's own (exact and immediate); queue depth and KV
 usage are scraped from each engine's /metrics under vLLM's names, so real vLLM
 pods work too. An endpoint that fails a request before the first byte is ejected
 for a while and re-admitted once its /health answers 200.
+
+The cap on in-flight requests per endpoint (``--max-in-flight``) is what keeps
+requests queued in the gateway, where the tenants' fair queue orders them; past
+it, requests would wait in the engine, whose fair order only sees the requests
+the gateway let through. Left unset with tenants, each endpoint's cap is the
+``llmserve:max_num_seqs`` it exports (sequences it runs at once): an endpoint is
+held back until its first scrape has told, and one that exports no such gauge
+(vLLM) is not capped.
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ log = logging.getLogger(__name__)
 
 WAITING = "vllm:num_requests_waiting"
 KV_USAGE = "vllm:kv_cache_usage_perc"
+MAX_NUM_SEQS = "llmserve:max_num_seqs"
 
 
 @dataclass
@@ -31,6 +40,8 @@ class Endpoint:
     in_flight: int = 0
     waiting: float | None = None  # scraped; None until the first scrape
     kv_usage: float | None = None
+    max_num_seqs: float | None = None  # scraped; None where the engine does not say
+    scraped: bool = False  # its /metrics has answered at least once
     ejected_until: float = 0.0
     consecutive_failures: int = 0
     # In-flight requests per class priority (tenants only): a class's room counts
@@ -49,21 +60,22 @@ class Endpoint:
 
 
 def parse_engine_metrics(text: str) -> dict[str, float]:
-    """Queue depth and KV usage from Prometheus text, summed over label sets
-    (a pod may export several engines)."""
+    """Queue depth, KV usage and sequence capacity from Prometheus text, summed
+    over label sets (a pod may export several engines)."""
     out: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            if sample.name in (WAITING, KV_USAGE):
+            if sample.name in (WAITING, KV_USAGE, MAX_NUM_SEQS):
                 out[sample.name] = out.get(sample.name, 0.0) + sample.value
     return out
 
 
 class EndpointPool:
     def __init__(self, max_waiting: float = 16, max_kv_usage: float = 0.95,
-                 eject_seconds: float = 10.0, max_in_flight: int = 0):
+                 eject_seconds: float = 10.0, max_in_flight: int | None = 0):
         self.endpoints: dict[str, Endpoint] = {}
-        self.max_in_flight = max_in_flight  # per endpoint; 0 = no cap
+        # Per endpoint; 0 = no cap; None = each engine's reported max_num_seqs.
+        self.max_in_flight = max_in_flight
         self.max_waiting = max_waiting
         self.max_kv_usage = max_kv_usage
         self.eject_seconds = eject_seconds
@@ -80,10 +92,18 @@ class EndpointPool:
         self.changed.set()
 
     # --- what routing sees ----------------------------------------------------------------
+    def cap(self, ep: Endpoint) -> float:
+        """Requests ``ep`` may have in flight (inf: no cap)."""
+        if self.max_in_flight is not None:
+            return self.max_in_flight if self.max_in_flight > 0 else math.inf
+        if not ep.scraped:
+            return 0  # its capacity is not known yet: the first scrape tells it
+        return ep.max_num_seqs if ep.max_num_seqs else math.inf
+
     def saturated(self, ep: Endpoint) -> bool:
         return ((ep.waiting is not None and ep.waiting > self.max_waiting)
                 or (ep.kv_usage is not None and ep.kv_usage > self.max_kv_usage)
-                or (self.max_in_flight > 0 and ep.in_flight >= self.max_in_flight))
+                or ep.in_flight >= self.cap(ep))
 
     def free_slots(self, priority: int | None = None) -> float:
         """Requests of a class of ``priority`` the live endpoints can take now (inf
@@ -94,9 +114,7 @@ class EndpointPool:
             if ep.ejected or (ep.waiting is not None and ep.waiting > self.max_waiting) or \
                     (ep.kv_usage is not None and ep.kv_usage > self.max_kv_usage):
                 continue
-            if self.max_in_flight <= 0:
-                return math.inf
-            free += max(0, self.max_in_flight - ep.in_flight_at_or_above(priority))
+            free += max(0, self.cap(ep) - ep.in_flight_at_or_above(priority))
         return free
 
     def candidates(self, exclude: set[str] = frozenset()) -> list[Candidate]:
@@ -135,11 +153,13 @@ class EndpointPool:
                         ep.ejected_until = time.monotonic() + self.eject_seconds
                         return
             async with session.get(ep.url + "/metrics", timeout=timeout) as r:
+                ep.scraped = True  # it answered: what it did not say, it does not export
                 if r.status != 200:
                     return
                 values = parse_engine_metrics(await r.text())
             ep.waiting = values.get(WAITING)
             ep.kv_usage = values.get(KV_USAGE)
+            ep.max_num_seqs = values.get(MAX_NUM_SEQS)
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
             if ep.ejected_until:
                 ep.ejected_until = time.monotonic() + self.eject_seconds

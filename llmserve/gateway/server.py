@@ -64,7 +64,9 @@ class GatewayConfig:
     no_endpoint_wait: float = 0.0
     # Requests one endpoint may have in flight before the gateway holds more back
     # (0 = no cap; with tenants, the cap is what makes the class queues matter).
-    max_in_flight: int = 0
+    # None: with tenants, what each engine reports it runs at once (max_num_seqs,
+    # endpoints.py); without, no cap.
+    max_in_flight: int | None = None
     tenants_file: str | None = None
     peers: list[str] | None = None  # other gateway replicas' URLs
     peer_service: str | None = None  # "namespace/name" of the gateway's headless Service
@@ -105,8 +107,11 @@ class ApiKeys:
 class Gateway:
     def __init__(self, config: GatewayConfig):
         self.config = config
+        cap = config.max_in_flight
+        if cap is None and not config.tenants_file:
+            cap = 0
         self.pool = EndpointPool(config.max_waiting, config.max_kv_usage, config.eject_seconds,
-                                 config.max_in_flight)
+                                 cap)
         self.policy = make_policy(config.policy, config.load_factor)
         self.metrics = GatewayMetrics()
         self.keys = ApiKeys(config.api_key_file, os.environ.get("LLMSERVE_API_KEYS"))
