@@ -304,6 +304,51 @@ def test_tenants_from_a_secret_limit_through_the_gateway(kubectl, installed):
     kubectl("delete", "secret", "tenants", "-n", NS)
 
 
+def owned_children(kubectl, name: str) -> dict:
+    """(kind, name) -> uid of every object labelled as ``name``'s child."""
+    kinds = "deployments,services,serviceaccounts,roles,rolebindings,networkpolicies"
+    items = get_json(kubectl, kinds, "-n", NS, "-l",
+                     f"serving.llmserve.io/deployment={name}")["items"]
+    return {(i["kind"], i["metadata"]["name"]): i["metadata"]["uid"] for i in items}
+
+
+def test_removing_tenants_prunes_the_peers_service_and_nothing_else(kubectl, installed):
+    """A child the spec stops calling for is deleted, under the chart's RBAC; the other
+    children stay (same objects), and a look-alike the resource does not own survives."""
+    kubectl("create", "secret", "generic", "prune-tenants", "-n", NS,
+            "--from-literal=tenants.yaml=" + TENANTS_FILE)
+    spec = {"apiVersion": "serving.llmserve.io/v1alpha1", "kind": "LLMDeployment",
+            "metadata": {"name": "pruned", "namespace": NS},
+            "spec": {"model": {"source": "smollm2-135m-instruct", "name": "smol"},
+                     "replicas": 0,  # no engine process needed: children are the point
+                     "gateway": {"tenantsSecret": {"name": "prune-tenants"}}}}
+    kubectl("apply", "-f", "-", input=json.dumps(spec))
+    peers = ("Service", "pruned-gateway-peers")
+    before = wait_for(lambda: (k := owned_children(kubectl, "pruned")) and len(k) == 9 and k,
+                      90, what="8 children and the peers Service")
+    assert peers in before
+    lookalike = {"apiVersion": "v1", "kind": "Service", "metadata": {
+        "name": "pruned-lookalike", "namespace": NS, "labels": {
+            "serving.llmserve.io/deployment": "pruned",
+            "app.kubernetes.io/managed-by": "llmserve-operator"}},
+        "spec": {"clusterIP": "None", "ports": [{"port": 80}]}}
+    kubectl("apply", "-f", "-", input=json.dumps(lookalike))
+    kubectl("patch", "llmd", "pruned", "-n", NS, "--type=json",
+            "-p", '[{"op": "remove", "path": "/spec/gateway/tenantsSecret"}]')
+    wait_for(lambda: peers not in owned_children(kubectl, "pruned"), 60,
+             what="the peers Service pruned")
+    after = owned_children(kubectl, "pruned")
+    assert after.pop(("Service", "pruned-lookalike")), "not ours: must survive"
+    assert after == {k: uid for k, uid in before.items() if k != peers}
+    events = get_json(kubectl, "events", "-n", NS,
+                      "--field-selector", "involvedObject.name=pruned")["items"]
+    assert any(e["reason"] == "Pruned" and "pruned-gateway-peers" in e["message"]
+               for e in events)
+    kubectl("delete", "llmd", "pruned", "-n", NS)
+    kubectl("delete", "service", "pruned-lookalike", "-n", NS)
+    kubectl("delete", "secret", "prune-tenants", "-n", NS)
+
+
 def test_autoscaling_up_under_load_and_back_down(kubectl, installed):
     t0 = time.monotonic()
     spec = {"apiVersion": "serving.llmserve.io/v1alpha1", "kind": "LLMDeployment",

@@ -123,22 +123,10 @@ async def reconcile(body, patch, logger) -> None:
             patch.status["conditions"] = merge_conditions(status.get("conditions"), conditions)
             patch.status["observedGeneration"] = o.generation
             return
-        step = None
         try:
-            for manifest in desired:
-                step = f"applying {manifest['kind']} {manifest['metadata']['name']}"
-                await kube.apply(api, manifest)
-            # After applying, so that what replaces a child (e.g. a gateway no longer
-            # pointed at its peers) is in place before the child goes.
-            step = "listing children to prune"
-            for obj in stale_children(o, desired, await kube.list_children(
-                    api, o.namespace, children_selector(o))):
-                step = f"pruning {obj['kind']} {obj['metadata']['name']}"
-                await kube.delete(api, obj)
-                kopf.info(body, reason="Pruned", message=f"deleted {obj['kind']} "
-                          f"{obj['metadata']['name']}: the spec no longer calls for it")
-        except client.exceptions.ApiException as e:
-            message = f"{step} failed: {e.status} {e.reason}: {api_message(e)}"
+            await converge(api, body, o, desired)
+        except ConvergeError as e:
+            message = str(e)
             kopf.warn(body, reason="ApplyFailed", message=message)
             patch.status["conditions"] = merge_conditions(status.get("conditions"), [
                 condition("Degraded", True, "ApplyFailed", message, o.generation)])
@@ -165,6 +153,30 @@ async def reconcile(body, patch, logger) -> None:
         "desiredReplicas": replicas, "selector": selector_string(o),
         "endpoint": endpoint_url(o),
         "conditions": merge_conditions(status.get("conditions"), conditions)})
+
+
+class ConvergeError(Exception):
+    """An API call of ``converge`` failed; the message names the step."""
+
+
+async def converge(api, body, o: Owner, desired: list[dict]) -> None:
+    """Apply every desired child, then prune those of ours it no longer has (after, so
+    whatever replaces a child, e.g. a gateway no longer pointed at its peers, is in
+    place before the child goes)."""
+    step = ""
+    try:
+        for manifest in desired:
+            step = f"applying {manifest['kind']} {manifest['metadata']['name']}"
+            await kube.apply(api, manifest)
+        step = "listing children to prune"
+        live = await kube.list_children(api, o.namespace, children_selector(o))
+        for obj in stale_children(o, desired, live):
+            step = f"pruning {obj['kind']} {obj['metadata']['name']}"
+            await kube.delete(api, obj)
+            kopf.info(body, reason="Pruned", message=f"deleted {obj['kind']} "
+                      f"{obj['metadata']['name']}: the spec no longer calls for it")
+    except client.exceptions.ApiException as e:
+        raise ConvergeError(f"{step} failed: {e.status} {e.reason}: {api_message(e)}") from e
 
 
 async def check_tenants(api, o: Owner) -> None:
