@@ -304,3 +304,62 @@ def test_engine_config_refuses_blocks_the_kernels_cannot_tile():
     with pytest.raises(ValueError, match="block_size must be a power of two >= 16"):
         EngineConfig(model="none", device="cpu", attention_backend="triton", block_size=8)
     EngineConfig(model="none", device="cpu", attention_backend="torch", block_size=8)
+
+
+def _unspecialised(kernel) -> set[str]:
+    """The arguments a kernel was declared not to specialise on (``do_not_specialize``),
+    whether Triton built it for the GPU or for its interpreter."""
+    if INTERPRETED:
+        return set(kernel.kwargs.get("do_not_specialize") or ())
+    return {p.name for p in kernel.params if p.do_not_specialize}
+
+
+def _specialisation(value: int) -> str:
+    """The classes Triton compiles a separate variant for."""
+    return "one" if value == 1 else "multiple of 16" if value % 16 == 0 else "other"
+
+
+def test_no_kernel_specialises_on_what_changes_between_batches():
+    """Every kernel the engine launches, over batches of 1, 3, 16 and 17 sequences with
+    block tables 1 to 16 blocks wide, decode-only (one pass and split-KV) and mixed:
+    an integer argument whose specialisation class differs between those launches
+    would compile a new variant at a user's request, after the warm-up. Each must be
+    declared ``do_not_specialize`` (issue 27: num_seqs and the tables' row stride)."""
+    import inspect
+    kernels = [triton_attention._write_kv_kernel, triton_attention._unified_attention_kernel,
+               triton_attention._split_decode_kernel, triton_attention._split_reduce_kernel]
+    seen: dict[tuple[str, str], set[str]] = {}
+
+    def recorder(kernel):
+        params = inspect.signature(kernel.fn).parameters
+
+        def hook(*args, **kwargs):  # positional: runtime arguments; keywords: constexprs
+            for name, value in zip(params, args):
+                if isinstance(value, int) and not isinstance(value, bool):
+                    seen.setdefault((kernel.fn.__name__, name), set()).add(
+                        _specialisation(value))
+        return hook
+
+    hooks = [(k, recorder(k)) for k in kernels]
+    for kernel, hook in hooks:
+        kernel.add_pre_run_hook(hook)
+    try:
+        for num_seqs, context in ((1, 16), (3, 40), (16, 256), (17, 20)):
+            for shapes in ([(1, context)] * num_seqs, [(3, context)] + [(1, 17)] * num_seqs):
+                batch = make_batch(shapes, 2, 1, 16, 16, torch.float32, seed=num_seqs)
+                for splits in ((None, 2) if shapes[0][0] == 1 else (None,)):
+                    out = torch.empty_like(batch["q"])
+                    triton_attention.unified_attention(out=out, num_splits=splits, **batch)
+                kv = torch.zeros(len(shapes), 1, 16, device=DEVICE)
+                triton_attention.write_kv_cache(kv, kv, batch["k_cache"], batch["v_cache"],
+                                                torch.arange(len(shapes), device=DEVICE))
+    finally:
+        for kernel, hook in hooks:
+            kernel.pre_run_hooks.remove(hook)
+    assert {k for k, _ in seen} == {k.fn.__name__ for k in kernels}
+    varying = {(k, name) for (k, name), classes in seen.items() if len(classes) > 1}
+    assert {name for _, name in varying} == {"num_seqs", "stride_bt"}
+    by_name = {k.fn.__name__: k for k in kernels}
+    for kernel, name in sorted(varying):
+        assert name in _unspecialised(by_name[kernel]), \
+            f"{kernel} specialises on {name}, which changes between batches"

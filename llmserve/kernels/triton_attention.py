@@ -116,7 +116,12 @@ def _attend_blocks(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, block_table_ptr,
     return acc, m_i, l_i
 
 
-@triton.jit
+# Triton compiles one variant of a kernel per "specialisation" of its integer arguments
+# (equal to 1, divisible by 16, other). ``num_seqs`` and the block tables' row stride
+# (the step's longest table) change with every batch, so specialising on them would
+# make early requests of a new shape wait for a compile the warm-up never saw; they are
+# plain runtime integers instead (tests/test_kernels.py checks every integer argument).
+@triton.jit(do_not_specialize=["num_seqs", "stride_bt"])
 def _unified_attention_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, query_start_loc_ptr, seq_lens_ptr,
         block_tables_ptr, num_seqs, scale,
@@ -163,7 +168,7 @@ def _unified_attention_kernel(
     tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty), mask=io_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_bt"])
 def _split_decode_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
         query_start_loc_ptr, seq_lens_ptr, block_tables_ptr, scale,
@@ -307,8 +312,10 @@ def warm_up(*, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int
             dtype: torch.dtype, device: torch.device, max_seq_len: int,
             max_num_seqs: int) -> int:
     """Compile every kernel variant the engine can launch, on tiny inputs: prefill and
-    decode, each split count of split-KV decode, and the batch sizes Triton specialises
-    integer arguments on (1, multiples of 16, others). Returns the number of launches."""
+    decode, and each split count of split-KV decode. The kernels do not specialise on
+    the batch (``do_not_specialize``); batches of 1, 2 and 16 sequences (the integer
+    classes Triton specialises on: 1, multiples of 16, others) still run, so a kernel
+    that did would be compiled here. Returns the number of launches."""
     check_supported(block_size=block_size, head_dim=head_dim, num_heads=num_heads,
                     num_kv_heads=num_kv_heads, dtype=dtype)
     batch_sizes = sorted({n for n in (1, 2, 16) if n <= max_num_seqs})
