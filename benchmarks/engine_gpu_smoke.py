@@ -1,10 +1,13 @@
 """The engine end to end on a GPU: start-up (load + warm-up), greedy agreement of the
 Triton and torch attention backends in bf16, and decode throughput by batch size.
 
-The model is a random Llama-shaped checkpoint written on the spot (no hub access on
-the GPU machine), by default about 1B parameters with Llama-3's head layout (32 query
-heads, 8 KV heads, head dim 64). With random weights greedy tokens are near-ties more
-often than with a trained model, so the backends' agreement is reported, not asserted.
+The model is a random-weight checkpoint (``random_llama.py``; the GPU machine has no hub
+access), by default Llama-3.2-1B's shape (32 query heads, 8 KV heads of 64), or the
+directory ``--model`` names (``gpu_check.sh`` writes one and passes it to every step).
+With random weights greedy tokens are near-ties more often than with a trained model,
+so the backends' agreement is reported, not asserted. Each engine is released (gc and
+the allocator's cache emptied) before the next is built: the next one sizes its KV
+cache from the device's free memory.
 
     python benchmarks/engine_gpu_smoke.py --out results/engine_gpu.json
     python benchmarks/engine_gpu_smoke.py --smoke   # CPU, tiny model, fp32: the script runs
@@ -14,30 +17,32 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
+if not torch.cuda.is_available():  # --smoke: the Triton kernels in the interpreter
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from random_llama import release_device_memory, write_random_llama  # noqa: E402
+
 
 def write_checkpoint(out: Path, smoke: bool) -> Path:
-    from transformers import LlamaConfig, LlamaForCausalLM
-    size = (dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                 num_attention_heads=4, num_key_value_heads=2) if smoke else
-            dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-                 num_attention_heads=32, num_key_value_heads=8))
-    config = LlamaConfig(vocab_size=32000, max_position_embeddings=4096, rope_theta=500000.0,
-                         torch_dtype="bfloat16", **size)
-    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
-        model = LlamaForCausalLM(config).to(torch.bfloat16 if not smoke else torch.float32)
-    model.save_pretrained(out)
-    from tokenizers import Tokenizer, models
-    from transformers import PreTrainedTokenizerFast
-    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(32000)}, unk_token="t0"))
-    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="t2").save_pretrained(out)
-    return out
+    """The default model: Llama-3.2-1B-shaped, or a tiny one for --smoke."""
+    return write_random_llama(out, "tiny" if smoke else "llama-1b")
+
+
+def model_shape(path: Path) -> dict:
+    """What the results were measured on (the config's size fields)."""
+    config = json.loads((path / "config.json").read_text())
+    return {k: config.get(k) for k in ("num_hidden_layers", "hidden_size", "num_attention_heads",
+                                       "num_key_value_heads", "vocab_size")}
 
 
 def build(path: Path, backend: str, dtype: str, device: str):
@@ -72,16 +77,33 @@ def decode_throughput(engine, batch: int, prompt_len: int, max_tokens: int) -> f
     return sum(map(len, outs)) / (time.perf_counter() - t0)
 
 
-def main() -> int:
+def measure_backend(path: Path, backend: str, prompts, smoke: bool, results: dict):
+    """Start an engine on ``backend``, its greedy tokens for ``prompts`` and (Triton)
+    decode throughput; the engine is unreachable once this returns or raises."""
+    device, dtype = ("cpu", "float32") if smoke else ("cuda", "bfloat16")
+    engine, startup = build(path, backend, dtype, device)
+    results[f"{backend}_startup"] = startup
+    try:
+        tokens = greedy(engine, prompts, 8 if smoke else 32)
+        if backend == "triton":
+            results["decode_tokens_per_s"] = {
+                str(b): decode_throughput(engine, b, 16 if smoke else 128, 4 if smoke else 64)
+                for b in ((1, 4) if smoke else (1, 32, 128))}
+        return tokens
+    finally:
+        engine.shutdown()
+
+
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--smoke", action="store_true", help="tiny model on the CPU, fp32")
+    ap.add_argument("--model", help="a checkpoint directory (default: write a random one)")
     ap.add_argument("--out", default="benchmarks/results/engine_gpu.json")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if not args.smoke and not torch.cuda.is_available():
         print("no CUDA device: nothing to measure (use --smoke to exercise the script)")
         return 0
-    device, dtype = ("cpu", "float32") if args.smoke else ("cuda", "bfloat16")
-    results: dict = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu"}
+    results: dict = {"device": "cpu" if args.smoke else torch.cuda.get_device_name()}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
 
@@ -89,23 +111,21 @@ def main() -> int:
         out.write_text(json.dumps(results, indent=2))
 
     with tempfile.TemporaryDirectory() as tmp:
-        path = write_checkpoint(Path(tmp) / "model", args.smoke)
+        path = Path(args.model) if args.model else write_checkpoint(Path(tmp) / "model",
+                                                                    args.smoke)
+        results["model"] = model_shape(path)
         rng = random.Random(0)
-        prompts = [[rng.randrange(3, 32000) for _ in range(rng.randint(8, 600))]
+        longest = 40 if args.smoke else 600  # the smoke's Triton runs in the interpreter
+        prompts = [[rng.randrange(3, 32000) for _ in range(rng.randint(8, longest))]
                    for _ in range(8)]
         tokens = {}
         for backend in ("triton", "torch"):
             try:
-                engine, startup = build(path, backend, dtype, device)
-                results[f"{backend}_startup"] = startup
-                tokens[backend] = greedy(engine, prompts, 32)
-                if backend == "triton":
-                    results["decode_tokens_per_s"] = {
-                        str(b): decode_throughput(engine, b, 128, 8 if args.smoke else 64)
-                        for b in ((1, 4) if args.smoke else (1, 32, 128))}
-                del engine
+                tokens[backend] = measure_backend(path, backend, prompts, args.smoke, results)
             except Exception as e:  # noqa: BLE001 - record and go on
                 results[f"{backend}_error"] = repr(e)
+            finally:  # before the next engine sizes its KV cache from the free memory
+                release_device_memory()
             save()
         if len(tokens) == 2:
             a, b = tokens["triton"], tokens["torch"]

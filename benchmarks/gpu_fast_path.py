@@ -5,7 +5,9 @@ blocks and start-up time.
 Configurations: ``off`` (the default), ``cuda_graphs``, ``staging_tables``
 (``--pinned-staging --device-block-tables``) and ``all`` (those three and
 ``--profile-kv-cache``). The model is the random Llama-shaped checkpoint of
-``engine_gpu_smoke.py`` (about 1B parameters, 32/8 heads of 64).
+``engine_gpu_smoke.py`` (about 1B parameters, 32/8 heads of 64), or the directory
+``--model`` names (``gpu_check.sh`` passes a SmolLM2-135M-shaped one: the host's
+per-step work, which these flags cut, matters most on small models).
 
 Greedy tokens of ``staging_tables`` must equal ``off`` exactly (same kernels, same
 inputs). With CUDA graphs a bucket's split-KV count is fixed for ``max_model_len``
@@ -24,7 +26,6 @@ tests do.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import random
@@ -40,7 +41,8 @@ if not torch.cuda.is_available():  # --smoke: the Triton kernels in the interpre
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from engine_gpu_smoke import greedy, write_checkpoint  # noqa: E402
+from engine_gpu_smoke import greedy, model_shape, write_checkpoint  # noqa: E402
+from random_llama import release_device_memory  # noqa: E402
 
 CONFIGS = {
     "off": {},
@@ -130,26 +132,30 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> dict:
             "sequences": len(a), "first_difference_at": first}
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--smoke", action="store_true", help="tiny model on the CPU, fp32")
+    ap.add_argument("--model", help="a checkpoint directory (default: write a random one)")
     ap.add_argument("--out", default="benchmarks/results/gpu_fast_path.json")
     ap.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if not args.smoke and not torch.cuda.is_available():
         print("no CUDA device: nothing to measure (use --smoke to exercise the script)")
         return 0
     batches = (1, 3) if args.smoke else (1, 8, 32, 64)
-    steps = 3 if args.smoke else 30
+    steps = 2 if args.smoke else 30
+    prompt_len = 16 if args.smoke else 128
     results: dict = {"device": torch.cuda.get_device_name() if not args.smoke else "cpu",
                      "configs": {}}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     failed = False
     with tempfile.TemporaryDirectory() as tmp:
-        path = write_checkpoint(Path(tmp) / "model", args.smoke)
+        path = Path(args.model) if args.model else write_checkpoint(Path(tmp) / "model",
+                                                                    args.smoke)
+        results["model"] = model_shape(path)
         rng = random.Random(0)
-        longest = 60 if args.smoke else 600
+        longest = 24 if args.smoke else 600  # the smoke's Triton runs in the interpreter
         prompts = [[rng.randrange(3, 32000) for _ in range(rng.randint(8, longest))]
                    for _ in range(8)]
         tokens = {}
@@ -159,8 +165,8 @@ def main() -> int:
             try:
                 engine, startup = build(path, CONFIGS[name], args.smoke, max(batches))
                 res.update(startup)
-                tokens[name] = greedy(engine, prompts, 8 if args.smoke else 32)
-                res["decode_step_ms"] = {str(b): decode_step_ms(engine, b, steps)
+                tokens[name] = greedy(engine, prompts, 4 if args.smoke else 32)
+                res["decode_step_ms"] = {str(b): decode_step_ms(engine, b, steps, prompt_len)
                                          for b in batches}
                 if not args.smoke:
                     try:
@@ -172,9 +178,7 @@ def main() -> int:
                 failed = True
             finally:  # the next engine needs this one's KV pool and graphs freed
                 engine = None
-                gc.collect()
-                if torch.cuda.is_available():
-                    torch.cuda.empty_cache()
+                release_device_memory()
             if "off" in tokens and name in tokens and name != "off":
                 res["greedy_vs_off"] = agreement(tokens["off"], tokens[name])
                 base = results["configs"]["off"].get("decode_step_ms", {})

@@ -6,7 +6,7 @@
 2. A mixed prefill + decode batch.
 3. bf16 correctness of the Triton kernels against the PyTorch reference.
 4. End-to-end decode throughput of a ~1B-parameter Llama-shaped model with random
-   weights (bf16) at batch 64 and 256.
+   weights (bf16, ``random_llama.py``, or ``--e2e-model``) at batch 64 and 256.
 
 Kernel times come from CUDA events (``triton.testing.do_bench``: median, L2 flushed
 between calls), so they include the host's launch overhead whenever that is longer
@@ -193,59 +193,14 @@ def mixed(device, dtype) -> dict:
             "tflops": flops / t / 1e12}
 
 
-def write_random_llama(path: Path, hidden, layers, heads, kv_heads, inter, vocab) -> Path:
-    """A Llama checkpoint with random bf16 weights and the built-in tokenizer."""
-    import shutil
-
-    import torch
-    from safetensors.torch import save_file
-
-    from llmserve.engine.models.loader import resolve_model
-    path.mkdir(parents=True, exist_ok=True)
-    head_dim = hidden // heads
-    g = torch.Generator().manual_seed(0)
-    t = {}
-
-    def w(name, *shape):
-        t[name] = (torch.randn(*shape, generator=g) * 0.02).to(torch.bfloat16)
-
-    w("model.embed_tokens.weight", vocab, hidden)
-    for i in range(layers):
-        p = f"model.layers.{i}."
-        w(p + "self_attn.q_proj.weight", heads * head_dim, hidden)
-        w(p + "self_attn.k_proj.weight", kv_heads * head_dim, hidden)
-        w(p + "self_attn.v_proj.weight", kv_heads * head_dim, hidden)
-        w(p + "self_attn.o_proj.weight", hidden, heads * head_dim)
-        w(p + "mlp.gate_proj.weight", inter, hidden)
-        w(p + "mlp.up_proj.weight", inter, hidden)
-        w(p + "mlp.down_proj.weight", hidden, inter)
-        t[p + "input_layernorm.weight"] = torch.ones(hidden, dtype=torch.bfloat16)
-        t[p + "post_attention_layernorm.weight"] = torch.ones(hidden, dtype=torch.bfloat16)
-    t["model.norm.weight"] = torch.ones(hidden, dtype=torch.bfloat16)
-    save_file(t, path / "model.safetensors")
-    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
-              "hidden_size": hidden, "intermediate_size": inter, "num_hidden_layers": layers,
-              "num_attention_heads": heads, "num_key_value_heads": kv_heads,
-              "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "max_position_embeddings": 4096,
-              "vocab_size": vocab, "tie_word_embeddings": True, "bos_token_id": 1,
-              "eos_token_id": 2}
-    (path / "config.json").write_text(json.dumps(config))
-    builtin = resolve_model("smollm2-135m-instruct")
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(builtin / name, path / name)
-    n_params = sum(x.numel() for x in t.values())
-    print(f"random Llama: {n_params / 1e9:.2f} B parameters", flush=True)
-    return path
-
-
 def e2e_decode(args, device) -> list[dict]:
+    from random_llama import write_random_llama
+
     from llmserve import LLM, SamplingParams
-    shape = (dict(hidden=2048, layers=16, heads=32, kv_heads=8, inter=8192, vocab=49152)
-             if not args.smoke else
-             dict(hidden=128, layers=2, heads=4, kv_heads=2, inter=256, vocab=49152))
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        path = write_random_llama(Path(tmp) / "llama", **shape)
+        path = (Path(args.e2e_model) if args.e2e_model else
+                write_random_llama(Path(tmp) / "llama", "tiny" if args.smoke else "llama-1b"))
         llm = LLM(str(path), dtype="bfloat16" if device == "cuda" else "float32",
                   max_num_seqs=max(args.e2e_batches), max_num_batched_tokens=8192)
         for batch in args.e2e_batches:
@@ -331,6 +286,8 @@ def main() -> int:
     ap.add_argument("--contexts", type=int, nargs="+", default=[512, 2048, 8192, 32768])
     ap.add_argument("--e2e-batches", type=int, nargs="+", default=[64, 256])
     ap.add_argument("--e2e-tokens", type=int, default=128)
+    ap.add_argument("--e2e-model", help="checkpoint directory for the e2e section "
+                    "(default: write a random Llama-3.2-1B-shaped one)")
     ap.add_argument("--smoke", action="store_true",
                     help="tiny sizes on CPU through Triton's interpreter")
     args = ap.parse_args()
@@ -346,6 +303,7 @@ def main() -> int:
     if args.smoke:
         args.batches, args.contexts, args.e2e_batches, args.e2e_tokens = [2], [64], [2], 4
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    sys.path.insert(0, str(Path(__file__).resolve().parent))  # random_llama
     out = Path(args.out)
     report = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu (smoke)",
               "torch": torch.__version__, "triton": triton.__version__,
