@@ -196,6 +196,13 @@ def add_gateway_args(p: argparse.ArgumentParser, spill_over_flag: str = "--max-w
                         "more back (0 = no cap). Default: with --tenants, the engine's "
                         "max_num_seqs as its /metrics reports it, so requests queue "
                         "fairly here; without, no cap")
+    g.add_argument("--upstream-first-byte-timeout", type=float, default=60.0, metavar="S",
+                   help="hung engines: after S s without an engine's response head, ask its "
+                        "/health; no answer = hung: ejected, the request retried elsewhere "
+                        "(an answer = busy: the request waits on). 0 = never")
+    g.add_argument("--upstream-idle-timeout", type=float, default=30.0, metavar="S",
+                   help="hung engines: the same after S s without a body chunk; a hung "
+                        "engine's streams end with an SSE error event and [DONE]. 0 = never")
     t = p.add_argument_group("tenants")
     t.add_argument("--tenants", default=None, metavar="FILE",
                    help="tenants file (classes, tenants, API keys, limits); re-read when it "
@@ -222,7 +229,9 @@ def gateway_config(args, backends: list[str]):
                          max_in_flight=args.max_in_flight, tenants_file=args.tenants,
                          peers=args.peer, peer_service=args.peer_service,
                          peer_interval=args.peer_interval,
-                         header_timeout=args.header_timeout, body_timeout=args.body_timeout)
+                         header_timeout=args.header_timeout, body_timeout=args.body_timeout,
+                         upstream_first_byte_timeout=args.upstream_first_byte_timeout,
+                         upstream_idle_timeout=args.upstream_idle_timeout)
 
 
 def cmd_gateway(args) -> int:

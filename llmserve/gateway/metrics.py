@@ -19,9 +19,19 @@ class GatewayMetrics:
         self.registry = r = CollectorRegistry()
         self.requests = Counter("llmserve_gateway_requests", "Requests answered.",
                                 ["path", "code", "tenant", "class", "outcome"], registry=r)
-        self.upstream_errors = Counter("llmserve_gateway_upstream_errors",
-                                       "Upstream failures (connection errors, 5xx).",
-                                       ["endpoint"], registry=r)
+        self.upstream_errors = Counter(
+            "llmserve_gateway_upstream_errors",
+            "Upstream failures, each of which ejects the endpoint, by reason: connection "
+            "(error before the response head), status (5xx), broken (failed mid-body), "
+            "timeout (hung: silent past --upstream-first-byte-timeout or "
+            "--upstream-idle-timeout and /health unanswered).",
+            ["endpoint", "reason"], registry=r)
+        self.upstream_stalls = Counter(
+            "llmserve_gateway_upstream_stalls",
+            "Waits on an upstream that outlasted their timeout, by verdict: busy (its "
+            "/health answered; the wait went on) or hung (the request was ended: retried "
+            "elsewhere before its first byte, else ended as a broken stream).",
+            ["endpoint", "verdict"], registry=r)
         self.upstream_overloaded = Counter(
             "llmserve_gateway_upstream_overloaded",
             "Upstream 503 server_overloaded answers (retried elsewhere, not ejected).",

@@ -1,9 +1,20 @@
 """The gateway's HTTP side: authenticate, pick an endpoint, proxy, stream back.
 
 A request is retried on another endpoint when the chosen one fails before the
-first byte reached the client (connection error or 5xx); after that the bytes
-pass through unchanged, chunk by chunk. A client that goes away cancels the
+first byte reached the client (connection error, 5xx, or a hang); after that the
+bytes pass through unchanged, chunk by chunk. A client that goes away cancels the
 handler, which closes the upstream connection, and the engine aborts the request.
+
+A hung engine (alive, accepting connections, never answering: SIGSTOP, a frozen
+host, a blocked event loop) is found by two timers, one for the response head
+(``upstream_first_byte_timeout``) and one between body chunks
+(``upstream_idle_timeout``). A timer that expires is a suspicion, not a verdict:
+the gateway then asks the engine's /health, and only an engine that does not answer
+it at all is hung. It is ejected like a dead one, and every request waiting on it
+ends at once: retried elsewhere when nothing reached the client yet, otherwise an
+SSE error event and ``[DONE]`` (a non-SSE body is cut off). An engine that answers is
+busy, not hung (a long prefill in a deep queue, a long non-streamed generation, which
+sends nothing until it is complete), and the request keeps waiting.
 """
 
 from __future__ import annotations
@@ -74,6 +85,19 @@ class GatewayConfig:
     # Slow clients: seconds to send a request head / a request body.
     header_timeout: float = HEADER_TIMEOUT
     body_timeout: float = BODY_TIMEOUT
+    # Hung engines: seconds a request waits for the response head / for the next body
+    # chunk before the gateway asks the engine's /health (0 = never). Only an engine
+    # that does not answer is hung (ejected, its requests ended); one that answers is
+    # busy and the request waits on. So these bound how long a hang goes unnoticed,
+    # never how long a request may take: a healthy engine may send no head for minutes
+    # (a long prefill behind a deep queue under load; a non-streamed answer comes whole,
+    # after its last token). 60 s for the head: long enough that even a long prefill
+    # under load rarely costs a probe, and probes should be rare, since a wrong verdict
+    # (a probe unanswered on a starved CPU) ends every request on the engine. 30 s
+    # between chunks: a healthy stream sends a token every fraction of a second even
+    # under load, so half a minute of silence is already suspicious.
+    upstream_first_byte_timeout: float = 60.0
+    upstream_idle_timeout: float = 30.0
 
 
 class ApiKeys:
@@ -129,6 +153,11 @@ class Gateway:
         self.draining = False
         self.in_flight = 0
         self._tasks: list[asyncio.Task] = []
+        # Hung engines: each forwarded request's watch, per endpoint (what the sweeper
+        # checks for waits past their timeout), and the /health probe running per
+        # endpoint (one at a time, however many of its requests are late).
+        self._watches: dict[str, set[UpstreamWatch]] = {}
+        self._probes: dict[str, asyncio.Task] = {}
 
     # --- lifecycle --------------------------------------------
     async def start(self) -> None:
@@ -145,6 +174,11 @@ class Gateway:
                 namespace, name, self.pool.set_urls, self.config.k8s_port_name)))
         self._tasks.append(asyncio.create_task(
             self.pool.scrape_forever(self.session, self.config.scrape_interval)))
+        timeouts = [t for t in (self.config.upstream_first_byte_timeout,
+                                self.config.upstream_idle_timeout) if t > 0]
+        if timeouts:  # a hang is seen within a quarter of the timeout (1 s at most)
+            self._tasks.append(asyncio.create_task(
+                self._sweep_forever(max(0.05, min(1.0, min(timeouts) / 4)))))
         if self.tenants:
             self._start_tenants()
 
@@ -171,9 +205,10 @@ class Gateway:
             await asyncio.sleep(interval)
 
     async def close(self) -> None:
-        for t in self._tasks:
+        tasks = [*self._tasks, *self._probes.values()]
+        for t in tasks:
             t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
         if self.session:
             await self.session.close()
 
@@ -221,6 +256,9 @@ class Gateway:
             last_error = result
         if OVERLOADED in request:  # engines were overloaded: say so, and when to retry
             return overloaded_response(request[OVERLOADED], last_error)
+        if HUNG in request:  # an engine took the request and never answered
+            raise APIError(504, f"no engine answered in time: {request[HUNG]}",
+                           "server_error", code="upstream_timeout")
         raise APIError(503, f"no engine could serve the request: {last_error}",
                        "service_unavailable")
 
@@ -239,14 +277,19 @@ class Gateway:
         gauge.inc()
         upstream = None
         done = False
+        watch = self._watch(url)
         try:
             t0 = time.perf_counter()
             try:
-                upstream = await self.session.request(
+                upstream = await watch.head(self.session.request(
                     request.method, url + request.rel_url.path_qs, data=body,
-                    headers=self.upstream_headers(request))
+                    headers=self.upstream_headers(request)),
+                    self.config.upstream_first_byte_timeout)
+            except UpstreamHung as e:  # ejected already; nothing reached the client
+                request[HUNG] = f"{url}: {e}"
+                return request[HUNG]
             except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
-                self._failed(url)
+                self._failed(url, "connection")
                 return f"{url}: {e!r}"
             self.metrics.upstream_latency.observe(time.perf_counter() - t0)
             if upstream.status == 503 and await overloaded(upstream):
@@ -256,13 +299,14 @@ class Gateway:
                 done = upstream.content.at_eof()
                 return f"{url}: overloaded"
             if upstream.status >= 500:
-                self._failed(url)
+                self._failed(url, "status")
                 return f"{url}: HTTP {upstream.status}"
             self.pool.succeeded(url)
-            response = await self._stream_back(request, upstream)
+            response = await self._stream_back(request, upstream, watch)
             done = upstream.content.at_eof()
             return response
         finally:
+            self._unwatch(watch)
             ep.in_flight -= 1
             if priority is not None:
                 ep.by_priority[priority] -= 1
@@ -272,11 +316,74 @@ class Gateway:
                 # it otherwise also tells the engine to abort (client gone, error).
                 upstream.release() if done else upstream.close()
 
-    def _failed(self, url: str) -> None:
-        self.metrics.upstream_errors.labels(url).inc()
+    def _failed(self, url: str, reason: str) -> None:
+        self.metrics.upstream_errors.labels(url, reason).inc()
         self.pool.failed(url)
 
-    async def _stream_back(self, request, upstream) -> web.StreamResponse:
+    # --- hung engines ---------------------------------------------------
+    def _watch(self, url: str) -> UpstreamWatch:
+        watch = UpstreamWatch(url)
+        self._watches.setdefault(url, set()).add(watch)
+        return watch
+
+    def _unwatch(self, watch: UpstreamWatch) -> None:
+        watches = self._watches.get(watch.url)
+        if watches is not None:
+            watches.discard(watch)
+            if not watches:
+                del self._watches[watch.url]
+
+    async def _sweep_forever(self, tick: float) -> None:
+        """Probe the endpoints with a wait past its timeout (one probe per endpoint)."""
+        while True:
+            await asyncio.sleep(tick)
+            try:
+                now = time.monotonic()
+                for url, watches in list(self._watches.items()):
+                    late = [(w, w.since) for w in watches
+                            if w.since and now - w.since > w.timeout]
+                    if late and url not in self._probes:
+                        self._probes[url] = asyncio.create_task(self._probe(url, late))
+            except Exception:  # noqa: BLE001 - the loop must outlive any one bad state
+                log.exception("checking upstream waits failed")
+
+    async def _probe(self, url: str, late: list[tuple[UpstreamWatch, float]]) -> None:
+        """Ask a silent engine's /health. Any answer (a draining engine's 503 too) means
+        busy, not hung: the late waits get another full period. None means hung."""
+        # At most 10 s, and no longer than the silence that prompted it: a starved event
+        # loop (a loaded CPU) can take seconds to answer and a wrong verdict ends every
+        # request on the engine, while a real hang is rare and waits only this much more.
+        limit = min(PROBE_TIMEOUT, *(w.timeout for w, _ in late))
+        try:
+            async with self.session.get(url + "/health",
+                                        timeout=aiohttp.ClientTimeout(total=limit)):
+                pass
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+            self._declare_hung(url, e)
+        else:
+            now = time.monotonic()
+            for w, since in late:
+                if w.since == since:  # still the same wait
+                    w.since = now
+                    self.metrics.upstream_stalls.labels(url, "busy").inc()
+        finally:
+            self._probes.pop(url, None)
+
+    def _declare_hung(self, url: str, e: BaseException) -> None:
+        """Eject the endpoint like a dead one and end every wait on it now: their
+        requests are retried elsewhere (no byte sent yet) or end as broken streams."""
+        log.warning("upstream %s is hung: a request waited past its timeout and /health "
+                    "did not answer (%r); ejecting it and ending its requests", url, e)
+        self._failed(url, "timeout")
+        for w in list(self._watches.get(url, ())):
+            if w.since and w.abort is not None:
+                self.metrics.upstream_stalls.labels(url, "hung").inc()
+                w.hung = UpstreamHung("it sent nothing past its timeout and did not "
+                                      "answer its /health")
+                w.since = 0.0  # the sweeper must not probe for it again
+                w.abort(w.hung)
+
+    async def _stream_back(self, request, upstream, watch) -> web.StreamResponse:
         """Pass the upstream response through. SSE is forwarded whole events at a time,
         so when the engine dies mid-stream (nothing can be retried once bytes went out)
         the client gets a well-formed OpenAI error event and ``[DONE]``, never a cut
@@ -289,23 +396,24 @@ class Gateway:
             turn.status = upstream.status
         resp = web.StreamResponse(status=upstream.status, headers=headers)
         try:
-            return await self._pass_through(request, resp, upstream)
+            return await self._pass_through(request, resp, upstream, watch)
         except ConnectionResetError as e:
             # The client left while we wrote to it (a race with handler cancellation):
             # not a server error; closing the upstream (in _forward) aborts the request.
             raise asyncio.CancelledError from e
 
-    async def _pass_through(self, request, resp, upstream) -> web.StreamResponse:
+    async def _pass_through(self, request, resp, upstream, watch) -> web.StreamResponse:
         await resp.prepare(request)
         events = SSEFramer() if is_sse(upstream) else None
         turn: Turn | None = request.get("turn")
         tap = (lambda chunk: chunk) if turn is None else turn.tap.feed  # usage, tenants
         while True:
             try:  # only reading the upstream is guarded: a client that left is not
-                chunk = await upstream.content.readany()  # the engine's failure
+                chunk = await watch.read(upstream.content,  # the engine's failure
+                                         self.config.upstream_idle_timeout)
             except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError,
-                    asyncio.TimeoutError) as e:
-                return await self._upstream_broke(request, resp, upstream, events, e)
+                    asyncio.TimeoutError, UpstreamHung) as e:
+                return await self._upstream_broke(request, resp, watch.url, events, e)
             if not chunk:
                 break
             if events is not None:
@@ -321,12 +429,14 @@ class Gateway:
         await resp.write_eof()
         return resp
 
-    async def _upstream_broke(self, request, resp, upstream, events, e) -> web.StreamResponse:
-        """The engine failed after the response started: eject it, and end the client's
-        response as well-formed as can be (SSE) or visibly broken (anything else)."""
-        url = str(upstream.url.origin())
-        log.warning("upstream %s broke mid-stream: %r", url, e)
-        self._failed(url)  # it died: eject it now, not at the next request's failure
+    async def _upstream_broke(self, request, resp, url, events, e) -> web.StreamResponse:
+        """The engine failed (or hung) after the response started: eject it, and end the
+        client's response as well-formed as can be (SSE) or visibly broken (anything
+        else)."""
+        hung = isinstance(e, UpstreamHung)
+        if not hung:  # a hung one was ejected when it was found so
+            log.warning("upstream %s broke mid-stream: %r", url, e)
+            self._failed(url, "broken")  # it died: eject it now, not at the next failure
         self.metrics.broken_streams.inc()
         if events is None:
             resp.force_close()
@@ -335,6 +445,8 @@ class Gateway:
             return resp
         if not events.done:
             await resp.write(sse_error_event(
+                f"the engine serving this stream stopped answering ({e}); the output is "
+                "incomplete", "upstream_timeout") if hung else sse_error_event(
                 "the engine serving this stream failed mid-response; the output is "
                 "incomplete", "upstream_failed"))
         await resp.write_eof()
@@ -343,6 +455,56 @@ class Gateway:
 
 # --- reliability helpers --------------------------------------------
 OVERLOADED = web.RequestKey("overloaded", str)  # Retry-After of an overloaded engine
+HUNG = web.RequestKey("hung", str)  # an engine tried for this request hung
+PROBE_TIMEOUT = 10.0  # the most a hung-engine /health probe waits (see Gateway._probe)
+
+
+class UpstreamHung(Exception):
+    """The engine sent nothing for a timeout and did not answer its /health."""
+
+
+class UpstreamWatch:
+    """One forwarded request's waits on its engine, as the gateway's sweeper sees
+    them: ``since`` is when the current wait began (0 while the request is not
+    waiting on the engine, e.g. while it writes to a slow client), ``timeout`` how long
+    it may last before the engine is probed, ``abort`` ends it with UpstreamHung."""
+
+    __slots__ = ("url", "timeout", "since", "abort", "hung")
+
+    def __init__(self, url: str):
+        self.url = url
+        self.timeout = self.since = 0.0
+        self.abort = None
+        self.hung: UpstreamHung | None = None
+
+    async def head(self, response, timeout: float) -> aiohttp.ClientResponse:
+        """Await the response head. In a task of its own: a probe that finds the
+        engine hung cancels it, and the request can be retried elsewhere."""
+        if timeout <= 0:
+            return await response
+        task = asyncio.ensure_future(response)
+        self.timeout, self.since, self.abort = timeout, time.monotonic(), \
+            lambda _: task.cancel()
+        try:
+            return await task
+        except asyncio.CancelledError:
+            current = asyncio.current_task()
+            if self.hung is None or getattr(current, "cancelling", lambda: 0)():
+                raise  # this handler was cancelled (the client left), not the engine hung
+            raise self.hung from None
+        finally:
+            self.since, self.abort = 0.0, None
+
+    async def read(self, content: aiohttp.StreamReader, timeout: float) -> bytes:
+        """The body's next bytes (b"" at its end). A probe that finds the engine hung
+        sets UpstreamHung on the stream, which this raises; buffered bytes come first."""
+        if timeout > 0:
+            self.timeout, self.since, self.abort = timeout, time.monotonic(), \
+                content.set_exception
+        try:
+            return await content.readany()
+        finally:
+            self.since, self.abort = 0.0, None
 
 
 async def overloaded(upstream: aiohttp.ClientResponse) -> bool:
