@@ -32,11 +32,11 @@ controlplane:
 # Unit and integration tests, then the end-to-end tests on a real control plane (a
 # pytest process of their own: they run the cluster and the pod runner in-process).
 test: lint controlplane
-	$(VENV)/bin/python -m pytest -q -ra tests
-	$(VENV)/bin/python -m pytest -q -ra e2e/tests
+	$(VENV)/bin/python -m pytest -q -ra --durations=25 tests
+	$(VENV)/bin/python -m pytest -q -ra --durations=10 e2e/tests
 
 e2e: $(STAMP) controlplane
-	$(VENV)/bin/python -m pytest -q -ra e2e/tests
+	$(VENV)/bin/python -m pytest -q -ra --durations=10 e2e/tests
 
 clean:
 	rm -rf $(VENV)
