@@ -9,5 +9,7 @@ from pathlib import Path
 def cache_root() -> Path:
     """Converted checkpoints, built C kernels: ``$LLMSERVE_CACHE``, else the user's
     cache folder (``~/.cache/llmserve`` on Linux)."""
+    if os.environ.get("LLMSERVE_CACHE"):  # set: platformdirs is not needed (GPU image)
+        return Path(os.environ["LLMSERVE_CACHE"])
     from platformdirs import user_cache_dir
-    return Path(os.environ.get("LLMSERVE_CACHE", user_cache_dir("llmserve")))
+    return Path(user_cache_dir("llmserve"))
