@@ -37,6 +37,7 @@ LOG="$OUT/gpu_check.log"
 export PYTHONUNBUFFERED=1  # a step killed at its limit keeps the output it printed
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export PYTEST_DISABLE_PLUGIN_AUTOLOAD=1  # only pytest itself: no third-party plugin
+export LLMSERVE_CACHE="$SCRATCH/cache"  # so nothing needs platformdirs (not in the image)
 STARTED=$(date +%s)
 if [ "$MODE" = gpu ]; then
     unset TRITON_INTERPRET  # kernels on the GPU, not in Triton's CPU interpreter

@@ -265,11 +265,12 @@ def add_up_parser(sub) -> argparse.ArgumentParser:
 def check_up_args(args) -> None:
     """Refuse what the gateway would refuse, before the engines take their time to start."""
     if args.tenants:
+        from llmserve.gateway.server import ApiKeys, check_tenant_keys
         from llmserve.gateway.tenants import TenantsFile
         TenantsFile(args.tenants)  # TenantsError (a ValueError) names what is wrong
-        if args.api_key:
-            raise ValueError("with --tenants, API keys come from the tenants file only: "
-                             "drop --api-key (and LLMSERVE_API_KEY)")
+        # --api-key reaches the gateway as LLMSERVE_API_KEYS (cmd_up).
+        check_tenant_keys(args.tenants, ApiKeys(args.api_key_file, args.api_key or
+                                                os.environ.get("LLMSERVE_API_KEYS")))
     if (args.peer or args.peer_service) and not args.tenants:
         raise ValueError("--peer / --peer-service share tenants' limits: give --tenants")
 

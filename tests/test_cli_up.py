@@ -118,15 +118,28 @@ def test_up_overload_flags_go_to_the_engines_and_the_spill_over_to_the_gateway()
     assert gateway_config(parse_up([]), []).max_waiting == 16  # the gateway's default
 
 
-def test_up_refuses_a_bad_tenants_file_before_starting_engines(tmp_path, capsys):
+def test_up_refuses_a_bad_tenants_file_before_starting_engines(tmp_path, capsys,
+                                                               monkeypatch):
+    from llmserve import launcher
+
+    def no_engine(*args, **kwargs):
+        raise AssertionError("an engine was started before the arguments were checked")
+    monkeypatch.setattr(launcher, "ServerProcess", no_engine)
+    monkeypatch.delenv("LLMSERVE_API_KEYS", raising=False)
     bad = tmp_path / "tenants.yaml"
     bad.write_text("classes: []\ntenants: []\n")
     assert main(["up", "--tenants", str(bad)]) == 2
     assert "classes must be a non-empty list" in capsys.readouterr().err
     good = tmp_path / "good.yaml"
     good.write_text(TENANTS)
-    assert main(["up", "--tenants", str(good), "--api-key", "k"]) == 2
-    assert "drop --api-key" in capsys.readouterr().err
+    keys = tmp_path / "keys"
+    keys.write_text("k\n")
+    for other_keys in (["--api-key", "k"], ["--api-key-file", str(keys)]):
+        assert main(["up", "--tenants", str(good), *other_keys]) == 2
+        assert "API keys come from the tenants file only" in capsys.readouterr().err
+    monkeypatch.setenv("LLMSERVE_API_KEYS", "k")
+    assert main(["up", "--tenants", str(good)]) == 2
+    assert "API keys come from the tenants file only" in capsys.readouterr().err
 
 
 TENANTS = """\
@@ -150,8 +163,12 @@ def test_up_applies_the_tenants_file_and_the_engines_overload_bound(tiny_llama, 
     tenants.write_text(TENANTS)
     host = "127.0.0.42"
     port = free_port(host)
+    # --max-in-flight 0: with a tenants file the gateway would otherwise hold the burst
+    # in its own fair queue (one request per engine slot), and the engine's bound,
+    # what this test is about, would never be reached.
     proc = start_up(host, port, tiny_llama, ["--max-num-seqs", "1", "--max-waiting", "1",
-                                             "--tenants", str(tenants)])
+                                             "--tenants", str(tenants),
+                                             "--max-in-flight", "0"])
     url = f"http://{host}:{port}/v1"
     try:
         def client(key):

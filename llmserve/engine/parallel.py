@@ -157,7 +157,9 @@ class WorkerProcess:
         # The caller's import path, so llmserve imports in the worker as it did here
         # (e.g. a source checkout found through the script's directory).
         path = [p or os.getcwd() for p in sys.path]
-        code = (f"import sys; sys.path[:0] = {path!r}; "
+        # SIGINT ignored first: a Ctrl-C while the worker imports torch is rank 0's.
+        code = (f"import signal, sys; signal.signal(signal.SIGINT, signal.SIG_IGN); "
+                f"sys.path[:0] = {path!r}; "
                 f"from llmserve.engine.parallel import _worker_bootstrap; "
                 f"_worker_bootstrap({child.fileno()})")
         try:

@@ -100,6 +100,14 @@ class GatewayConfig:
     upstream_idle_timeout: float = 30.0
 
 
+def check_tenant_keys(tenants_file: str | None, keys: ApiKeys) -> None:
+    """With a tenants file, its keys are the only ones (each names its tenant): a
+    second source of keys would let requests in under no tenant."""
+    if tenants_file and keys.enabled:
+        raise ValueError("with --tenants, API keys come from the tenants file only: "
+                         "drop --api-key / --api-key-file / LLMSERVE_API_KEYS")
+
+
 class ApiKeys:
     """Keys from a file (one per line; re-read when it changes, as a mounted Secret
     does) and from LLMSERVE_API_KEYS (comma-separated). None configured = open."""
@@ -139,11 +147,9 @@ class Gateway:
         self.policy = make_policy(config.policy, config.load_factor)
         self.metrics = GatewayMetrics()
         self.keys = ApiKeys(config.api_key_file, os.environ.get("LLMSERVE_API_KEYS"))
+        check_tenant_keys(config.tenants_file, self.keys)
         self.tenants = None
         if config.tenants_file:
-            if self.keys.enabled:
-                raise ValueError("with --tenants, API keys come from the tenants file only: "
-                                 "drop --api-key-file / LLMSERVE_API_KEYS")
             self.tenants = TenantAdmission(config.tenants_file, self.pool.free_slots,
                                            self.metrics, config.peer_interval)
         self.waiting_for_endpoint = 0
@@ -350,10 +356,11 @@ class Gateway:
     async def _probe(self, url: str, late: list[tuple[UpstreamWatch, float]]) -> None:
         """Ask a silent engine's /health. Any answer (a draining engine's 503 too) means
         busy, not hung: the late waits get another full period. None means hung."""
-        # At most 10 s, and no longer than the silence that prompted it: a starved event
-        # loop (a loaded CPU) can take seconds to answer and a wrong verdict ends every
-        # request on the engine, while a real hang is rare and waits only this much more.
-        limit = min(PROBE_TIMEOUT, *(w.timeout for w, _ in late))
+        # At most 10 s, and no longer than the silence that prompted it, but never under
+        # PROBE_FLOOR: a starved event loop (a loaded CPU) can take seconds to answer and
+        # a wrong verdict ends every request on the engine, while a real hang is rare and
+        # waits only this much more.
+        limit = max(PROBE_FLOOR, min(PROBE_TIMEOUT, *(w.timeout for w, _ in late)))
         try:
             async with self.session.get(url + "/health",
                                         timeout=aiohttp.ClientTimeout(total=limit)):
@@ -457,6 +464,7 @@ class Gateway:
 OVERLOADED = web.RequestKey("overloaded", str)  # Retry-After of an overloaded engine
 HUNG = web.RequestKey("hung", str)  # an engine tried for this request hung
 PROBE_TIMEOUT = 10.0  # the most a hung-engine /health probe waits (see Gateway._probe)
+PROBE_FLOOR = 3.0  # and the least, whatever the timeouts (a busy engine answers late)
 
 
 class UpstreamHung(Exception):
@@ -497,7 +505,8 @@ class UpstreamWatch:
 
     async def read(self, content: aiohttp.StreamReader, timeout: float) -> bytes:
         """The body's next bytes (b"" at its end). A probe that finds the engine hung
-        sets UpstreamHung on the stream, which this raises; buffered bytes come first."""
+        sets UpstreamHung on the stream, which this raises (the buffer is empty while
+        the watch waits, so nothing already received is lost)."""
         if timeout > 0:
             self.timeout, self.since, self.abort = timeout, time.monotonic(), \
                 content.set_exception
