@@ -355,7 +355,9 @@ def _hf_name(gguf_name: str) -> str:
     if rest not in _GGUF_NAMES:
         # e.g. Llama 3.1's rope_freqs.weight: a tensor the model would not apply.
         raise ModelLoadError(f"GGUF tensor {gguf_name!r} is not one the engine computes "
-                             f"with; this GGUF variant is not supported")
+                             f"with, so this GGUF variant is not supported (Llama 3.1+ "
+                             f"GGUFs carry rope_freqs): serve the model's Hugging Face "
+                             f"checkpoint instead")
     return _GGUF_NAMES[rest].format(i=i)
 
 
