@@ -1,4 +1,4 @@
-"""CPU decode attention: the C kernel (``cpu_decode.c``'s ``paged_decode``) against the
+"""CPU decode attention: the C kernel (``decode.c``'s ``paged_decode``) against the
 torch path (gather + SDPA, ``cpu_attention.py``), one layer, both measured in the same
 run (machines here are noisy and shared: compare ratios, not absolute times).
 
@@ -22,8 +22,8 @@ import time
 
 import torch
 
-from llmserve.kernels.cpu_attention import make_cpu_plan, paged_attention_cpu
-from llmserve.kernels.cpu_native import decode_kernel, paged_decode
+from llmserve.kernels.cpu.attention import make_cpu_plan, paged_attention_cpu
+from llmserve.kernels.cpu.native import decode_kernel, paged_decode
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 

@@ -22,11 +22,11 @@ import time
 import torch
 from cpu_modes import step_time  # benchmarks/ is the script's folder, first on sys.path
 
-from llmserve.engine.config import EngineConfig
+from llmserve.config import EngineConfig
 from llmserve.engine.llm_engine import LLMEngine
-from llmserve.engine.models import native_decoder
-from llmserve.engine.quantization import QuantizedLinear
-from llmserve.kernels.cpu_decoder import q4_matmul
+from llmserve.kernels.cpu.decoder import q4_matmul
+from llmserve.model_executor.layers.quantization import QuantizedLinear
+from llmserve.model_executor.models import native_decoder
 
 SHAPES = [(960, 576, "qkv"), (576, 576, "o"), (3072, 576, "gate_up"), (576, 1536, "down")]
 

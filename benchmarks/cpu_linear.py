@@ -1,11 +1,11 @@
 """bf16 linears on the CPU: ``F.linear`` on the plain weight versus oneDNN's linear
 on a weight packed once (``kernels/cpu_linear.PackedLinear``) and, where it is built
-(AVX512-BF16), our own GEMM on its packed layout (``NativeLinear``, ``cpu_gemm.c``);
+(AVX512-BF16), our own GEMM on its packed layout (``NativeLinear``, ``gemm.c``);
 same run, the three alternating. Ratios are against the plain ``F.linear``.
 
 ``--quantized``: the weight-only projections instead (int4, and the int8 LM head of
 both quantised modes), ATen's kernels (what the engine uses below
-``QUANT_TILED_MIN_ROWS``) versus ``cpu_gemm.c``'s quant_gemm (dequantised per group of
+``QUANT_TILED_MIN_ROWS``) versus ``gemm.c``'s quant_gemm (dequantised per group of
 panels into the bf16 tiles), ratios against ATen.
 
 Each shape is timed over as many distinct weights as the built-in model has layers,
@@ -22,15 +22,14 @@ import time
 
 import torch
 
-from llmserve.engine.quantization import QuantizedLinear, weight_only_mm
-from llmserve.kernels.cpu_linear import (
-    NativeLinear,
-    PackedLinear,
+from llmserve.kernels.cpu.gemm import (
     native_gemm_available,
     packing_available,
     quant_gemm,
     quant_tiled_available,
 )
+from llmserve.model_executor.layers.cpu_linear import NativeLinear, PackedLinear
+from llmserve.model_executor.layers.quantization import QuantizedLinear, weight_only_mm
 
 # (name, out_features, in_features, copies): the built-in model's projections.
 SHAPES = [("qkv", 960, 576, 30), ("o", 576, 576, 30), ("gate_up", 3072, 576, 30),

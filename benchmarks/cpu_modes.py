@@ -18,7 +18,7 @@ import random
 import time
 
 from llmserve import SamplingParams
-from llmserve.engine.config import EngineConfig
+from llmserve.config import EngineConfig
 from llmserve.engine.llm_engine import LLMEngine
 
 DEFAULT_MODES = "fp32,bf16,bf16+int8,bf16+int4,bf16+compile,bf16+int4+compile"

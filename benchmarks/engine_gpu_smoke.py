@@ -46,7 +46,7 @@ def model_shape(path: Path) -> dict:
 
 
 def build(path: Path, backend: str, dtype: str, device: str):
-    from llmserve.engine.config import EngineConfig
+    from llmserve.config import EngineConfig
     from llmserve.engine.llm_engine import LLMEngine
     t0 = time.perf_counter()
     engine = LLMEngine(EngineConfig(model=str(path), device=device, dtype=dtype,

@@ -31,7 +31,8 @@ from pathlib import Path
 
 import aiohttp
 
-from llmserve.launcher import ServerProcess, free_port
+from llmserve.entrypoints.launcher import ServerProcess
+from llmserve.utils import free_port
 
 RESULTS = Path(__file__).resolve().parent / "results" / "fairness.json"
 MODEL = "smollm2-135m-instruct"

@@ -20,7 +20,7 @@ from pathlib import Path
 import aiohttp
 import numpy as np
 
-from llmserve.launcher import ServerProcess
+from llmserve.entrypoints.launcher import ServerProcess
 
 
 async def timed(session, method, url, body=None) -> float:

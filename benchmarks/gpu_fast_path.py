@@ -54,9 +54,9 @@ CONFIGS = {
 
 
 def build(path: Path, flags: dict, smoke: bool, max_num_seqs: int):
-    from llmserve.engine.config import EngineConfig
+    from llmserve.config import EngineConfig
     from llmserve.engine.llm_engine import LLMEngine
-    from llmserve.engine.step_buffers import enable_fast_path
+    from llmserve.worker.step_buffers import enable_fast_path
     common = dict(model=str(path), attention_backend="triton", max_num_seqs=max_num_seqs,
                   enable_prefix_caching=False)
     t0 = time.perf_counter()

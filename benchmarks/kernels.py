@@ -82,7 +82,7 @@ def decode_sweep(args, device, dtype) -> list[dict]:
     import torch
     import torch.nn.functional as F
 
-    from llmserve.kernels.triton_attention import _choose_splits, unified_attention
+    from llmserve.kernels.triton.attention import _choose_splits, unified_attention
     rows = []
     heads, kv_heads, head_dim, block_size = 32, 8, 128, 16
     for batch in args.batches:
@@ -129,8 +129,8 @@ def decode_sweep(args, device, dtype) -> list[dict]:
 def correctness(device, dtype) -> list[dict]:
     import torch
 
-    from llmserve.kernels.reference import unified_attention_ref
-    from llmserve.kernels.triton_attention import unified_attention
+    from llmserve.kernels.triton.attention import unified_attention
+    from tests.kernel_reference import unified_attention_ref  # the repo root is on sys.path
     results = []
     all_heads = ((4, 4), (8, 2), (6, 1), (9, 3))
     cases = {"mixed": ([(1, 1328), (5, 18), (129, 463)], all_heads, (None,)),
@@ -181,7 +181,7 @@ def mixed(device, dtype) -> dict:
     """One prefill chunk of 512 tokens at context 2048 beside 63 decodes at 1024."""
     import torch
 
-    from llmserve.kernels.triton_attention import unified_attention
+    from llmserve.kernels.triton.attention import unified_attention
     shapes = [(512, 2048)] + [(1, 1024)] * 63
     b = random_batch(shapes, 32, 8, 128, 16, dtype, device)
     out = torch.empty_like(b["q"])

@@ -25,7 +25,7 @@ from pathlib import Path
 import aiohttp
 import numpy as np
 
-from llmserve.launcher import ServerProcess, scrape_metrics
+from llmserve.entrypoints.launcher import ServerProcess, scrape_metrics
 
 RESULTS = Path(__file__).parent / "results"
 

@@ -53,7 +53,8 @@ def prefix_ttft(args, rng) -> dict:
 
 def block_bytes(model: str, block_size: int = 16) -> int:
     """fp32 bytes of one KV block of ``model``."""
-    from llmserve.engine.models.loader import kv_block_bytes, load_config, resolve_model
+    from llmserve.model_executor.model_loader.sources import load_config, resolve_model
+    from llmserve.worker.kv_sizing import kv_block_bytes
     return kv_block_bytes(load_config(resolve_model(model)), block_size, 4)
 
 

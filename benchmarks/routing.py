@@ -23,7 +23,7 @@ from pathlib import Path
 import aiohttp
 import numpy as np
 
-from llmserve.launcher import ServerProcess, scrape_metrics
+from llmserve.entrypoints.launcher import ServerProcess, scrape_metrics
 
 WORDS = ("cache block token engine model gateway stream batch prefix kernel "
          "scheduler router policy tenant system prompt latency queue").split()
@@ -81,7 +81,8 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=str(Path(__file__).parent / "results" / "routing.json"))
     args = ap.parse_args()
-    from llmserve.engine.models.loader import kv_block_bytes, load_config, resolve_model
+    from llmserve.model_executor.model_loader.sources import load_config, resolve_model
+    from llmserve.worker.kv_sizing import kv_block_bytes
     kv = args.kv_blocks * kv_block_bytes(load_config(resolve_model(args.model)), 16, 4)
     engines = [ServerProcess(["serve", "--model", args.model, "--kv-cache-memory", str(kv),
                               "--num-threads", "1", "--log-level", "WARNING"],

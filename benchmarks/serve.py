@@ -190,7 +190,7 @@ async def chunking_workload(url, model, args):
 
 
 def compare_chunking(args) -> dict:
-    from llmserve.launcher import ServerProcess
+    from llmserve.entrypoints.launcher import ServerProcess
     common = ["serve", "--model", args.model, "--log-level", "WARNING"]
     configs = {"chunked": [], "unchunked": ["--no-chunked-prefill"]}
     if args.max_num_batched_tokens:

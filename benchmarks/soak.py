@@ -29,7 +29,7 @@ from pathlib import Path
 import aiohttp
 import numpy as np
 
-from llmserve.launcher import ServerProcess, scrape_metrics
+from llmserve.entrypoints.launcher import ServerProcess, scrape_metrics
 
 RESULTS = Path(__file__).parent / "results"
 WORDS = ("alpha beta gamma delta kernel cache block router engine stream token batch "

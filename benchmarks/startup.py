@@ -21,13 +21,13 @@ import sys
 import time
 import urllib.request
 
-from llmserve.launcher import free_port
+from llmserve.utils import free_port
 
 
 def first_answer_s(extra: list[str], timeout: float) -> float:
     port = free_port()
     t0 = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, "-m", "llmserve.cli", "up", "--port", str(port),
+    proc = subprocess.Popen([sys.executable, "-m", "llmserve", "up", "--port", str(port),
                              "--host", "127.0.0.1", *extra],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     body = json.dumps({"model": "smollm2-135m-instruct", "max_tokens": 4,

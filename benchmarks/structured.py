@@ -22,7 +22,8 @@ import uuid
 import torch
 
 from llmserve import LLM, SamplingParams
-from llmserve.engine.structured import StructuredOutputs, StructuredOutputsParams
+from llmserve.core.sampling_params import StructuredOutputsParams
+from llmserve.structured_output.grammar import StructuredOutputs
 
 # A long, fixed-shape output: five objects, ~100 tokens.
 SCHEMA = {

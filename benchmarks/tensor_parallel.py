@@ -43,7 +43,7 @@ def random_llama(out: str) -> str:
 
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from llmserve.engine.models.loader import resolve_model
+    from llmserve.model_executor.model_loader.sources import resolve_model
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536,
                          num_hidden_layers=30, num_attention_heads=8, num_key_value_heads=4,
@@ -76,7 +76,7 @@ def _allreduce_rank(rank: int, size: int, port: int, numel: int, iters: int, res
 def allreduce_latency_us(size: int, numel: int, iters: int = 300) -> float:
     """One gloo all-reduce of ``numel`` fp32 over ``size`` local processes (the per-layer
     communication of a CPU step; a step does 2 per layer + 1)."""
-    from llmserve.launcher import free_port
+    from llmserve.utils import free_port
     ctx = torch.multiprocessing.get_context("spawn")
     result, port = ctx.Queue(), free_port()
     procs = [ctx.Process(target=_allreduce_rank, args=(r, size, port, numel, iters, result))
@@ -189,7 +189,7 @@ def main() -> None:
                   f"{r['rank0_weights_gib']} GiB, KV cache {r['rank0_kv_gib']} GiB")
     comm = {}
     if args.device == "cpu":
-        from llmserve.engine.models.loader import load_config, resolve_model
+        from llmserve.model_executor.model_loader.sources import load_config, resolve_model
         c = load_config(resolve_model(model))
         per_step = 2 * c.num_hidden_layers + 1
         for tp in [t for t in args.tp if t > 1]:

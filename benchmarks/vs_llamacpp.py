@@ -192,7 +192,7 @@ def llama_server_spec(binary: Path, gguf: Path, threads: int, slots: int,
 
 def llmserve_spec(extra_args: list[str]) -> ServerSpec:
     port = free_port()
-    cmd = [sys.executable, "-m", "llmserve.cli", "serve", "--model", LLMSERVE_MODEL,
+    cmd = [sys.executable, "-m", "llmserve", "serve", "--model", LLMSERVE_MODEL,
            *extra_args, "--host", "127.0.0.1", "--port", str(port)]
     kv_tokens, notes = llmserve_kv(extra_args)
     return ServerSpec("llmserve", cmd, port, kv_tokens, notes)
@@ -205,9 +205,10 @@ def llmserve_kv(extra_args: list[str]) -> tuple[int | None, dict]:
     try:
         import torch
 
-        from llmserve.cli import add_engine_args, engine_config
-        from llmserve.engine.model_runner import DEFAULT_CPU_KV_BYTES
-        from llmserve.engine.models.loader import kv_block_bytes, load_config, resolve_model
+        from llmserve.entrypoints.cli import add_engine_args, engine_config
+        from llmserve.model_executor.model_loader.sources import load_config, resolve_model
+        from llmserve.worker.kv_sizing import kv_block_bytes
+        from llmserve.worker.model_runner import DEFAULT_CPU_KV_BYTES
         parser = argparse.ArgumentParser()
         add_engine_args(parser)
         args, _ = parser.parse_known_args(["--model", LLMSERVE_MODEL, *extra_args])

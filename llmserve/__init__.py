@@ -7,12 +7,13 @@ gateway and the operator start without loading PyTorch.
 __version__ = "0.1.0"
 
 _LAZY = {
-    "LLM": "llmserve.engine.llm_engine",
+    "LLM": "llmserve.entrypoints.llm",
     "LLMEngine": "llmserve.engine.llm_engine",
-    "SamplingParams": "llmserve.engine.sampling",
-    "StructuredOutputsParams": "llmserve.engine.structured",
-    "RequestOutput": "llmserve.engine.outputs",
-    "CompletionOutput": "llmserve.engine.outputs",
+    "SamplingParams": "llmserve.core.sampling_params",
+    "StructuredOutputsParams": "llmserve.core.sampling_params",
+    "EngineConfig": "llmserve.config",
+    "RequestOutput": "llmserve.engine.output",
+    "CompletionOutput": "llmserve.engine.output",
 }
 
 __all__ = list(_LAZY)

@@ -19,7 +19,7 @@ os.environ.setdefault("LLMSERVE_CPU_DTYPE", "float32")
 
 import pytest  # noqa: E402
 
-from llmserve.engine.models.loader import resolve_model  # noqa: E402
+from llmserve.model_executor.model_loader.sources import resolve_model  # noqa: E402
 
 BUILTIN = "smollm2-135m-instruct"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")

@@ -19,10 +19,10 @@ import random
 from dataclasses import dataclass, field
 
 from llmserve import SamplingParams
-from llmserve.engine.block_manager import BlockManager
+from llmserve.core.block_manager import BlockManager
+from llmserve.core.sched.scheduler import Scheduler
 from llmserve.engine.llm_engine import LLMEngine
-from llmserve.engine.outputs import CompletionOutput
-from llmserve.engine.scheduler import Scheduler
+from llmserve.engine.output import CompletionOutput
 
 TIE_GAP = 1e-4  # a greedy choice this close to the runner-up may flip with batch shape
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from llmserve.launcher import ServerProcess as _Process
-from llmserve.launcher import scrape_metrics as scrape  # noqa: F401 - re-exported for tests
+from llmserve.entrypoints.launcher import ServerProcess as _Process
+from llmserve.entrypoints.launcher import scrape_metrics as scrape  # noqa: F401 - re-exported for tests
 
 
 class ServerProcess(_Process):

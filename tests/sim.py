@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import torch
 
-from llmserve.engine.block_manager import BlockManager
-from llmserve.engine.config import EngineConfig
-from llmserve.engine.kv_cache import KVCache
-from llmserve.engine.sampling import SamplingParams
-from llmserve.engine.scheduler import Scheduler
-from llmserve.engine.sequence import Request, Sequence, SequenceStatus
+from llmserve.config import EngineConfig
+from llmserve.core.block_manager import BlockManager
+from llmserve.core.request import Request, Sequence, SequenceStatus
+from llmserve.core.sampling_params import SamplingParams
+from llmserve.core.sched.scheduler import Scheduler
+from llmserve.worker.kv_cache import KVCache
 
 
 class SimScheduler(Scheduler):

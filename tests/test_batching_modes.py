@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 from llmserve import LLM, SamplingParams
-from llmserve.engine.cost_model import StepCostModel
-from llmserve.engine.sequence import SequenceStatus
+from llmserve.core.request import SequenceStatus
+from llmserve.core.sched.cost_model import StepCostModel
 from tests.server_proc import ServerProcess, scrape
 from tests.sim import add, make_request, make_scheduler, simulate_step
 
@@ -109,7 +109,7 @@ def synthetic(tokens, kv, seqs):
 def test_cost_model_refits_on_prefills_and_every_few_decode_steps():
     """The least-squares fit runs after every step with prefill (those separate the
     per-token cost from the per-sequence one) and every REFIT_EVERY decode-only steps."""
-    from llmserve.engine.cost_model import REFIT_EVERY
+    from llmserve.core.sched.cost_model import REFIT_EVERY
     model = StepCostModel()
     for i in range(20):  # a warmed-up model
         model.observe(64 + i, 2_000, 4, synthetic(64 + i, 2_000, 4))

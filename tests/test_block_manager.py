@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from llmserve.engine.block_manager import BlockManager, hash_block
+from llmserve.core.block_manager import BlockManager, hash_block
 from tests.sim import make_request
 
 

@@ -15,7 +15,7 @@ import aiohttp
 import openai
 import pytest
 
-from llmserve.launcher import scrape_metrics
+from llmserve.entrypoints.launcher import scrape_metrics
 from tests.server_proc import ServerProcess as EngineProcess
 from tests.test_gateway import start_gateway
 from tests.test_gateway_faults import raw_exchange

@@ -17,7 +17,7 @@ import urllib.request
 import openai
 import pytest
 
-from llmserve.cli import (
+from llmserve.entrypoints.cli import (
     ENGINE_KEYS,
     add_engine_args,
     add_up_parser,
@@ -53,7 +53,7 @@ def free_port(host: str) -> int:
 
 def start_up(host: str, port: int, model, extra: list[str]) -> subprocess.Popen:
     """A real `llmserve up`, once its gateway answers /health."""
-    proc = subprocess.Popen([sys.executable, "-m", "llmserve.cli", "up", "--model",
+    proc = subprocess.Popen([sys.executable, "-m", "llmserve", "up", "--model",
                              str(model), "--served-model-name", "tiny", "--host", host,
                              "--port", str(port), "--kv-cache-memory", str(32 << 20),
                              *extra], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -120,7 +120,7 @@ def test_up_overload_flags_go_to_the_engines_and_the_spill_over_to_the_gateway()
 
 def test_up_refuses_a_bad_tenants_file_before_starting_engines(tmp_path, capsys,
                                                                monkeypatch):
-    from llmserve import launcher
+    from llmserve.entrypoints import launcher
 
     def no_engine(*args, **kwargs):
         raise AssertionError("an engine was started before the arguments were checked")
@@ -202,7 +202,7 @@ async def burst(url: str, key: str, n: int) -> list:
 
 
 def test_overload_flags_reach_the_engine_config():
-    from llmserve.cli import engine_config
+    from llmserve.entrypoints.cli import engine_config
     given = parse(["--max-waiting", "3", "--max-queue-delay", "2.5", "--device", "cpu"])
     assert parse(engine_argv(given)).engine_max_waiting == 3
     config = engine_config(given)

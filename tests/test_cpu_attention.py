@@ -11,9 +11,9 @@ import sys
 import pytest
 import torch
 
-from llmserve.kernels import cpu_native
-from llmserve.kernels.cpu_attention import make_cpu_plan, paged_attention_cpu
-from llmserve.kernels.reference import unified_attention_ref
+from llmserve.kernels.cpu import native as cpu_native
+from llmserve.kernels.cpu.attention import make_cpu_plan, paged_attention_cpu
+from tests.kernel_reference import unified_attention_ref
 
 # Decodes in the compiled C kernel (native) and in torch: both must match the oracle.
 # CI machines have a C compiler, so the native kernel must build there.
@@ -91,7 +91,7 @@ def test_short_prefill_chunks_attend_row_by_row_in_c(dtype, monkeypatch):
     query row over its causal prefix (cached prefix included), and leave long contexts
     to SDPA (a long chunk, or a short chunk after a long cached prefix): both match the
     reference, in one batch with decodes."""
-    from llmserve.kernels import cpu_attention
+    from llmserve.kernels.cpu import attention as cpu_attention
     monkeypatch.setattr(cpu_attention, "MAX_ROWWISE_CONTEXT", 40)
     rng = random.Random(11)
     seqs = [(1, 30), (8, 8), (5, 40), (45, 45), (9, 50)]  # the last two: SDPA
@@ -172,8 +172,8 @@ def test_whole_sequence_mode_with_empty_and_uneven_contexts():
 
 AVX2_CHECK = """
 import random, torch
-from llmserve.kernels import cpu_native
-from llmserve.kernels.cpu_attention import make_cpu_plan, paged_attention_cpu
+from llmserve.kernels.cpu import native as cpu_native
+from llmserve.kernels.cpu.attention import make_cpu_plan, paged_attention_cpu
 assert "-march=haswell" in cpu_native._march()
 assert cpu_native.decode_kernel() is not None
 rng = random.Random(1)
@@ -200,7 +200,7 @@ def test_the_avx2_build_is_what_an_avx2_machine_gets():
 
 @pytest.mark.parametrize("broken", ["CC names no program", "no cc on PATH"])
 def test_without_a_compiler_decodes_fall_back_to_torch(tmp_path, broken):
-    check = ("from llmserve.kernels import cpu_native\n"
+    check = ("from llmserve.kernels.cpu import native as cpu_native\n"
              "print(cpu_native.decode_kernel() is None)\n")
     env = {k: v for k, v in os.environ.items() if k != "CC"}
     if broken == "CC names no program":
@@ -215,7 +215,7 @@ def test_without_a_compiler_decodes_fall_back_to_torch(tmp_path, broken):
 
 
 def test_the_cpu_engine_decodes_with_the_native_kernel(tiny_llama):
-    from llmserve.engine.config import EngineConfig
+    from llmserve.config import EngineConfig
     from llmserve.engine.llm_engine import LLMEngine
     engine = LLMEngine(EngineConfig(model=str(tiny_llama), kv_cache_memory=1 << 22))
     assert engine.runner.native_decode
@@ -245,9 +245,9 @@ def test_native_decode_handles_caches_past_2_31_elements():
 def test_rope_and_cache_is_bit_exact_with_the_torch_path(dtype, heads, kv_heads, head_dim):
     """Rotary embedding + the K/V store in C: the same bits as apply_rotary + write_kv
     (so fp32 outputs stay token-exact with transformers)."""
-    from llmserve.engine.models.llama import apply_rotary
-    from llmserve.kernels.cpu_attention import write_kv
-    from llmserve.kernels.cpu_native import rope_and_cache
+    from llmserve.kernels.cpu.attention import write_kv
+    from llmserve.kernels.cpu.native import rope_and_cache
+    from llmserve.model_executor.models.llama import apply_rotary
     torch.manual_seed(heads + head_dim)
     tokens, num_blocks, block_size = 11, 9, 4
     qkv = torch.randn(tokens, heads + 2 * kv_heads, head_dim).to(dtype)
@@ -267,7 +267,7 @@ def test_rope_and_cache_is_bit_exact_with_the_torch_path(dtype, heads, kv_heads,
 def test_add_rms_norm_matches_hugging_face_in_bf16():
     """The decoder's residual add + RMSNorm in C, against transformers' LlamaRMSNorm
     formula (float32 statistics, normalised rows rounded to bf16, times the weight)."""
-    from llmserve.kernels.cpu_native import add_rms_norm
+    from llmserve.kernels.cpu.native import add_rms_norm
     torch.manual_seed(0)
     x, delta = (torch.randn(13, 576).to(torch.bfloat16) for _ in range(2))
     weight = (torch.rand(576) + 0.5).to(torch.bfloat16)
@@ -322,10 +322,10 @@ def test_both_step_builders_plan_on_their_device(tiny_llama):
     """The model runner's build and the fast path's StepBuilder (the one CUDA engines
     with --pinned-staging / --device-block-tables use) hand make_cpu_plan their device.
     A real CPU engine on the torch backend, its runner then pointed at the meta device."""
-    from llmserve.engine.config import EngineConfig
+    from llmserve.config import EngineConfig
     from llmserve.engine.llm_engine import LLMEngine
-    from llmserve.engine.parallel import StepInputs
-    from llmserve.engine.step_buffers import StepBuilder
+    from llmserve.worker.step_buffers import StepBuilder
+    from llmserve.worker.step_inputs import StepInputs
     engine = LLMEngine(EngineConfig(model=str(tiny_llama), attention_backend="torch",
                                     kv_cache_memory=1 << 22))
     runner = engine.runner

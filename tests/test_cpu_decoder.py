@@ -13,11 +13,11 @@ import pytest
 import torch
 
 from llmserve import SamplingParams
-from llmserve.engine.models import native_decoder
-from llmserve.engine.models.native_decoder import NativeDecoder
-from llmserve.engine.quantization import QuantizedLinear, weight_only_mm
-from llmserve.kernels import cpu_decoder
-from llmserve.kernels.cpu_decoder import int4_pack_block_n, q4_matmul
+from llmserve.kernels.cpu import decoder as cpu_decoder
+from llmserve.kernels.cpu.decoder import int4_pack_block_n, q4_matmul
+from llmserve.model_executor.layers.quantization import QuantizedLinear, weight_only_mm
+from llmserve.model_executor.models import native_decoder
+from llmserve.model_executor.models.native_decoder import NativeDecoder
 
 pytestmark = pytest.mark.skipif(int4_pack_block_n() is None,
                                 reason="ATen's int4 pack here is not a layout the kernel reads")
@@ -55,8 +55,8 @@ def aten_int4(x: torch.Tensor, lin: QuantizedLinear) -> torch.Tensor:
 
 AVX2_CHECK = """
 import torch
-from llmserve.engine.quantization import QuantizedLinear
-from llmserve.kernels.cpu_decoder import int4_pack_block_n, q4_matmul
+from llmserve.model_executor.layers.quantization import QuantizedLinear
+from llmserve.kernels.cpu.decoder import int4_pack_block_n, q4_matmul
 torch.manual_seed(0)
 lin = QuantizedLinear(torch.nn.Linear(576, 960), 4)
 x = torch.randn(3, 576).to(torch.bfloat16)
@@ -80,7 +80,7 @@ def test_the_avx2_layout_is_read_on_an_avx2_machine():
 
 @pytest.fixture(scope="module")
 def int4_llm():
-    from llmserve.engine.llm_engine import LLM
+    from llmserve.entrypoints.llm import LLM
     llm = LLM(dtype="bfloat16", quantization="int4", kv_cache_memory=64 << 20)
     yield llm
     llm.shutdown()
@@ -128,7 +128,7 @@ def test_each_layer_matches_the_torch_layer(int4_llm, prompts):
     rounded one bf16 value differently (relative error ~1e-3). The whole stack stays
     within the drift that such steps grow into over 30 bf16 layers (a broken piece is
     off by ~100 %)."""
-    from llmserve.engine.models.attention import forward_context
+    from llmserve.model_executor.layers.attention import forward_context
     model = int4_llm.engine.runner.model.model
     decoder = model.native_decoder
     assert isinstance(decoder, NativeDecoder)
@@ -180,7 +180,7 @@ def test_the_engine_runs_small_decode_steps_in_c_only(int4_llm, monkeypatch):
                                     dict(dtype="bfloat16", quantization="none"),
                                     dict(dtype="float32", quantization="int4")])
 def test_other_modes_keep_the_per_op_path(kwargs):
-    from llmserve.engine.llm_engine import LLM
+    from llmserve.entrypoints.llm import LLM
     llm = LLM(kv_cache_memory=16 << 20, **kwargs)
     try:
         assert llm.engine.runner.model.model.native_decoder is None
@@ -195,8 +195,8 @@ def tiny_qwen2_int4(seed: int = 0):
     bound bf16 cache of random contents: shapes the built-in model does not have."""
     from transformers import Qwen2Config
 
-    from llmserve.engine.models.llama import LlamaForCausalLM, RotaryEmbedding
-    from llmserve.engine.quantization import quantize_model
+    from llmserve.model_executor.layers.quantization import quantize_model
+    from llmserve.model_executor.models.llama import LlamaForCausalLM, RotaryEmbedding
     torch.manual_seed(seed)
     config = Qwen2Config(vocab_size=512, hidden_size=256, intermediate_size=512,
                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -224,8 +224,8 @@ def test_qwen2_shapes_with_biases_match_the_torch_layers(seed):
     """Biases, head_dim 128 or 64 (4 or 8 query heads), contexts of 1 to 48 tokens
     (partial blocks), five sequences (a 4-token tile plus one): the C stack computes what
     the torch layers compute."""
-    from llmserve.engine.models.attention import AttentionMetadata, forward_context
-    from llmserve.kernels.cpu_attention import make_cpu_plan
+    from llmserve.kernels.cpu.attention import make_cpu_plan
+    from llmserve.model_executor.layers.attention import AttentionMetadata, forward_context
     model = tiny_qwen2_int4(seed)
     decoder = NativeDecoder.try_build(model)
     assert decoder is not None

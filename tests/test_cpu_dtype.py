@@ -29,7 +29,7 @@ def test_native_bf16_decision(features, native):
 def auto_dtype_in_a_fresh_process(env_extra: dict) -> str:
     env = {k: v for k, v in os.environ.items() if k != "LLMSERVE_CPU_DTYPE"}
     env.update(env_extra)
-    code = ("from llmserve.engine.config import EngineConfig; "
+    code = ("from llmserve.config import EngineConfig; "
             "print(EngineConfig(model='none', device='cpu').dtype)")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
                          text=True, check=True)
@@ -48,7 +48,7 @@ def test_device_cuda_without_cuda_refuses_instead_of_serving_on_the_cpu():
     """The operator's GPU pods pass --device cuda: a node whose runtime hides the GPU
     must fail the pod, not serve on its CPU (no GPU visible, here or anywhere)."""
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
-    run = subprocess.run([sys.executable, "-m", "llmserve.cli", "serve", "--device", "cuda",
+    run = subprocess.run([sys.executable, "-m", "llmserve", "serve", "--device", "cuda",
                           "--port", "1"], capture_output=True, text=True, timeout=120, env=env)
     assert run.returncode != 0
     assert "--device cuda, but CUDA is not available" in run.stderr, run.stderr

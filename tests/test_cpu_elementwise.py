@@ -8,10 +8,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from llmserve.engine.sampler import Sampler, greedy_tokens
-from llmserve.engine.sampling import SamplingParams
-from llmserve.engine.sequence import Request, Sequence
-from llmserve.kernels import cpu_native
+from llmserve.core.request import Request, Sequence
+from llmserve.core.sampling_params import SamplingParams
+from llmserve.kernels.cpu import native as cpu_native
+from llmserve.model_executor.layers.sampler import Sampler, greedy_tokens
 
 
 @pytest.fixture(autouse=True)

@@ -1,5 +1,5 @@
 """Dense bf16 linears on packed weights (``kernels/cpu_linear``), in oneDNN's layout
-or in our own GEMM's (``cpu_gemm.c``): the same product as ``F.linear``, and the engine
+or in our own GEMM's (``gemm.c``): the same product as ``F.linear``, and the engine
 packing exactly the dense projections."""
 
 from __future__ import annotations
@@ -13,25 +13,27 @@ import torch
 import torch.nn.functional as F
 
 from llmserve import LLM, SamplingParams
-from llmserve.engine import model_runner
-from llmserve.engine.quantization import QuantizedLinear, weight_only_mm
-from llmserve.kernels.cpu_linear import (
+from llmserve.kernels.cpu.gemm import (
     QUANT_TILED_MIN_ROWS,
-    NativeLinear,
-    PackedLinear,
     gemm_backend,
     native_gemm_available,
-    pack_linears,
     packing_available,
     quant_gemm,
     quant_tiled,
     quant_tiled_available,
 )
+from llmserve.model_executor.layers.cpu_linear import (
+    NativeLinear,
+    PackedLinear,
+    pack_linears,
+)
+from llmserve.model_executor.layers.quantization import QuantizedLinear, weight_only_mm
+from llmserve.worker import model_runner
 
 pytestmark = pytest.mark.skipif(not packing_available(),
                                 reason="oneDNN has no bf16 kernels on this CPU")
 needs_native = pytest.mark.skipif(not native_gemm_available(),
-                                  reason="cpu_gemm.c needs AVX512-BF16")
+                                  reason="gemm.c needs AVX512-BF16")
 BACKENDS = [PackedLinear, pytest.param(NativeLinear, marks=needs_native)]
 
 
@@ -132,13 +134,14 @@ def test_the_backend_is_chosen_from_the_cpu_and_can_be_forced(monkeypatch):
 
 def test_an_avx2_build_has_no_native_gemm_and_keeps_onednn():
     """ATEN_CPU_CAPABILITY=avx2 (CI acting as an AVX2-only machine) builds the kernel
-    library for AVX2, where cpu_gemm.c is a stub that says so: linears stay on oneDNN
+    library for AVX2, where gemm.c is a stub that says so: linears stay on oneDNN
     even when forced, and a NativeLinear is refused, never garbage from the stub."""
     check = ("import torch\n"
-             "from llmserve.kernels import cpu_linear\n"
-             "print(cpu_linear.native_gemm_available(), cpu_linear.gemm_backend())\n"
+             "from llmserve.kernels.cpu import gemm\n"
+             "from llmserve.model_executor.layers.cpu_linear import NativeLinear\n"
+             "print(gemm.native_gemm_available(), gemm.gemm_backend())\n"
              "try:\n"
-             "    cpu_linear.NativeLinear(torch.nn.Linear(32, 32).to(torch.bfloat16))\n"
+             "    NativeLinear(torch.nn.Linear(32, 32).to(torch.bfloat16))\n"
              "except RuntimeError:\n"
              "    print('refused')\n")
     env = dict(os.environ, ATEN_CPU_CAPABILITY="avx2", LLMSERVE_BF16_GEMM="native")

@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from llmserve.engine.config import EngineConfig
+from llmserve.config import EngineConfig
 from llmserve.engine.llm_engine import LLMEngine
 from tests.differential import (
     Differential,

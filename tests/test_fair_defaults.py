@@ -25,9 +25,9 @@ import time
 import openai
 import pytest
 
+from llmserve.entrypoints.launcher import ServerProcess, scrape_metrics
 from llmserve.gateway.endpoints import Endpoint, EndpointPool
 from llmserve.gateway.server import GatewayConfig
-from llmserve.launcher import ServerProcess, scrape_metrics
 from tests.server_proc import ServerProcess as EngineProcess
 
 MAX_NUM_SEQS = 2

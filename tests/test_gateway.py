@@ -14,7 +14,7 @@ import aiohttp
 import openai
 import pytest
 
-from llmserve.launcher import ServerProcess, scrape_metrics
+from llmserve.entrypoints.launcher import ServerProcess, scrape_metrics
 from tests.server_proc import ServerProcess as EngineProcess
 
 

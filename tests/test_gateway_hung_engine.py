@@ -18,7 +18,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from llmserve.launcher import scrape_metrics
+from llmserve.entrypoints.launcher import scrape_metrics
 from tests import test_gateway_faults
 from tests.server_proc import ServerProcess as EngineProcess
 from tests.test_gateway import start_gateway

@@ -12,7 +12,8 @@ import aiohttp
 import openai
 import pytest
 
-from llmserve.launcher import ServerProcess, free_port, scrape_metrics
+from llmserve.entrypoints.launcher import ServerProcess, scrape_metrics
+from llmserve.utils import free_port
 from tests.server_proc import ServerProcess as EngineProcess
 
 TENANTS = """
@@ -249,7 +250,7 @@ def test_a_bad_tenants_file_stops_the_gateway_with_a_clear_error(engine, tmp_pat
     import sys
     path = tmp_path / "tenants.yaml"
     path.write_text(TENANTS.replace("weight: 2", "weight: heavy"))
-    proc = subprocess.run([sys.executable, "-m", "llmserve.cli", "gateway", "--backend",
+    proc = subprocess.run([sys.executable, "-m", "llmserve", "gateway", "--backend",
                            engine.url, "--tenants", str(path)], capture_output=True,
                           text=True, timeout=60)
     assert proc.returncode != 0

@@ -13,11 +13,11 @@ import pytest
 import torch
 
 from llmserve import SamplingParams
-from llmserve.engine.config import EngineConfig
-from llmserve.engine.cuda_graphs import default_sizes
-from llmserve.engine.kv_sizing import kv_budget_from_profile
+from llmserve.config import EngineConfig
 from llmserve.engine.llm_engine import LLMEngine
-from llmserve.engine.step_buffers import DeviceBlockTables, StagingBuffer, enable_fast_path
+from llmserve.worker.cuda_graphs import default_sizes
+from llmserve.worker.kv_sizing import kv_budget_from_profile
+from llmserve.worker.step_buffers import DeviceBlockTables, StagingBuffer, enable_fast_path
 
 CPU = torch.device("cpu")
 
@@ -254,7 +254,7 @@ def test_profiled_forward_runs_a_full_budget_step_and_sizes_from_its_peak(tiny_l
     """The profile's dummy step (on CPU, with the CUDA memory queries stubbed): one
     sequence of max_num_batched_tokens tokens, more than the model's positions, the
     engine's KV cache untouched, and the budget from the stubbed numbers."""
-    from llmserve.engine import kv_sizing
+    from llmserve.worker import kv_sizing
     engine = LLMEngine(EngineConfig(model=str(tiny_llama), device="cpu", dtype="float32",
                                     kv_cache_memory=1 << 20, max_model_len=256,
                                     attention_backend=backend, num_threads=1))
@@ -302,7 +302,7 @@ def test_cuda_graph_sizes_are_checked():
 def test_gpu_flags_reach_the_engine_config_from_the_cli():
     import argparse
 
-    from llmserve.cli import add_engine_args, engine_argv
+    from llmserve.entrypoints.cli import add_engine_args, engine_argv
     p = argparse.ArgumentParser()
     add_engine_args(p)
     argv = ["--cuda-graphs", "--cuda-graph-sizes", "1,2,8", "--pinned-staging",

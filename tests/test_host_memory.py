@@ -14,13 +14,13 @@ import textwrap
 
 import pytest
 
-from llmserve.engine.host_memory import release_freed_memory
-from llmserve.kernels.cpu_linear import packing_available
+from llmserve.kernels.cpu.gemm import packing_available
+from llmserve.platforms.memory import release_freed_memory
 
 ENGINE_RUN = textwrap.dedent("""
     import sys
     from llmserve import SamplingParams
-    from llmserve.engine.config import EngineConfig
+    from llmserve.config import EngineConfig
     from llmserve.engine.llm_engine import LLMEngine
     engine = LLMEngine(EngineConfig(model=sys.argv[1], kv_cache_memory=1 << 22,
                                     quantization=sys.argv[2]))

@@ -13,9 +13,9 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
-from llmserve.kernels.reference import unified_attention_ref, write_kv_cache_ref  # noqa: E402
+from tests.kernel_reference import unified_attention_ref, write_kv_cache_ref  # noqa: E402
 
-triton_attention = pytest.importorskip("llmserve.kernels.triton_attention")
+triton_attention = pytest.importorskip("llmserve.kernels.triton.attention")
 
 INTERPRETED = triton_attention.INTERPRETED
 DEVICE = "cpu" if INTERPRETED else "cuda"
@@ -278,7 +278,7 @@ def test_engine_greedy_output_same_with_triton_and_reference(tiny_llama):
 def test_reachable_splits_cover_every_default_choice():
     """The warm-up compiles these; a split count the engine can choose but the warm-up
     skipped would compile (or fail) at a user's first long request."""
-    from llmserve.kernels.triton_attention import _choose_splits, reachable_splits
+    from llmserve.kernels.triton.attention import _choose_splits, reachable_splits
     for kv_heads in (1, 2, 3, 4, 8, 16, 64):
         for block_size in (16, 32, 128):
             for max_len in (256, 600, 2048, 8192, 131072):
@@ -290,7 +290,7 @@ def test_reachable_splits_cover_every_default_choice():
 
 
 def test_warm_up_launches_every_variant():
-    from llmserve.kernels.triton_attention import reachable_splits, warm_up
+    from llmserve.kernels.triton.attention import reachable_splits, warm_up
     launches = warm_up(num_heads=4, num_kv_heads=2, head_dim=32, block_size=16,
                        dtype=torch.float32, device=torch.device(DEVICE), max_seq_len=1024,
                        max_num_seqs=2)
@@ -300,7 +300,7 @@ def test_warm_up_launches_every_variant():
 
 
 def test_engine_config_refuses_blocks_the_kernels_cannot_tile():
-    from llmserve.engine.config import EngineConfig
+    from llmserve.config import EngineConfig
     with pytest.raises(ValueError, match="block_size must be a power of two >= 16"):
         EngineConfig(model="none", device="cpu", attention_backend="triton", block_size=8)
     EngineConfig(model="none", device="cpu", attention_backend="torch", block_size=8)

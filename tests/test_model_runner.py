@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-import llmserve.engine.model_runner as model_runner
-from llmserve.engine.config import EngineConfig
+import llmserve.worker.model_runner as model_runner
+from llmserve.config import EngineConfig
 from llmserve.engine.llm_engine import LLMEngine
 
 

@@ -23,7 +23,8 @@ import pytest
 from huggingface_hub import constants as hub_constants
 from huggingface_hub import snapshot_download
 
-from llmserve.engine.models.loader import PVC_MOUNT, ModelLoadError, resolve_model
+from llmserve.errors import ModelLoadError
+from llmserve.model_executor.model_loader.sources import PVC_MOUNT, resolve_model
 
 COMMIT_A = "a" * 40  # main: the tiny llama
 COMMIT_B = "b" * 40  # branch v1: the same model with only config and weights
@@ -315,7 +316,7 @@ def test_download_fetches_only_config_tokenizer_and_indexed_safetensors(fake_hub
         [*files, "model-00001-of-00001.safetensors", "model.safetensors.index.json"])
     assert len(fake_hub.downloads) == len(set(fake_hub.downloads))
     # the loader reads only the indexed shard, so the engine loads it
-    from llmserve.engine.models.loader import weight_files
+    from llmserve.model_executor.model_loader.weights import weight_files
     assert [p.name for p in weight_files(path)] == ["model-00001-of-00001.safetensors"]
     # a second resolve is served by the cache, and so is one offline (refs/main was kept)
     fake_hub.downloads.clear()
@@ -400,10 +401,10 @@ def test_file_uri_loads_a_model(tiny_llama):
 
 
 def test_pvc_uri_is_where_the_operator_mounts_the_claim(tiny_llama, monkeypatch):
-    from llmserve.engine.models import loader
+    from llmserve.model_executor.model_loader import sources
     from llmserve.operator.builders import MODELS_DIR
     assert PVC_MOUNT == MODELS_DIR
-    monkeypatch.setattr(loader, "PVC_MOUNT", str(tiny_llama.parent))
+    monkeypatch.setattr(sources, "PVC_MOUNT", str(tiny_llama.parent))
     assert resolve_model(f"pvc://models/{tiny_llama.name}") == tiny_llama
     with pytest.raises(ModelLoadError, match=r"the claim 'models' is expected mounted at .* "
                        r"\(as the operator mounts it\), but .*/absent does not exist"):

@@ -77,7 +77,7 @@ def test_target_itl_reaches_the_engine_and_is_refused_for_vllm():
 def test_overload_bounds_reach_the_engine_and_are_refused_for_vllm():
     import argparse
 
-    from llmserve.cli import add_engine_args, engine_config
+    from llmserve.entrypoints.cli import add_engine_args, engine_config
     dep = by_kind(children(owner(engine={"maxWaiting": 32, "maxQueueDelaySeconds": 2.5}),
                            1))["Deployment"][0]
     args = dep["spec"]["template"]["spec"]["containers"][0]["args"]
@@ -437,7 +437,7 @@ def test_unknown_model_shapes_are_left_to_the_engine():
 
 
 def test_builtin_shape_matches_the_converted_checkpoint(builtin_path):
-    from llmserve.engine.models.loader import load_config
+    from llmserve.model_executor.model_loader.sources import load_config
     from llmserve.operator.builders import BUILTIN_SHAPES
     config = load_config(builtin_path)
     for key, value in BUILTIN_SHAPES["smollm2-135m-instruct"].items():

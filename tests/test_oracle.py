@@ -7,7 +7,7 @@ import random
 import pytest
 
 from llmserve import LLM, SamplingParams
-from llmserve.engine.config import EngineConfig
+from llmserve.config import EngineConfig
 from llmserve.engine.llm_engine import LLMEngine
 from tests.oracle import compare_greedy, hf_greedy, load_hf
 

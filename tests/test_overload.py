@@ -13,9 +13,9 @@ import aiohttp
 import pytest
 
 from llmserve import LLM, SamplingParams
-from llmserve.engine.config import EngineConfig
+from llmserve.config import EngineConfig
+from llmserve.core.sched.overload import OverloadedError
 from llmserve.engine.llm_engine import LLMEngine
-from llmserve.engine.overload import OverloadedError
 from tests.server_proc import ServerProcess, scrape
 from tests.test_prefix_preemption import BLOCK_BYTES_TINY, GREEDY
 

@@ -8,7 +8,7 @@ import random
 import pytest
 
 from llmserve import LLM, SamplingParams
-from llmserve.engine.config import EngineConfig
+from llmserve.config import EngineConfig
 from llmserve.engine.llm_engine import LLMEngine
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)

@@ -11,9 +11,13 @@ import pytest
 import torch
 
 from llmserve import LLM, SamplingParams
-from llmserve.engine.models.loader import gguf_layer_weight_types
-from llmserve.engine.quantization import QuantizedLinear, quantize_model, resolve_quantization
 from llmserve.engine.scoring import perplexity
+from llmserve.model_executor.layers.quantization import (
+    QuantizedLinear,
+    quantize_model,
+    resolve_quantization,
+)
+from llmserve.model_executor.model_loader.gguf import gguf_layer_weight_types
 
 TEXT = (Path(__file__).parents[1] / "benchmarks" / "data" / "declaration.txt").read_text()
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a",

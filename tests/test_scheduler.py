@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from llmserve.engine.sequence import SequenceStatus
+from llmserve.core.request import SequenceStatus
 from tests.sim import add, make_request, make_scheduler, simulate_step
 
 
@@ -94,9 +94,9 @@ def test_swap_preemption_moves_blocks_out_and_back():
         if not sched.has_work():
             break
         batch = sched.schedule()
-        swapped_out += len(batch.swap_out)
-        swapped_in += len(batch.swap_in)
-        if batch.swap_out:
+        swapped_out += len(batch.ops_of("swap_out"))
+        swapped_in += len(batch.ops_of("swap_in"))
+        if batch.ops_of("swap_out"):
             assert b.status.value == "swapped" and b.cpu_block_table
             assert b.num_computed_tokens > 0, "swap keeps the computed KV"
         simulate_step(sched, batch)
@@ -151,7 +151,7 @@ def test_parallel_samples_share_prompt_blocks_copy_on_write():
     assert all(c.block_table == parent.block_table for c in children)
     assert [sched.bm.blocks[b].ref_count for b in parent.block_table] == [3, 3, 3]
     batch = sched.schedule()  # each sample writes its first token into block 2
-    assert len(batch.copies) == 2, "two of the three samples copy the shared tail block"
+    assert len(batch.ops_of("copy")) == 2, "two of the three samples copy the shared tail block"
     tails = {s.block_table[2] for s in req.sequences}
     assert len(tails) == 3
     assert all(sched.bm.blocks[s.block_table[0]].ref_count == 3 for s in req.sequences)

@@ -4,7 +4,7 @@ nothing leaked on any engine after clients walked away at random points."""
 from __future__ import annotations
 
 from benchmarks.soak import soak
-from llmserve.launcher import ServerProcess
+from llmserve.entrypoints.launcher import ServerProcess
 from tests.server_proc import ServerProcess as EngineProcess
 from tests.test_gateway import start_gateway
 

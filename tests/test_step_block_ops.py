@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from llmserve.engine.block_manager import BlockOp
-from llmserve.engine.kv_cache import KVCache, KVIntegrityError, coalesce
+from llmserve.core.block_manager import BlockOp
+from llmserve.worker.kv_cache import KVCache, KVIntegrityError, coalesce
 from tests.sim import add, make_request, make_scheduler, simulate_step
 
 

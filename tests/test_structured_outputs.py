@@ -14,8 +14,12 @@ import pydantic
 import pytest
 
 from llmserve import LLM, SamplingParams
-from llmserve.engine.structured import StructuredOutputsParams
-from llmserve.engine.tool_calls import ToolCallStream, messages_for_template, parse_tool_choice
+from llmserve.core.sampling_params import StructuredOutputsParams
+from llmserve.entrypoints.openai.tool_calls import (
+    ToolCallStream,
+    messages_for_template,
+    parse_tool_choice,
+)
 from tests.server_proc import ServerProcess
 from tests.test_prefix_preemption import BLOCK_BYTES_TINY
 

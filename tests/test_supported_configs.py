@@ -18,9 +18,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from llmserve import LLM, SamplingParams
-from llmserve.engine.models.loader import _gguf_config, load_config
-from llmserve.engine.models.supported import check_model_config
 from llmserve.errors import ModelLoadError
+from llmserve.model_executor.model_loader.gguf import _gguf_config
+from llmserve.model_executor.model_loader.sources import load_config
+from llmserve.model_executor.models.supported import check_model_config
 from tests.conftest import write_tiny_checkpoint
 from tests.oracle import compare_greedy, hf_greedy, load_hf
 
@@ -81,7 +82,7 @@ def test_a_window_refusal_says_which_max_model_len_works(tmp_path_factory, built
 
 def test_the_cli_prints_the_refusal_and_exits_nonzero(tmp_path_factory, builtin_path):
     path = tiny(tmp_path_factory, builtin_path, "mistral", sliding_window=48)
-    run = subprocess.run([sys.executable, "-m", "llmserve.cli", "generate", "--model",
+    run = subprocess.run([sys.executable, "-m", "llmserve", "generate", "--model",
                           str(path), "--prompt", "hi", "--max-tokens", "2"],
                          capture_output=True, text=True, timeout=300)
     assert run.returncode != 0

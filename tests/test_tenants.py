@@ -8,7 +8,7 @@ import hashlib
 
 import pytest
 
-from llmserve.engine.protocol import APIError
+from llmserve.entrypoints.openai.protocol import APIError
 from llmserve.gateway.fairness import FairQueue, Waiter
 from llmserve.gateway.ratelimits import RateLimiter
 from llmserve.gateway.tenants import Limits, Tenant, TenantsError, TenantsFile, parse_tenants

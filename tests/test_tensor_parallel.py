@@ -26,15 +26,11 @@ import pytest
 import torch.distributed as dist
 
 from llmserve import LLM, SamplingParams
+from llmserve.config import EngineConfig
 from llmserve.distributed.shapes import check_tensor_parallel, rank_shape
-from llmserve.engine.config import EngineConfig
-from llmserve.kernels.cpu_linear import (
-    NativeLinear,
-    PackedLinear,
-    gemm_backend,
-    packing_available,
-)
-from llmserve.launcher import ServerProcess
+from llmserve.entrypoints.launcher import ServerProcess
+from llmserve.kernels.cpu.gemm import gemm_backend, packing_available
+from llmserve.model_executor.layers.cpu_linear import NativeLinear, PackedLinear
 from tests.conftest import BUILTIN, write_tiny_checkpoint
 from tests.differential import reconfigure
 
@@ -231,7 +227,7 @@ def test_refusals_and_rank_shapes():
 def test_worker_killed_mid_generation_fails_the_step(tiny_qwen2_tied):
     """The step's collective fails on the broken connection; the error names the rank.
     (Reuses the last pair's two-rank engine when it is still the live one.)"""
-    from llmserve.engine.parallel import WorkerDiedError
+    from llmserve.executor.tensor_parallel import WorkerDiedError
     path = tiny_qwen2_tied
     llm = tp_engine("qwen2-tied", lambda: LLM(str(path), tensor_parallel_size=2, **ENGINE_ARGS))
     engine = llm.engine

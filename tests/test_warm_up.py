@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from llmserve import SamplingParams
-from llmserve.engine.config import EngineConfig
+from llmserve.config import EngineConfig
 from llmserve.engine.llm_engine import LLMEngine
 
 
@@ -50,7 +50,7 @@ def test_a_kernel_that_cannot_run_fails_the_start_up_not_the_first_request(tiny_
     server must exit at start-up with a one-line error, never listen and then die."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run(
-        [sys.executable, "-m", "llmserve.cli", "serve", "--model", str(tiny_llama),
+        [sys.executable, "-m", "llmserve", "serve", "--model", str(tiny_llama),
          "--attention-backend", "triton", "--kv-cache-memory", str(8 << 20),
          "--host", "127.0.0.9", "--port", "18999"],
         env=env, capture_output=True, text=True, timeout=300)

@@ -43,8 +43,8 @@ class RunnerThread(threading.Thread):
 def cluster(tmp_path_factory):
     t0 = time.monotonic()
     c = Cluster(tmp_path_factory.mktemp("cluster")).up()
-    from llmserve.engine.models.loader import resolve_model
     from llmserve.envs import cache_root
+    from llmserve.model_executor.model_loader.sources import resolve_model
     resolve_model("smollm2-135m-instruct")  # warm the "image's" model cache once
     os.environ["LLMSERVE_CACHE"] = str(cache_root())
     # Pod directories live outside /tmp: a pod's emptyDir mounted at /tmp must not
@@ -99,7 +99,7 @@ class OperatorProcess:
     """`llmserve operator` run as a local process with the admin kubeconfig."""
 
     def __init__(self, cluster, namespace: str):
-        self.args = [sys.executable, "-m", "llmserve.cli", "operator", "--namespace", namespace,
+        self.args = [sys.executable, "-m", "llmserve", "operator", "--namespace", namespace,
                      "--health-port", "0"]
         self.env = {**os.environ, "KUBECONFIG": str(cluster.kubeconfig)}
         self.env.pop("KUBERNETES_SERVICE_HOST", None)

@@ -17,7 +17,7 @@ import pytest
 
 from e2e.cluster import BIN_DIR
 from e2e.tests.conftest import get_json, wait_for
-from llmserve.launcher import scrape_metrics
+from llmserve.entrypoints.launcher import scrape_metrics
 
 ROOT = Path(__file__).resolve().parents[2]
 NS = "llm"

@@ -8,7 +8,7 @@ prefix/read offset scheme). A window that ends in an incomplete UTF-8 character
 
 from __future__ import annotations
 
-from llmserve.engine.sequence import Sequence, SequenceStatus
+from llmserve.core.request import Sequence, SequenceStatus
 
 
 class Detokenizer:

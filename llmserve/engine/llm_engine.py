@@ -8,34 +8,31 @@ import logging
 import threading
 import time
 import weakref
-from collections.abc import Sequence as Seq
 from pathlib import Path
 
-from tqdm import tqdm
-
+from llmserve.config import EngineConfig
+from llmserve.core.block_manager import BlockManager
+from llmserve.core.request import Logprob, Request, Sequence, SequenceStatus, Tenancy
+from llmserve.core.sampling_params import SamplingParams
+from llmserve.core.sched.cost_model import StepCostModel
+from llmserve.core.sched.overload import check_admission, expired
+from llmserve.core.sched.scheduler import Scheduler
 from llmserve.distributed.shapes import check_tensor_parallel
-from llmserve.engine.block_manager import BlockManager
-from llmserve.engine.config import EngineConfig
-from llmserve.engine.cost_model import StepCostModel
 from llmserve.engine.detokenizer import Detokenizer
-from llmserve.engine.kv_integrity import SequenceKVCheck
-from llmserve.engine.model_runner import ModelRunner
-from llmserve.engine.models.loader import (
-    gguf_layer_weight_types,
+from llmserve.engine.output import RequestOutput
+from llmserve.executor.tensor_parallel import TensorParallelGroup, WorkerDiedError
+from llmserve.model_executor.layers.quantization import resolve_quantization
+from llmserve.model_executor.layers.sampler import Sampler
+from llmserve.model_executor.model_loader.gguf import gguf_layer_weight_types
+from llmserve.model_executor.model_loader.sources import (
     load_config,
     load_tokenizer,
     resolve_model,
 )
-from llmserve.engine.models.supported import check_model_config
-from llmserve.engine.outputs import RequestOutput
-from llmserve.engine.overload import check_admission, expired
-from llmserve.engine.parallel import TensorParallelGroup, WorkerDiedError
-from llmserve.engine.quantization import resolve_quantization
-from llmserve.engine.sampler import Sampler
-from llmserve.engine.sampling import SamplingParams
-from llmserve.engine.scheduler import Scheduler
-from llmserve.engine.sequence import Logprob, Request, Sequence, SequenceStatus, Tenancy
-from llmserve.engine.structured import StructuredOutputs
+from llmserve.model_executor.models.supported import check_model_config
+from llmserve.structured_output.grammar import StructuredOutputs
+from llmserve.worker.kv_integrity import SequenceKVCheck
+from llmserve.worker.model_runner import ModelRunner
 
 log = logging.getLogger(__name__)
 
@@ -354,102 +351,3 @@ class EngineStats:
         self.schedule_s += schedule_s
         self.forward_s += forward_s
         self.post_s += post_s
-
-
-class LLM:
-    """Offline generation, shaped like vLLM's ``LLM``."""
-
-    def __init__(self, model: str = "smollm2-135m-instruct", **engine_args):
-        self.engine = LLMEngine(EngineConfig.from_kwargs(model=model, **engine_args))
-        self.tokenizer = self.engine.tokenizer
-
-    def shutdown(self) -> None:
-        """Stop the tensor-parallel workers, if any (also at exit)."""
-        self.engine.shutdown()
-
-    def __enter__(self) -> LLM:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.shutdown()
-
-    def generate(self, prompts, sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-                 use_tqdm: bool = False) -> list[RequestOutput]:
-        prompts = _as_prompt_list(prompts)
-        if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            params = [sampling_params or SamplingParams()] * len(prompts)
-        else:
-            params = list(sampling_params)
-            if len(params) != len(prompts):
-                raise ValueError("need one SamplingParams per prompt")
-        ids = [self.engine.add_request(p, _copy(sp)).request_id
-               for p, sp in zip(prompts, params)]
-        return self._run(ids, use_tqdm)
-
-    def chat(self, messages, sampling_params: SamplingParams | None = None,
-             use_tqdm: bool = False) -> list[RequestOutput]:
-        """One conversation (a list of {"role", "content"}) or a list of them."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self.engine.tokenizer.encode(render_chat(self.tokenizer, c),
-                                                add_special_tokens=False)
-                   for c in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm)
-
-    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
-        done: dict[str, RequestOutput] = {}
-        bar = tqdm(total=len(request_ids), desc="generating", disable=not use_tqdm)
-        while self.engine.has_unfinished():
-            for out in self.engine.step():
-                if out.finished:
-                    done[out.request_id] = out
-                    bar.update(1)
-        bar.close()
-        return [done[i] for i in request_ids]
-
-
-def render_chat(tokenizer, messages: list[dict], **template_args) -> str:
-    if not getattr(tokenizer, "chat_template", None):
-        raise ValueError("this model has no chat template")
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
-                                         **template_args)
-
-
-PROMPT_FORMS = ("a string, a list of token ids, {'prompt': str} or "
-                "{'prompt_token_ids': [int, ...]}, or a list of these")
-
-
-def _as_prompt_list(prompts) -> list[str | list[int]]:
-    """vLLM's prompt forms (TextPrompt / TokensPrompt dicts included) as strings or
-    token-id lists; anything else is a ValueError that says what is accepted."""
-    if isinstance(prompts, (str, dict)):
-        return [_one_prompt(prompts)]
-    try:
-        prompts = list(prompts)
-    except TypeError:
-        raise ValueError(f"prompts must be {PROMPT_FORMS}; got {type(prompts).__name__}") from None
-    if prompts and all(isinstance(t, int) and not isinstance(t, bool) for t in prompts):
-        return [prompts]  # one prompt given as token ids
-    return [_one_prompt(p) for p in prompts]
-
-
-def _one_prompt(prompt) -> str | list[int]:
-    if isinstance(prompt, str):
-        return prompt
-    if isinstance(prompt, dict):
-        keys = set(prompt)
-        if keys == {"prompt"} and isinstance(prompt["prompt"], str):
-            return prompt["prompt"]
-        if keys == {"prompt_token_ids"}:
-            return _one_prompt(list(prompt["prompt_token_ids"]))
-        raise ValueError(f"a prompt dict must be {{'prompt': str}} or "
-                         f"{{'prompt_token_ids': [int, ...]}}; got keys {sorted(keys)}")
-    if isinstance(prompt, (list, tuple)) and prompt and all(
-            isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        return list(prompt)
-    raise ValueError(f"each prompt must be {PROMPT_FORMS}; got {prompt!r:.80}")
-
-
-def _copy(params: SamplingParams) -> SamplingParams:
-    # add_request may fill in max_tokens; never mutate the caller's object.
-    from dataclasses import replace
-    return replace(params)

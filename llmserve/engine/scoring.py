@@ -8,9 +8,9 @@ import math
 
 import torch
 
-from llmserve.engine.sampling import SamplingParams
-from llmserve.engine.scheduler import ScheduledBatch
-from llmserve.engine.sequence import Request
+from llmserve.core.request import Request
+from llmserve.core.sampling_params import SamplingParams
+from llmserve.core.sched.output import ScheduledBatch
 
 
 @torch.inference_mode()

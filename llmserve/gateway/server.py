@@ -678,7 +678,7 @@ GATEWAY_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/heal
 async def openapi(request: web.Request) -> web.Response:
     """The engine's OpenAPI document, cut to the operations the gateway serves (what
     clients generate code from and what the gateway's fuzz test sends)."""
-    from llmserve.engine.openapi import openapi_document
+    from llmserve.entrypoints.openai.openapi import openapi_document
     doc = openapi_document()
     doc["paths"] = {p: v for p, v in doc["paths"].items() if p in GATEWAY_PATHS}
     doc["info"] = {**doc["info"], "title": "llmserve gateway"}

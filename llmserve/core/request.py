@@ -1,0 +1,162 @@
+"""Request and sequence state.
+
+A Request is what a user submitted; it owns one Sequence per parallel sample
+(n > 1). The scheduler and block manager only ever see Sequences.
+
+A sequence's life: WAITING -> RUNNING -> FINISHED_*, with RUNNING -> WAITING
+(preempted, recompute) or RUNNING -> SWAPPED -> RUNNING (preempted, swap).
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from llmserve.core.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    SWAPPED = "swapped"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self.value in ("stop", "length", "abort")
+
+
+_seq_counter = itertools.count()
+
+
+@dataclass
+class Logprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # (token id, logprob) of the top alternatives, best first
+
+
+class Sequence:
+    def __init__(self, request: Request, index: int, prompt_token_ids: list[int]):
+        self.seq_id = next(_seq_counter)
+        self.request = request
+        self.index = index
+        self.params: SamplingParams = request.params
+        self.token_ids: list[int] = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        # Tokens whose K/V is in the cache. The model has to run on
+        # token_ids[num_computed_tokens:] before this sequence can sample again.
+        self.num_computed_tokens = 0
+        self.block_table: list[int] = []
+        self.cpu_block_table: list[int] = []  # while swapped out
+        self.block_hashes: list[bytes] = []  # prefix-cache keys of full token blocks
+        self.num_cached_blocks = 0  # leading blocks registered in the prefix cache
+        self.status = SequenceStatus.WAITING
+        self.stop_reason: int | str | None = None
+        self.logprobs: list[Logprob] = []
+        # Incremental detokenisation state (see detokenizer.py).
+        self.text = ""
+        self.prefix_offset = max(self.num_prompt_tokens - 5, 0)
+        self.read_offset = self.num_prompt_tokens
+        seed = self.params.sample_seed(index)
+        self.generator: torch.Generator | None = None
+        if seed is not None:
+            self.generator = torch.Generator().manual_seed(seed)
+        self.num_preemptions = 0
+        self.recomputed_until = 0  # tokens computed before a recompute preemption
+        # Parser state of a constrained output (structured.py); survives preemption,
+        # since it follows the tokens, not the KV cache.
+        self.matcher = None
+
+    # --- sizes -------------------------------------------------------------
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_prefill(self) -> bool:
+        return self.num_computed_tokens < self.num_tokens - 1
+
+    @property
+    def priority(self) -> int:
+        return self.request.priority
+
+    @property
+    def arrival_time(self) -> float:
+        return self.request.arrival_time
+
+    @property
+    def finished(self) -> bool:
+        return self.status.finished
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
+
+    def reset_for_recompute(self) -> None:
+        """Forget the KV cache: the whole sequence (prompt and the tokens generated
+        so far) is prefilled again when it is rescheduled, so outputs do not change."""
+        self.recomputed_until = max(self.recomputed_until, self.num_computed_tokens)
+        self.num_computed_tokens = 0
+
+    def first_time_tokens(self, num_new: int) -> int:
+        """Of ``num_new`` tokens about to be computed, those never computed before
+        (a recompute preemption's re-prefill is the engine's cost, not the tenant's)."""
+        start = self.num_computed_tokens
+        return max(0, start + num_new - max(start, self.recomputed_until))
+
+    def __repr__(self) -> str:
+        return (f"Sequence(id={self.seq_id}, req={self.request.request_id}, "
+                f"status={self.status.value}, tokens={self.num_tokens}, "
+                f"computed={self.num_computed_tokens}, blocks={len(self.block_table)})")
+
+
+@dataclass(frozen=True)
+class Tenancy:
+    """Whose request this is, for fair order in the waiting queue (set by the gateway)."""
+    name: str
+    weight: float = 1.0
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float = field(default_factory=time.monotonic)
+    priority: int = 0
+    cache_salt: bytes = b""  # isolates prefix-cache entries (e.g. per tenant)
+    tenant: str = ""  # fair order among tenants of equal priority (scheduler)
+    tenant_weight: float = 1.0
+    sequences: list[Sequence] = field(default_factory=list)
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+
+    def __post_init__(self) -> None:
+        if not self.sequences:
+            self.sequences = [Sequence(self, i, self.prompt_token_ids)
+                              for i in range(self.params.n)]
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finished for s in self.sequences)

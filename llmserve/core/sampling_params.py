@@ -1,0 +1,172 @@
+"""What a request asks of the sampler, validated up front: ``SamplingParams`` and, inside
+it, ``StructuredOutputsParams`` (the grammar its output must match)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, replace
+
+MAX_N = 16
+MAX_LOGPROBS = 20
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0  # 0 means greedy
+    top_p: float = 1.0
+    top_k: int = -1  # -1 or 0 disables
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16  # None: up to the model's maximum length
+    min_tokens: int = 0
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    logprobs: int | None = None  # number of top alternatives per token, 0 = sampled only
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    extra_eos_token_ids: list[int] = field(default_factory=list, repr=False)
+    # Constrain the output to a JSON schema, regex, choice or grammar (structured.py).
+    structured_outputs: StructuredOutputsParams | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == 0:
+            self.top_k = -1
+        self.validate()
+
+    def validate(self) -> None:
+        def check(ok: bool, name: str, msg: str) -> None:
+            if not ok:
+                raise ValueError(f"{name} {msg}")
+
+        check(_is_int(self.n) and 1 <= self.n <= MAX_N, "n", f"must be an integer in [1, {MAX_N}]")
+        check(_is_num(self.temperature) and 0.0 <= self.temperature <= 2.0,
+              "temperature", "must be in [0, 2]")
+        check(_is_num(self.top_p) and 0.0 < self.top_p <= 1.0, "top_p", "must be in (0, 1]")
+        check(_is_int(self.top_k) and (self.top_k == -1 or self.top_k >= 1),
+              "top_k", "must be -1 (disabled) or a positive integer")
+        check(_is_num(self.min_p) and 0.0 <= self.min_p <= 1.0, "min_p", "must be in [0, 1]")
+        check(self.seed is None or (_is_int(self.seed) and -2**63 <= self.seed < 2**63),
+              "seed", "must be a 64-bit signed integer")
+        check(self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1),
+              "max_tokens", "must be a positive integer")
+        check(_is_int(self.min_tokens) and self.min_tokens >= 0,
+              "min_tokens", "must be a non-negative integer")
+        if self.max_tokens is not None:
+            check(self.min_tokens <= self.max_tokens, "min_tokens", "must not exceed max_tokens")
+        check(all(isinstance(s, str) and s for s in self.stop), "stop",
+              "must be a non-empty string or a list of them")
+        check(all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
+              "must be a list of non-negative integers")
+        check(self.logprobs is None
+              or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
+              "logprobs", f"must be an integer in [0, {MAX_LOGPROBS}]")
+        check(_is_num(self.presence_penalty) and -2.0 <= self.presence_penalty <= 2.0,
+              "presence_penalty", "must be in [-2, 2]")
+        check(_is_num(self.frequency_penalty) and -2.0 <= self.frequency_penalty <= 2.0,
+              "frequency_penalty", "must be in [-2, 2]")
+        check(_is_num(self.repetition_penalty) and 0.0 < self.repetition_penalty <= 2.0,
+              "repetition_penalty", "must be in (0, 2]")
+        check(self.structured_outputs is None
+              or isinstance(self.structured_outputs, StructuredOutputsParams),
+              "structured_outputs", "must be a StructuredOutputsParams")
+        check(self.structured_outputs is None or not self.min_tokens, "min_tokens",
+              "cannot be combined with structured outputs: the grammar decides where the "
+              "output ends")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < 1e-5
+
+    @property
+    def has_penalties(self) -> bool:
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0)
+
+    def sample_seed(self, index: int) -> int | None:
+        """Seed of the index-th parallel sample: sample i of a seeded n-way request
+        equals a single-sample request with seed + i."""
+        return None if self.seed is None else self.seed + index
+
+    def copy(self) -> SamplingParams:
+        """A copy the engine may fill in (``max_tokens``) without touching the caller's."""
+        return replace(self)
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_num(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and x == x  # rejects NaN
+
+
+KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+class GrammarError(ValueError):
+    """The spec cannot be compiled: bad syntax, or a construct llguidance lacks."""
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """What a request's output must match; exactly one field is set (vLLM's names)."""
+
+    json: str | dict | None = None  # a JSON schema (object or its text)
+    regex: str | None = None
+    choice: tuple[str, ...] | list[str] | None = None
+    grammar: str | None = None  # Lark, or GBNF as llama.cpp writes it
+    json_object: bool | None = None  # any JSON object
+
+    def __post_init__(self) -> None:
+        given = [k for k in KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError("structured outputs need exactly one of "
+                             f"{', '.join(KINDS)}; got {given or 'none'}")
+        if self.choice is not None:
+            if not (isinstance(self.choice, (list, tuple)) and self.choice
+                    and all(isinstance(c, str) and c for c in self.choice)):
+                raise ValueError("'choice' must be a non-empty list of non-empty strings")
+            object.__setattr__(self, "choice", tuple(self.choice))
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, str) and value):
+                raise ValueError(f"'{name}' must be a non-empty string")
+        if self.json is not None and not isinstance(self.json, (str, dict)):
+            raise ValueError("'json' must be a JSON schema (an object or its text)")
+        if self.json_object not in (None, True, False):
+            raise ValueError("'json_object' must be a boolean")
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in KINDS if getattr(self, k) not in (None, False))
+
+    def key(self) -> tuple[str, str]:
+        """Canonical (kind, text): equal specs share one compiled grammar."""
+        kind = self.kind
+        if kind == "json":
+            schema = self.json if isinstance(self.json, dict) else _loads_schema(self.json)
+            return kind, json.dumps(schema, sort_keys=True)
+        if kind == "choice":
+            return kind, json.dumps(list(self.choice))
+        if kind == "json_object":
+            return kind, ""
+        return kind, getattr(self, kind)
+
+
+def _loads_schema(text: str) -> dict:
+    try:
+        schema = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise GrammarError(f"the JSON schema is not valid JSON: {e}") from e
+    if not isinstance(schema, dict):
+        raise GrammarError("a JSON schema must be an object")
+    return schema

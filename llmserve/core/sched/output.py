@@ -1,0 +1,42 @@
+"""The scheduler's output: one step's batch, what the worker runs. Kept apart from the
+scheduler, as vLLM's v1 core does, so that the worker reads it without the scheduler."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from llmserve.core.block_manager import BlockOp
+from llmserve.core.request import Sequence
+
+
+@dataclass
+class ScheduledBatch:
+    seqs: list[Sequence] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+    # Block moves to apply before the forward, in this order.
+    block_ops: list[BlockOp] = field(default_factory=list)
+    predicted_s: float | None = None  # the cost model's duration for this step
+
+    @property
+    def kv_tokens(self) -> int:
+        """Context tokens the step's attention reads."""
+        return sum(s.num_computed_tokens + n for s, n in zip(self.seqs, self.num_new_tokens))
+
+    @property
+    def has_block_ops(self) -> bool:
+        return bool(self.block_ops)
+
+    def ops_of(self, kind: str) -> list[tuple[int, int]]:
+        return [(op.src, op.dst) for op in self.block_ops if op.kind == kind]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+    def add(self, seq: Sequence, num_new: int) -> None:
+        self.seqs.append(seq)
+        self.num_new_tokens.append(num_new)

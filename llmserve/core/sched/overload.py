@@ -1,0 +1,69 @@
+"""Overload control: a bounded waiting queue and a bounded queueing delay.
+
+Without them an engine under more load than it can serve queues without limit:
+every request's time to first token grows until clients time out, while the
+engine keeps spending its steps on requests nobody waits for any more. With
+``max_waiting`` a new request is refused at once while that many requests wait
+unscheduled; with ``max_queue_delay`` a request that has not been scheduled within
+that many seconds leaves the queue. Both are answered HTTP 503 with
+``{"error": {"type": "server_overloaded"}}`` and ``Retry-After``, which the gateway
+retries on another engine without ejecting this one.
+
+Only requests that never ran are refused or expired: a request preempted for
+recompute is back in the waiting queue but has already streamed tokens.
+"""
+
+from __future__ import annotations
+
+import math
+
+from llmserve.core.request import Request
+
+
+class OverloadedError(RuntimeError):
+    """The engine refused or dropped a request that had not started (HTTP 503)."""
+
+    def __init__(self, message: str, retry_after: float = 1.0):
+        super().__init__(message)
+        self.retry_after = retry_after
+
+    @property
+    def retry_after_header(self) -> str:
+        return str(max(1, math.ceil(self.retry_after)))
+
+
+def waiting_requests(waiting) -> list[Request]:
+    """Distinct requests in the scheduler's waiting queue that never ran."""
+    seen: dict[str, Request] = {}
+    for seq in waiting:
+        req = seq.request
+        if req.first_scheduled_time is None:
+            seen.setdefault(req.request_id, req)
+    return list(seen.values())
+
+
+def queue_full(n: int, max_waiting: int, max_queue_delay: float | None) -> OverloadedError:
+    return OverloadedError(
+        f"the engine is overloaded: {n} requests are already waiting "
+        f"(max_waiting={max_waiting}); retry later or elsewhere",
+        retry_after=max_queue_delay or 1.0)
+
+
+def check_admission(max_waiting: int | None, max_queue_delay: float | None, waiting,
+                    free_slots: int = 0) -> None:
+    """Raise OverloadedError when one more request would leave more than
+    ``max_waiting`` waiting once the next step has filled the ``free_slots`` sequence
+    slots (a burst into an idle engine is not refused for want of a queue it does
+    not need)."""
+    if max_waiting is None:
+        return
+    n = len(waiting_requests(waiting))
+    if n >= max_waiting + free_slots:
+        raise queue_full(n, max_waiting, max_queue_delay)
+
+
+def expired(max_queue_delay: float | None, waiting, now: float) -> list[Request]:
+    """Requests that have waited unscheduled longer than ``max_queue_delay``."""
+    if max_queue_delay is None:
+        return []
+    return [r for r in waiting_requests(waiting) if now - r.arrival_time > max_queue_delay]

@@ -1,0 +1,249 @@
+"""Asyncio front of the engine.
+
+The step loop runs in its own thread, so model compute never blocks the event
+loop (PyTorch releases the GIL inside its kernels). Requests and aborts reach the
+engine thread through a queue; outputs come back to each request's asyncio.Queue
+through ``call_soon_threadsafe``. Only the engine thread touches the engine's state.
+
+The engine is also *built* in that thread: on CPU, a model whose weights were
+loaded by another thread runs its steps about 1.5x slower (measured: 48 ms versus
+87 ms per decode step of the built-in model), so one thread owns all torch work.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from llmserve.config import EngineConfig
+from llmserve.core.request import Tenancy
+from llmserve.core.sampling_params import SamplingParams
+from llmserve.core.sched.overload import OverloadedError, queue_full, waiting_requests
+from llmserve.engine.llm_engine import LLMEngine
+from llmserve.engine.metrics import EngineMetrics
+from llmserve.engine.output import RequestOutput
+from llmserve.errors import EngineDeadError, EngineStartError  # noqa: F401 - re-exported
+from llmserve.platforms.memory import release_freed_memory
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Add:
+    request_id: str
+    prompt_token_ids: list[int]
+    prompt: str | None
+    params: SamplingParams
+    priority: int
+    cache_salt: str | None
+    sink: asyncio.Queue
+    tenant: Tenancy | None = None
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+class AsyncLLMEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.engine: LLMEngine | None = None  # built by the engine thread
+        self.metrics: EngineMetrics | None = None
+        self._ready = threading.Event()
+        self._inbox: queue.Queue = queue.Queue()
+        self._wake = threading.Event()
+        self._sinks: dict[str, asyncio.Queue] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._stop = False
+        self.error: BaseException | None = None
+        self._ids = itertools.count()
+        # Overload fast path (max_waiting): requests handed to the engine thread but not
+        # yet queued there, and the unscheduled requests it last saw waiting. A burst is
+        # refused here at once, not one engine step later per request.
+        self._count_lock = threading.Lock()
+        self._pending_adds = 0
+        self.num_waiting = 0
+        self.free_slots = config.max_num_seqs  # sequence slots free at the last look
+
+    # --- lifecycle ----------------------------------------------------------------
+    async def start(self) -> None:
+        """Build the engine in its thread and start the step loop; raises what the
+        build raised (e.g. ModelLoadError)."""
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._thread.start()
+        await self._loop.run_in_executor(None, self._ready.wait)
+        if self.error is not None:
+            raise self.error
+
+    def shutdown(self) -> None:
+        self._stop = True
+        self._wake.set()
+        if self._thread:
+            self._thread.join(timeout=10)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self.error is None
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._sinks)
+
+    # --- requests ----------------------------------------------------------------
+    def new_request_id(self, prefix: str = "req") -> str:
+        return f"{prefix}-{next(self._ids)}-{int(time.time() * 1000)}"
+
+    async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
+                       request_id: str, prompt: str | None = None, priority: int = 0,
+                       cache_salt: str | None = None, tenant: Tenancy | None = None
+                       ) -> AsyncIterator[RequestOutput]:
+        """Stream the request's outputs; abort it if the consumer stops early.
+        Raises ValueError (nothing queued) for a request that can never run."""
+        if not self.alive:
+            raise EngineDeadError("the engine is not running")
+        self.engine.validate_prompt(prompt_token_ids, params)
+        self._admit()
+        sink: asyncio.Queue = asyncio.Queue()
+        self._sinks[request_id] = sink
+        self._inbox.put(_Add(request_id, prompt_token_ids, prompt, params, priority,
+                             cache_salt, sink, tenant))
+        self._wake.set()
+        finished = False
+        try:
+            while True:
+                item = await sink.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finished:
+                    finished = True
+                    return
+        finally:
+            self._sinks.pop(request_id, None)
+            if not finished:
+                self.abort(request_id)
+
+    def _admit(self) -> None:
+        """Refuse at once when the waiting queue is already full (the engine thread
+        checks again, exactly, when it queues the request)."""
+        limit = self.config.max_waiting
+        with self._count_lock:
+            # Pending requests will fill free slots first, and only then wait.
+            if limit is not None and \
+                    self._pending_adds + self.num_waiting >= limit + self.free_slots:
+                self.metrics.on_overload("queue_full")
+                raise queue_full(self._pending_adds + self.num_waiting, limit,
+                                 self.config.max_queue_delay)
+            self._pending_adds += 1
+
+    def abort(self, request_id: str) -> None:
+        self._inbox.put(_Abort(request_id))
+        self._wake.set()
+
+    # --- the engine thread ---------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            self.engine = LLMEngine(self.config)
+            self._warm_up()
+            self.metrics = EngineMetrics(self.engine.model_name,
+                                         max_num_seqs=self.config.max_num_seqs)
+        except BaseException as e:  # noqa: BLE001 - reported by start()
+            self.error = e
+            if self.engine is not None:
+                self.engine.shutdown()
+            self._ready.set()
+            return
+        release_freed_memory()  # what loading and warm-up freed
+        self._ready.set()
+        worked_since_trim = False
+        try:
+            while not self._stop:
+                self.engine.check_health()  # a dead tensor-parallel worker ends the loop
+                self._drain_inbox()
+                self._expire_waiting()
+                self._publish_waiting()
+                if not self.engine.has_unfinished():
+                    self.metrics.observe_engine(self.engine)
+                    woken = self._wake.wait(timeout=0.5)
+                    self._wake.clear()
+                    if not woken and worked_since_trim:  # idle for 0.5 s after work
+                        release_freed_memory()
+                        worked_since_trim = False
+                    continue
+                worked_since_trim = True
+                outputs = self.engine.step()
+                self.metrics.observe_step(self.engine, outputs)
+                for out in outputs:
+                    self._deliver(out.request_id, out)
+        except BaseException as e:  # noqa: BLE001 - a dead engine must fail every request
+            log.exception("engine loop died")
+            self.error = e
+            for request_id in list(self._sinks):
+                self._deliver(request_id, EngineDeadError(f"engine loop died: {e!r}"))
+        finally:
+            self.engine.shutdown()
+
+    def _warm_up(self) -> None:
+        """Before start() returns, i.e. before the server listens and /health answers."""
+        t0 = time.perf_counter()
+        try:
+            self.engine.warm_up()
+        except Exception as e:
+            backend = "triton" if self.engine.runner.use_triton else "torch"
+            raise EngineStartError(f"the engine failed its warm-up on {self.config.device} "
+                                   f"with the {backend} attention backend: {e}") from e
+        log.info("warm-up done in %.1f s", time.perf_counter() - t0)
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                cmd = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(cmd, _Abort):
+                if self.engine.abort(cmd.request_id):
+                    self.metrics.aborted += 1
+                continue
+            with self._count_lock:
+                self._pending_adds -= 1
+            if cmd.request_id not in self._sinks:  # cancelled before it got here
+                continue
+            try:
+                req = self.engine.add_request(cmd.prompt, cmd.params, cmd.request_id,
+                                              cmd.priority, prompt_token_ids=cmd.prompt_token_ids,
+                                              cache_salt=cmd.cache_salt, tenant=cmd.tenant)
+                self.metrics.on_arrival(req)
+            except (ValueError, OverloadedError) as e:
+                if isinstance(e, OverloadedError):
+                    self.metrics.on_overload("queue_full")
+                self._deliver(cmd.request_id, e)
+
+    def _publish_waiting(self) -> None:
+        if self.config.max_waiting is not None:
+            sched = self.engine.scheduler
+            self.num_waiting = len(waiting_requests(sched.waiting))
+            self.free_slots = max(0, self.config.max_num_seqs - len(sched.running))
+
+    def _expire_waiting(self) -> None:
+        if self.config.max_queue_delay is None:
+            return
+        for request_id in self.engine.expire_waiting():
+            self.metrics.on_overload("queue_delay")
+            self._deliver(request_id, OverloadedError(
+                f"the request waited more than max_queue_delay="
+                f"{self.config.max_queue_delay:g} s without being scheduled; retry later "
+                f"or elsewhere", retry_after=self.config.max_queue_delay))
+
+    def _deliver(self, request_id: str, item) -> None:
+        sink = self._sinks.get(request_id)
+        if sink is not None and self._loop is not None:
+            self._loop.call_soon_threadsafe(sink.put_nowait, item)

@@ -1,0 +1,44 @@
+"""What the engine hands back: vLLM-shaped RequestOutput / CompletionOutput."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from llmserve.core.request import Logprob, Request, Sequence
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None  # "stop" | "length" | "abort" | None while running
+    stop_reason: int | str | None = None  # the stop string or token that matched
+    logprobs: list[Logprob] | None = None
+
+    @classmethod
+    def of(cls, seq: Sequence) -> CompletionOutput:
+        reason = seq.status.value if seq.finished else None
+        return cls(index=seq.index, text=seq.text, token_ids=seq.output_token_ids,
+                   finish_reason=reason, stop_reason=seq.stop_reason,
+                   logprobs=list(seq.logprobs) if seq.params.logprobs is not None else None)
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: dict = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, req: Request) -> RequestOutput:
+        return cls(request_id=req.request_id, prompt=req.prompt,
+                   prompt_token_ids=req.prompt_token_ids,
+                   outputs=[CompletionOutput.of(s) for s in req.sequences],
+                   finished=req.finished,
+                   metrics={"arrival_time": req.arrival_time,
+                            "first_scheduled_time": req.first_scheduled_time,
+                            "first_token_time": req.first_token_time})

@@ -1,0 +1,378 @@
+"""The ``llmserve`` command: generate | serve | up (more as they land)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+
+from llmserve.errors import EngineDeadError, EngineStartError, ModelLoadError, WorkerDiedError
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", default="smollm2-135m-instruct",
+                   help="checkpoint directory, .gguf file or built-in name")
+    g.add_argument("--served-model-name", default=None)
+    g.add_argument("--device", default="auto")
+    g.add_argument("--dtype", default="auto", help="auto | float32 | float16 | bfloat16")
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--kv-cache-memory", type=int, default=None, help="KV cache bytes")
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    g.add_argument("--max-num-seqs", type=int, default=128)
+    g.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="token budget per step (default 2048 on CUDA, 512 on CPU)")
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--no-chunked-prefill", dest="enable_chunked_prefill", action="store_false")
+    g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
+    g.add_argument("--preemption-mode", choices=["recompute", "swap"], default="recompute")
+    g.add_argument("--swap-space", type=int, default=1 << 30, help="CPU swap bytes")
+    g.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="fcfs")
+    g.add_argument("--attention-backend", choices=["auto", "triton", "torch"], default="auto")
+    g.add_argument("--num-threads", type=int, default=None,
+                   help="CPU threads for the model (default: all cores we may use)")
+    g.add_argument("--quantization", choices=["auto", "none", "int8", "int4"], default="auto",
+                   help="CPU: weight-only int8/int4 linear layers (bf16 activations); "
+                        "fastest for few concurrent streams. auto: int4 for a 4-bit GGUF "
+                        "(the built-in model) served in bf16, none otherwise")
+    g.add_argument("--compile", action="store_true",
+                   help="torch.compile the decoder layers (CPU: fewer, fused ops per step; "
+                        "compiled during the start-up warm-up, cached on disk)")
+    g.add_argument("--batching", choices=["continuous", "static"], default="continuous",
+                   help="static: run each batch to its end before admitting more (baseline)")
+    g.add_argument("--target-itl-ms", type=float, default=None,
+                   help="cap each step's predicted duration (a latency SLO): prefill "
+                        "chunks shrink and the least urgent decodes wait")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="split the model across this many ranks: one per GPU (GPUs "
+                        "0..N-1), or on CPU processes that share the cores")
+    add_overload_args(g)
+    g.add_argument("--check-kv-integrity", action="store_true",
+                   help="debug: hash KV blocks across swaps and copy-on-write, fail loudly "
+                        "on a mismatch (slow)")
+    add_gpu_fast_path_args(p)
+
+
+def add_gpu_fast_path_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("GPU fast path (CUDA only; off until validated on a GPU)")
+    g.add_argument("--cuda-graphs", action="store_true",
+                   help="replay CUDA graphs for decode steps, one per batch-size bucket")
+    g.add_argument("--cuda-graph-sizes", default=None, metavar="N,N,...",
+                   help="the buckets (default 1,2,4 and multiples of 8 up to --max-num-seqs)")
+    g.add_argument("--pinned-staging", action="store_true",
+                   help="a step's metadata in one pinned buffer, one non-blocking copy")
+    g.add_argument("--device-block-tables", action="store_true",
+                   help="block tables kept on the GPU, only changed entries written")
+    g.add_argument("--profile-kv-cache", action="store_true",
+                   help="size the KV cache from a profiled max-num-batched-tokens step")
+
+
+# Engine overload flags: config field -> (flag, argparse dest). Their dests differ from
+# the field names because the gateway has a --max-waiting of its own.
+OVERLOAD_FLAGS = {"max_waiting": ("--max-waiting", "engine_max_waiting"),
+                  "max_queue_delay": ("--max-queue-delay", "engine_max_queue_delay")}
+
+
+def add_overload_args(g) -> None:
+    g.add_argument("--max-waiting", dest="engine_max_waiting", type=int, default=None,
+                   metavar="N",
+                   help="overload: answer 503 server_overloaded (with Retry-After) to new "
+                        "requests while this many wait unscheduled (default: unbounded)")
+    g.add_argument("--max-queue-delay", dest="engine_max_queue_delay", type=float, metavar="S",
+                   default=None,
+                   help="overload: a request not scheduled within this many seconds leaves "
+                        "the queue with 503 server_overloaded (default: waits forever)")
+
+
+ENGINE_KEYS = ("model", "served_model_name", "device", "dtype", "block_size", "kv_cache_memory",
+               "gpu_memory_utilization", "max_num_seqs", "max_num_batched_tokens",
+               "max_model_len", "enable_chunked_prefill", "enable_prefix_caching",
+               "preemption_mode", "swap_space", "scheduling_policy", "attention_backend",
+               "num_threads", "quantization", "compile", "batching", "target_itl_ms",
+               "check_kv_integrity", "tensor_parallel_size", "cuda_graphs",
+               "cuda_graph_sizes", "pinned_staging", "device_block_tables", "profile_kv_cache")
+
+
+def engine_argv(args) -> list[str]:
+    """The engine flags of ``args`` as a command line (what `up` hands its engines)."""
+    argv = []
+    for key in ENGINE_KEYS:
+        value = getattr(args, key)
+        if key == "enable_chunked_prefill":
+            argv += [] if value else ["--no-chunked-prefill"]
+        elif key == "enable_prefix_caching":
+            argv += [] if value else ["--no-prefix-caching"]
+        elif isinstance(value, bool):  # store_true switches
+            argv += ["--" + key.replace("_", "-")] if value else []
+        elif value is not None:
+            argv += ["--" + key.replace("_", "-"), str(value)]
+    for flag, dest in OVERLOAD_FLAGS.values():
+        if getattr(args, dest, None) is not None:
+            argv += [flag, str(getattr(args, dest))]
+    return argv
+
+
+def engine_config(args):
+    from llmserve.config import EngineConfig
+    return EngineConfig(**{k: getattr(args, k) for k in ENGINE_KEYS},
+                        **{k: getattr(args, dest, None)
+                           for k, (_, dest) in OVERLOAD_FLAGS.items()})
+
+
+def cmd_generate(args) -> int:
+    from llmserve.entrypoints.llm import LLM
+    llm = LLM(**{k: getattr(args, k) for k in ENGINE_KEYS})
+    try:
+        _generate(llm, args)
+    finally:
+        llm.shutdown()
+    return 0
+
+
+def _generate(llm, args) -> None:
+    from llmserve.core.sampling_params import SamplingParams
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens,
+                            seed=args.seed)
+    prompts = args.prompt or ["What is the capital of France?",
+                              "Write a haiku about paged KV caches."]
+    outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)
+    for prompt, out in zip(prompts, outs):
+        print(f"> {prompt}\n{out.outputs[0].text}\n")
+
+
+def add_server_args(p: argparse.ArgumentParser, port: int) -> None:
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=port)
+    p.add_argument("--api-key", default=os.environ.get("LLMSERVE_API_KEY"),
+                   help="require this Bearer token on /v1 paths (or LLMSERVE_API_KEY)")
+    p.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="seconds in-flight requests may take after SIGTERM")
+    p.add_argument("--header-timeout", type=float, default=30.0,
+                   help="close a connection whose request head is incomplete (or that is "
+                        "idle) after this many seconds (slow clients)")
+    p.add_argument("--body-timeout", type=float, default=30.0,
+                   help="answer 408 and close when a request body takes longer than this")
+    p.add_argument("--log-level", default="INFO")
+
+
+def cmd_serve(args) -> int:
+    from llmserve.entrypoints.openai.api_server import serve
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    asyncio.run(serve(engine_config(args), args.host, args.port, args.api_key,
+                      args.drain_timeout, header_timeout=args.header_timeout,
+                      body_timeout=args.body_timeout))
+    return 0
+
+
+def add_gateway_args(p: argparse.ArgumentParser, spill_over_flag: str = "--max-waiting") -> None:
+    """``spill_over_flag``: the name of the gateway's --max-waiting (under `up` that name
+    is the engines' overload flag, as under `serve`)."""
+    g = p.add_argument_group("gateway")
+    g.add_argument("--policy", choices=["prefix-hash", "least-load", "round-robin"],
+                   default="prefix-hash")
+    g.add_argument("--load-factor", type=float, default=1.25,
+                   help="prefix-hash: an endpoint takes a request while its in-flight "
+                        "load is within this factor of the mean")
+    g.add_argument("--prefix-chars", type=int, default=100,
+                   help="leading prompt characters that form the routing key")
+    g.add_argument("--max-attempts", type=int, default=3)
+    g.add_argument("--scrape-interval", type=float, default=2.0)
+    g.add_argument(spill_over_flag, dest="max_waiting", type=float, default=16,
+                   help="skip endpoints whose vllm:num_requests_waiting is above this")
+    g.add_argument("--max-kv-usage", type=float, default=0.95,
+                   help="skip endpoints whose vllm:kv_cache_usage_perc is above this")
+    g.add_argument("--api-key-file", default=None,
+                   help="file with one accepted API key per line (e.g. a mounted Secret); "
+                        "LLMSERVE_API_KEYS (comma-separated) adds more")
+    g.add_argument("--upstream-api-key", default=os.environ.get("LLMSERVE_UPSTREAM_API_KEY"))
+    g.add_argument("--no-endpoint-wait", type=float, default=0.0,
+                   help="seconds a request waits for an endpoint when none exists "
+                        "(scale from zero)")
+    g.add_argument("--max-in-flight", type=int, default=None,
+                   help="requests one engine may have in flight before the gateway holds "
+                        "more back (0 = no cap). Default: with --tenants, the engine's "
+                        "max_num_seqs as its /metrics reports it, so requests queue "
+                        "fairly here; without, no cap")
+    g.add_argument("--upstream-first-byte-timeout", type=float, default=60.0, metavar="S",
+                   help="hung engines: after S s without an engine's response head, ask its "
+                        "/health; no answer = hung: ejected, the request retried elsewhere "
+                        "(an answer = busy: the request waits on). 0 = never")
+    g.add_argument("--upstream-idle-timeout", type=float, default=30.0, metavar="S",
+                   help="hung engines: the same after S s without a body chunk; a hung "
+                        "engine's streams end with an SSE error event and [DONE]. 0 = never")
+    t = p.add_argument_group("tenants")
+    t.add_argument("--tenants", default=None, metavar="FILE",
+                   help="tenants file (classes, tenants, API keys, limits); re-read when it "
+                        "changes. Enables per-tenant limits and fair queueing")
+    t.add_argument("--peer", action="append", default=[], metavar="URL",
+                   help="another gateway replica sharing the tenants' limits (repeatable)")
+    t.add_argument("--peer-service", default=None, metavar="NAMESPACE/NAME",
+                   help="the gateway's headless Service: its ready pods are the peers")
+    t.add_argument("--peer-interval", type=float, default=1.0,
+                   help="seconds between exchanges of counters with peers")
+
+
+def gateway_config(args, backends: list[str]):
+    from llmserve.gateway.server import GatewayConfig
+    return GatewayConfig(backends=backends, k8s_service=getattr(args, "k8s_service", None),
+                         k8s_port_name=getattr(args, "k8s_port_name", None),
+                         policy=args.policy, load_factor=args.load_factor,
+                         prefix_chars=args.prefix_chars, max_attempts=args.max_attempts,
+                         scrape_interval=args.scrape_interval, max_waiting=args.max_waiting,
+                         max_kv_usage=args.max_kv_usage, api_key_file=args.api_key_file,
+                         upstream_api_key=args.upstream_api_key,
+                         drain_timeout=args.drain_timeout,
+                         no_endpoint_wait=args.no_endpoint_wait,
+                         max_in_flight=args.max_in_flight, tenants_file=args.tenants,
+                         peers=args.peer, peer_service=args.peer_service,
+                         peer_interval=args.peer_interval,
+                         header_timeout=args.header_timeout, body_timeout=args.body_timeout,
+                         upstream_first_byte_timeout=args.upstream_first_byte_timeout,
+                         upstream_idle_timeout=args.upstream_idle_timeout)
+
+
+def cmd_gateway(args) -> int:
+    from llmserve.gateway.server import serve_gateway
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if not args.backend and not args.k8s_service:
+        raise ValueError("give --backend URL (repeatable) or --k8s-service NAMESPACE/NAME")
+    if args.k8s_service and "/" not in args.k8s_service:
+        raise ValueError("--k8s-service must be NAMESPACE/NAME")
+    if args.peer_service and "/" not in args.peer_service:
+        raise ValueError("--peer-service must be NAMESPACE/NAME")
+    if (args.peer or args.peer_service) and not args.tenants:
+        raise ValueError("--peer / --peer-service share tenants' limits: give --tenants")
+    asyncio.run(serve_gateway(gateway_config(args, args.backend or []), args.host, args.port))
+    return 0
+
+
+def add_up_parser(sub) -> argparse.ArgumentParser:
+    """`up`: the engine flags (overload ones included, named as under `serve`), the
+    server flags and the gateway's, whose spill-over level is --gateway-max-waiting."""
+    up = sub.add_parser("up", help="the local platform on the built-in model, one command")
+    add_engine_args(up)
+    add_server_args(up, 8000)
+    add_gateway_args(up, spill_over_flag="--gateway-max-waiting")
+    up.add_argument("--engines", type=int, default=1, help="engine processes behind the gateway")
+    up.set_defaults(func=cmd_up)
+    return up
+
+
+def check_up_args(args) -> None:
+    """Refuse what the gateway would refuse, before the engines take their time to start."""
+    if args.tenants:
+        from llmserve.gateway.server import ApiKeys, check_tenant_keys
+        from llmserve.gateway.tenants import TenantsFile
+        TenantsFile(args.tenants)  # TenantsError (a ValueError) names what is wrong
+        # --api-key reaches the gateway as LLMSERVE_API_KEYS (cmd_up).
+        check_tenant_keys(args.tenants, ApiKeys(args.api_key_file, args.api_key or
+                                                os.environ.get("LLMSERVE_API_KEYS")))
+    if (args.peer or args.peer_service) and not args.tenants:
+        raise ValueError("--peer / --peer-service share tenants' limits: give --tenants")
+
+
+def cmd_up(args) -> int:
+    """The local platform on one machine: engine processes behind the gateway (which
+    applies --tenants; the engines order their queues by the tenants it names)."""
+    import subprocess
+
+    from llmserve.entrypoints.launcher import ServerProcess
+    from llmserve.gateway.server import serve_gateway
+    check_up_args(args)
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    engine_args = ["serve", "--log-level", "WARNING", *engine_argv(args)]
+    if args.api_key:
+        os.environ["LLMSERVE_API_KEYS"] = args.api_key  # the gateway checks keys
+    print(f"starting {args.engines} engine(s) with {args.model} ...", flush=True)
+    engines = []
+    try:
+        for _ in range(args.engines):
+            engines.append(ServerProcess(engine_args, "127.0.0.1", stdout=subprocess.DEVNULL))
+        config = gateway_config(args, [e.url for e in engines])
+        name = args.served_model_name or args.model
+
+        async def main() -> None:
+            ready = asyncio.Event()
+            task = asyncio.create_task(serve_gateway(config, args.host, args.port, ready))
+            done, _ = await asyncio.wait([task, asyncio.create_task(ready.wait())],
+                                         return_when=asyncio.FIRST_COMPLETED)
+            if task in done:
+                task.result()
+            url = f"http://{args.host}:{args.port}"
+            key = os.environ.get("LLMSERVE_API_KEYS", "").split(",")[0]
+            auth = f" -H 'Authorization: Bearer {key}'" if key else ""
+            print(f"\nllmserve is up: {url}  (model {name!r}, {len(engines)} engine(s): "
+                  f"{', '.join(e.url for e in engines)})\n"
+                  f"try:\n  curl -s {url}/v1/chat/completions -H 'Content-Type: "
+                  f"application/json'{auth} -d '{{\"model\": \"{name}\", \"messages\": "
+                  f"[{{\"role\": \"user\", \"content\": \"Hello!\"}}]}}'\n", flush=True)
+            await task
+
+        asyncio.run(main())
+    finally:
+        for e in engines:
+            e.stop()
+    return 0
+
+
+def cmd_operator(args) -> int:
+    """The kopf operator (what `kopf run` would do, with our handlers)."""
+    import kopf
+
+    import llmserve.operator.handlers  # noqa: F401 - registers the handlers
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    namespaces = args.namespace or []
+    liveness = f"http://0.0.0.0:{args.health_port}/healthz" if args.health_port else None
+    kopf.run(standalone=True, clusterwide=not namespaces, namespaces=namespaces,
+             liveness_endpoint=liveness)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="llmserve", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="offline chat generation, printed to stdout")
+    add_engine_args(gen)
+    gen.add_argument("--prompt", action="append", help="a user message (repeatable)")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.set_defaults(func=cmd_generate)
+    srv = sub.add_parser("serve", help="one engine behind the OpenAI-compatible HTTP API")
+    add_engine_args(srv)
+    add_server_args(srv, 8000)
+    srv.set_defaults(func=cmd_serve)
+    add_up_parser(sub)
+    gw = sub.add_parser("gateway", help="prefix-aware router in front of engines")
+    gw.add_argument("--backend", action="append", help="engine base URL (repeatable)")
+    gw.add_argument("--k8s-service", default=None,
+                    help="NAMESPACE/NAME: follow the EndpointSlices of this Service")
+    gw.add_argument("--k8s-port-name", default=None, help="EndpointSlice port to use")
+    add_server_args(gw, 8080)
+    add_gateway_args(gw)
+    gw.set_defaults(func=cmd_gateway)
+    op = sub.add_parser("operator", help="the kopf operator for LLMDeployment resources")
+    op.add_argument("--namespace", action="append",
+                    help="watch only this namespace (repeatable; default: all)")
+    op.add_argument("--health-port", type=int, default=8081, help="0 disables /healthz")
+    op.add_argument("--log-level", default="INFO")
+    op.set_defaults(func=cmd_operator)
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except (ModelLoadError, ValueError) as e:
+        print(f"llmserve: error: {e}", file=sys.stderr)
+        return 2
+    except (EngineStartError, EngineDeadError, WorkerDiedError) as e:
+        print(f"llmserve: error: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,106 @@
+"""``LLM``: offline generation in one process, shaped like vLLM's ``LLM`` (prompts in,
+``RequestOutput``s out), over an ``LLMEngine`` it builds from keyword arguments."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+
+from tqdm import tqdm
+
+from llmserve.config import EngineConfig
+from llmserve.core.sampling_params import SamplingParams
+from llmserve.engine.llm_engine import LLMEngine
+from llmserve.engine.output import RequestOutput
+
+
+class LLM:
+    """Offline generation, shaped like vLLM's ``LLM``."""
+
+    def __init__(self, model: str = "smollm2-135m-instruct", **engine_args):
+        self.engine = LLMEngine(EngineConfig.from_kwargs(model=model, **engine_args))
+        self.tokenizer = self.engine.tokenizer
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers, if any (also at exit)."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    def generate(self, prompts, sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        prompts = _as_prompt_list(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params = [sampling_params or SamplingParams()] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError("need one SamplingParams per prompt")
+        ids = [self.engine.add_request(p, sp.copy()).request_id
+               for p, sp in zip(prompts, params)]
+        return self._run(ids, use_tqdm)
+
+    def chat(self, messages, sampling_params: SamplingParams | None = None,
+             use_tqdm: bool = False) -> list[RequestOutput]:
+        """One conversation (a list of {"role", "content"}) or a list of them."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [self.engine.tokenizer.encode(render_chat(self.tokenizer, c),
+                                                add_special_tokens=False)
+                   for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        done: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(request_ids), desc="generating", disable=not use_tqdm)
+        while self.engine.has_unfinished():
+            for out in self.engine.step():
+                if out.finished:
+                    done[out.request_id] = out
+                    bar.update(1)
+        bar.close()
+        return [done[i] for i in request_ids]
+
+
+def render_chat(tokenizer, messages: list[dict], **template_args) -> str:
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("this model has no chat template")
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                         **template_args)
+
+
+PROMPT_FORMS = ("a string, a list of token ids, {'prompt': str} or "
+                "{'prompt_token_ids': [int, ...]}, or a list of these")
+
+
+def _as_prompt_list(prompts) -> list[str | list[int]]:
+    """vLLM's prompt forms (TextPrompt / TokensPrompt dicts included) as strings or
+    token-id lists; anything else is a ValueError that says what is accepted."""
+    if isinstance(prompts, (str, dict)):
+        return [_one_prompt(prompts)]
+    try:
+        prompts = list(prompts)
+    except TypeError:
+        raise ValueError(f"prompts must be {PROMPT_FORMS}; got {type(prompts).__name__}") from None
+    if prompts and all(isinstance(t, int) and not isinstance(t, bool) for t in prompts):
+        return [prompts]  # one prompt given as token ids
+    return [_one_prompt(p) for p in prompts]
+
+
+def _one_prompt(prompt) -> str | list[int]:
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, dict):
+        keys = set(prompt)
+        if keys == {"prompt"} and isinstance(prompt["prompt"], str):
+            return prompt["prompt"]
+        if keys == {"prompt_token_ids"}:
+            return _one_prompt(list(prompt["prompt_token_ids"]))
+        raise ValueError(f"a prompt dict must be {{'prompt': str}} or "
+                         f"{{'prompt_token_ids': [int, ...]}}; got keys {sorted(keys)}")
+    if isinstance(prompt, (list, tuple)) and prompt and all(
+            isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return list(prompt)
+    raise ValueError(f"each prompt must be {PROMPT_FORMS}; got {prompt!r:.80}")

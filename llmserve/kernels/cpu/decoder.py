@@ -1,0 +1,74 @@
+"""The int4 decoder stack's C interface (``decoder.c``): the structures it reads,
+ATen's int4 pack layout it reads them in, and one int4 product for tests.
+
+A kernel knows tensors, not models: ``engine/models/native_decoder.py`` fills these
+structures from a model's layers.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+
+from llmserve.kernels.cpu.native import decode_kernel
+
+
+class Q4Linear(ctypes.Structure):
+    _fields_ = [("weight", ctypes.c_void_p), ("scale_zero", ctypes.c_void_p),
+                ("bias", ctypes.c_void_p), ("n", ctypes.c_int64), ("k", ctypes.c_int64)]
+
+
+class Q4Layer(ctypes.Structure):
+    _fields_ = [("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p),
+                ("qkv", Q4Linear), ("o", Q4Linear), ("gate_up", Q4Linear),
+                ("down", Q4Linear), ("kv_cache", ctypes.c_void_p)]
+
+
+class Q4Dims(ctypes.Structure):
+    _fields_ = [("hidden", ctypes.c_int), ("num_heads", ctypes.c_int),
+                ("kv_heads", ctypes.c_int), ("head_dim", ctypes.c_int),
+                ("intermediate", ctypes.c_int), ("block_n", ctypes.c_int),
+                ("eps", ctypes.c_float), ("scale", ctypes.c_float),
+                ("num_cache_blocks", ctypes.c_int64), ("block_size", ctypes.c_int)]
+
+
+@functools.cache
+def int4_pack_block_n() -> int | None:
+    """The column block of ATen's CPU int4 pack on this build and machine (64 for its
+    AVX-512 kernels, 32 for AVX2), checked by packing known codes; None for a layout
+    the C kernel does not read (ATen's scalar build, a future change)."""
+    n, k = 128, 64
+    codes = torch.arange(n * k, dtype=torch.int32).view(n, k) * 7 % 16
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 2).view(-1)
+    for block_n in (64, 32):
+        blocks = codes.view(n // block_n, block_n, k).transpose(1, 2)  # [nb, k, block_n]
+        half = block_n // 2
+        expected = blocks[..., :half] | (blocks[..., half:] << 4)
+        if torch.equal(packed, expected.to(torch.uint8).reshape(-1)):
+            return block_n
+    return None
+
+
+def q4_struct(linear) -> Q4Linear:
+    """An int4 linear (``qweight``, ``scales``, ``bias``, ``in/out_features``, as
+    ``QuantizedLinear`` holds them) as the C side reads it."""
+    bias = linear.bias.data_ptr() if linear.bias is not None else None
+    return Q4Linear(linear.qweight.data_ptr(), linear.scales.data_ptr(), bias,
+                    linear.out_features, linear.in_features)
+
+
+def q4_matmul(x: torch.Tensor, linear) -> torch.Tensor:
+    """``linear(x)`` by the C kernel (bf16 ``x [M, K]``): what tests compare with ATen."""
+    block_n = int4_pack_block_n()
+    if block_n is None or decode_kernel() is None:
+        raise RuntimeError("the C int4 kernel is not available here")
+    x = x.to(torch.bfloat16).contiguous()
+    y = torch.empty(x.shape[0], linear.out_features, dtype=torch.bfloat16)
+    lin = q4_struct(linear)
+    rc = decode_kernel().q4_linear_bf16(torch.get_num_threads(), ctypes.byref(lin), block_n,
+                                        x.data_ptr(), x.shape[0], y.data_ptr())
+    if rc != 0:
+        raise ValueError(f"q4_linear_bf16: shapes unsupported ({rc})")
+    return y

@@ -1,0 +1,166 @@
+"""Our bf16 GEMM (``gemm.c``) and the choice of who computes dense bf16 linears on
+this CPU: oneDNN on a packed weight, or ``gemm.c`` (``gemm_backend``). Where our GEMM
+runs, int4 and int8 products of many rows go through it too (``quant_tiled``). The
+layers that use them are ``model_executor/layers/cpu_linear.py``.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+from llmserve.kernels.cpu.decoder import int4_pack_block_n
+from llmserve.kernels.cpu.native import decode_kernel
+from llmserve.platforms.cpu import cpu_features
+
+
+@functools.cache
+def packing_available() -> bool:
+    """oneDNN with bf16 kernels for this CPU (AVX-512 BF16, AMX, or its AVX-512
+    emulation): the same condition under which torch computes bf16 linears in it."""
+    mkldnn = torch.backends.mkldnn
+    return mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+def packing_applies(device: torch.device, dtype: torch.dtype) -> bool:
+    return device.type == "cpu" and dtype == torch.bfloat16 and packing_available()
+
+
+def bf16_gemm_pack(weight: torch.Tensor) -> torch.Tensor:
+    """``weight [N, K]`` (bf16, contiguous) in ``bf16_gemm``'s layout: a plain bf16
+    tensor of the same size, packed once at load."""
+    n, k = weight.shape
+    packed = torch.empty_like(weight)
+    _check(decode_kernel().bf16_gemm_pack(torch.get_num_threads(), weight.data_ptr(), n, k,
+                                          packed.data_ptr()))
+    return packed
+
+
+def bf16_gemm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x [..., K] @ W.T (+ bias)`` in bf16 with float32 accumulation, ``W [N, K]`` given
+    as ``bf16_gemm_pack(W)``; ``bias`` float32 or None, added before the one rounding."""
+    n, k = packed.shape
+    rows = _kernel_rows(x, k)
+    y = torch.empty(rows.shape[0], n, dtype=torch.bfloat16)
+    if rows.shape[0]:
+        _check(decode_kernel().bf16_gemm(
+            torch.get_num_threads(), rows.data_ptr(), rows.shape[0], rows.stride(0),
+            packed.data_ptr(), n, k, None if bias is None else bias.data_ptr(),
+            y.data_ptr(), n))
+    return y.view(*x.shape[:-1], n)
+
+
+def _kernel_rows(x: torch.Tensor, k: int) -> torch.Tensor:
+    """``x`` as rows of ``k`` the C kernels read in place (unit column stride, rows
+    apart by at least ``k``), copied only where a view cannot be."""
+    rows = x.reshape(-1, k)
+    if rows.stride(-1) != 1 or (rows.shape[0] > 1 and rows.stride(0) < k):
+        rows = rows.contiguous()
+    return rows
+
+
+def _check(rc: int) -> None:
+    if rc != 0:  # the callers check shapes and availability first: never expected
+        raise RuntimeError(f"gemm.c failed with code {rc}")
+
+
+def native_takes(out_features: int, in_features: int) -> bool:
+    """The kernel's grid: whole 16-column panels, whole k pairs."""
+    return out_features % 16 == 0 and in_features % 2 == 0
+
+
+# Where the kernel was measured to beat oneDNN (2 cores, in_features up to 1536): a
+# group of 4 panels (128 x in_features bytes) well inside a Zen 4 core's 1 MB L2, and
+# a whole group per thread (a thread with one panel has no next group to prefetch).
+# Outside it (a 70B model's 28672-wide down_proj, 64 threads on a 576-column output)
+# the choice is oneDNN's until a machine there measures otherwise.
+MAX_NATIVE_IN_FEATURES = 4096
+MIN_PANELS_PER_THREAD = 4
+
+
+def native_measured(out_features: int, in_features: int, threads: int) -> bool:
+    return (in_features <= MAX_NATIVE_IN_FEATURES
+            and out_features // 16 >= MIN_PANELS_PER_THREAD * threads)
+
+
+@functools.cache
+def native_gemm_available() -> bool:
+    """``gemm.c`` built with its AVX512-BF16 kernel (not the stub)."""
+    lib = decode_kernel()
+    return lib is not None and lib.bf16_gemm_available() == 1
+
+
+def forced_backend() -> str:
+    forced = os.environ.get("LLMSERVE_BF16_GEMM", "auto")
+    if forced not in ("auto", "native", "onednn"):
+        raise ValueError(f"LLMSERVE_BF16_GEMM={forced!r}: one of auto, native, onednn")
+    return forced
+
+
+def gemm_backend() -> str:
+    """Who computes packed bf16 linears here: "native" (``gemm.c``) on AVX512-BF16
+    without AMX, else "onednn"; ``LLMSERVE_BF16_GEMM`` forces one ("native" only
+    where the kernel is built)."""
+    forced = forced_backend()
+    if forced == "onednn" or not native_gemm_available():
+        return "onednn"
+    if forced == "native":
+        return "native"
+    return "onednn" if cpu_features().amx_bf16 else "native"
+
+
+# Weight-only products of at least this many rows go through gemm.c's quant_gemm
+# (each group of panels dequantised once to bf16, then the bf16 tiles); fewer rows stay
+# on ATen's kernels, which read the packed bytes directly. Crossovers measured with
+# benchmarks/cpu_linear.py --quantized: between 4 and 8 rows for the int4 projections
+# and for the int8 LM head of both quantised modes (at 32 rows: 1.9x and 3.1x).
+QUANT_TILED_MIN_ROWS = 8
+
+
+@functools.cache
+def quant_tiled_available(bits: int) -> bool:
+    """quant_gemm runs where our bf16 GEMM does; for int4 it also needs ATen's int4 pack
+    as its AVX-512 builds lay it out (64-column blocks). Decided once per process, like
+    ``native_gemm_available`` (``LLMSERVE_BF16_GEMM`` read at the first call)."""
+    if gemm_backend() != "native":
+        return False
+    if bits == 8:
+        return True
+    return int4_pack_block_n() == 64
+
+
+def quant_tiled(x: torch.Tensor, linear) -> torch.Tensor | None:
+    """``linear(x)`` of a weight-only ``QuantizedLinear`` by quant_gemm (bf16 CPU
+    ``x``), or None where it does not apply and ATen's kernel should run: under
+    torch.compile, too few rows, a shape off the kernel's grid or outside where it was
+    measured (``native_measured``, unless forced), another device or dtype."""
+    if torch.compiler.is_compiling():
+        return None
+    k, n, bits = linear.in_features, linear.out_features, linear.bits
+    if (x.device.type != "cpu" or x.dtype != torch.bfloat16 or x.shape[-1] != k
+            or x.numel() < QUANT_TILED_MIN_ROWS * k
+            or k % 32 or n % (64 if bits == 4 else 16) or not quant_tiled_available(bits)):
+        return None
+    if forced_backend() != "native" and not native_measured(n, k, torch.get_num_threads()):
+        return None
+    return quant_gemm(x, linear)
+
+
+def quant_gemm(x: torch.Tensor, linear) -> torch.Tensor:
+    """``linear(x)`` by quant_gemm whatever the row count (a ``QuantizedLinear``, bf16
+    ``x [..., K]``; ``quant_tiled_available`` and the shape checked by the caller)."""
+    k, n = linear.in_features, linear.out_features
+    rows = _kernel_rows(x, k)
+    bias = None if linear.bias is None else linear.bias.float()
+    y = torch.empty(rows.shape[0], n, dtype=torch.bfloat16)
+    if rows.shape[0]:
+        rc = decode_kernel().quant_gemm(
+            torch.get_num_threads(), rows.data_ptr(), rows.shape[0], rows.stride(0),
+            linear.qweight.data_ptr(), linear.scales.data_ptr(), linear.bits, n, k,
+            None if bias is None else bias.data_ptr(), y.data_ptr(), n)
+        if rc == -1:
+            raise MemoryError("quant_gemm: out of memory for its dequantisation scratch")
+        _check(rc)
+    return y.view(*x.shape[:-1], n)

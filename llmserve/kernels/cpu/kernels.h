@@ -1,0 +1,70 @@
+/* What decode.c and decoder.c share: the dtype codes (cpu_native.DTYPE_CODES),
+ * bfloat16 conversions, 16-lane vector types, and the entry points of decode.c that
+ * the decoder stack calls. Built into one library by cpu_native.py. */
+#ifndef LLMSERVE_CPU_KERNELS_H
+#define LLMSERVE_CPU_KERNELS_H
+
+#include <stdint.h>
+#include <string.h>
+
+enum { DTYPE_F32 = 0, DTYPE_BF16 = 1 };
+
+static inline float bf16_to_f32(uint16_t x) {
+    uint32_t u = (uint32_t)x << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {  /* round to nearest even */
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((u >> 16) | 0x40u);  /* NaN */
+    u += 0x7FFFu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+/* 16 lanes, whatever the ISA: one AVX-512 register, two AVX2 ones (GCC vector types). */
+typedef float v16f __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+typedef uint32_t v16u32 __attribute__((vector_size(64), aligned(4)));
+
+/* 16 bfloat16 values as float32 lanes, and back (rounded to nearest even, as
+ * f32_to_bf16). */
+static inline v16f load16_bf16(const uint16_t *src) {
+    typedef uint16_t v16u16 __attribute__((vector_size(32), aligned(2)));
+    v16u16 raw;
+    memcpy(&raw, src, sizeof raw);
+    v16u32 wide = __builtin_convertvector(raw, v16u32) << 16;
+    v16f out;
+    memcpy(&out, &wide, sizeof out);
+    return out;
+}
+
+static inline void store16_bf16(uint16_t *dst, v16f x) {
+    typedef uint16_t v16u16 __attribute__((vector_size(32), aligned(2)));
+    v16u32 u;
+    memcpy(&u, &x, sizeof u);
+    v16u32 rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+    v16u32 nan = (v16u32)((u & 0x7FFFFFFFu) > 0x7F800000u);  /* all ones where NaN */
+    v16u32 bits = (nan & ((u >> 16) | 0x40u)) | (~nan & rounded);
+    v16u16 out = __builtin_convertvector(bits, v16u16);
+    memcpy(dst, &out, sizeof out);
+}
+
+int add_rms_norm_bf16(int num_threads, const uint16_t *x, const uint16_t *delta,
+                      const uint16_t *weight, uint16_t *out, uint16_t *residual_out,
+                      int rows, int dim, float eps);
+int rope_and_cache(int num_threads, const void *qkv, int64_t qkv_stride, void *q_out,
+                   void *kv, const float *cos, const float *sin, const int64_t *slots,
+                   int num_tokens, int64_t num_cache_blocks, int block_size, int num_heads,
+                   int kv_heads, int head_dim, int dtype);
+int paged_decode(int num_threads, const void *q, int64_t q_stride, void *out, const void *kv,
+                 const int32_t *q_rows, const int32_t *tables, int table_stride,
+                 const int32_t *seq_lens, int num_seqs, int64_t num_cache_blocks,
+                 int block_size, int num_heads, int kv_heads, int head_dim, float scale,
+                 int dtype);
+int silu_and_mul_bf16(int num_threads, const uint16_t *gate_up, int rows, int64_t inter,
+                      uint16_t *act);
+
+#endif

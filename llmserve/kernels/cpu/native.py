@@ -1,0 +1,270 @@
+"""The CPU kernels (``decode.c``: decode attention, rotary + K/V store, RMSNorm;
+``decoder.c``: the int4 decoder stack built on them; ``gemm.c``: bf16 linears
+on AVX512-BF16), compiled for this machine into one library.
+
+Compiled once with the system C compiler (``$CC`` or ``cc``, 1-3 s) for the CPU it
+runs on (``-march=native``; AVX2 + FMA when ``ATEN_CPU_CAPABILITY=avx2`` asks torch to
+act as an AVX2 machine, the baseline ISA for ``default``), cached under the llmserve
+cache folder keyed by the source, the compiler, the flags and the CPU, and called
+through ctypes (which releases the GIL). Each call runs on torch's thread count; with
+torch's own ``libgomp.so.1`` already loaded, the kernel shares its thread pool too.
+
+Where no compiler is found or the build fails, ``decode_kernel()`` returns None and
+the engine keeps the pure-torch path (``cpu_attention.py``), with one warning.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shlex
+import shutil
+import stat
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from llmserve.envs import cache_root
+
+log = logging.getLogger(__name__)
+
+# Attention, rotary and norms; the int4 decoder stack built on them; bf16 GEMMs: one
+# library.
+SOURCES = [Path(__file__).with_name(name)
+           for name in ("decode.c", "decoder.c", "gemm.c")]
+HEADERS = [Path(__file__).with_name("kernels.h")]  # in the cache key, not compiled
+# Reassociation lets the compiler vectorise the dot products and sums; no
+# finite-math: softmax inputs are finite here, but the flag would change too much.
+CFLAGS = ["-O3", "-fPIC", "-shared", "-fopenmp", "-fno-math-errno", "-fno-trapping-math",
+          "-fassociative-math", "-fno-signed-zeros", "-ffp-contract=fast"]
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+
+
+def _march() -> list[str]:
+    isa = os.environ.get("ATEN_CPU_CAPABILITY", "").lower()
+    if isa == "avx2":
+        return ["-march=haswell"]  # AVX2 + FMA, what torch's AVX2 kernels assume
+    if isa == "default" or platform.machine() not in ("x86_64", "AMD64"):
+        return []  # the compiler's baseline for the architecture
+    return ["-march=native"]
+
+
+def _cpu_signature() -> str:
+    """What -march=native depends on: x86's "flags" line, arm's "Features"."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = [line for line in f if line.startswith(("flags", "Features"))]
+    except OSError:
+        lines = []
+    return platform.machine() + (lines[0] if lines else "")
+
+
+def _private_dir(path: Path) -> Path | None:
+    """``path``, created 0700 if missing, if it is ours and nobody else may write it:
+    a library loaded from a directory another user controls would run their code."""
+    try:
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        st = path.stat()
+    except OSError:
+        return None
+    if st.st_uid != os.getuid() or st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return None
+    return path
+
+
+def _build_dir() -> Path | None:
+    root = cache_root() / "kernels"
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        if os.access(root, os.W_OK):
+            return root
+    except OSError:
+        pass
+    # A read-only cache (the image's): a private folder of our own under /tmp.
+    return _private_dir(Path(tempfile.gettempdir()) / f"llmserve-kernels-{os.getuid()}")
+
+
+def _compile(compiler: list[str], flags: list[str]) -> Path:
+    version = subprocess.run([*compiler, "--version"], capture_output=True, text=True,
+                             timeout=30).stdout
+    texts = [src.read_text() for src in SOURCES + HEADERS]
+    key = hashlib.sha256("\0".join([*texts, " ".join(compiler), version, *flags,
+                                    _cpu_signature()]).encode()).hexdigest()[:16]
+    build_dir = _build_dir()
+    if build_dir is None:
+        raise OSError("no writable folder of our own to build the kernel in")
+    out_dir = build_dir / key
+    target = out_dir / "cpu_decode.so"
+    if target.exists():
+        return target
+    out_dir.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
+    os.close(fd)
+    try:
+        subprocess.run([*compiler, *flags, *map(str, SOURCES), "-o", tmp], check=True,
+                       capture_output=True, text=True, timeout=120)
+        os.replace(tmp, target)  # atomic: concurrent engines never load half a file
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+@functools.cache
+def decode_kernel():
+    """The compiled library (``paged_decode``, ``rope_and_cache``), or None (the torch
+    path is used)."""
+    if os.environ.get("LLMSERVE_CPU_KERNELS", "native") == "torch":
+        return None
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        log.warning("no C compiler found: CPU decode attention uses the slower torch path")
+        return None
+    try:
+        lib = ctypes.CDLL(str(_compile(shlex.split(cc), [*CFLAGS, *_march()])))
+    except (OSError, subprocess.SubprocessError) as e:
+        detail = getattr(e, "stderr", "") or e
+        log.warning("building the CPU decode kernel failed (%s): using the torch path",
+                    detail)
+        return None
+    i64, i32, ptr, f32 = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_float
+    lib.paged_decode.argtypes = [i32, ptr, i64, ptr, ptr, ptr, ptr, i32, ptr, i32, i64, i32,
+                                 i32, i32, i32, f32, i32]
+    lib.rope_and_cache.argtypes = [i32, ptr, i64, ptr, ptr, ptr, ptr, ptr, i32, i64, i32, i32,
+                                   i32, i32, i32]
+    lib.add_rms_norm_bf16.argtypes = [i32, ptr, ptr, ptr, ptr, ptr, i32, i32, f32]
+    lib.paged_decode.restype = lib.rope_and_cache.restype = i32
+    lib.add_rms_norm_bf16.restype = i32
+    lib.q4_linear_bf16.argtypes = [i32, ptr, i32, ptr, i32, ptr]
+    lib.q4_decode_layers.argtypes = [i32, ptr, ptr, i32, ptr, i32, ptr, ptr, ptr, ptr, i32, ptr]
+    lib.q4_linear_bf16.restype = lib.q4_decode_layers.restype = i32
+    lib.silu_and_mul_bf16.argtypes = [i32, ptr, i32, i64, ptr]
+    lib.argmax_rows_bf16.argtypes = [i32, ptr, i32, i64, i64, ptr]
+    lib.silu_and_mul_bf16.restype = lib.argmax_rows_bf16.restype = i32
+    lib.bf16_gemm.argtypes = [i32, ptr, i64, i64, ptr, i64, i64, ptr, ptr, i64]
+    lib.bf16_gemm_pack.argtypes = [i32, ptr, i64, i64, ptr]
+    lib.bf16_gemm.restype = lib.bf16_gemm_pack.restype = lib.bf16_gemm_available.restype = i32
+    lib.quant_gemm.argtypes = [i32, ptr, i64, i64, ptr, ptr, i32, i64, i64, ptr, ptr, i64]
+    lib.quant_gemm.restype = i32
+    return lib
+
+
+def native_bf16_applies(x: torch.Tensor) -> bool:
+    """An eager bf16 CPU tensor, with the kernels built: the domain of the bf16 kernels
+    below (``add_rms_norm``, ``silu_and_mul``, ``argmax_rows``)."""
+    return (x.dtype == torch.bfloat16 and x.device.type == "cpu"
+            and not torch.compiler.is_compiling() and decode_kernel() is not None)
+
+
+def native_norm_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """``add_rms_norm``'s domain: bf16 rows and a bf16 weight."""
+    return weight.dtype == torch.bfloat16 and native_bf16_applies(x)
+
+
+def silu_and_mul(gate_up: torch.Tensor, intermediate: int) -> torch.Tensor:
+    """``F.silu(gate) * up`` of the fused projection ``gate_up [..., 2 * intermediate]``
+    (bf16, gate columns first) in one pass, instead of a split, two ops and a temporary
+    (rounding as torch's; see ``silu_and_mul_bf16``)."""
+    gate_up = gate_up.contiguous()
+    rows = gate_up.numel() // (2 * intermediate)
+    act = torch.empty(*gate_up.shape[:-1], intermediate, dtype=gate_up.dtype)
+    decode_kernel().silu_and_mul_bf16(torch.get_num_threads(), gate_up.data_ptr(), rows,
+                                      intermediate, act.data_ptr())
+    return act
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """``x.argmax(dim=-1)`` of a 2-D bf16 tensor whose rows are contiguous (a column
+    slice of logits is fine): greedy sampling without a float32 copy of the logits."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    out = torch.empty(x.shape[0], dtype=torch.int64)
+    decode_kernel().argmax_rows_bf16(torch.get_num_threads(), x.data_ptr(), x.shape[0],
+                                     x.shape[1], x.stride(0), out.data_ptr())
+    return out
+
+
+def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 delta: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm of bf16 rows in one call, computed as Hugging Face does (float32
+    statistics; normalised rows rounded to bf16, then times the weight). With
+    ``delta``: (x + delta, its norm), the decoder layer's residual add fused in.
+    Returns (residual, normed); the residual is ``x`` itself without ``delta``."""
+    dim = x.shape[-1]
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    residual = x if delta is None else torch.empty_like(x)
+    delta_ptr = None if delta is None else delta.contiguous().data_ptr()
+    rc = decode_kernel().add_rms_norm_bf16(
+        torch.get_num_threads(), x.data_ptr(), delta_ptr, weight.data_ptr(), out.data_ptr(),
+        None if delta is None else residual.data_ptr(), x.numel() // dim, dim, eps)
+    if rc != 0:
+        raise ValueError(f"add_rms_norm: rows of {dim} unsupported (at most 16384)")
+    return residual, out
+
+
+def _check_cache(kv_cache: torch.Tensor, dtype: torch.dtype) -> None:
+    if dtype not in DTYPE_CODES or kv_cache.dtype != dtype:
+        raise ValueError(f"CPU kernels: tensors {dtype}, cache {kv_cache.dtype}: one dtype "
+                         f"of {sorted(map(str, DTYPE_CODES))}")
+    if not kv_cache.is_contiguous():
+        raise ValueError("CPU kernels: the layer cache must be contiguous")
+
+
+def rope_and_cache(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   kv_cache: torch.Tensor, slots: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """The rotary embedding of one step's fused projection ``qkv [tokens, heads + 2 *
+    kv_heads, head_dim]`` (``cos``, ``sin`` ``[tokens, head_dim / 2]`` float32): the
+    rotated K and the V of token t stored at flat slot ``slots[t]`` (int64) of the layer
+    cache, the rotated queries returned ``[tokens, heads, head_dim]``. One call where the
+    torch path takes a dozen ops."""
+    _, num_blocks, block_size, kv_heads, head_dim = kv_cache.shape
+    _check_cache(kv_cache, qkv.dtype)
+    tokens = qkv.shape[0]
+    if qkv.shape[1:] != (num_heads + 2 * kv_heads, head_dim) or qkv.stride(1) != head_dim \
+            or qkv.stride(2) != 1:
+        qkv = qkv.contiguous().view(tokens, num_heads + 2 * kv_heads, head_dim)
+    cos = cos.reshape(tokens, -1).float().contiguous()
+    sin = sin.reshape(tokens, -1).float().contiguous()
+    slots = slots.to(torch.int64).contiguous()
+    q = torch.empty(tokens, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
+    rc = decode_kernel().rope_and_cache(
+        torch.get_num_threads(), qkv.data_ptr(), qkv.stride(0), q.data_ptr(),
+        kv_cache.data_ptr(), cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), tokens,
+        num_blocks, block_size, num_heads, kv_heads, head_dim, DTYPE_CODES[qkv.dtype])
+    if rc != 0:
+        raise ValueError(f"rope_and_cache: head_dim {head_dim} unsupported (even, <= 512)")
+    return q
+
+
+def paged_decode(q: torch.Tensor, out: torch.Tensor, kv_cache: torch.Tensor,
+                 q_rows: torch.Tensor, tables: torch.Tensor, seq_lens: torch.Tensor,
+                 scale: float) -> None:
+    """``out[q_rows[i]]`` = sequence i's new token attending over its cached context.
+    ``q`` may be a view whose token rows are strided (the split of a fused QKV), but
+    each head's ``head_dim`` values contiguous; ``out``, ``kv_cache`` (one layer:
+    ``[2, blocks, block_size, kv_heads, head_dim]``), and the int32 ``q_rows``,
+    ``tables`` ``[seqs, max_blocks]`` and ``seq_lens`` contiguous."""
+    _, num_blocks, block_size, kv_heads, head_dim = kv_cache.shape
+    num_heads = q.shape[1]
+    _check_cache(kv_cache, q.dtype)
+    if out.dtype != q.dtype or not out.is_contiguous():
+        raise ValueError("paged_decode: out must be contiguous, in q's dtype")
+    if num_heads % kv_heads or q.shape[2] != head_dim:
+        raise ValueError(f"paged_decode: {num_heads} query heads of {q.shape[2]} over "
+                         f"{kv_heads} KV heads of {head_dim}")
+    if q.stride(2) != 1 or q.stride(1) != head_dim:
+        q = q.contiguous()  # the kernel steps over token rows only
+    rc = decode_kernel().paged_decode(
+        torch.get_num_threads(), q.data_ptr(), q.stride(0), out.data_ptr(),
+        kv_cache.data_ptr(), q_rows.data_ptr(), tables.data_ptr(), tables.shape[1],
+        seq_lens.data_ptr(), seq_lens.shape[0], num_blocks, block_size, num_heads, kv_heads,
+        head_dim, scale, DTYPE_CODES[q.dtype])
+    if rc != 0:
+        raise MemoryError("paged_decode: out of memory for its scratch buffers")

@@ -1,0 +1,43 @@
+"""Tensor-parallel loading: which rows and columns of a checkpoint tensor this rank holds
+(the shape arithmetic is ``llmserve.distributed.shapes``)."""
+
+from __future__ import annotations
+
+import torch
+
+from llmserve.distributed.shapes import RankShape
+
+
+def read_shard(handle, name: str, shape: RankShape, head_dim: int) -> torch.Tensor:
+    """This rank's part of checkpoint tensor ``name``, reading only that part from the
+    safetensors file (``get_slice``):
+
+    - column-parallel (output rows split): q/k/v (weights and biases, by head),
+      gate/up (by MLP row), embedding and LM head (by vocabulary row, padded);
+    - row-parallel (input columns split): o_proj, down_proj; their bias (if any) is
+      added once, on rank 0, since the ranks' outputs are summed;
+    - everything else (norms) whole."""
+    sl = handle.get_slice(name)
+    leaf = name.split(".")[-2]  # the module: q_proj, o_proj, embed_tokens, lm_head, ...
+    is_bias = name.endswith(".bias")
+    if leaf in ("embed_tokens", "lm_head"):
+        rows = sl[shape.vocab_start:shape.vocab_end]
+        pad = shape.vocab_per_rank - rows.shape[0]
+        return torch.cat([rows, rows.new_zeros(pad, *rows.shape[1:])]) if pad else rows
+    if leaf == "q_proj":
+        a = shape.head_start * head_dim
+        return sl[a:a + shape.num_heads * head_dim]
+    if leaf in ("k_proj", "v_proj"):
+        a = shape.kv_head_start * head_dim
+        return sl[a:a + shape.num_kv_heads * head_dim]
+    if leaf in ("gate_proj", "up_proj"):
+        a = shape.rank * shape.intermediate
+        return sl[a:a + shape.intermediate]
+    if leaf in ("o_proj", "down_proj"):
+        if is_bias:
+            full = sl[:]
+            return full if shape.rank == 0 else torch.zeros_like(full)
+        width = shape.num_heads * head_dim if leaf == "o_proj" else shape.intermediate
+        a = shape.rank * width
+        return sl[:, a:a + width]
+    return sl[:]

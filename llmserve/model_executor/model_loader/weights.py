@@ -1,0 +1,136 @@
+"""A checkpoint's safetensors files and loading them into a model built on the meta
+device, each tensor checked against the parameter it fills."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from llmserve.errors import ModelLoadError
+
+# transformers' index of a sharded checkpoint. Only the shards it names are weights of
+# the model: other *.safetensors beside them (Mistral's consolidated.safetensors) are
+# another copy in another naming.
+INDEX_FILE = "model.safetensors.index.json"
+
+
+
+def indexed_shards(path: Path) -> list[str]:
+    """The shard file names that ``path``'s safetensors index maps tensors to."""
+    index = path / INDEX_FILE
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return sorted({str(f) for f in weight_map.values()})
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ModelLoadError(f"{index} is not a safetensors index "
+                             f"({type(e).__name__}: {e})") from e
+
+
+
+def weight_files(path: Path) -> list[Path]:
+    """The safetensors files of the checkpoint in ``path``: those its index names when it
+    has one, else every top-level *.safetensors."""
+    if not (path / INDEX_FILE).is_file():
+        return sorted(path.glob("*.safetensors"))
+    files = [path / name for name in indexed_shards(path)]
+    missing = [f.name for f in files if not f.is_file()]
+    if missing:
+        raise ModelLoadError(f"{path} lacks {missing[0]}"
+                             + (f" and {len(missing) - 1} more" if len(missing) > 1 else "")
+                             + f", named by {INDEX_FILE}")
+    return files
+
+
+
+class _SkipInitialisers(torch.overrides.TorchFunctionMode):
+    """Makes ``torch.nn.init``'s functions return their tensor untouched. A torch
+    function mode is per thread, so other threads building modules meanwhile keep
+    their initialisers (patching ``torch.nn.init`` itself would not)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if getattr(func, "__module__", None) == "torch.nn.init":
+            return args[0] if args else kwargs["tensor"]
+        return func(*args, **kwargs)
+
+
+
+@contextlib.contextmanager
+def empty_model_init():
+    """Build modules on the meta device without running their initialisers: the
+    checkpoint overwrites every parameter, and on meta tensors torch runs those
+    initialisers through its Python references, which import TorchDynamo (and with it
+    Triton): ~150 MB of resident memory and a second of start-up for nothing."""
+    with torch.device("meta"), _SkipInitialisers():
+        yield
+
+
+
+def load_weights(model: torch.nn.Module, path: Path, dtype: torch.dtype, device: str) -> None:
+    """Copy every safetensors tensor into the parameter of the same name. A
+    tensor-parallel rank's model (``model.shard``) reads only its shard of each."""
+    from safetensors import safe_open
+
+    from llmserve.model_executor.model_loader.shards import read_shard
+    shard = getattr(model, "shard", None)
+    sharded = shard is not None and shard.size > 1
+    params = dict(model.named_parameters())
+    tied = getattr(model.config, "tie_word_embeddings", False)
+    loaded: set[str] = set()
+    files = weight_files(path)
+    names = []
+    try:
+        handles = [safe_open(f, framework="pt") for f in files]
+        for h in handles:
+            names += [(h, n) for n in h.keys()]
+    except Exception as e:  # noqa: BLE001
+        raise ModelLoadError(f"cannot read safetensors in {path}: {e}") from e
+    handle_of = dict((n, h) for h, n in names)
+    for handle, name in tqdm(names, desc="loading weights", unit="tensor", leave=False):
+        if name not in params:
+            if tied and name == "lm_head.weight":
+                _check_tied_head(handle_of, path)
+                continue
+            if name.endswith("rotary_emb.inv_freq"):  # derived from the config
+                continue
+            raise ModelLoadError(
+                f"unexpected tensor {name!r} in {path}: {type(model).__name__}, as its "
+                f"config.json configures it, has no such parameter, and serving without "
+                f"it would give wrong answers (does the config match the weights?)")
+        tensor = (read_shard(handle, name, shard, model.config.head_dim) if sharded
+                  else handle.get_tensor(name))
+        param = params[name]
+        if tuple(tensor.shape) != tuple(param.shape):
+            raise ModelLoadError(f"tensor {name!r} has shape {tuple(tensor.shape)}, "
+                                 f"config says {tuple(param.shape)}")
+        with torch.no_grad():
+            param.copy_(tensor.to(dtype))
+        loaded.add(name)
+    missing = set(params) - loaded - ({"lm_head.weight"} if tied else set())
+    if missing == {"lm_head.weight"}:
+        raise ModelLoadError(f"checkpoint {path} has no lm_head.weight, and its config says "
+                             f"tie_word_embeddings={tied}: the head is not tied to the "
+                             f"embedding (set tie_word_embeddings to true if it is)")
+    if missing:
+        raise ModelLoadError(f"checkpoint {path} lacks tensors: {sorted(missing)[:4]}")
+    model.to(device=device, dtype=dtype)
+
+
+
+def _check_tied_head(handle_of: dict, path: Path) -> None:
+    """A tied model computes its logits with the embedding: a checkpoint whose own
+    ``lm_head.weight`` differs would be served with a head it was not trained with."""
+    embed = handle_of.get("model.embed_tokens.weight")
+    if embed is None:
+        return  # reported as a missing tensor
+    head = handle_of["lm_head.weight"].get_tensor("lm_head.weight")
+    if not torch.equal(head, embed.get_tensor("model.embed_tokens.weight")):
+        raise ModelLoadError(f"{path}: config.json says tie_word_embeddings=True, but the "
+                             f"checkpoint's lm_head.weight differs from its "
+                             f"model.embed_tokens.weight (set tie_word_embeddings to false "
+                             f"if the head is its own)")
+

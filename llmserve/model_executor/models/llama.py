@@ -1,0 +1,312 @@
+"""Llama-family decoder (Llama 2/3, Qwen2, Mistral, SmolLM) over a paged KV cache.
+
+The batch is flat: ``input_ids`` and ``positions`` hold the new tokens of every
+scheduled sequence back to back; attention finds each sequence's past through
+the block tables in the step's attention metadata. Parameter names follow the
+Hugging Face checkpoints, so safetensors load by name.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from llmserve.distributed import comm
+from llmserve.distributed.shapes import RankShape, rank_shape
+from llmserve.kernels.cpu.native import (
+    add_rms_norm,
+    native_bf16_applies,
+    native_norm_applies,
+    silu_and_mul,
+)
+from llmserve.model_executor.layers.attention import (
+    native_rope_attention,
+    paged_attention,
+    step_metadata,
+)
+from llmserve.model_executor.models.supported import rope_params, rope_type
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if native_norm_applies(x, self.weight):  # one C call instead of ~8 ops
+            return add_rms_norm(x, self.weight, self.eps)[1]
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+    def add_and_norm(self, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor,
+                                                                           torch.Tensor]:
+        """(x + delta, its norm): the residual add and the next norm, in one C call
+        where it applies."""
+        if native_norm_applies(x, self.weight):
+            return add_rms_norm(x, self.weight, self.eps, delta)
+        x = x + delta
+        return x, self(x)
+
+
+def rope_inv_freq(config) -> torch.Tensor:
+    """Inverse frequencies, with Llama 3's long-context scaling when configured."""
+    dim = config.head_dim
+    base = getattr(config, "rope_theta", None) or rope_params(config).get("rope_theta", 10000.0)
+    # float32 throughout, as transformers computes it, so positions agree bit for bit.
+    # On the CPU explicitly: the model is built on the meta device, where this
+    # arithmetic would go through torch's Python references (and import TorchDynamo).
+    arange = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu")
+    inv_freq = 1.0 / (base ** (arange.float() / dim))
+    scaling = rope_params(config)
+    kind = rope_type(config)
+    if kind == "llama3":
+        factor = scaling["factor"]
+        low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old_len = scaling["original_max_position_embeddings"]
+        low_wavelen, high_wavelen = old_len / low, old_len / high
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        mid = (1 - smooth) * scaled / factor + smooth * scaled
+        is_mid = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        inv_freq = torch.where(is_mid, mid, scaled)
+    elif kind == "linear":
+        inv_freq = inv_freq / scaling["factor"]
+    elif kind != "default":  # supported.check_model_config refuses it at start-up
+        raise ValueError(f"unsupported rope scaling {kind!r}")
+    return inv_freq.float()
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin table for every position; a step gathers its rows once for all layers."""
+
+    def __init__(self, config, max_positions: int):
+        super().__init__()
+        t = torch.arange(max_positions, dtype=torch.float32, device="cpu")
+        freqs = torch.outer(t, rope_inv_freq(config))
+        self.register_buffer("cos", freqs.cos(), persistent=False)
+        self.register_buffer("sin", freqs.sin(), persistent=False)
+
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)  # [T,1,d/2]
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Hugging Face's "rotate half" convention (the two halves of each head form
+    pairs), computed in float32 as transformers does."""
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+
+
+class Attention(nn.Module):
+    """This rank's query heads and the KV heads they read; with several ranks the
+    o_proj outputs (row-parallel) are summed over them."""
+
+    def __init__(self, config, layer_idx: int, shard: RankShape):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.tp_size = shard.size
+        self.num_heads = shard.num_heads
+        self.num_kv_heads = shard.num_kv_heads
+        self.head_dim = config.head_dim
+        bias = bool(getattr(config, "attention_bias", False) or config.model_type == "qwen2")
+        hidden = config.hidden_size
+        # Loaded under the checkpoint's names, then fused into one GEMM (fuse()).
+        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
+        self.qkv_proj: nn.Linear | None = None
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden,
+                                bias=bool(getattr(config, "attention_bias", False)))
+        self.scale = self.head_dim ** -0.5
+        self.kv_cache: torch.Tensor | None = None  # [2, blocks, block_size, kv_heads, d]
+
+    def fuse(self) -> None:
+        self.qkv_proj = fuse_linears(self.q_proj, self.k_proj, self.v_proj)
+        del self.q_proj, self.k_proj, self.v_proj
+
+    def forward(self, x, cos, sin):
+        t = x.shape[0]
+        qkv = self.qkv_proj(x).view(t, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
+        o = native_rope_attention(qkv, cos, sin, self.kv_cache, self.scale, self.num_heads)
+        if o is None:
+            qk = apply_rotary(qkv[:, :self.num_heads + self.num_kv_heads], cos, sin)
+            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+            v = qkv[:, self.num_heads + self.num_kv_heads:]
+            o = paged_attention(q, k, v, self.kv_cache, self.scale)
+        out = self.o_proj(o.view(t, -1))
+        return comm.all_reduce(out) if self.tp_size > 1 else out
+
+
+class MLP(nn.Module):
+    """gate/up column-parallel, down row-parallel: this rank's MLP rows."""
+
+    def __init__(self, config, shard: RankShape):
+        super().__init__()
+        h, i = config.hidden_size, shard.intermediate
+        self.tp_size = shard.size
+        self.intermediate = i
+        self.gate_proj = nn.Linear(h, i, bias=False)
+        self.up_proj = nn.Linear(h, i, bias=False)
+        self.gate_up_proj: nn.Linear | None = None
+        self.down_proj = nn.Linear(i, h, bias=False)
+
+    def fuse(self) -> None:
+        self.gate_up_proj = fuse_linears(self.gate_proj, self.up_proj)
+        del self.gate_proj, self.up_proj
+
+    def forward(self, x):
+        gate_up = self.gate_up_proj(x)
+        if native_bf16_applies(gate_up):  # one C pass instead of a split and two ops
+            act = silu_and_mul(gate_up, self.intermediate)
+        else:
+            gate, up = gate_up.split(self.intermediate, dim=-1)
+            act = F.silu(gate) * up
+        out = self.down_proj(act)
+        return comm.all_reduce(out) if self.tp_size > 1 else out
+
+
+def fuse_linears(*linears: nn.Linear) -> nn.Linear:
+    """One Linear computing the given ones side by side (their outputs concatenated):
+    one GEMM instead of several. The parts' storage is released by the caller."""
+    first = linears[0]
+    out_features = sum(lin.out_features for lin in linears)
+    fused = nn.Linear(first.in_features, out_features, bias=first.bias is not None,
+                      device=first.weight.device, dtype=first.weight.dtype)
+    with torch.no_grad():
+        fused.weight.copy_(torch.cat([lin.weight for lin in linears]))
+        if first.bias is not None:
+            fused.bias.copy_(torch.cat([lin.bias for lin in linears]))
+    return fused
+
+
+class VocabParallelEmbedding(nn.Embedding):
+    """This rank's rows ``[start, start + rows)`` of the token embedding: ids outside
+    them look up zeros, and the ranks' lookups are summed."""
+
+    def __init__(self, shard: RankShape, hidden: int):
+        super().__init__(shard.vocab_per_rank, hidden)
+        self.start = shard.vocab_start
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        local = input_ids - self.start
+        inside = (local >= 0) & (local < self.num_embeddings)
+        x = F.embedding(local * inside, self.weight) * inside.unsqueeze(-1).to(self.weight.dtype)
+        return comm.all_reduce(x)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config, layer_idx: int, shard: RankShape):
+        super().__init__()
+        self.self_attn = Attention(config, layer_idx, shard)
+        self.mlp = MLP(config, shard)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, x, residual, cos, sin):
+        """``x``: the previous layer's MLP output, still to be added to the residual
+        stream (None before the first layer, where ``residual`` is the embedding).
+        Returns (this layer's MLP output, the residual stream): each residual add is
+        fused into the norm after it, vLLM's layout."""
+        if x is None:
+            h = self.input_layernorm(residual)
+        else:
+            residual, h = self.input_layernorm.add_and_norm(residual, x)
+        attn = self.self_attn(h, cos, sin)
+        residual, h = self.post_attention_layernorm.add_and_norm(residual, attn)
+        return self.mlp(h), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config, max_positions: int, shard: RankShape):
+        super().__init__()
+        self.embed_tokens = (VocabParallelEmbedding(shard, config.hidden_size) if shard.size > 1
+                             else nn.Embedding(config.vocab_size, config.hidden_size))
+        self.layers = nn.ModuleList(DecoderLayer(config, i, shard)
+                                    for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary = RotaryEmbedding(config, max_positions)
+        self.run_layer = _run_layer  # or its torch.compile'd version (compile_layers)
+        # Small decode steps of an int4 model on a CPU: every layer in one C call
+        # (engine/models/native_decoder.py), set by the model runner where it applies.
+        self.native_decoder = None
+
+    def forward(self, input_ids, positions):
+        x = self.embed_tokens(input_ids)
+        cos, sin = self.rotary(positions)
+        meta = step_metadata()
+        if self.native_decoder is not None and self.native_decoder.applies(x.shape[0], meta):
+            return self.norm(self.native_decoder.run(x, cos, sin, meta))
+        out, residual = None, x
+        for layer in self.layers:
+            out, residual = self.run_layer(layer, out, residual, cos, sin)
+        return self.norm.add_and_norm(residual, out)[1]
+
+    def compile_layers(self) -> None:
+        """One compiled graph for a decoder layer, shared by every layer (their weights
+        and caches are the graph's inputs), with the token count dynamic. (One graph for
+        the whole stack was tried: 158 s to compile cold, no faster a step.)"""
+        self.run_layer = torch.compile(_run_layer, dynamic=True)
+
+
+def _run_layer(layer: DecoderLayer, x, residual, cos, sin):
+    return layer(x, residual, cos, sin)
+
+
+class LlamaForCausalLM(nn.Module):
+    """``shard``: the part of the model this tensor-parallel rank holds (None: all)."""
+
+    def __init__(self, config, max_positions: int, shard: RankShape | None = None):
+        super().__init__()
+        if getattr(config, "head_dim", None) is None:
+            config.head_dim = config.hidden_size // config.num_attention_heads
+        self.config = config
+        self.shard = shard = shard or rank_shape(config, 0, 1)
+        self.model = LlamaModel(config, max_positions, shard)
+        # Vocabulary-parallel with several ranks: this rank's rows of the vocabulary.
+        self.lm_head = nn.Linear(config.hidden_size,
+                                 shard.vocab_per_rank if shard.size > 1 else config.vocab_size,
+                                 bias=False)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        if getattr(self.config, "tie_word_embeddings", False):
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def fuse(self) -> None:
+        """After loading: fused QKV and gate/up projections (fewer, larger GEMMs)."""
+        for layer in self.model.layers:
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
+
+    def forward(self, input_ids, positions) -> torch.Tensor:
+        """Hidden states of every new token, ``[num_tokens, hidden]``; the attention
+        metadata comes from ``attention.forward_context``."""
+        return self.model(input_ids, positions)
+
+    def bind_kv_cache(self, storage: torch.Tensor) -> None:
+        """Give each layer its cache ``storage[i]`` of the KV storage
+        ``[layers, 2, blocks, block_size, kv_heads, head_dim]``."""
+        for i, layer in enumerate(self.model.layers):
+            layer.self_attn.kv_cache = storage[i]
+        # It points into the previous cache: the model runner builds it again.
+        self.model.native_decoder = None
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Logits of ``hidden``'s rows, in the model's dtype; with several ranks,
+        gathered onto rank 0 in float32 (every rank must call this; the others get
+        None)."""
+        logits = self.lm_head(hidden)  # in the model's dtype: the sampler converts
+        if self.shard.size > 1:
+            return comm.gather_logits(logits.float(), self.config.vocab_size)
+        return logits
+
+
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": LlamaForCausalLM,
+}

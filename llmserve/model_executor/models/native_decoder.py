@@ -1,0 +1,136 @@
+"""The int4 decoder stack in one C call per decode step (``kernels/decoder.c``).
+
+An eager decode step of a small int4 model spends about as long in Python between its
+~25 ops a layer as in the ops. ``NativeDecoder`` runs every layer of a decode-only step
+of a few sequences in C, reading the quantised weights where ATen packed them (no
+second copy) and the paged KV cache where the engine keeps it. Prefills, larger
+batches (where ``quant_gemm``'s bf16 tiles are faster), and every model it does not
+cover keep the per-op path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+
+import torch
+
+from llmserve.kernels.cpu.decoder import Q4Dims, Q4Layer, int4_pack_block_n, q4_struct
+from llmserve.kernels.cpu.native import decode_kernel
+from llmserve.model_executor.layers.quantization import INT4_GROUP, QuantizedLinear
+
+log = logging.getLogger(__name__)
+
+# Decode steps of at most this many sequences run in C: its kernel reads each weight
+# block once per 4 tokens, where the per-op path's quant_gemm dequantises each block
+# once for all rows (benchmarks/cpu_decoder.py measures the crossover).
+MAX_NATIVE_TOKENS = 8
+
+
+class NativeDecoder:
+    """Every decoder layer of a bound, int4-quantised ``LlamaForCausalLM`` as one C call.
+    Holds raw pointers into the model's weights and KV cache: build it after both are
+    in place (``try_build``), and drop it if either is replaced."""
+
+    def __init__(self, model, block_n: int):
+        c = model.config
+        layers = model.model.layers
+        first = layers[0].self_attn
+        cache = first.kv_cache
+        self.dims = Q4Dims(c.hidden_size, first.num_heads, first.num_kv_heads, first.head_dim,
+                           layers[0].mlp.intermediate, block_n,
+                           layers[0].input_layernorm.eps, first.scale, cache.shape[1],
+                           cache.shape[2])
+        self.layers = (Q4Layer * len(layers))(*(
+            Q4Layer(layer.input_layernorm.weight.data_ptr(),
+                    layer.post_attention_layernorm.weight.data_ptr(),
+                    q4_struct(layer.self_attn.qkv_proj), q4_struct(layer.self_attn.o_proj),
+                    q4_struct(layer.mlp.gate_up_proj), q4_struct(layer.mlp.down_proj),
+                    layer.self_attn.kv_cache.data_ptr())
+            for layer in layers))
+        self.num_layers = len(layers)
+        self._lib = decode_kernel()
+        # The tensors the pointers point into: kept alive as long as this is.
+        self._keep = [t for layer in layers for t in layer_tensors(layer)]
+
+    @classmethod
+    def try_build(cls, model) -> NativeDecoder | None:
+        """The native stack for ``model``, or None where it does not apply (see
+        ``unsupported``), or for an ATen pack layout the kernel does not read."""
+        why = unsupported(model)
+        if why is None:
+            block_n = int4_pack_block_n()
+            if block_n is None:
+                why = "ATen's int4 pack layout is not one the C kernel reads"
+            elif any(lin.out_features % block_n for layer in model.model.layers
+                     for lin in projections(layer)):
+                why = f"a projection's width is not a multiple of {block_n}"
+            else:
+                return cls(model, block_n)
+        log.debug("int4 decode steps run op by op: %s", why)
+        return None
+
+    def applies(self, num_tokens: int, meta) -> bool:
+        """A decode-only step of at most MAX_NATIVE_TOKENS sequences (``decode_only``:
+        row i is sequence i's token, which is how the C side reads them)."""
+        plan = meta.plan if meta is not None else None
+        return (plan is not None and plan.native and plan.decode_only
+                and num_tokens <= MAX_NATIVE_TOKENS)
+
+    def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta) -> torch.Tensor:
+        """The residual stream after the last layer, for ``x [tokens, hidden]``."""
+        x = x.to(torch.bfloat16).contiguous()
+        tokens = x.shape[0]
+        cos = cos.reshape(tokens, -1).float().contiguous()  # the C side reads float32
+        sin = sin.reshape(tokens, -1).float().contiguous()
+        plan = meta.plan
+        rc = self._lib.q4_decode_layers(
+            torch.get_num_threads(), ctypes.byref(self.dims), self.layers, self.num_layers,
+            x.data_ptr(), tokens, cos.data_ptr(), sin.data_ptr(), meta.slot_mapping.data_ptr(),
+            plan.decode_tables.data_ptr(), plan.decode_tables.shape[1],
+            plan.decode_seq_lens.data_ptr())
+        if rc != 0:
+            raise MemoryError("q4_decode_layers: out of memory for its scratch buffers")
+        return x
+
+
+def projections(layer) -> tuple:
+    return (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+            layer.mlp.down_proj)
+
+
+def layer_tensors(layer) -> list[torch.Tensor]:
+    """Every tensor of ``layer`` the C stack holds a pointer into."""
+    tensors = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
+               layer.self_attn.kv_cache]
+    for lin in projections(layer):
+        tensors += [lin.qweight, lin.scales] + ([lin.bias] if lin.bias is not None else [])
+    return tensors
+
+
+def unsupported(model) -> str | None:
+    """Why the native stack cannot run ``model`` (None: it can, kernel permitting)."""
+    if decode_kernel() is None:
+        return "the C kernels are not built"
+    if model.shard.size > 1:
+        return "tensor parallelism"
+    layers = model.model.layers
+    cache = layers[0].self_attn.kv_cache
+    if cache is None or cache.dtype != torch.bfloat16 or cache.device.type != "cpu":
+        return "no bf16 CPU KV cache bound"
+    for layer in layers:
+        for lin in projections(layer):
+            if not isinstance(lin, QuantizedLinear) or lin.bits != 4:
+                return "not every projection is int4"
+            if lin.in_features % INT4_GROUP:
+                return "an input width not a multiple of the int4 group"
+        norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
+        if any(w.dtype != torch.bfloat16 for w in norms):
+            return "norm weights not bf16"
+        if not layer.self_attn.kv_cache.is_contiguous():
+            return "a layer cache is not contiguous"
+    if layers[0].self_attn.head_dim > 512 or layers[0].self_attn.head_dim % 2:
+        return "head_dim unsupported"
+    if model.config.hidden_size > 16384:  # add_rms_norm_bf16's row limit
+        return "hidden size above 16384"
+    return None

@@ -1,0 +1,109 @@
+"""What the engine computes, checked against a checkpoint's config at start-up.
+
+The model code reads a handful of config fields. A checkpoint may set others that
+transformers honours and change the arithmetic: a sliding window, a rope variant, an
+MLP bias, soft-capping. Left unread, they would make the engine serve wrong tokens
+with no warning (a Mistral checkpoint with ``sliding_window: 4096`` answered every
+conversation past 4,096 tokens wrongly). So each such field is checked here, and a
+value the engine does not implement is refused by name, with what would work.
+
+The checkpoint's tensors are checked as they load (``weights.load_weights``): a tensor
+the model has no parameter for is refused the same way, never dropped.
+"""
+
+from __future__ import annotations
+
+from llmserve.errors import ModelLoadError
+
+# Rope variants ``llama.rope_inv_freq`` computes.
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+# The MLP's gate activation: SiLU (transformers also calls it swish).
+SUPPORTED_ACTIVATIONS = ("silu", "swish")
+# Fields of other families that change the arithmetic where set; none is computed here.
+UNSUPPORTED_FIELDS = {
+    "attn_logit_softcapping": "attention logit soft-capping",
+    "final_logit_softcapping": "final logit soft-capping",
+    "mlp_bias": "MLP biases",
+    "partial_rotary_factor": "partial rotary embeddings",
+    "quantization_config": "pre-quantised checkpoints (use --quantization on a "
+                           "bf16/float32 checkpoint instead)",
+}
+# The value of each of those fields that means "off".
+_OFF = {"partial_rotary_factor": 1.0}
+
+
+def check_model_config(config, max_model_len: int) -> None:
+    """Refuse ``config`` if serving it up to ``max_model_len`` tokens needs arithmetic
+    the engine does not implement; the error names the field and its value."""
+    for check in (_unsupported_fields, _activation, _rope, _sliding_window):
+        problem = check(config, max_model_len)
+        if problem:
+            archs = ", ".join(getattr(config, "architectures", None) or ["?"])
+            raise ModelLoadError(f"this {archs} checkpoint cannot be served correctly: "
+                                 f"{problem}")
+
+
+def sliding_window(config) -> int | None:
+    """The attention window of the checkpoint's windowed layers, or None where every
+    layer attends to the whole context (transformers' rules: ``layer_types`` where
+    the config has it; Qwen2's ``use_sliding_window`` switch; else ``sliding_window``)."""
+    window = getattr(config, "sliding_window", None)
+    if not window:
+        return None
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        return window if "sliding_attention" in layer_types else None
+    if getattr(config, "use_sliding_window", True) is False:
+        return None
+    # Qwen2 before layer_types: only the layers from max_window_layers on are windowed.
+    if (getattr(config, "max_window_layers", None) or 0) >= config.num_hidden_layers:
+        return None
+    return int(window)
+
+
+def rope_params(config) -> dict:
+    """The rope scaling parameters: transformers 5 keeps them in ``rope_parameters``,
+    4.x in ``rope_scaling`` (None: no scaling)."""
+    return dict(getattr(config, "rope_parameters", None)
+                or getattr(config, "rope_scaling", None) or {})
+
+
+def rope_type(config) -> str:
+    params = rope_params(config)
+    return params.get("rope_type", params.get("type")) or "default"
+
+
+def _unsupported_fields(config, max_model_len: int) -> str | None:
+    for field, what in UNSUPPORTED_FIELDS.items():
+        value = getattr(config, field, None)
+        if value is None and field == "partial_rotary_factor":
+            value = rope_params(config).get(field)  # transformers 5 keeps it there
+        if value not in (None, False, _OFF.get(field)):
+            return f"{field}={value!r}: {what} are not implemented"
+    return None
+
+
+def _activation(config, max_model_len: int) -> str | None:
+    act = getattr(config, "hidden_act", "silu")
+    if act not in SUPPORTED_ACTIVATIONS:
+        return (f"hidden_act={act!r} is not implemented (supported: "
+                f"{', '.join(SUPPORTED_ACTIVATIONS)})")
+    return None
+
+
+def _rope(config, max_model_len: int) -> str | None:
+    kind = rope_type(config)
+    if kind not in SUPPORTED_ROPE_TYPES:
+        return (f"rope type {kind!r} (rope_scaling / rope_parameters) is not implemented "
+                f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
+    return None
+
+
+def _sliding_window(config, max_model_len: int) -> str | None:
+    """A window at or above the longest context never masks anything: harmless."""
+    window = sliding_window(config)
+    if window is None or window >= max_model_len:
+        return None
+    return (f"sliding_window={window}: sliding-window attention is not implemented, so "
+            f"contexts past {window} tokens would be answered wrongly; serve it with "
+            f"--max-model-len {window} (or less), where the window never applies")

@@ -1,0 +1,19 @@
+"""The step message: a step's flat batch as plain lists, built once by rank 0 and sent
+to every tensor-parallel rank (a few KB pickled per step, not per layer)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class StepInputs:
+    """A step's flat batch as plain lists: what every rank builds its tensors from."""
+    input_ids: list[int]
+    positions: list[int]
+    slots: list[int]
+    query_start: list[int]
+    seq_lens: list[int]
+    block_tables: list[list[int]]
+    sample_rows: list[int]
+    max_query_len: int
