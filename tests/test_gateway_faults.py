@@ -29,6 +29,7 @@ class FakeEngine:
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.metrics)
+        app.router.add_get("/openapi.json", self.openapi)
         self.server = TestServer(app, host="127.0.0.1")
 
     @property
@@ -40,6 +41,14 @@ class FakeEngine:
 
     async def metrics(self, request):
         return web.Response(text="vllm:num_requests_waiting 0\nvllm:kv_cache_usage_perc 0\n")
+
+    async def openapi(self, request):
+        self.openapi_hits = getattr(self, "openapi_hits", 0) + 1
+        if self.mode == "failing":
+            return web.json_response({"error": {"message": "boom", "type": "x"}}, status=500)
+        return web.json_response({"openapi": "3.1.0", "info": {"title": "engine"}, "paths": {
+            p: {"get": {}} for p in ("/v1/completions", "/v1/models", "/health",
+                                     "/tokenize", "/version")}})
 
     async def completions(self, request):
         self.hits += 1
@@ -150,6 +159,25 @@ async def test_engine_dying_mid_body_closes_the_connection(fleet):
     r = await client.post("/v1/completions", json={**BODY, "stream": False})
     with pytest.raises(aiohttp.ClientPayloadError):
         await asyncio.wait_for(r.read(), 10)  # an error, not a silently short body
+
+
+async def test_openapi_is_an_engines_cut_to_the_gateways_paths_and_cached(fleet):
+    gw, client, engines = await fleet("failing", "ok")
+    for _ in range(2):
+        r = await client.get("/openapi.json")
+        assert r.status == 200
+        doc = await r.json()
+        assert set(doc["paths"]) == {"/v1/completions", "/v1/models", "/health"}
+        assert doc["info"]["title"] == "llmserve gateway"
+    assert engines["ok"].openapi_hits == 1  # asked once, then kept
+
+
+async def test_openapi_without_an_engine_is_a_503_openai_error(fleet):
+    gw, client, engines = await fleet("failing")
+    r = await client.get("/openapi.json")
+    assert r.status == 503
+    err = (await r.json())["error"]
+    assert err["type"] == "service_unavailable" and "OpenAPI" in err["message"]
 
 
 def test_sse_framer_holds_partial_events():

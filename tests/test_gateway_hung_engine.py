@@ -300,10 +300,10 @@ async def test_a_client_leaving_a_hung_wait_leaves_nothing_behind(hanging):
     with pytest.raises(asyncio.TimeoutError):
         await asyncio.wait_for(client.post("/v1/completions", json=BODY), 0.5)
     for _ in range(50):  # the handler is cancelled as the connection closes
-        if not gw._watches:
+        if not gw.hangs.watches:
             break
         await asyncio.sleep(0.05)
-    assert not gw._watches and not gw._probes
+    assert not gw.hangs.watches and not gw.hangs.probes
     assert not gw.pool.endpoints[engines["hang_head"].url].ejected  # nothing was judged
 
 
@@ -312,6 +312,6 @@ async def test_zero_timeouts_never_probe(hanging):
                                         upstream_idle_timeout=0)
     pending = asyncio.create_task(client.post("/v1/completions", json=BODY))
     await asyncio.sleep(1.0)
-    assert not pending.done() and not gw._probes
+    assert not pending.done() and not gw.hangs.probes
     assert not gw.pool.endpoints[engines["hang_head"].url].ejected
     pending.cancel()

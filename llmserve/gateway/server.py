@@ -36,9 +36,11 @@ from llmserve.errors import APIError
 from llmserve.gateway.admission import INTERNAL_HEADERS, TenantAdmission, Turn
 from llmserve.gateway.endpoints import EndpointPool
 from llmserve.gateway.metrics import GatewayMetrics, outcome_of
+from llmserve.gateway.openapi import UpstreamOpenAPI
 from llmserve.gateway.peers import USAGE_PATH
 from llmserve.gateway.prefix import prefix_key
 from llmserve.gateway.routing import make_policy
+from llmserve.gateway.upstream_watch import HangWatch, UpstreamHung
 from llmserve.http_serving import (
     BODY_TIMEOUT,
     HEADER_TIMEOUT,
@@ -159,11 +161,8 @@ class Gateway:
         self.draining = False
         self.in_flight = 0
         self._tasks: list[asyncio.Task] = []
-        # Hung engines: each forwarded request's watch, per endpoint (what the sweeper
-        # checks for waits past their timeout), and the /health probe running per
-        # endpoint (one at a time, however many of its requests are late).
-        self._watches: dict[str, set[UpstreamWatch]] = {}
-        self._probes: dict[str, asyncio.Task] = {}
+        self.hangs = HangWatch(self.metrics, self._failed)  # hung engines
+        self.openapi = UpstreamOpenAPI()
 
     # --- lifecycle --------------------------------------------
     async def start(self) -> None:
@@ -184,7 +183,8 @@ class Gateway:
                                 self.config.upstream_idle_timeout) if t > 0]
         if timeouts:  # a hang is seen within a quarter of the timeout (1 s at most)
             self._tasks.append(asyncio.create_task(
-                self._sweep_forever(max(0.05, min(1.0, min(timeouts) / 4)))))
+                self.hangs.sweep_forever(self.session,
+                                         max(0.05, min(1.0, min(timeouts) / 4)))))
         if self.tenants:
             self._start_tenants()
 
@@ -211,7 +211,7 @@ class Gateway:
             await asyncio.sleep(interval)
 
     async def close(self) -> None:
-        tasks = [*self._tasks, *self._probes.values()]
+        tasks = [*self._tasks, *self.hangs.probes.values()]
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -283,7 +283,7 @@ class Gateway:
         gauge.inc()
         upstream = None
         done = False
-        watch = self._watch(url)
+        watch = self.hangs.watch(url)
         try:
             t0 = time.perf_counter()
             try:
@@ -312,7 +312,7 @@ class Gateway:
             done = upstream.content.at_eof()
             return response
         finally:
-            self._unwatch(watch)
+            self.hangs.unwatch(watch)
             ep.in_flight -= 1
             if priority is not None:
                 ep.by_priority[priority] -= 1
@@ -325,70 +325,6 @@ class Gateway:
     def _failed(self, url: str, reason: str) -> None:
         self.metrics.upstream_errors.labels(url, reason).inc()
         self.pool.failed(url)
-
-    # --- hung engines ---------------------------------------------------
-    def _watch(self, url: str) -> UpstreamWatch:
-        watch = UpstreamWatch(url)
-        self._watches.setdefault(url, set()).add(watch)
-        return watch
-
-    def _unwatch(self, watch: UpstreamWatch) -> None:
-        watches = self._watches.get(watch.url)
-        if watches is not None:
-            watches.discard(watch)
-            if not watches:
-                del self._watches[watch.url]
-
-    async def _sweep_forever(self, tick: float) -> None:
-        """Probe the endpoints with a wait past its timeout (one probe per endpoint)."""
-        while True:
-            await asyncio.sleep(tick)
-            try:
-                now = time.monotonic()
-                for url, watches in list(self._watches.items()):
-                    late = [(w, w.since) for w in watches
-                            if w.since and now - w.since > w.timeout]
-                    if late and url not in self._probes:
-                        self._probes[url] = asyncio.create_task(self._probe(url, late))
-            except Exception:  # noqa: BLE001 - the loop must outlive any one bad state
-                log.exception("checking upstream waits failed")
-
-    async def _probe(self, url: str, late: list[tuple[UpstreamWatch, float]]) -> None:
-        """Ask a silent engine's /health. Any answer (a draining engine's 503 too) means
-        busy, not hung: the late waits get another full period. None means hung."""
-        # At most 10 s, and no longer than the silence that prompted it, but never under
-        # PROBE_FLOOR: a starved event loop (a loaded CPU) can take seconds to answer and
-        # a wrong verdict ends every request on the engine, while a real hang is rare and
-        # waits only this much more.
-        limit = max(PROBE_FLOOR, min(PROBE_TIMEOUT, *(w.timeout for w, _ in late)))
-        try:
-            async with self.session.get(url + "/health",
-                                        timeout=aiohttp.ClientTimeout(total=limit)):
-                pass
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
-            self._declare_hung(url, e)
-        else:
-            now = time.monotonic()
-            for w, since in late:
-                if w.since == since:  # still the same wait
-                    w.since = now
-                    self.metrics.upstream_stalls.labels(url, "busy").inc()
-        finally:
-            self._probes.pop(url, None)
-
-    def _declare_hung(self, url: str, e: BaseException) -> None:
-        """Eject the endpoint like a dead one and end every wait on it now: their
-        requests are retried elsewhere (no byte sent yet) or end as broken streams."""
-        log.warning("upstream %s is hung: a request waited past its timeout and /health "
-                    "did not answer (%r); ejecting it and ending its requests", url, e)
-        self._failed(url, "timeout")
-        for w in list(self._watches.get(url, ())):
-            if w.since and w.abort is not None:
-                self.metrics.upstream_stalls.labels(url, "hung").inc()
-                w.hung = UpstreamHung("it sent nothing past its timeout and did not "
-                                      "answer its /health")
-                w.since = 0.0  # the sweeper must not probe for it again
-                w.abort(w.hung)
 
     async def _stream_back(self, request, upstream, watch) -> web.StreamResponse:
         """Pass the upstream response through. SSE is forwarded whole events at a time,
@@ -463,57 +399,6 @@ class Gateway:
 # --- reliability helpers --------------------------------------------
 OVERLOADED = web.RequestKey("overloaded", str)  # Retry-After of an overloaded engine
 HUNG = web.RequestKey("hung", str)  # an engine tried for this request hung
-PROBE_TIMEOUT = 10.0  # the most a hung-engine /health probe waits (see Gateway._probe)
-PROBE_FLOOR = 3.0  # and the least, whatever the timeouts (a busy engine answers late)
-
-
-class UpstreamHung(Exception):
-    """The engine sent nothing for a timeout and did not answer its /health."""
-
-
-class UpstreamWatch:
-    """One forwarded request's waits on its engine, as the gateway's sweeper sees
-    them: ``since`` is when the current wait began (0 while the request is not
-    waiting on the engine, e.g. while it writes to a slow client), ``timeout`` how long
-    it may last before the engine is probed, ``abort`` ends it with UpstreamHung."""
-
-    __slots__ = ("url", "timeout", "since", "abort", "hung")
-
-    def __init__(self, url: str):
-        self.url = url
-        self.timeout = self.since = 0.0
-        self.abort = None
-        self.hung: UpstreamHung | None = None
-
-    async def head(self, response, timeout: float) -> aiohttp.ClientResponse:
-        """Await the response head. In a task of its own: a probe that finds the
-        engine hung cancels it, and the request can be retried elsewhere."""
-        if timeout <= 0:
-            return await response
-        task = asyncio.ensure_future(response)
-        self.timeout, self.since, self.abort = timeout, time.monotonic(), \
-            lambda _: task.cancel()
-        try:
-            return await task
-        except asyncio.CancelledError:
-            current = asyncio.current_task()
-            if self.hung is None or getattr(current, "cancelling", lambda: 0)():
-                raise  # this handler was cancelled (the client left), not the engine hung
-            raise self.hung from None
-        finally:
-            self.since, self.abort = 0.0, None
-
-    async def read(self, content: aiohttp.StreamReader, timeout: float) -> bytes:
-        """The body's next bytes (b"" at its end). A probe that finds the engine hung
-        sets UpstreamHung on the stream, which this raises (the buffer is empty while
-        the watch waits, so nothing already received is lost)."""
-        if timeout > 0:
-            self.timeout, self.since, self.abort = timeout, time.monotonic(), \
-                content.set_exception
-        try:
-            return await content.readany()
-        finally:
-            self.since, self.abort = 0.0, None
 
 
 async def overloaded(upstream: aiohttp.ClientResponse) -> bool:
@@ -672,17 +557,11 @@ def build_app(gw: Gateway) -> web.Application:
     return app
 
 
-GATEWAY_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health")
-
-
 async def openapi(request: web.Request) -> web.Response:
-    """The engine's OpenAPI document, cut to the operations the gateway serves (what
-    clients generate code from and what the gateway's fuzz test sends)."""
-    from llmserve.entrypoints.openai.openapi import openapi_document
-    doc = openapi_document()
-    doc["paths"] = {p: v for p, v in doc["paths"].items() if p in GATEWAY_PATHS}
-    doc["info"] = {**doc["info"], "title": "llmserve gateway"}
-    return web.json_response(doc)
+    """An engine's OpenAPI document, cut to the operations the gateway serves."""
+    gw: Gateway = request.app[GATEWAY]
+    live = [c.url for c in gw.pool.candidates()]
+    return web.json_response(await gw.openapi.get(gw.session, live))
 
 
 async def serve_gateway(config: GatewayConfig, host: str, port: int,
