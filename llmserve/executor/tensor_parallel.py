@@ -45,6 +45,7 @@ import torch.distributed as dist
 from llmserve.distributed.comm import COLLECTIVE_TIMEOUT, backend_for
 from llmserve.errors import WorkerDiedError  # noqa: F401 - raised here, re-exported
 from llmserve.utils import free_port
+from llmserve.worker.model_runner import ModelRunner
 
 log = logging.getLogger(__name__)
 
@@ -267,7 +268,6 @@ def _worker_main(rank: int, init_method: str, config, hf_config, model_path: str
         dist.init_process_group(backend_for(config.device), init_method=init_method,
                                 rank=rank, world_size=config.tensor_parallel_size,
                                 timeout=COLLECTIVE_TIMEOUT)
-        from llmserve.worker.model_runner import ModelRunner
         runner = ModelRunner(config, hf_config, Path(model_path), max_model_len, rank=rank)
         conn.send(("ready", None))
     except BaseException as e:  # noqa: BLE001 - reported to rank 0, then exit

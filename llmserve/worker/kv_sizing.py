@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import torch
 
+from llmserve.kernels.cpu.attention import make_cpu_plan
 from llmserve.model_executor.layers.attention import AttentionMetadata, forward_context
+from llmserve.utils import cdiv
 
 
 def kv_budget_from_profile(*, total: int, free: int, utilization: float, torch_peak: int,
@@ -54,12 +56,11 @@ def profile_kv_budget(runner, num_tokens: int, num_sampling_rows: int) -> int:
         slot_mapping=torch.arange(num_tokens, dtype=torch.long, device=dev) % bs,
         query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32, device=dev),
         seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=dev),
-        block_tables=torch.zeros((1, -(-num_tokens // bs)), dtype=torch.int32, device=dev),
+        block_tables=torch.zeros((1, cdiv(num_tokens, bs)), dtype=torch.int32, device=dev),
         max_query_len=num_tokens, max_seq_len=num_tokens, use_triton=runner.use_triton)
     if not runner.use_triton:
-        from llmserve.kernels.cpu.attention import make_cpu_plan
         meta.plan = make_cpu_plan([0, num_tokens], [num_tokens],
-                                  [[0] * -(-num_tokens // bs)], bs, 1, device=dev)
+                                  [[0] * cdiv(num_tokens, bs)], bs, 1, device=dev)
     ids = torch.zeros(num_tokens, dtype=torch.long, device=dev)
     max_positions = runner.model.model.rotary.cos.shape[0]  # the budget may exceed it
     pos = torch.arange(num_tokens, dtype=torch.long, device=dev) % max_positions

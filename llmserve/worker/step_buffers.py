@@ -23,6 +23,8 @@ import torch
 
 from llmserve.kernels.cpu.attention import make_cpu_plan
 from llmserve.model_executor.layers.attention import AttentionMetadata
+from llmserve.utils import cdiv
+from llmserve.worker.cuda_graphs import DecodeGraphs, default_sizes
 from llmserve.worker.step_inputs import StepInputs
 
 _NUMPY = {torch.int64: np.int64, torch.int32: np.int32}
@@ -30,7 +32,7 @@ _ALIGN = 8  # every field starts 8-byte aligned, so any int view of the bytes is
 
 
 def _aligned(n: int) -> int:
-    return -(-n // _ALIGN) * _ALIGN
+    return cdiv(n, _ALIGN) * _ALIGN
 
 
 class StagingBuffer:
@@ -198,12 +200,11 @@ def enable_fast_path(runner, max_model_len: int, *, pinned_staging: bool = False
     it directly, with ``capture=False`` for the graphs."""
     if pinned_staging or device_block_tables:
         tables = (DeviceBlockTables(runner.config.max_num_seqs,
-                                    -(-max_model_len // runner.block_size), runner.device)
+                                    cdiv(max_model_len, runner.block_size), runner.device)
                   if device_block_tables else None)
         runner.step_builder = StepBuilder(runner.device, runner.block_size, runner.num_blocks,
                                           runner.use_triton, pinned_staging, tables)
     if graph_sizes:
-        from llmserve.worker.cuda_graphs import DecodeGraphs
         runner.graphs = DecodeGraphs(runner, graph_sizes, max_model_len, capture)
 
 
@@ -212,7 +213,6 @@ def enable_fast_path_from_config(runner, max_model_len: int) -> None:
     c = runner.config
     sizes = None
     if c.cuda_graphs:
-        from llmserve.worker.cuda_graphs import default_sizes
         sizes = c.cuda_graph_sizes or default_sizes(c.max_num_seqs)
     enable_fast_path(runner, max_model_len, pinned_staging=c.pinned_staging,
                      device_block_tables=c.device_block_tables, graph_sizes=sizes,

@@ -11,6 +11,7 @@ import torch
 from tqdm import tqdm
 
 from llmserve.errors import ModelLoadError
+from llmserve.model_executor.model_loader.shards import read_shard
 
 # transformers' index of a sharded checkpoint. Only the shards it names are weights of
 # the model: other *.safetensors beside them (Mistral's consolidated.safetensors) are
@@ -75,7 +76,6 @@ def load_weights(model: torch.nn.Module, path: Path, dtype: torch.dtype, device:
     tensor-parallel rank's model (``model.shard``) reads only its shard of each."""
     from safetensors import safe_open
 
-    from llmserve.model_executor.model_loader.shards import read_shard
     shard = getattr(model, "shard", None)
     sharded = shard is not None and shard.size > 1
     params = dict(model.named_parameters())
