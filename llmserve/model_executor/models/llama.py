@@ -303,10 +303,3 @@ class LlamaForCausalLM(nn.Module):
         if self.shard.size > 1:
             return comm.gather_logits(logits.float(), self.config.vocab_size)
         return logits
-
-
-SUPPORTED_ARCHITECTURES = {
-    "LlamaForCausalLM": LlamaForCausalLM,
-    "MistralForCausalLM": LlamaForCausalLM,
-    "Qwen2ForCausalLM": LlamaForCausalLM,
-}
