@@ -92,10 +92,6 @@ class Sequence:
         return len(self.token_ids) - self.num_computed_tokens
 
     @property
-    def is_prefill(self) -> bool:
-        return self.num_computed_tokens < self.num_tokens - 1
-
-    @property
     def priority(self) -> int:
         return self.request.priority
 

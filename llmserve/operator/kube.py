@@ -121,10 +121,3 @@ async def ready_pod_ips(api: client.ApiClient, namespace: str, label_selector: s
         if ready and pod.status.pod_ip and pod.metadata.deletion_timestamp is None:
             ips.append(pod.status.pod_ip)
     return ips
-
-
-async def scale_deployment(api: client.ApiClient, namespace: str, name: str,
-                           replicas: int) -> None:
-    apps = client.AppsV1Api(api)
-    await apps.patch_namespaced_deployment_scale(name, namespace,
-                                                 {"spec": {"replicas": replicas}})
