@@ -26,6 +26,7 @@ from collections import OrderedDict
 from typing import NamedTuple
 
 from llmserve.core.request import Sequence
+from llmserve.utils import cdiv
 
 NO_HASH = b""
 _ROOT_HASH = hashlib.blake2b(b"llmserve-prefix-root", digest_size=16).digest()
@@ -94,7 +95,7 @@ class BlockManager:
     def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
         """New blocks ``seq`` needs for its first ``num_tokens`` tokens to have slots,
         counting the copy of a shared block it is about to write into."""
-        grow = max(0, -(-num_tokens // self.block_size) - len(seq.block_table))
+        grow = max(0, cdiv(num_tokens, self.block_size) - len(seq.block_table))
         return grow + (1 if self._shared_write_block(seq) is not None else 0)
 
     def _shared_write_block(self, seq: Sequence) -> int | None:

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from llmserve.utils import cdiv
+
 
 @dataclass(frozen=True)
 class RankShape:
@@ -86,7 +88,7 @@ def rank_shape(hf_config, rank: int, size: int) -> RankShape:
         local_kv, kv_start = kv // size, rank * (kv // size)
     else:  # KV divides N: N/KV consecutive ranks share one KV head
         local_kv, kv_start = 1, rank // (size // kv)
-    vocab_per_rank = -(-c.vocab_size // size)
+    vocab_per_rank = cdiv(c.vocab_size, size)
     return RankShape(rank=rank, size=size, num_heads=local_heads,
                      head_start=rank * local_heads, num_kv_heads=local_kv,
                      kv_head_start=kv_start, intermediate=c.intermediate_size // size,

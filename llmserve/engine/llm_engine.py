@@ -31,6 +31,7 @@ from llmserve.model_executor.model_loader.sources import (
 )
 from llmserve.model_executor.models.supported import check_model_config
 from llmserve.structured_output.grammar import StructuredOutputs
+from llmserve.utils import cdiv
 from llmserve.worker.kv_integrity import SequenceKVCheck
 from llmserve.worker.model_runner import ModelRunner
 
@@ -189,7 +190,7 @@ class LLMEngine:
             raise ValueError(
                 f"this model's maximum context length is {self.max_model_len} tokens; the "
                 f"prompt has {len(ids)} and max_tokens asks for {params.max_tokens or 0} more")
-        blocks = -(-total // self.config.block_size)
+        blocks = cdiv(total, self.config.block_size)
         if blocks > self.block_manager.num_blocks:
             raise ValueError(f"the prompt plus max_tokens needs {blocks} KV blocks; the "
                              f"cache has {self.block_manager.num_blocks}")

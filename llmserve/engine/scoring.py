@@ -11,6 +11,7 @@ import torch
 from llmserve.core.request import Request
 from llmserve.core.sampling_params import SamplingParams
 from llmserve.core.sched.output import ScheduledBatch
+from llmserve.utils import cdiv
 
 
 @torch.inference_mode()
@@ -21,7 +22,7 @@ def token_logprobs(engine, token_ids: list[int], chunk: int = 256) -> list[float
         raise ValueError("scoring runs on one rank; use --tensor-parallel-size 1")
     seq = Request("score", None, list(token_ids), SamplingParams(max_tokens=1)).sequences[0]
     bm, runner = engine.block_manager, engine.runner
-    need = -(-len(token_ids) // bm.block_size)
+    need = cdiv(len(token_ids), bm.block_size)
     if not bm.can_allocate(need, use_watermark=False):
         raise ValueError(f"{len(token_ids)} tokens need {need} KV blocks; "
                          f"{bm.num_free_blocks} are free")

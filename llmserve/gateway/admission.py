@@ -25,6 +25,7 @@ from llmserve.gateway.peers import TOKEN_HEADER, PeerCounters
 from llmserve.gateway.ratelimits import RateLimiter
 from llmserve.gateway.tenants import CLASS_HEADER, Tenant, TenantsFile, TrafficClass
 from llmserve.gateway.usage import UsageTap, ask_for_usage
+from llmserve.utils import cdiv
 
 # Headers the gateway sets for the engines (and removes from what clients send).
 TENANT_HEADER = "x-llmserve-tenant"
@@ -49,7 +50,7 @@ def estimate_tokens(payload: dict, chat: bool) -> int:
         max_tokens = DEFAULT_MAX_TOKENS["chat" if chat else "completions"]
     n = payload.get("n") if isinstance(payload.get("n"), int) else 1
     n = min(max(n, 1), MAX_N)
-    estimate = -(-chars // CHARS_PER_TOKEN) + prompts * n * min(max_tokens, MAX_TOKENS_ESTIMATE)
+    estimate = cdiv(chars, CHARS_PER_TOKEN) + prompts * n * min(max_tokens, MAX_TOKENS_ESTIMATE)
     return min(estimate, MAX_TOKENS_ESTIMATE)
 
 

@@ -32,6 +32,7 @@ import bisect
 import torch
 
 from llmserve.model_executor.layers.attention import AttentionMetadata
+from llmserve.utils import cdiv
 
 
 def default_sizes(max_num_seqs: int) -> list[int]:
@@ -52,7 +53,7 @@ class DecodeGraphs:
         self.capture = capture
         dev, top = runner.device, self.sizes[-1]
         block_size = runner.block_size
-        max_blocks = -(-max_model_len // block_size)
+        max_blocks = cdiv(max_model_len, block_size)
         self.input_ids = torch.zeros(top, dtype=torch.long, device=dev)
         self.positions = torch.zeros(top, dtype=torch.long, device=dev)
         self.slots = torch.full((top,), -1, dtype=torch.long, device=dev)

@@ -15,6 +15,7 @@ import weakref
 
 from llmserve.core.request import Sequence, SequenceStatus
 from llmserve.core.sched.output import ScheduledBatch
+from llmserve.utils import cdiv
 from llmserve.worker.kv_cache import KVCache, KVIntegrityError
 
 
@@ -52,7 +53,7 @@ class SequenceKVCheck:
         self.digests[child] = list(self.digests.get(parent, []))
 
     def _num_blocks(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
+        return cdiv(num_tokens, self.block_size)
 
     def _digest(self, seq: Sequence, i: int) -> bytes:
         slots = min(self.block_size, seq.num_computed_tokens - i * self.block_size)

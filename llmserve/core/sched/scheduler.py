@@ -52,6 +52,7 @@ from llmserve.core.request import Sequence, SequenceStatus
 from llmserve.core.sched.cost_model import StepCostModel
 from llmserve.core.sched.fair_share import TenantShares
 from llmserve.core.sched.output import ScheduledBatch
+from llmserve.utils import cdiv
 
 
 class _Step:
@@ -201,7 +202,7 @@ class Scheduler:
         free, slots = self.bm.num_free_blocks, self.config.max_num_seqs
         for seq in self.waiting:
             n = len(seq.request.sequences)
-            need = n * -(-(seq.num_tokens + seq.params.max_tokens) // self.bm.block_size)
+            need = n * cdiv(seq.num_tokens + seq.params.max_tokens, self.bm.block_size)
             if self.static_members and (need > free or n > slots):
                 break
             self.static_members.add(seq.seq_id)
@@ -308,7 +309,7 @@ class Scheduler:
             num_new = min(seq.num_uncomputed_tokens, step.chunk_limit(seq.num_computed_tokens))
             if num_new == 0:
                 return None
-            need = max(len(seq.cpu_block_table), -(-(seq.num_computed_tokens + num_new) // bs))
+            need = max(len(seq.cpu_block_table), cdiv(seq.num_computed_tokens + num_new, bs))
             return num_new, need, []
         if not self._has_seq_slots(seq):
             return None
@@ -326,7 +327,7 @@ class Scheduler:
                 return None
             else:
                 num_new = avail
-        need = -(-(num_computed + num_new) // bs) - len(hits) + self.bm.num_free_among(hits)
+        need = cdiv(num_computed + num_new, bs) - len(hits) + self.bm.num_free_among(hits)
         return num_new, need, hits
 
     def fork_children(self, parent: Sequence) -> list[Sequence]:

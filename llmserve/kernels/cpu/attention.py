@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from llmserve.kernels.cpu.native import paged_decode
+from llmserve.utils import cdiv
 
 
 @dataclass
@@ -96,7 +97,7 @@ def make_cpu_plan(query_start_loc: list[int], seq_lens: list[int],
         _native_rows(plan, rowwise, query_start_loc, query_lens, seq_lens, block_tables,
                      block_size)
     elif decodes:
-        num_blocks = max(-(-seq_lens[i] // block_size) for i in decodes)
+        num_blocks = max(cdiv(seq_lens[i], block_size) for i in decodes)
         padded = [block_tables[i][:num_blocks] + [0] * (num_blocks - len(block_tables[i]))
                   for i in decodes]
         plan.decode_rows = tensor([query_start_loc[i] for i in decodes])
@@ -109,7 +110,7 @@ def make_cpu_plan(query_start_loc: list[int], seq_lens: list[int],
         n = end - start
         if n <= 1 or (plan.native and seq_len <= MAX_ROWWISE_CONTEXT):
             continue
-        blocks = kv_rows(block_tables[i][:-(-seq_len // block_size)])
+        blocks = kv_rows(block_tables[i][:cdiv(seq_len, block_size)])
         mask = None
         if seq_len > n:  # causal over a cached prefix: row r sees keys <= context + r
             rows = torch.arange(n, device=device).unsqueeze(1) + (seq_len - n)
@@ -124,7 +125,7 @@ def _native_rows(plan: CPUAttentionPlan, seqs: list[int], query_start_loc: list[
     """The C kernel's inputs: one query row per decode and per token of each prefill
     chunk of a short context (row r of a chunk of n sees the first seq_len - n + r + 1 tokens),
     with its sequence's block table."""
-    width = max(-(-seq_lens[i] // block_size) for i in seqs)
+    width = max(cdiv(seq_lens[i], block_size) for i in seqs)
     tables = torch.tensor([block_tables[i][:width] + [0] * (width - len(block_tables[i][:width]))
                            for i in seqs], dtype=torch.int32)
     counts = torch.tensor([query_lens[i] for i in seqs])
