@@ -3,8 +3,11 @@ mixed prefill + decode batches, GQA groups and fp32/bf16 caches."""
 
 from __future__ import annotations
 
+import ctypes
 import os
 import random
+import re
+import shutil
 import subprocess
 import sys
 
@@ -212,6 +215,34 @@ def test_without_a_compiler_decodes_fall_back_to_torch(tmp_path, broken):
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "True"
     assert "torch path" in out.stderr  # the warning says what happens instead
+
+
+def header_signatures() -> dict[str, list]:
+    """kernels.h's prototypes as ctypes argument types (the header's conventions: every
+    entry point returns int; parameters are pointers, int, int64_t or float)."""
+    text = cpu_native.HEADERS[0].read_text()
+    ctype = {"int": ctypes.c_int, "int64_t": ctypes.c_int64, "float": ctypes.c_float}
+    signatures = {}
+    for name, params in re.findall(r"^int (\w+)\(([^)]*)\);", text, flags=re.M):
+        types = [] if params.strip() == "void" else [
+            ctypes.c_void_p if "*" in p else ctype[p.split()[0]] for p in params.split(",")]
+        signatures[name] = types
+    return signatures
+
+
+def test_the_ctypes_table_is_the_header():
+    """ctypes cannot see the C types: SIGNATURES must say what kernels.h declares (and
+    the compiler holds the definitions to kernels.h)."""
+    assert header_signatures() == cpu_native.SIGNATURES
+
+
+@pytest.mark.skipif(shutil.which("nm") is None, reason="needs binutils' nm")
+def test_the_header_declares_every_function_the_library_exports():
+    lib = cpu_native.decode_kernel()
+    out = subprocess.run(["nm", "-D", "--defined-only", lib._name], capture_output=True,
+                         text=True, check=True).stdout
+    exported = {line.split()[2] for line in out.splitlines() if line.split()[1] == "T"}
+    assert exported == set(header_signatures())
 
 
 def test_the_cpu_engine_decodes_with_the_native_kernel(tiny_llama):

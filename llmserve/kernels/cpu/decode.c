@@ -7,7 +7,7 @@
  * are float32 whatever the cache dtype (float32 or bfloat16).
  *
  * Layer cache layout: [2 (K, V), num_blocks, block_size, kv_heads, head_dim].
- * Built and loaded by cpu_native.py (compiled for the machine it runs on).
+ * Built and loaded by native.py (compiled for the machine it runs on).
  */
 #include <stdint.h>
 #include <stdlib.h>

@@ -9,9 +9,10 @@
  * Weights are ATen's CPU int4 pack (``_convert_weight_to_int4pack_for_cpu``): blocks
  * of BN output columns, [N / BN, K, BN / 2] bytes, byte j of row k holding column j in
  * its low nibble and column j + BN / 2 in its high one (BN 64 where ATen is built for
- * AVX-512, 32 for AVX2; cpu_native.py checks which at start-up), with a [K / 32, N, 2]
+ * AVX-512, 32 for AVX2; decoder.py checks which at start-up), with a [K / 32, N, 2]
  * bfloat16 (scale, zero) table: w = (q - 8) * scale + zero.
- * Built with decode.c into one library by cpu_native.py.
+ * Built with decode.c and gemm.c into one library by native.py; the structures it
+ * reads (q4_linear, q4_layer, q4_dims) are declared in kernels.h.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -24,26 +25,6 @@
 
 #define GROUP 32  /* int4 group size along K (quantization.INT4_GROUP) */
 #define TILE 4    /* tokens sharing one read of a weight block */
-
-typedef struct {
-    const uint8_t *weight;      /* ATen's int4 pack */
-    const uint16_t *scale_zero; /* [K / 32, N, 2] bf16 */
-    const uint16_t *bias;       /* [N] bf16 or NULL */
-    int64_t n, k;
-} q4_linear;
-
-typedef struct {
-    const uint16_t *input_norm, *post_norm;  /* [hidden] bf16 */
-    q4_linear qkv, o, gate_up, down;
-    void *kv_cache;  /* [2, blocks, block_size, kv_heads, head_dim] bf16 */
-} q4_layer;
-
-typedef struct {
-    int hidden, num_heads, kv_heads, head_dim, intermediate, block_n;
-    float eps, scale;
-    int64_t num_cache_blocks;
-    int block_size;
-} q4_dims;
 
 /* 16 bytes zero-extended to 16 int32 lanes (GCC's generic conversion would load them
  * one by one). */

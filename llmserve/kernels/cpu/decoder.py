@@ -1,8 +1,8 @@
 """The int4 decoder stack's C interface (``decoder.c``): the structures it reads,
 ATen's int4 pack layout it reads them in, and one int4 product for tests.
 
-A kernel knows tensors, not models: ``engine/models/native_decoder.py`` fills these
-structures from a model's layers.
+A kernel knows tensors, not models: ``model_executor/models/native_decoder.py`` fills
+these structures from a model's layers. Their C side is declared in ``kernels.h``.
 """
 
 from __future__ import annotations

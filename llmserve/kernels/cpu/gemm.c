@@ -17,7 +17,7 @@
  *
  * Sums in float32, rounded to bf16 once at the end (round to nearest even), as oneDNN
  * does: results match oneDNN's to bf16 rounding of differently ordered float32 sums.
- * Built and loaded by cpu_native.py; elsewhere than AVX512-BF16 it builds as a stub
+ * Built and loaded by native.py; elsewhere than AVX512-BF16 it builds as a stub
  * that says so (bf16_gemm_available). */
 #include <stdint.h>
 #include <stdlib.h>

@@ -1,6 +1,10 @@
-/* What decode.c and decoder.c share: the dtype codes (cpu_native.DTYPE_CODES),
- * bfloat16 conversions, 16-lane vector types, and the entry points of decode.c that
- * the decoder stack calls. Built into one library by cpu_native.py. */
+/* The CPU kernels' ABI and what their sources share. decode.c, decoder.c and gemm.c
+ * all include it and native.py builds them into one library, so this file declares
+ * every function the library exports: the compiler checks each definition against its
+ * declaration here, and native.py's SIGNATURES (the ctypes argument types) and
+ * decoder.py's ctypes structures mirror it (tests/test_cpu_attention.py checks the
+ * former). Also: the dtype codes (native.DTYPE_CODES), bfloat16 conversions and
+ * 16-lane vector types. Part of the build's cache key. */
 #ifndef LLMSERVE_CPU_KERNELS_H
 #define LLMSERVE_CPU_KERNELS_H
 
@@ -52,19 +56,65 @@ static inline void store16_bf16(uint16_t *dst, v16f x) {
     memcpy(dst, &out, sizeof out);
 }
 
-int add_rms_norm_bf16(int num_threads, const uint16_t *x, const uint16_t *delta,
-                      const uint16_t *weight, uint16_t *out, uint16_t *residual_out,
-                      int rows, int dim, float eps);
-int rope_and_cache(int num_threads, const void *qkv, int64_t qkv_stride, void *q_out,
-                   void *kv, const float *cos, const float *sin, const int64_t *slots,
-                   int num_tokens, int64_t num_cache_blocks, int block_size, int num_heads,
-                   int kv_heads, int head_dim, int dtype);
+/* decoder.c's view of an int4 model (decoder.py's Q4Linear, Q4Layer, Q4Dims). */
+typedef struct {
+    const uint8_t *weight;      /* ATen's int4 pack */
+    const uint16_t *scale_zero; /* [K / 32, N, 2] bf16 */
+    const uint16_t *bias;       /* [N] bf16 or NULL */
+    int64_t n, k;
+} q4_linear;
+
+typedef struct {
+    const uint16_t *input_norm, *post_norm;  /* [hidden] bf16 */
+    q4_linear qkv, o, gate_up, down;
+    void *kv_cache;  /* [2, blocks, block_size, kv_heads, head_dim] bf16 */
+} q4_layer;
+
+typedef struct {
+    int hidden, num_heads, kv_heads, head_dim, intermediate, block_n;
+    float eps, scale;
+    int64_t num_cache_blocks;
+    int block_size;
+} q4_dims;
+
+/* The entry points (what each computes and returns: at its definition). */
+
+/* decode.c: attention, rotary + K/V store, and the bf16 ops between the GEMMs. */
 int paged_decode(int num_threads, const void *q, int64_t q_stride, void *out, const void *kv,
                  const int32_t *q_rows, const int32_t *tables, int table_stride,
                  const int32_t *seq_lens, int num_seqs, int64_t num_cache_blocks,
                  int block_size, int num_heads, int kv_heads, int head_dim, float scale,
                  int dtype);
+int rope_and_cache(int num_threads, const void *qkv, int64_t qkv_stride, void *q_out,
+                   void *kv, const float *cos, const float *sin, const int64_t *slots,
+                   int num_tokens, int64_t num_cache_blocks, int block_size, int num_heads,
+                   int kv_heads, int head_dim, int dtype);
+int add_rms_norm_bf16(int num_threads, const uint16_t *x, const uint16_t *delta,
+                      const uint16_t *weight, uint16_t *out, uint16_t *residual_out,
+                      int rows, int dim, float eps);
 int silu_and_mul_bf16(int num_threads, const uint16_t *gate_up, int rows, int64_t inter,
                       uint16_t *act);
+int argmax_rows_bf16(int num_threads, const uint16_t *x, int rows, int64_t n, int64_t stride,
+                     int64_t *out);
+
+/* decoder.c: the int4 decoder stack, and one int4 product for tests. */
+int q4_linear_bf16(int num_threads, const q4_linear *lin, int block_n, const uint16_t *x,
+                   int M, uint16_t *y);
+int q4_decode_layers(int num_threads, const q4_dims *d, const q4_layer *layers, int num_layers,
+                     uint16_t *x, int M, const float *cos, const float *sin,
+                     const int64_t *slots, const int32_t *tables, int table_stride,
+                     const int32_t *seq_lens);
+
+/* gemm.c: bf16 and weight-only int4/int8 linears (stubs returning -3 where the CPU
+ * lacks AVX512-BF16, which bf16_gemm_available says). */
+int bf16_gemm_available(void);
+int bf16_gemm(int num_threads, const uint16_t *x, int64_t m, int64_t ldx,
+              const uint16_t *packed, int64_t n, int64_t k, const float *bias, uint16_t *y,
+              int64_t ldy);
+int bf16_gemm_pack(int num_threads, const uint16_t *w, int64_t n, int64_t k,
+                   uint16_t *packed);
+int quant_gemm(int num_threads, const uint16_t *x, int64_t m, int64_t ldx,
+               const uint8_t *qweight, const uint16_t *scales, int bits, int64_t n, int64_t k,
+               const float *bias, uint16_t *y, int64_t ldy);
 
 #endif

@@ -5,12 +5,18 @@ on AVX512-BF16), compiled for this machine into one library.
 Compiled once with the system C compiler (``$CC`` or ``cc``, 1-3 s) for the CPU it
 runs on (``-march=native``; AVX2 + FMA when ``ATEN_CPU_CAPABILITY=avx2`` asks torch to
 act as an AVX2 machine, the baseline ISA for ``default``), cached under the llmserve
-cache folder keyed by the source, the compiler, the flags and the CPU, and called
-through ctypes (which releases the GIL). Each call runs on torch's thread count; with
-torch's own ``libgomp.so.1`` already loaded, the kernel shares its thread pool too.
+cache folder keyed by the sources and header, the compiler, the flags and the CPU, and
+called through ctypes (which releases the GIL), typed by one table (SIGNATURES, checked
+against ``kernels.h``). Each call runs on torch's thread count; with torch's own
+``libgomp.so.1`` already loaded, the kernel shares its thread pool too.
+
+Why ctypes and not torch custom ops (``benchmarks/kernel_binding.py``): a Python
+custom op costs ~3x the ctypes call, and a bf16 decode step makes ~9 calls a layer; a
+C++ op would need torch's headers, a C++ compiler and a long build on every machine.
+The price: torch.compile cannot trace them (``native_bf16_applies``).
 
 Where no compiler is found or the build fails, ``decode_kernel()`` returns None and
-the engine keeps the pure-torch path (``cpu_attention.py``), with one warning.
+the engine keeps the pure-torch path (``attention.py``), with one warning.
 """
 
 from __future__ import annotations
@@ -38,12 +44,46 @@ log = logging.getLogger(__name__)
 # library.
 SOURCES = [Path(__file__).with_name(name)
            for name in ("decode.c", "decoder.c", "gemm.c")]
-HEADERS = [Path(__file__).with_name("kernels.h")]  # in the cache key, not compiled
+HEADERS = [Path(__file__).with_name("kernels.h")]  # included by SOURCES: in the key
 # Reassociation lets the compiler vectorise the dot products and sums; no
 # finite-math: softmax inputs are finite here, but the flag would change too much.
 CFLAGS = ["-O3", "-fPIC", "-shared", "-fopenmp", "-fno-math-errno", "-fno-trapping-math",
           "-fassociative-math", "-fno-signed-zeros", "-ffp-contract=fast"]
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+
+_I32, _I64, _F32, _PTR = ctypes.c_int, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
+# Every entry point of the library, as kernels.h declares it: its argument types in
+# order (int -> c_int, int64_t -> c_int64, float -> c_float, any pointer -> c_void_p).
+# Each returns int (0: done; the failure codes at the definition). ctypes trusts this
+# table blindly, so a test checks it against the header, and the compiler checks the
+# header against the definitions.
+SIGNATURES: dict[str, list[type]] = {
+    # decode.c
+    "paged_decode": [_I32, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _I32, _PTR, _I32, _I64, _I32,
+                     _I32, _I32, _I32, _F32, _I32],
+    "rope_and_cache": [_I32, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _I32, _I64, _I32, _I32,
+                       _I32, _I32, _I32],
+    "add_rms_norm_bf16": [_I32, _PTR, _PTR, _PTR, _PTR, _PTR, _I32, _I32, _F32],
+    "silu_and_mul_bf16": [_I32, _PTR, _I32, _I64, _PTR],
+    "argmax_rows_bf16": [_I32, _PTR, _I32, _I64, _I64, _PTR],
+    # decoder.c
+    "q4_linear_bf16": [_I32, _PTR, _I32, _PTR, _I32, _PTR],
+    "q4_decode_layers": [_I32, _PTR, _PTR, _I32, _PTR, _I32, _PTR, _PTR, _PTR, _PTR, _I32,
+                         _PTR],
+    # gemm.c
+    "bf16_gemm_available": [],
+    "bf16_gemm": [_I32, _PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _PTR, _I64],
+    "bf16_gemm_pack": [_I32, _PTR, _I64, _I64, _PTR],
+    "quant_gemm": [_I32, _PTR, _I64, _I64, _PTR, _PTR, _I32, _I64, _I64, _PTR, _PTR, _I64],
+}
+
+
+def _bind(lib: ctypes.CDLL) -> None:
+    """Types every entry point of ``lib`` from SIGNATURES: the one place the Python side
+    states the C ABI."""
+    for name, argtypes in SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = argtypes, ctypes.c_int
 
 
 def _march() -> list[str]:
@@ -100,7 +140,7 @@ def _compile(compiler: list[str], flags: list[str]) -> Path:
     if build_dir is None:
         raise OSError("no writable folder of our own to build the kernel in")
     out_dir = build_dir / key
-    target = out_dir / "cpu_decode.so"
+    target = out_dir / "kernels.so"
     if target.exists():
         return target
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -118,7 +158,7 @@ def _compile(compiler: list[str], flags: list[str]) -> Path:
 
 @functools.cache
 def decode_kernel():
-    """The compiled library (``paged_decode``, ``rope_and_cache``), or None (the torch
+    """The compiled library, its entry points typed (SIGNATURES), or None (the torch
     path is used)."""
     if os.environ.get("LLMSERVE_CPU_KERNELS", "native") == "torch":
         return None
@@ -133,25 +173,7 @@ def decode_kernel():
         log.warning("building the CPU decode kernel failed (%s): using the torch path",
                     detail)
         return None
-    i64, i32, ptr, f32 = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_float
-    lib.paged_decode.argtypes = [i32, ptr, i64, ptr, ptr, ptr, ptr, i32, ptr, i32, i64, i32,
-                                 i32, i32, i32, f32, i32]
-    lib.rope_and_cache.argtypes = [i32, ptr, i64, ptr, ptr, ptr, ptr, ptr, i32, i64, i32, i32,
-                                   i32, i32, i32]
-    lib.add_rms_norm_bf16.argtypes = [i32, ptr, ptr, ptr, ptr, ptr, i32, i32, f32]
-    lib.paged_decode.restype = lib.rope_and_cache.restype = i32
-    lib.add_rms_norm_bf16.restype = i32
-    lib.q4_linear_bf16.argtypes = [i32, ptr, i32, ptr, i32, ptr]
-    lib.q4_decode_layers.argtypes = [i32, ptr, ptr, i32, ptr, i32, ptr, ptr, ptr, ptr, i32, ptr]
-    lib.q4_linear_bf16.restype = lib.q4_decode_layers.restype = i32
-    lib.silu_and_mul_bf16.argtypes = [i32, ptr, i32, i64, ptr]
-    lib.argmax_rows_bf16.argtypes = [i32, ptr, i32, i64, i64, ptr]
-    lib.silu_and_mul_bf16.restype = lib.argmax_rows_bf16.restype = i32
-    lib.bf16_gemm.argtypes = [i32, ptr, i64, i64, ptr, i64, i64, ptr, ptr, i64]
-    lib.bf16_gemm_pack.argtypes = [i32, ptr, i64, i64, ptr]
-    lib.bf16_gemm.restype = lib.bf16_gemm_pack.restype = lib.bf16_gemm_available.restype = i32
-    lib.quant_gemm.argtypes = [i32, ptr, i64, i64, ptr, ptr, i32, i64, i64, ptr, ptr, i64]
-    lib.quant_gemm.restype = i32
+    _bind(lib)
     return lib
 
 
