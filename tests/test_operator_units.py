@@ -1,8 +1,11 @@
-"""Desired-state builders, pruning and the autoscaler decision table (pure functions)."""
+"""Desired-state builders, pruning, the autoscaler decision table (pure functions) and
+the scrape that feeds it."""
 
 from __future__ import annotations
 
+import aiohttp
 import pytest
+from aiohttp import web
 
 from llmserve.operator.autoscaler import Decision, History, Observation, Policy, decide
 from llmserve.operator.builders import (
@@ -14,6 +17,7 @@ from llmserve.operator.builders import (
     model_source,
     stale_children,
 )
+from llmserve.operator.handlers import scrape
 from llmserve.operator.kube import CHILD_KINDS
 
 
@@ -480,3 +484,27 @@ def test_a_cpu_pod_has_none_of_the_gpu_additions():
     assert "--device" not in pod["containers"][0]["args"]
     assert not any(v["name"] == "dshm" for v in pod["volumes"])
     assert "tolerations" not in pod and "runtimeClassName" not in pod
+
+
+async def test_scrape_sums_each_metric_and_gives_none_when_the_page_fails():
+    page = ('vllm:num_requests_waiting{model_name="a"} 2\n'
+            'vllm:num_requests_waiting{model_name="b"} 3\n')
+
+    async def metrics(request):
+        if request.path == "/broken":
+            return web.Response(status=500)
+        return web.Response(text=page)
+
+    app = web.Application()
+    app.router.add_get("/{tail:.*}", metrics)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    try:
+        async with aiohttp.ClientSession() as session:
+            assert await scrape(session, url + "/metrics") == {"vllm:num_requests_waiting": 5.0}
+            assert await scrape(session, url + "/broken") is None
+    finally:
+        await runner.cleanup()

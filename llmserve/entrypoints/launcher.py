@@ -58,14 +58,6 @@ class ServerProcess:
 def scrape_metrics(url: str, timeout: float = 5.0) -> dict[str, float]:
     """Prometheus text of ``url``/metrics -> {'name{labels}': value}, plus each bare
     name summed over its label sets."""
-    from prometheus_client.parser import text_string_to_metric_families
+    from llmserve.metrics_scrape import by_series
     with urllib.request.urlopen(url + "/metrics", timeout=timeout) as r:
-        text = r.read().decode()
-    out: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
-            out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
-            if labels:
-                out[s.name] = out.get(s.name, 0.0) + s.value
-    return out
+        return by_series(r.read().decode())

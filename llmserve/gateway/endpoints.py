@@ -23,9 +23,9 @@ import time
 from dataclasses import dataclass, field
 
 import aiohttp
-from prometheus_client.parser import text_string_to_metric_families
 
 from llmserve.gateway.routing import Candidate
+from llmserve.metrics_scrape import sum_by_name
 
 log = logging.getLogger(__name__)
 
@@ -62,12 +62,7 @@ class Endpoint:
 def parse_engine_metrics(text: str) -> dict[str, float]:
     """Queue depth, KV usage and sequence capacity from Prometheus text, summed
     over label sets (a pod may export several engines)."""
-    out: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name in (WAITING, KV_USAGE, MAX_NUM_SEQS):
-                out[sample.name] = out.get(sample.name, 0.0) + sample.value
-    return out
+    return sum_by_name(text, names=(WAITING, KV_USAGE, MAX_NUM_SEQS))
 
 
 class EndpointPool:

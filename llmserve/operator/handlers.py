@@ -22,6 +22,7 @@ from kubernetes_asyncio import client
 
 from llmserve.gateway.endpoints import KV_USAGE, WAITING
 from llmserve.gateway.tenants import TenantsError, parse_tenants
+from llmserve.metrics_scrape import sum_by_name
 from llmserve.operator import kube
 from llmserve.operator.autoscaler import History, Observation, Policy, decide
 from llmserve.operator.builders import (
@@ -231,7 +232,7 @@ async def tick(body, patch, logger, **_) -> None:
 
 
 async def scrape(session: aiohttp.ClientSession, url: str) -> dict[str, float] | None:
-    from prometheus_client.parser import text_string_to_metric_families
+    """Each metric of ``url`` summed over its label sets; None if it did not answer."""
     try:
         async with session.get(url, timeout=aiohttp.ClientTimeout(total=3)) as r:
             if r.status != 200:
@@ -239,11 +240,7 @@ async def scrape(session: aiohttp.ClientSession, url: str) -> dict[str, float] |
             text = await r.text()
     except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
         return None
-    out: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            out[s.name] = out.get(s.name, 0.0) + s.value
-    return out
+    return sum_by_name(text)
 
 
 async def observe(o: Owner) -> Observation | None:
