@@ -1,89 +1,129 @@
-"""Engine configuration: everything that sizes the KV cache and bounds a step."""
+"""Engine configuration: everything that sizes the KV cache and bounds a step.
+
+``EngineConfig`` is the one place for the engine's settings: their names, defaults,
+choices and help. The ``llmserve`` command builds its engine flags from these fields
+(``flag()`` marks a field as one), so this module imports neither torch nor pydantic at
+the top: ``llmserve gateway`` parses its command line without paying torch's import,
+and the GPU machine's image has no pydantic.
+"""
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
+# dtype names the engine accepts -> the torch dtype (resolved when asked: torch_dtype).
 _DTYPES = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-    "half": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
+    "float32": "float32",
+    "fp32": "float32",
+    "float16": "float16",
+    "fp16": "float16",
+    "half": "float16",
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
 }
+# Weight-only quantisation of the linear layers (model_executor/layers/quantization.py).
+QUANTIZATION_MODES = ("auto", "none", "int8", "int4")
+
+
+def flag(default: Any, help: str = "", *, choices: tuple[str, ...] | None = None,
+         **argparse_extras: Any) -> Any:
+    """A field that is also an engine flag of ``llmserve serve|generate|up``: its help,
+    its choices (checked in ``__post_init__`` too), and what else the flag's help shows
+    (metavar, aliases, group)."""
+    return field(default=default, metadata={"help": help, "choices": choices,
+                                            **argparse_extras})
+
+
+GPU_GROUP = "GPU fast path (CUDA only; off until validated on a GPU)"
 
 
 @dataclass
 class EngineConfig:
-    model: str = "smollm2-135m-instruct"
-    served_model_name: str | None = None
-    device: str = "auto"  # "auto" picks CUDA when present, else CPU
+    model: str = flag("smollm2-135m-instruct",
+                      "checkpoint directory, .gguf file or built-in name")
+    served_model_name: str | None = flag(None)
+    device: str = flag("auto")  # "auto" picks CUDA when present, else CPU
     # auto: bfloat16 on CUDA and on CPUs with native bf16 (AMX / AVX512-BF16), else float32
-    dtype: str = "auto"
-    block_size: int = 16
+    dtype: str = flag("auto", "auto | float32 | float16 | bfloat16")
+    block_size: int = flag(16)
     # KV budget. On CPU an absolute number of bytes; on CUDA, when unset, a fraction
     # of the memory that is free after the weights are loaded.
-    kv_cache_memory: int | None = None
-    gpu_memory_utilization: float = 0.9
-    max_num_seqs: int = 128
+    kv_cache_memory: int | None = flag(None, "KV cache bytes")
+    gpu_memory_utilization: float = flag(0.9)
+    max_num_seqs: int = flag(128)
     # Token budget per step. vLLM's 2048 suits a GPU; on a CPU one 2048-token step
     # takes seconds, stalling every running stream, so the CPU default is smaller.
-    max_num_batched_tokens: int | None = None
-    max_model_len: int | None = None  # defaults to the model's own limit
-    enable_chunked_prefill: bool = True
+    max_num_batched_tokens: int | None = flag(
+        None, "token budget per step (default 2048 on CUDA, 512 on CPU)")
+    max_model_len: int | None = flag(None)  # defaults to the model's own limit
+    enable_chunked_prefill: bool = flag(True)  # --no-chunked-prefill
     # Admission keeps this fraction of blocks free so running sequences can grow
-    # without immediately preempting each other.
+    # without immediately preempting each other. (No flag.)
     watermark: float = 0.01
-    enable_prefix_caching: bool = True
-    preemption_mode: str = "recompute"  # or "swap"
-    swap_space: int = 1 << 30  # bytes of CPU memory for swapped-out KV blocks
-    scheduling_policy: str = "fcfs"  # or "priority"
-    attention_backend: str = "auto"  # auto | triton | torch
-    num_threads: int | None = None  # CPU threads; defaults to the cores we may use
+    enable_prefix_caching: bool = flag(True)  # --no-prefix-caching
+    preemption_mode: str = flag("recompute", choices=("recompute", "swap"))
+    swap_space: int = flag(1 << 30, "CPU swap bytes")  # for swapped-out KV blocks
+    scheduling_policy: str = flag("fcfs", choices=("fcfs", "priority"))
+    attention_backend: str = flag("auto", choices=("auto", "triton", "torch"))
+    num_threads: int | None = flag(
+        None, "CPU threads for the model (default: all cores we may use)")
+    # No flag: `generate`'s --seed is the sampling seed.
     seed: int = 0
-    # torch.compile each decoder layer (one shared graph, dynamic token count); the
-    # compile happens during the start-up warm-up and is cached on disk.
-    compile: bool = False
-    # Weight-only quantisation of the linear layers on CPU: auto | none | int8 | int4
-    # (auto: int4 for a 4-bit GGUF served in bf16 on a CPU, else none; resolved by the
-    # engine once it knows the checkpoint: quantization.resolve_quantization).
-    quantization: str = "auto"
-    # continuous (iteration-level) | static (a batch runs to its end; the A/B baseline)
-    batching: str = "continuous"
-    # Keep each step's predicted duration at or below this (ms); None: no cap.
-    target_itl_ms: float | None = None
-    # Debug: hash KV blocks across swap-out/swap-in and copy-on-write and raise
-    # KVIntegrityError on a mismatch. Costs a hash of every moved block; off by default.
-    check_kv_integrity: bool = False
-    # Tensor parallelism: the model split across this many ranks (one per GPU; on a CPU,
-    # processes sharing its cores, which shows the communication cost, not a speed-up).
-    tensor_parallel_size: int = 1
-    # Overload: refuse a new request (503 server_overloaded) while this many requests
-    # wait unscheduled; None: unbounded.
-    max_waiting: int | None = None
-    # Overload: a request still unscheduled after this many seconds leaves the
-    # waiting queue and is answered 503 server_overloaded; None: it waits forever.
-    max_queue_delay: float | None = None
+    # auto is resolved by the engine once it knows the checkpoint
+    # (quantization.resolve_quantization).
+    quantization: str = flag(
+        "auto", "CPU: weight-only int8/int4 linear layers (bf16 activations); fastest for "
+        "few concurrent streams. auto: int4 for a 4-bit GGUF (the built-in model) served "
+        "in bf16, none otherwise", choices=QUANTIZATION_MODES)
+    # One shared graph per decoder layer, dynamic token count.
+    compile: bool = flag(False, "torch.compile the decoder layers (CPU: fewer, fused ops "
+                         "per step; compiled during the start-up warm-up, cached on disk)")
+    # continuous: iteration-level; static: the A/B baseline.
+    batching: str = flag("continuous", "static: run each batch to its end before "
+                         "admitting more (baseline)", choices=("continuous", "static"))
+    target_itl_ms: float | None = flag(
+        None, "cap each step's predicted duration (a latency SLO): prefill chunks shrink "
+        "and the least urgent decodes wait")
+    # On a CPU the ranks show the communication cost, not a speed-up.
+    tensor_parallel_size: int = flag(
+        1, "split the model across this many ranks: one per GPU (GPUs 0..N-1), or on CPU "
+        "processes that share the cores", aliases=("-tp",))
+    max_waiting: int | None = flag(
+        None, "overload: answer 503 server_overloaded (with Retry-After) to new requests "
+        "while this many wait unscheduled (default: unbounded)", metavar="N")
+    max_queue_delay: float | None = flag(
+        None, "overload: a request not scheduled within this many seconds leaves the "
+        "queue with 503 server_overloaded (default: waits forever)", metavar="S")
+    # Raises KVIntegrityError on a mismatch; costs a hash of every moved block.
+    check_kv_integrity: bool = flag(False, "debug: hash KV blocks across swaps and "
+                                    "copy-on-write, fail loudly on a mismatch (slow)")
     # GPU fast path (engine/cuda_graphs.py, step_buffers.py, kv_sizing.py). Each piece is
     # CUDA-only and off until a GPU run validates it (docs/architecture.md).
-    # CUDA graphs for decode-only steps, one per batch-size bucket.
-    cuda_graphs: bool = False
-    # The buckets, e.g. "1,2,4,8"; None: 1, 2, 4 and multiples of 8 up to max_num_seqs.
-    cuda_graph_sizes: str | list[int] | None = None
-    # A step's int metadata in one pinned host buffer, one non-blocking copy.
-    pinned_staging: bool = False
-    # Block tables kept on the device, only changed entries written each step.
-    device_block_tables: bool = False
+    cuda_graphs: bool = flag(
+        False, "replay CUDA graphs for decode steps, one per batch-size bucket",
+        group=GPU_GROUP)
+    # A list once validated; None: 1, 2, 4 and multiples of 8 up to max_num_seqs.
+    cuda_graph_sizes: str | list[int] | None = flag(
+        None, "the buckets (default 1,2,4 and multiples of 8 up to --max-num-seqs)",
+        metavar="N,N,...", group=GPU_GROUP)
+    pinned_staging: bool = flag(
+        False, "a step's metadata in one pinned buffer, one non-blocking copy",
+        group=GPU_GROUP)
+    device_block_tables: bool = flag(
+        False, "block tables kept on the GPU, only changed entries written", group=GPU_GROUP)
     # KV pool = total x gpu_memory_utilization - the profiled peak of a
     # max_num_batched_tokens step (instead of a share of the memory free after loading).
-    profile_kv_cache: bool = False
+    profile_kv_cache: bool = flag(
+        False, "size the KV cache from a profiled max-num-batched-tokens step",
+        group=GPU_GROUP)
 
     def __post_init__(self) -> None:
+        import torch
         if self.device == "auto":
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
         elif self.device.startswith("cuda") and not torch.cuda.is_available():
@@ -108,21 +148,12 @@ class EngineConfig:
             raise ValueError("max_num_seqs must be >= 1")
         if self.max_num_batched_tokens < 1:
             raise ValueError("max_num_batched_tokens must be >= 1")
-        if self.preemption_mode not in ("recompute", "swap"):
-            raise ValueError("preemption_mode must be 'recompute' or 'swap'")
-        if self.scheduling_policy not in ("fcfs", "priority"):
-            raise ValueError("scheduling_policy must be 'fcfs' or 'priority'")
-        if self.batching not in ("continuous", "static"):
-            raise ValueError("batching must be 'continuous' or 'static'")
+        self._check_choices()
         if self.target_itl_ms is not None and not self.target_itl_ms > 0:
             raise ValueError("target_itl_ms must be a positive number of milliseconds")
-        if self.quantization not in ("auto", "none", "int8", "int4"):
-            raise ValueError("quantization must be 'auto', 'none', 'int8' or 'int4'")
         if self.quantization in ("int8", "int4") and self.device.startswith("cuda"):
             raise ValueError("--quantization int8/int4 uses CPU kernels; on CUDA serve a "
                              "bf16 or fp16 model")
-        if self.attention_backend not in ("auto", "triton", "torch"):
-            raise ValueError("attention_backend must be 'auto', 'triton' or 'torch'")
         if not 0.0 <= self.watermark < 1.0:
             raise ValueError("watermark must be in [0, 1)")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
@@ -135,6 +166,15 @@ class EngineConfig:
             self.num_threads = len(os.sched_getaffinity(0))
         self._check_tensor_parallel()
         self._check_gpu_fast_path()
+
+    def _check_choices(self) -> None:
+        """Each field with choices (the CLI's argparse checks its own; the Python API
+        and the operator's args do not pass through it)."""
+        for f in fields(self):
+            choices = f.metadata.get("choices")
+            if choices and getattr(self, f.name) not in choices:
+                quoted = [repr(c) for c in choices]
+                raise ValueError(f"{f.name} must be {', '.join(quoted[:-1])} or {quoted[-1]}")
 
     def _check_tensor_parallel(self) -> None:
         """What the configuration alone can refuse; the model's shape is checked by the
@@ -149,6 +189,7 @@ class EngineConfig:
                 raise ValueError(f"--tensor-parallel-size {tp} uses GPUs 0..{tp - 1}; give "
                                  f"--device cuda (not {self.device!r}) and choose the GPUs "
                                  f"with CUDA_VISIBLE_DEVICES")
+            import torch
             available = torch.cuda.device_count()
             if tp > available:
                 raise ValueError(f"--tensor-parallel-size {tp} needs {tp} GPUs, this machine "
@@ -196,7 +237,8 @@ class EngineConfig:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return _DTYPES[self.dtype]
+        import torch
+        return getattr(torch, _DTYPES[self.dtype])
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> EngineConfig:

@@ -23,6 +23,7 @@ from llmserve.entrypoints.cli import (
     add_up_parser,
     engine_argv,
     engine_config,
+    engine_kwargs,
     gateway_config,
     main,
 )
@@ -38,11 +39,12 @@ def test_engine_flags_round_trip_through_the_engine_command_line():
     for argv in ([], ["--compile", "--check-kv-integrity", "--quantization", "int8",
                       "--no-prefix-caching", "--no-chunked-prefill", "--max-num-seqs", "7",
                       "--dtype", "float32", "--kv-cache-memory", "12345",
-                      "--tensor-parallel-size", "3"]):
+                      "--tensor-parallel-size", "3", "--max-waiting", "2",
+                      "--cuda-graphs", "--cuda-graph-sizes", "1,2"]):
         given = parse(argv)
         again = parse(engine_argv(given))
-        assert {k: getattr(again, k) for k in ENGINE_KEYS} == {
-            k: getattr(given, k) for k in ENGINE_KEYS}, argv
+        assert engine_kwargs(again) == engine_kwargs(given), argv
+        assert set(engine_kwargs(given)) == set(ENGINE_KEYS)
 
 
 def free_port(host: str) -> int:

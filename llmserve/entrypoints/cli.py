@@ -7,123 +7,92 @@ import asyncio
 import logging
 import os
 import sys
+import typing
+from dataclasses import Field, fields
 
+from llmserve.config import EngineConfig
 from llmserve.errors import EngineDeadError, EngineStartError, ModelLoadError, WorkerDiedError
+
+# The engine's flags are EngineConfig's flag() fields: their names, defaults, choices
+# and help live there, once.
+ENGINE_FIELDS = tuple(f for f in fields(EngineConfig) if "help" in f.metadata)
+ENGINE_KEYS = tuple(f.name for f in ENGINE_FIELDS)
+# Fields whose argparse dest is not their name: under `up` the gateway has a
+# --max-waiting of its own (its spill-over level), so the engine's overload flags keep
+# their names but not their dests.
+_DESTS = {"max_waiting": "engine_max_waiting", "max_queue_delay": "engine_max_queue_delay"}
+
+
+def _dest(f: Field) -> str:
+    return _DESTS.get(f.name, f.name)
+
+
+def _flag_name(f: Field) -> str:
+    """--max-num-seqs; a switch that is on by default is turned off: --no-prefix-caching
+    for enable_prefix_caching."""
+    if f.default is True:
+        return "--no-" + f.name.removeprefix("enable_").replace("_", "-")
+    return "--" + f.name.replace("_", "-")
+
+
+def _value_type(hint) -> type:
+    """What argparse converts a value to: int | None -> int; str | list[int] | None ->
+    str (EngineConfig parses the list)."""
+    return next(t for t in (int, float, str) if t is hint or t in typing.get_args(hint))
+
+
+def _add_engine_flag(group, f: Field, hint) -> None:
+    meta = f.metadata
+    kwargs = {"dest": _dest(f), "default": f.default, "help": meta["help"] or None}
+    if isinstance(f.default, bool):
+        kwargs["action"] = "store_false" if f.default else "store_true"
+    else:
+        kwargs.update(type=_value_type(hint), choices=meta["choices"],
+                      metavar=meta.get("metavar"))
+    group.add_argument(_flag_name(f), *meta.get("aliases", ()), **kwargs)
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("engine")
-    g.add_argument("--model", default="smollm2-135m-instruct",
-                   help="checkpoint directory, .gguf file or built-in name")
-    g.add_argument("--served-model-name", default=None)
-    g.add_argument("--device", default="auto")
-    g.add_argument("--dtype", default="auto", help="auto | float32 | float16 | bfloat16")
-    g.add_argument("--block-size", type=int, default=16)
-    g.add_argument("--kv-cache-memory", type=int, default=None, help="KV cache bytes")
-    g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    g.add_argument("--max-num-seqs", type=int, default=128)
-    g.add_argument("--max-num-batched-tokens", type=int, default=None,
-                   help="token budget per step (default 2048 on CUDA, 512 on CPU)")
-    g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--no-chunked-prefill", dest="enable_chunked_prefill", action="store_false")
-    g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
-    g.add_argument("--preemption-mode", choices=["recompute", "swap"], default="recompute")
-    g.add_argument("--swap-space", type=int, default=1 << 30, help="CPU swap bytes")
-    g.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="fcfs")
-    g.add_argument("--attention-backend", choices=["auto", "triton", "torch"], default="auto")
-    g.add_argument("--num-threads", type=int, default=None,
-                   help="CPU threads for the model (default: all cores we may use)")
-    g.add_argument("--quantization", choices=["auto", "none", "int8", "int4"], default="auto",
-                   help="CPU: weight-only int8/int4 linear layers (bf16 activations); "
-                        "fastest for few concurrent streams. auto: int4 for a 4-bit GGUF "
-                        "(the built-in model) served in bf16, none otherwise")
-    g.add_argument("--compile", action="store_true",
-                   help="torch.compile the decoder layers (CPU: fewer, fused ops per step; "
-                        "compiled during the start-up warm-up, cached on disk)")
-    g.add_argument("--batching", choices=["continuous", "static"], default="continuous",
-                   help="static: run each batch to its end before admitting more (baseline)")
-    g.add_argument("--target-itl-ms", type=float, default=None,
-                   help="cap each step's predicted duration (a latency SLO): prefill "
-                        "chunks shrink and the least urgent decodes wait")
-    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
-                   help="split the model across this many ranks: one per GPU (GPUs "
-                        "0..N-1), or on CPU processes that share the cores")
-    add_overload_args(g)
-    g.add_argument("--check-kv-integrity", action="store_true",
-                   help="debug: hash KV blocks across swaps and copy-on-write, fail loudly "
-                        "on a mismatch (slow)")
-    add_gpu_fast_path_args(p)
+    """EngineConfig's flags, in its field order, in the groups they name ("engine" if
+    none)."""
+    hints = typing.get_type_hints(EngineConfig)
+    groups = {}  # title -> argparse group
+    for f in ENGINE_FIELDS:
+        title = f.metadata.get("group", "engine")
+        if title not in groups:
+            groups[title] = p.add_argument_group(title)
+        _add_engine_flag(groups[title], f, hints[f.name])
 
 
-def add_gpu_fast_path_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("GPU fast path (CUDA only; off until validated on a GPU)")
-    g.add_argument("--cuda-graphs", action="store_true",
-                   help="replay CUDA graphs for decode steps, one per batch-size bucket")
-    g.add_argument("--cuda-graph-sizes", default=None, metavar="N,N,...",
-                   help="the buckets (default 1,2,4 and multiples of 8 up to --max-num-seqs)")
-    g.add_argument("--pinned-staging", action="store_true",
-                   help="a step's metadata in one pinned buffer, one non-blocking copy")
-    g.add_argument("--device-block-tables", action="store_true",
-                   help="block tables kept on the GPU, only changed entries written")
-    g.add_argument("--profile-kv-cache", action="store_true",
-                   help="size the KV cache from a profiled max-num-batched-tokens step")
-
-
-# Engine overload flags: config field -> (flag, argparse dest). Their dests differ from
-# the field names because the gateway has a --max-waiting of its own.
-OVERLOAD_FLAGS = {"max_waiting": ("--max-waiting", "engine_max_waiting"),
-                  "max_queue_delay": ("--max-queue-delay", "engine_max_queue_delay")}
-
-
-def add_overload_args(g) -> None:
-    g.add_argument("--max-waiting", dest="engine_max_waiting", type=int, default=None,
-                   metavar="N",
-                   help="overload: answer 503 server_overloaded (with Retry-After) to new "
-                        "requests while this many wait unscheduled (default: unbounded)")
-    g.add_argument("--max-queue-delay", dest="engine_max_queue_delay", type=float, metavar="S",
-                   default=None,
-                   help="overload: a request not scheduled within this many seconds leaves "
-                        "the queue with 503 server_overloaded (default: waits forever)")
-
-
-ENGINE_KEYS = ("model", "served_model_name", "device", "dtype", "block_size", "kv_cache_memory",
-               "gpu_memory_utilization", "max_num_seqs", "max_num_batched_tokens",
-               "max_model_len", "enable_chunked_prefill", "enable_prefix_caching",
-               "preemption_mode", "swap_space", "scheduling_policy", "attention_backend",
-               "num_threads", "quantization", "compile", "batching", "target_itl_ms",
-               "check_kv_integrity", "tensor_parallel_size", "cuda_graphs",
-               "cuda_graph_sizes", "pinned_staging", "device_block_tables", "profile_kv_cache")
+def engine_kwargs(args) -> dict:
+    """EngineConfig's keyword arguments from parsed engine flags."""
+    return {f.name: getattr(args, _dest(f)) for f in ENGINE_FIELDS}
 
 
 def engine_argv(args) -> list[str]:
     """The engine flags of ``args`` as a command line (what `up` hands its engines)."""
     argv = []
-    for key in ENGINE_KEYS:
-        value = getattr(args, key)
-        if key == "enable_chunked_prefill":
-            argv += [] if value else ["--no-chunked-prefill"]
-        elif key == "enable_prefix_caching":
-            argv += [] if value else ["--no-prefix-caching"]
-        elif isinstance(value, bool):  # store_true switches
-            argv += ["--" + key.replace("_", "-")] if value else []
+    for f in ENGINE_FIELDS:
+        value = getattr(args, _dest(f))
+        if isinstance(value, bool):  # switches: given when not at their default
+            argv += [_flag_name(f)] if value != f.default else []
         elif value is not None:
-            argv += ["--" + key.replace("_", "-"), str(value)]
-    for flag, dest in OVERLOAD_FLAGS.values():
-        if getattr(args, dest, None) is not None:
-            argv += [flag, str(getattr(args, dest))]
+            argv += [_flag_name(f), str(value)]
     return argv
 
 
-def engine_config(args):
-    from llmserve.config import EngineConfig
-    return EngineConfig(**{k: getattr(args, k) for k in ENGINE_KEYS},
-                        **{k: getattr(args, dest, None)
-                           for k, (_, dest) in OVERLOAD_FLAGS.items()})
+def engine_config(args) -> EngineConfig:
+    return EngineConfig(**engine_kwargs(args))
+
+
+def configure_logging(level: str) -> None:
+    logging.basicConfig(level=level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
 def cmd_generate(args) -> int:
     from llmserve.entrypoints.llm import LLM
-    llm = LLM(**{k: getattr(args, k) for k in ENGINE_KEYS})
+    llm = LLM(**engine_kwargs(args))
     try:
         _generate(llm, args)
     finally:
@@ -159,8 +128,7 @@ def add_server_args(p: argparse.ArgumentParser, port: int) -> None:
 
 def cmd_serve(args) -> int:
     from llmserve.entrypoints.openai.api_server import serve
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(args.log_level)
     asyncio.run(serve(engine_config(args), args.host, args.port, args.api_key,
                       args.drain_timeout, header_timeout=args.header_timeout,
                       body_timeout=args.body_timeout))
@@ -236,8 +204,7 @@ def gateway_config(args, backends: list[str]):
 
 def cmd_gateway(args) -> int:
     from llmserve.gateway.server import serve_gateway
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(args.log_level)
     if not args.backend and not args.k8s_service:
         raise ValueError("give --backend URL (repeatable) or --k8s-service NAMESPACE/NAME")
     if args.k8s_service and "/" not in args.k8s_service:
@@ -283,8 +250,7 @@ def cmd_up(args) -> int:
     from llmserve.entrypoints.launcher import ServerProcess
     from llmserve.gateway.server import serve_gateway
     check_up_args(args)
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(args.log_level)
     engine_args = ["serve", "--log-level", "WARNING", *engine_argv(args)]
     if args.api_key:
         os.environ["LLMSERVE_API_KEYS"] = args.api_key  # the gateway checks keys
@@ -325,8 +291,7 @@ def cmd_operator(args) -> int:
     import kopf
 
     import llmserve.operator.handlers  # noqa: F401 - registers the handlers
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(args.log_level)
     namespaces = args.namespace or []
     liveness = f"http://0.0.0.0:{args.health_port}/healthz" if args.health_port else None
     kopf.run(standalone=True, clusterwide=not namespaces, namespaces=namespaces,

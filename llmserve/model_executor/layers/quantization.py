@@ -1,5 +1,6 @@
 """Weight-only quantisation (int8/int4) of the engine's linears, and which mode a
-checkpoint is served in (``resolve_quantization``). The CPU's features and the dtype
+checkpoint is served in (``resolve_quantization``; the modes are
+``llmserve.config.QUANTIZATION_MODES``). The CPU's features and the dtype
 choice are ``llmserve.platforms.cpu``.
 """
 
@@ -10,7 +11,6 @@ import torch
 from llmserve.kernels.cpu.gemm import quant_tiled
 
 # --- weight-only quantisation ---------------------------------------------------------
-QUANTIZATION_MODES = ("auto", "none", "int8", "int4")
 # GGUF types at 4 bits or fewer per weight: int4 groups of 32 hold them (nearly) exactly.
 _GGUF_4BIT_PREFIXES = ("Q4_", "IQ4", "Q3_", "IQ3", "Q2_", "IQ2", "IQ1")
 
