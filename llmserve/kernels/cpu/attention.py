@@ -4,7 +4,7 @@ plain oracle that tests compare with).
 A step's ``CPUAttentionPlan`` is built once and read by every layer:
 
 - Decodes (one new token each) run together in the compiled C kernel
-  (``decode.c`` via ``cpu_native.py``) when the plan is ``native``: straight from
+  (``decode.c`` via ``native.py``) when the plan is ``native``: straight from
   the paged cache, each KV block read once for its GQA group, 8-35x faster than the
   torch path below (batches of 1-64, ``benchmarks/cpu_attention.py``). Otherwise (no C
   compiler, fp16, ``LLMSERVE_CPU_KERNELS=torch``) they run together in torch: Their
