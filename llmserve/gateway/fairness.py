@@ -5,10 +5,9 @@ Between classes: strict priority (lower number first), except that a backlogged
 class whose share of recent dispatches is below its ``minShare`` goes first, so
 batch work is never starved outright.
 
-Within a class: weighted fair sharing by tokens served, after the Virtual Token
-Counter of "Fairness in Serving Large Language Models" (Sheng et al., OSDI'24).
-Each tenant has a counter of the tokens it was served divided by its weight; the
-backlogged tenant with the smallest counter goes next. A request is charged its
+Within a class: weighted fair sharing by tokens served, by the same virtual token
+counters as the engine's waiting queue (``core/sched/fair_share.py`` holds the rule:
+the backlogged tenant with the smallest counter goes next). A request is charged its
 estimate (prompt + max_tokens) when dispatched and corrected to its real usage when
 it ends. A tenant that comes back from idle has its counter lifted to the smallest
 counter among the backlogged tenants (or to the last one served), so idling banks
@@ -31,6 +30,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from llmserve.core.sched.fair_share import VirtualTokenCounters
 from llmserve.errors import APIError
 from llmserve.gateway.tenants import TrafficClass
 
@@ -62,17 +62,17 @@ class ClassQueue:
     def __init__(self, cls: TrafficClass):
         self.cls = cls
         self.queues: dict[str, deque[Waiter]] = {}  # backlogged tenants only
-        self.counters: dict[str, float] = {}
+        self.vtc = VirtualTokenCounters()  # charged an estimate at dispatch, then corrected
         self.in_flight: dict[str, int] = {}  # dispatched, not yet finished
-        self.last_served = 0.0  # virtual time of the latest dispatch
         self.size = 0
+
+    @property
+    def counters(self) -> dict[str, float]:
+        return self.vtc.counters
 
     def push(self, w: Waiter) -> None:
         if w.tenant not in self.queues and not self.in_flight.get(w.tenant):
-            # back from idle: no banked credit
-            backlogged = [self.counters[t] for t in self.queues]
-            floor = min(backlogged) if backlogged else self.last_served
-            self.counters[w.tenant] = max(self.counters.get(w.tenant, 0.0), floor)
+            self.vtc.catch_up(w.tenant, busy=self.queues)  # back from idle
         self.queues.setdefault(w.tenant, deque()).append(w)
         self.size += 1
 
@@ -90,11 +90,12 @@ class ClassQueue:
             del self.queues[tenant]
 
     def pop_fairest(self) -> Waiter:
-        tenant = min(self.queues, key=lambda t: (self.counters[t], self.queues[t][0].enqueued))
+        heads = sorted((q[0] for q in self.queues.values()), key=lambda head: head.enqueued)
+        tenant = self.vtc.fairest(heads, lambda head: head.tenant).tenant
         w = self.queues[tenant].popleft()
         self._drop_if_empty(tenant)
         self.size -= 1
-        self.last_served = self.counters[tenant]
+        self.vtc.served(tenant)  # before the charge: its virtual time at dispatch
         self.charge(w, w.cost)
         self.in_flight[tenant] = self.in_flight.get(tenant, 0) + 1
         return w
@@ -111,7 +112,7 @@ class ClassQueue:
     def charge(self, w: Waiter, tokens: float) -> None:
         """Add ``tokens`` (negative to correct an estimate) to ``w``'s tenant."""
         w.charged += tokens
-        self.counters[w.tenant] = self.counters.get(w.tenant, 0.0) + tokens / w.weight
+        self.vtc.charge(w.tenant, tokens, w.weight)
 
     def newest_of(self, tenant: str) -> Waiter:
         return self.queues[tenant][-1]

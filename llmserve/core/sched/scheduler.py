@@ -45,6 +45,7 @@ Two knobs change what a step may hold:
 from __future__ import annotations
 
 import bisect
+from collections.abc import Iterator
 
 from llmserve.config import EngineConfig
 from llmserve.core.block_manager import BlockManager
@@ -141,21 +142,23 @@ class Scheduler:
         priority, the one whose tenant has been served least (``fair_share.py``)."""
         if not self.waiting or not self.shares.contended:
             return self.waiting[0] if self.waiting else None
+        return self.shares.fairest(self._tenant_heads())
+
+    def _tenant_heads(self) -> Iterator[Sequence]:
+        """Each tenant's first waiting sequence of the head's priority, in queue order
+        (so oldest first); it stops once every tenant with work has been seen."""
         head = self.waiting[0]
-        best, best_v, seen = head, self.shares.virtual(head.request), {head.request.tenant}
         ranked = self.config.scheduling_policy == "priority"
+        seen: set[str] = set()
         for seq in self.waiting:
             if ranked and seq.priority != head.priority:
                 break
             if seq.request.tenant in seen:
                 continue
             seen.add(seq.request.tenant)
-            v = self.shares.virtual(seq.request)
-            if v < best_v:
-                best, best_v = seq, v
+            yield seq
             if len(seen) == len(self.shares.active):
                 break
-        return best
 
     @property
     def num_unfinished(self) -> int:
