@@ -195,6 +195,16 @@ def _parse_tenant(i: int, raw, classes: dict[str, TrafficClass]) -> tuple[Tenant
     return tenant, _parse_keys(where, raw)
 
 
+def parse_tenants_file(data: bytes, where: str) -> TenantsConfig:
+    """``parse_tenants`` of a file's bytes; every error names ``where`` it came from."""
+    try:
+        return parse_tenants(data.decode())
+    except UnicodeDecodeError as e:
+        raise TenantsError(f"{where}: not UTF-8 text") from e
+    except TenantsError as e:
+        raise TenantsError(f"{where}: {e}") from e
+
+
 def parse_tenants(text: str) -> TenantsConfig:
     """Parse and validate a tenants file; TenantsError says what is wrong."""
     try:
@@ -249,12 +259,7 @@ class TenantsFile:
             self._mtime = self.path.stat().st_mtime_ns
         except OSError as e:
             raise TenantsError(f"cannot read the tenants file: {e}") from e
-        try:
-            config = parse_tenants(data.decode())
-        except UnicodeDecodeError as e:
-            raise TenantsError(f"{self.path}: not UTF-8 text") from e
-        except TenantsError as e:
-            raise TenantsError(f"{self.path}: {e}") from e
+        config = parse_tenants_file(data, str(self.path))
         # Peers share the file, so its digest authenticates their counter exchange.
         self.digest = hashlib.sha256(b"llmserve-peers\0" + data).hexdigest()
         return config

@@ -21,7 +21,7 @@ import kopf
 from kubernetes_asyncio import client
 
 from llmserve.gateway.endpoints import KV_USAGE, WAITING
-from llmserve.gateway.tenants import TenantsError, parse_tenants
+from llmserve.gateway.tenants import TenantsError, parse_tenants_file
 from llmserve.metrics_scrape import sum_by_name
 from llmserve.operator import kube
 from llmserve.operator.autoscaler import History, Observation, Policy, decide
@@ -192,11 +192,9 @@ async def check_tenants(api, o: Owner) -> None:
         raise SpecError(f"gateway.tenantsSecret: Secret {name!r} does not exist or has no "
                         f"key {key!r}")
     try:
-        parse_tenants(data.decode())
-    except UnicodeDecodeError as e:
-        raise SpecError(f"gateway.tenantsSecret {name}/{key} is not UTF-8 text") from e
+        parse_tenants_file(data, f"gateway.tenantsSecret {name}/{key}")
     except TenantsError as e:
-        raise SpecError(f"gateway.tenantsSecret {name}/{key}: {e}") from e
+        raise SpecError(str(e)) from e
 
 
 def api_message(e: client.exceptions.ApiException) -> str:

@@ -7,6 +7,7 @@ changes nothing, and a child edited or deleted by hand is put back.
 
 from __future__ import annotations
 
+import base64
 from dataclasses import dataclass
 
 from kubernetes_asyncio import client, config
@@ -86,28 +87,26 @@ async def delete(api: client.ApiClient, obj: dict) -> None:
             raise
 
 
-async def get_deployment(api: client.ApiClient, namespace: str, name: str) -> dict | None:
-    apps = client.AppsV1Api(api)
+async def read_or_none(read, *args):
+    """``await read(*args)``, or None where the object does not exist (404)."""
     try:
-        dep = await apps.read_namespaced_deployment(name, namespace)
+        return await read(*args)
     except client.exceptions.ApiException as e:
         if e.status == 404:
             return None
         raise
-    return api.sanitize_for_serialization(dep)
+
+
+async def get_deployment(api: client.ApiClient, namespace: str, name: str) -> dict | None:
+    dep = await read_or_none(client.AppsV1Api(api).read_namespaced_deployment, name, namespace)
+    return None if dep is None else api.sanitize_for_serialization(dep)
 
 
 async def read_secret_value(api: client.ApiClient, namespace: str, name: str, key: str
                             ) -> bytes | None:
     """One key of a Secret, decoded; None if the Secret or the key does not exist."""
-    import base64
-    try:
-        secret = await client.CoreV1Api(api).read_namespaced_secret(name, namespace)
-    except client.exceptions.ApiException as e:
-        if e.status == 404:
-            return None
-        raise
-    value = (secret.data or {}).get(key)
+    secret = await read_or_none(client.CoreV1Api(api).read_namespaced_secret, name, namespace)
+    value = None if secret is None else (secret.data or {}).get(key)
     return None if value is None else base64.b64decode(value)
 
 
