@@ -161,9 +161,6 @@ class Scheduler:
                 break
 
     @property
-    def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running) + len(self.swapped)
-
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
 
