@@ -1,8 +1,23 @@
-"""The OpenAPI 3 document served at /openapi.json (used by clients and by the fuzz tests)."""
+"""The OpenAPI 3.1 document served at /openapi.json (used by clients, by the fuzz tests
+and, cut to its paths, by the gateway). Request schemas are generated from the pydantic
+models that validate the requests (protocol.py), so the document cannot drift from
+what the server accepts."""
 
 from __future__ import annotations
 
+from functools import cache
+
+from pydantic.json_schema import models_json_schema
+
 from llmserve import __version__
+from llmserve.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
+
+REF = "#/components/schemas/{model}"
 
 _ERROR = {"type": "object", "required": ["error"], "properties": {"error": {
     "type": "object", "required": ["message", "type", "param", "code"],
@@ -10,61 +25,10 @@ _ERROR = {"type": "object", "required": ["error"], "properties": {"error": {
                    "param": {"type": ["string", "null"]},
                    "code": {"type": ["string", "integer", "null"]}}}}}
 
-_SAMPLING = {
-    "model": {"type": "string"},
-    "max_tokens": {"type": ["integer", "null"], "minimum": 1},
-    "temperature": {"type": "number", "minimum": 0, "maximum": 2},
-    "top_p": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
-    "top_k": {"type": "integer"},
-    "min_p": {"type": "number", "minimum": 0, "maximum": 1},
-    "n": {"type": "integer", "minimum": 1, "maximum": 16},
-    "seed": {"type": "integer"},
-    "stop": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}]},
-    "stop_token_ids": {"type": "array", "items": {"type": "integer"}},
-    "stream": {"type": "boolean"},
-    "stream_options": {"type": "object",
-                       "properties": {"include_usage": {"type": "boolean"}}},
-    "presence_penalty": {"type": "number", "minimum": -2, "maximum": 2},
-    "frequency_penalty": {"type": "number", "minimum": -2, "maximum": 2},
-    "repetition_penalty": {"type": "number", "exclusiveMinimum": 0, "maximum": 2},
-    "ignore_eos": {"type": "boolean"},
-    "min_tokens": {"type": "integer", "minimum": 0},
-    "priority": {"type": "integer"},
-    "cache_salt": {"type": "string"},
-    # Structured outputs (at most one of these per request).
-    "response_format": {"oneOf": [
-        {"type": "object", "required": ["type"],
-         "properties": {"type": {"enum": ["text", "json_object"]}}},
-        {"type": "object", "required": ["type", "json_schema"], "properties": {
-            "type": {"const": "json_schema"},
-            "json_schema": {"type": "object", "required": ["name", "schema"], "properties": {
-                "name": {"type": "string"}, "schema": {"type": "object"},
-                "strict": {"type": "boolean"}}}}}]},
-    "structured_outputs": {"type": "object", "properties": {
-        "json": {"type": "object"}, "regex": {"type": "string"},
-        "choice": {"type": "array", "items": {"type": "string"}},
-        "grammar": {"type": "string"}, "json_object": {"type": "boolean"}}},
-    "guided_json": {"type": "object"},
-    "guided_regex": {"type": "string"},
-    "guided_choice": {"type": "array", "items": {"type": "string"}},
-    "guided_grammar": {"type": "string"},
-}
 
-_TOOL = {"type": "object", "required": ["type", "function"], "properties": {
-    "type": {"const": "function"},
-    "function": {"type": "object", "required": ["name"], "properties": {
-        "name": {"type": "string"}, "description": {"type": "string"},
-        "parameters": {"type": "object"}}}}}
-
-_MESSAGE = {"type": "object", "required": ["role", "content"], "properties": {
-    "role": {"type": "string", "enum": ["system", "developer", "user", "assistant"]},
-    "content": {"oneOf": [{"type": "string"}, {"type": "array", "items": {
-        "type": "object", "required": ["type", "text"],
-        "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}}]}}}
-
-
-def _json_body(schema: dict) -> dict:
-    return {"required": True, "content": {"application/json": {"schema": schema}}}
+def _json_body(model) -> dict:
+    return {"required": True, "content": {"application/json": {"schema": {
+        "$ref": REF.format(model=model.__name__)}}}}
 
 
 def _responses(ok: str, *errors: int) -> dict:
@@ -76,48 +40,32 @@ def _responses(ok: str, *errors: int) -> dict:
     return out
 
 
+def _post(operation: str, model, ok: str, *errors: int) -> dict:
+    return {"post": {"operationId": operation, "requestBody": _json_body(model),
+                     "responses": _responses(ok, *errors)}}
+
+
+@cache
 def openapi_document() -> dict:
-    completion = {"type": "object", "required": ["prompt"], "properties": dict(
-        _SAMPLING,
-        prompt={"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}},
-                          {"type": "array", "items": {"type": "integer"}}]},
-        logprobs={"type": ["integer", "null"], "minimum": 0, "maximum": 20})}
-    chat = {"type": "object", "required": ["messages"], "properties": dict(
-        _SAMPLING, messages={"type": "array", "minItems": 1, "items": _MESSAGE},
-        max_completion_tokens={"type": ["integer", "null"], "minimum": 1},
-        logprobs={"type": "boolean"},
-        top_logprobs={"type": "integer", "minimum": 0, "maximum": 20},
-        tools={"type": "array", "items": _TOOL},
-        tool_choice={"oneOf": [
-            {"enum": ["none", "auto", "required"]},
-            {"type": "object", "required": ["type", "function"], "properties": {
-                "type": {"const": "function"},
-                "function": {"type": "object", "required": ["name"],
-                             "properties": {"name": {"type": "string"}}}}}]})}
-    tokenize = {"type": "object", "properties": {"prompt": {"type": "string"},
-                                                 "model": {"type": "string"}}}
-    detokenize = {"type": "object", "required": ["tokens"], "properties": {
-        "tokens": {"type": "array", "items": {"type": "integer"}}}}
+    """Built once per process (the models do not change); callers must not mutate it."""
+    models = (CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest)
+    _, schemas = models_json_schema([(m, "validation") for m in models], ref_template=REF)
     return {
         "openapi": "3.1.0",
         "info": {"title": "llmserve OpenAI-compatible API", "version": __version__},
         "paths": {
-            "/v1/completions": {"post": {"operationId": "createCompletion",
-                                         "requestBody": _json_body(completion),
-                                         "responses": _responses("completion", 400, 404)}},
-            "/v1/chat/completions": {"post": {"operationId": "createChatCompletion",
-                                              "requestBody": _json_body(chat),
-                                              "responses": _responses("chat", 400, 404)}},
+            "/v1/completions": _post("createCompletion", CompletionRequest, "completion",
+                                     400, 404),
+            "/v1/chat/completions": _post("createChatCompletion", ChatCompletionRequest,
+                                          "chat", 400, 404),
             "/v1/models": {"get": {"operationId": "listModels",
                                    "responses": _responses("models")}},
-            "/tokenize": {"post": {"operationId": "tokenize", "requestBody": _json_body(tokenize),
-                                   "responses": _responses("tokens", 400)}},
-            "/detokenize": {"post": {"operationId": "detokenize",
-                                     "requestBody": _json_body(detokenize),
-                                     "responses": _responses("text", 400)}},
+            "/tokenize": _post("tokenize", TokenizeRequest, "tokens", 400),
+            "/detokenize": _post("detokenize", DetokenizeRequest, "text", 400),
             "/health": {"get": {"operationId": "health", "responses": {
                 "200": {"description": "engine alive"},
                 "503": {"description": "engine dead or draining"}}}},
             "/version": {"get": {"operationId": "version", "responses": _responses("version")}},
         },
+        "components": {"schemas": schemas.get("$defs", {})},
     }

@@ -1,40 +1,306 @@
-"""OpenAI request parsing and validation: JSON bodies -> prompts + SamplingParams.
+"""The OpenAI protocol: request bodies as pydantic models (as vLLM and the openai SDK
+define them), their conversion to the engine's SamplingParams, and the JSON schemas
+/openapi.json is generated from.
 
-Every rejection is an APIError carrying OpenAI's error shape; nothing here
-touches the engine, so a bad request changes nothing.
+The models check types, strictly (JSON's ``true`` is no integer, ``"1"`` no number);
+ranges and the rules between fields are SamplingParams's (one place, shared with the
+offline API), which the schema only documents. Unknown fields are ignored, as OpenAI
+does, except inside ``structured_outputs``, where a misspelt key would silently drop a
+constraint. ``null`` means "the default" for every optional field. Every rejection is
+an APIError in OpenAI's shape naming the field; nothing here touches the engine.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic.json_schema import SkipJsonSchema
 
 from llmserve.core.request import Tenancy
-from llmserve.core.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
+from llmserve.core.sampling_params import (
+    MAX_LOGPROBS,
+    MAX_N,
+    SamplingParams,
+    StructuredOutputsParams,
+)
 from llmserve.errors import APIError, bad_request  # noqa: F401 - re-exported
 
-
-# --- typed field access ------------------------------------------------------------------
-def _get(body: dict, name: str, kinds, default=None, *, nullable: bool = True):
-    value = body.get(name, default)
-    if value is None:
-        if name in body and not nullable:
-            raise bad_request(f"'{name}' must not be null", name)
-        return default
-    if kinds is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if kinds is int and isinstance(value, bool) or not isinstance(value, kinds):
-        names = {int: "an integer", float: "a number", bool: "a boolean", str: "a string",
-                 list: "an array", dict: "an object"}
-        raise bad_request(f"'{name}' must be {names.get(kinds, str(kinds))}, "
-                          f"got {type(value).__name__}", name)
-    return value
+# A prompt given as token ids; never empty (an empty prompt cannot run). The upper bound
+# is the model's vocabulary, which the engine checks.
+TokenId = Annotated[int, Field(json_schema_extra={"minimum": 0})]
+TokenIds = Annotated[list[TokenId], Field(min_length=1)]
+MAX_COMPLETIONS = 256  # prompts x n in one request
 
 
-def _is_token_list(x) -> bool:
-    return isinstance(x, list) and bool(x) and all(
-        isinstance(t, int) and not isinstance(t, bool) for t in x)
+def documented(**schema) -> Any:
+    """A range the schema shows and SamplingParams enforces (see the module docstring)."""
+    return Field(None, json_schema_extra=schema)
 
 
+class _Model(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+# --- chat messages -----------------------------------------------------------------------
+class TextPart(_Model):
+    type: Literal["text"]
+    text: str
+
+
+class FunctionCall(_Model):
+    model_config = ConfigDict(extra="allow")  # replayed to the template as sent
+    name: str
+    arguments: str = ""
+
+
+class ToolCall(_Model):
+    model_config = ConfigDict(extra="allow")
+    function: FunctionCall
+
+
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+def _content_by_role(schema: dict) -> None:
+    """The schema says what _content_present checks: only an assistant's message (one
+    that made tool calls) may have no content."""
+    props = schema["properties"]
+    content = {"anyOf": [s for s in props["content"]["anyOf"] if s.get("type") != "null"],
+               "description": props["content"].get("description")}
+    others = {**schema, "required": ["role", "content"], "properties": {
+        **props, "role": {"enum": [r for r in ROLES if r != "assistant"]}, "content": content}}
+    assistant = {**schema, "properties": {**props, "role": {"const": "assistant"}}}
+    schema.clear()
+    schema.update({"title": others.pop("title", "ChatMessage"), "oneOf": [others, assistant]})
+
+
+class ChatMessage(_Model):
+    model_config = ConfigDict(json_schema_extra=_content_by_role)
+    role: Literal[ROLES]
+    content: str | list[TextPart] | None = Field(
+        None, description="a string or an array of text parts")
+    name: str | None = None  # a tool message's function
+    tool_call_id: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an earlier assistant turn's calls
+
+    @model_validator(mode="after")
+    def _content_present(self) -> ChatMessage:
+        if self.content is None and self.role != "assistant":
+            raise ValueError("content must be a string or an array of text parts")
+        return self
+
+    def for_template(self) -> dict:
+        """The message as chat templates read it (text parts joined, developer as
+        system, an assistant's calls replayed as they were sent)."""
+        content = self.content
+        if isinstance(content, list):
+            content = "".join(p.text for p in content)
+        message = {"role": "system" if self.role == "developer" else self.role,
+                   "content": content or ""}
+        if self.role == "tool":
+            message.update({k: v for k in ("tool_call_id", "name")
+                            if (v := getattr(self, k)) is not None})
+        if self.role == "assistant" and self.tool_calls:
+            message["tool_calls"] = [c.model_dump(exclude_unset=True) for c in self.tool_calls]
+        return message
+
+
+# --- tools ---------------------------------------------------------------------------------
+class FunctionDef(_Model):
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_.\-]{1,64}$")]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; absent: no parameters
+
+
+class Tool(_Model):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Model):
+    name: str
+
+
+class NamedToolChoice(_Model):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+# --- structured outputs --------------------------------------------------------------------
+class JsonSchemaFormat(_Model):
+    name: str | None = None
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None
+    description: str | None = None
+
+
+class ResponseFormat(_Model):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("json_schema must be an object with a 'schema' object")
+        return self
+
+    def spec(self) -> dict | None:
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return {"json_object": True}
+        return {"json": self.json_schema.schema_}
+
+
+class StructuredOutputsSpec(_Model):
+    """vLLM's structured_outputs object: exactly one of these (StructuredOutputsParams)."""
+    model_config = ConfigDict(extra="forbid")
+    json_: dict[str, Any] | str | None = Field(
+        None, alias="json", description="a JSON schema (an object or its text)")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
+class StreamOptions(_Model):
+    include_usage: bool | None = None
+
+
+GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+                 "guided_grammar": "grammar"}
+
+
+# --- requests ------------------------------------------------------------------------------
+class _GenerationRequest(_Model):
+    """What /v1/completions and /v1/chat/completions share. Field order is the order
+    errors are reported in."""
+    model: str | None = None
+    max_tokens: int | None = documented(minimum=1)
+    stop: str | list[str] | None = Field(None, description="a string or an array of strings")
+    n: int | None = documented(minimum=1, maximum=MAX_N)
+    # OpenAI's, accepted only as their no-op values: not advertised in the schema.
+    best_of: SkipJsonSchema[int | None] = None  # only equal to n
+    echo: SkipJsonSchema[bool | None] = None
+    logit_bias: SkipJsonSchema[dict[str, Any] | None] = None  # only empty
+    suffix: SkipJsonSchema[str | None] = None  # only empty
+    stop_token_ids: list[TokenId] | None = None
+    temperature: float | None = documented(minimum=0, maximum=2)
+    top_p: float | None = documented(exclusiveMinimum=0, maximum=1)
+    top_k: int | None = None  # -1 or 0: off
+    min_p: float | None = documented(minimum=0, maximum=1)
+    seed: int | None = None
+    min_tokens: int | None = documented(minimum=0)
+    ignore_eos: bool | None = None
+    presence_penalty: float | None = documented(minimum=-2, maximum=2)
+    frequency_penalty: float | None = documented(minimum=-2, maximum=2)
+    repetition_penalty: float | None = documented(exclusiveMinimum=0, maximum=2)
+    skip_special_tokens: bool | None = None
+    include_stop_str_in_output: bool | None = None
+    # Structured outputs: at most one of these per request.
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsSpec | None = None
+    guided_json: dict[str, Any] | str | None = Field(
+        None, description="a JSON schema (an object or its text)")
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    priority: int | None = None  # lower runs first
+    cache_salt: str | None = None  # isolates this request's prefix-cache entries
+
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        if self.best_of is not None and self.best_of != _or(self.n, 1):
+            raise bad_request("'best_of' other than n is not supported", "best_of")
+        for name, used in (("echo", self.echo), ("logit_bias", self.logit_bias),
+                           ("suffix", self.suffix)):
+            if used:
+                raise bad_request(f"'{name}' is not supported", name)
+        try:
+            return SamplingParams(
+                n=_or(self.n, 1), temperature=_or(self.temperature, 1.0),
+                top_p=_or(self.top_p, 1.0), top_k=_or(self.top_k, -1),
+                min_p=_or(self.min_p, 0.0), seed=self.seed, max_tokens=max_tokens,
+                min_tokens=_or(self.min_tokens, 0), stop=self.stop,
+                stop_token_ids=self.stop_token_ids, ignore_eos=bool(self.ignore_eos),
+                logprobs=logprobs, presence_penalty=_or(self.presence_penalty, 0.0),
+                frequency_penalty=_or(self.frequency_penalty, 0.0),
+                repetition_penalty=_or(self.repetition_penalty, 1.0),
+                skip_special_tokens=_or(self.skip_special_tokens, True),
+                include_stop_str_in_output=bool(self.include_stop_str_in_output),
+                structured_outputs=self.structured_outputs_params())
+        except ValueError as e:  # "<field> must ..."
+            raise bad_request(str(e), str(e).split(" ")[0]) from e
+
+    def structured_outputs_params(self) -> StructuredOutputsParams | None:
+        """response_format, structured_outputs or a guided_* field (at most one of
+        them) as the engine's constraint; None for free text."""
+        found: list[tuple[str, dict]] = []
+        if self.response_format is not None and self.response_format.spec() is not None:
+            found.append(("response_format", self.response_format.spec()))
+        if self.structured_outputs is not None:
+            found.append(("structured_outputs", self.structured_outputs.model_dump(
+                by_alias=True, exclude_none=True)))
+        for field_name, kind in GUIDED_FIELDS.items():
+            if getattr(self, field_name) is not None:
+                found.append((field_name, {kind: getattr(self, field_name)}))
+        if not found:
+            return None
+        if len(found) > 1:
+            raise bad_request("give at most one of response_format, structured_outputs and "
+                              f"guided_*; got {[name for name, _ in found]}", found[1][0])
+        name, spec = found[0]
+        try:
+            return StructuredOutputsParams(**spec)
+        except (TypeError, ValueError) as e:
+            raise bad_request(f"{name}: {e}", name) from e
+
+
+class CompletionRequest(_GenerationRequest):
+    prompt: str | TokenIds | Annotated[list[str | TokenIds], Field(min_length=1)] = Field(
+        description="a string, an array of strings, an array of token ids or an array of "
+                    "such arrays")
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+    def prompts(self) -> list[str | list[int]]:
+        one = isinstance(self.prompt, str) or isinstance(self.prompt[0], int)
+        return [self.prompt] if one else list(self.prompt)
+
+
+class ChatCompletionRequest(_GenerationRequest):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: int | None = documented(minimum=1)  # max_tokens' new name
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        None, description="'none', 'auto', 'required' or "
+                          "{'type': 'function', 'function': {'name': ...}}")
+
+    def template_messages(self) -> list[dict]:
+        return [m.for_template() for m in self.messages]
+
+
+class TokenizeRequest(_Model):
+    model: str | None = None
+    prompt: str | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
+
+
+class DetokenizeRequest(_Model):
+    model: str | None = None
+    tokens: list[int]
+
+
+def _or(value, default):
+    return default if value is None else value
+
+
+# --- parsing ----------------------------------------------------------------------------
 @dataclass
 class ParsedRequest:
     prompts: list[str | list[int]]  # one entry per prompt (completions may batch several)
@@ -48,206 +314,99 @@ class ParsedRequest:
     tenant: Tenancy | None = None  # from the gateway's headers, not the body
 
 
-def parse_sampling(body: dict, *, chat: bool) -> tuple[SamplingParams, str | None]:
-    max_tokens = _get(body, "max_tokens", int)
-    if chat:
-        max_tokens = _get(body, "max_completion_tokens", int, max_tokens)
-    elif "max_tokens" not in body:
-        max_tokens = 16  # OpenAI's completions default
-    if max_tokens is not None and max_tokens < 1:
-        raise bad_request("'max_tokens' must be at least 1", "max_tokens")
-    stop = body.get("stop")
-    if stop is not None and not (isinstance(stop, str) or (
-            isinstance(stop, list) and all(isinstance(s, str) for s in stop))):
-        raise bad_request("'stop' must be a string or an array of strings", "stop")
+def validate(model: type[_Model], body) -> _Model:
+    """``body`` (parsed JSON) as ``model``; a 400 naming the first bad field if not."""
+    try:
+        return model.model_validate(body)
+    except ValidationError as e:
+        raise validation_error(model, e) from None
+
+
+def parse_completion(body) -> tuple[CompletionRequest, ParsedRequest]:
+    req: CompletionRequest = validate(CompletionRequest, body)
+    max_tokens = req.max_tokens if "max_tokens" in req.model_fields_set else 16  # OpenAI's
+    params = req.sampling_params(max_tokens, req.logprobs)
+    prompts = req.prompts()
+    if len(prompts) * params.n > MAX_COMPLETIONS:
+        raise bad_request(f"too many completions in one request (prompts x n > "
+                          f"{MAX_COMPLETIONS})", "prompt")
+    style = "completion" if req.logprobs is not None else None
+    return req, _parsed(req, prompts, params, style)
+
+
+def parse_chat(body) -> tuple[ChatCompletionRequest, ParsedRequest]:
+    req: ChatCompletionRequest = validate(ChatCompletionRequest, body)
     logprobs, style = None, None
-    if chat:
-        if _get(body, "logprobs", bool, False):
-            logprobs, style = _get(body, "top_logprobs", int, 0), "chat"
-        elif body.get("top_logprobs") is not None:
-            raise bad_request("'top_logprobs' needs 'logprobs': true", "top_logprobs")
-    else:
-        logprobs = _get(body, "logprobs", int)
-        style = "completion" if logprobs is not None else None
-    if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
-        raise bad_request(f"logprobs must be in [0, {MAX_LOGPROBS}]",
-                          "top_logprobs" if chat else "logprobs")
-    n = _get(body, "n", int, 1)
-    best_of = _get(body, "best_of", int)
-    if best_of is not None and best_of != n:
-        raise bad_request("'best_of' other than n is not supported", "best_of")
-    if _get(body, "echo", bool, False):
-        raise bad_request("'echo' is not supported", "echo")
-    if _get(body, "logit_bias", dict):
-        raise bad_request("'logit_bias' is not supported", "logit_bias")
-    if _get(body, "suffix", str):
-        raise bad_request("'suffix' is not supported", "suffix")
-    stop_token_ids = body.get("stop_token_ids")
-    if stop_token_ids is not None and not (
-            isinstance(stop_token_ids, list) and all(
-                isinstance(t, int) and not isinstance(t, bool) for t in stop_token_ids)):
-        raise bad_request("'stop_token_ids' must be an array of integers", "stop_token_ids")
-    kwargs = dict(
-        n=n,
-        temperature=_get(body, "temperature", float, 1.0),
-        top_p=_get(body, "top_p", float, 1.0),
-        top_k=_get(body, "top_k", int, -1),
-        min_p=_get(body, "min_p", float, 0.0),
-        seed=_get(body, "seed", int),
-        max_tokens=max_tokens,
-        min_tokens=_get(body, "min_tokens", int, 0),
-        stop=stop,
-        stop_token_ids=stop_token_ids,
-        ignore_eos=_get(body, "ignore_eos", bool, False),
-        logprobs=logprobs,
-        presence_penalty=_get(body, "presence_penalty", float, 0.0),
-        frequency_penalty=_get(body, "frequency_penalty", float, 0.0),
-        repetition_penalty=_get(body, "repetition_penalty", float, 1.0),
-        skip_special_tokens=_get(body, "skip_special_tokens", bool, True),
-        include_stop_str_in_output=_get(body, "include_stop_str_in_output", bool, False),
-        structured_outputs=parse_structured_outputs(body),
-    )
-    try:
-        return SamplingParams(**kwargs), style
-    except ValueError as e:
-        raise bad_request(str(e), str(e).split(" ")[0]) from e
+    if req.logprobs:
+        logprobs, style = _or(req.top_logprobs, 0), "chat"
+    elif req.top_logprobs is not None:
+        raise bad_request("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+    params = req.sampling_params(_or(req.max_completion_tokens, req.max_tokens), logprobs)
+    return req, _parsed(req, [], params, style)
 
 
-GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
-                 "guided_grammar": "grammar"}
-STRUCTURED_KEYS = ("json", "regex", "choice", "grammar", "json_object")
+def _parsed(req: _GenerationRequest, prompts, params, style) -> ParsedRequest:
+    usage = req.stream_options is not None and bool(req.stream_options.include_usage)
+    return ParsedRequest(prompts, params, bool(req.stream), usage, _or(req.priority, 0),
+                         style, req.cache_salt)
 
 
-def parse_structured_outputs(body: dict) -> StructuredOutputsParams | None:
-    """OpenAI's response_format, vLLM's structured_outputs object, or the older
-    guided_* fields (at most one of them); None for free text."""
-    found: list[tuple[str, dict]] = []
-    fmt = _get(body, "response_format", dict)
-    if fmt is not None:
-        spec = _response_format(fmt)
-        if spec is not None:
-            found.append(("response_format", spec))
-    so = _get(body, "structured_outputs", dict)
-    if so is not None:
-        unknown = sorted(set(so) - set(STRUCTURED_KEYS))
-        if unknown:
-            raise bad_request(f"structured_outputs: unsupported field(s) {unknown}; "
-                              f"supported: {list(STRUCTURED_KEYS)}", "structured_outputs")
-        found.append(("structured_outputs", {k: v for k, v in so.items() if v is not None}))
-    for field_name, kind in GUIDED_FIELDS.items():
-        if body.get(field_name) is not None:
-            found.append((field_name, {kind: body[field_name]}))
-    if not found:
-        return None
-    if len(found) > 1:
-        raise bad_request("give at most one of response_format, structured_outputs and "
-                          f"guided_*; got {[name for name, _ in found]}", found[1][0])
-    name, spec = found[0]
-    try:
-        return StructuredOutputsParams(**spec)
-    except (TypeError, ValueError) as e:
-        raise bad_request(f"{name}: {e}", name) from e
+# --- errors: one clear line naming the field, never pydantic's dump -------------------------
+_PHRASES = {
+    "missing": "is required", "int_type": "must be an integer", "float_type": "must be a number",
+    "bool_type": "must be a boolean", "string_type": "must be a string",
+    "list_type": "must be an array", "dict_type": "must be an object",
+    "model_type": "must be an object", "model_attributes_type": "must be an object",
+    "too_short": "must not be empty", "extra_forbidden": "is not a supported field",
+}
+_FIELD = re.compile(r"^[a-z_][a-z0-9_]*$")
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
 
 
-def _response_format(fmt: dict) -> dict | None:
-    kind = fmt.get("type")
-    if kind == "text":
-        return None
-    if kind == "json_object":
-        return {"json_object": True}
-    if kind == "json_schema":
-        js = fmt.get("json_schema")
-        if not (isinstance(js, dict) and isinstance(js.get("schema"), dict)):
-            raise bad_request("response_format.json_schema must be an object with a "
-                              "'schema' object", "response_format")
-        return {"json": js["schema"]}
-    raise bad_request("response_format.type must be 'text', 'json_object' or 'json_schema'",
-                      "response_format")
+def validation_error(model: type[_Model], e: ValidationError) -> APIError:
+    err = e.errors(include_url=False)[0]
+    path, cut = _path(err["loc"])
+    if not path:
+        return bad_request("the request body must be a JSON object")
+    field = path[0] if isinstance(path[0], str) else None
+    name = _dotted(path)
+    form = _FORMS.get(path[-1]) if isinstance(path[-1], str) else None
+    if form is not None and (cut or err["type"] in ("missing", "model_type")):
+        return bad_request(f"'{name}' must be {form}", field)
+    if err["type"] == "value_error":
+        return bad_request(f"'{name}': {err['ctx']['error']}", field)
+    if err["type"] == "literal_error":
+        return bad_request(f"'{name}' must be {err['ctx']['expected']}", field)
+    if err["type"] in ("greater_than_equal", "less_than_equal"):
+        bound = err["ctx"].get("ge", err["ctx"].get("le"))
+        side = "at least" if err["type"] == "greater_than_equal" else "at most"
+        return bad_request(f"'{name}' must be {side} {bound}", field)
+    if err["type"] == "string_pattern_mismatch":
+        return bad_request(f"'{name}' must match {err['ctx']['pattern']}", field)
+    got = f", got {type(err['input']).__name__}" if err["type"].endswith("_type") else ""
+    phrase = _PHRASES.get(err["type"], "is not valid")
+    return bad_request(f"'{name}' {phrase}{got}", field)
 
 
-def parse_common(body, *, chat: bool) -> tuple:
-    if not isinstance(body, dict):
-        raise bad_request("the request body must be a JSON object")
-    params, style = parse_sampling(body, chat=chat)
-    stream = _get(body, "stream", bool, False)
-    options = _get(body, "stream_options", dict)
-    include_usage = False
-    if options is not None:
-        include_usage = _get(options, "include_usage", bool, False)
-    priority = _get(body, "priority", int, 0)
-    cache_salt = _get(body, "cache_salt", str)
-    return params, style, stream, include_usage, priority, cache_salt
+def _path(loc: tuple) -> tuple[tuple, bool]:
+    """The field path of an error's location, cut before the first union member tag
+    pydantic inserts ("str", "list[int]", "NamedToolChoice"); and whether it was cut."""
+    for i, part in enumerate(loc):
+        if isinstance(part, str) and (not _FIELD.match(part) or part in _TYPE_TAGS):
+            return loc[:i], True
+    return loc, False
 
 
-def parse_completion(body) -> ParsedRequest:
-    params, style, stream, usage, priority, salt = parse_common(body, chat=False)
-    prompt = body.get("prompt")
-    if isinstance(prompt, str):
-        prompts = [prompt]
-    elif _is_token_list(prompt):
-        prompts = [prompt]
-    elif isinstance(prompt, list) and prompt and all(
-            isinstance(p, str) or _is_token_list(p) for p in prompt):
-        prompts = list(prompt)
-    else:
-        raise bad_request("'prompt' must be a string, an array of strings, an array of "
-                          "token ids or an array of such arrays", "prompt")
-    if len(prompts) * params.n > 256:
-        raise bad_request("too many completions in one request (prompts x n > 256)", "prompt")
-    return ParsedRequest(prompts, params, stream, usage, priority, style, salt)
+def _dotted(path: tuple) -> str:
+    out = ""
+    for part in path:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else part)
+    return out
 
 
-CHAT_ROLES = {"system", "developer", "user", "assistant", "tool"}
-
-
-def parse_messages(body) -> list[dict]:
-    messages = body.get("messages") if isinstance(body, dict) else None
-    if not isinstance(messages, list) or not messages:
-        raise bad_request("'messages' must be a non-empty array", "messages")
-    clean = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or m.get("role") not in CHAT_ROLES:
-            raise bad_request(f"messages[{i}] must be an object with a 'role' in "
-                              f"{sorted(CHAT_ROLES)}", "messages")
-        content = m.get("content")
-        if isinstance(content, list):  # content parts: text only
-            texts = []
-            for part in content:
-                if not (isinstance(part, dict) and part.get("type") == "text"
-                        and isinstance(part.get("text"), str)):
-                    raise bad_request(f"messages[{i}].content: only text parts are supported",
-                                      "messages")
-                texts.append(part["text"])
-            content = "".join(texts)
-        if content is None and m["role"] == "assistant":
-            content = ""
-        if not isinstance(content, str):
-            raise bad_request(f"messages[{i}].content must be a string or text parts",
-                              "messages")
-        role = "system" if m["role"] == "developer" else m["role"]
-        message = {"role": role, "content": content}
-        if m["role"] == "tool":
-            message.update({k: m[k] for k in ("tool_call_id", "name")
-                            if isinstance(m.get(k), str)})
-        if m["role"] == "assistant" and m.get("tool_calls"):
-            message["tool_calls"] = _parse_message_tool_calls(m["tool_calls"], i)
-        clean.append(message)
-    return clean
-
-
-def _parse_message_tool_calls(calls, i: int) -> list[dict]:
-    """An earlier assistant turn's calls, replayed to the model."""
-    ok = isinstance(calls, list) and all(
-        isinstance(c, dict) and isinstance(c.get("function"), dict)
-        and isinstance(c["function"].get("name"), str)
-        and isinstance(c["function"].get("arguments", ""), str) for c in calls)
-    if not ok:
-        raise bad_request(f"messages[{i}].tool_calls must be an array of "
-                          "{'function': {'name': str, 'arguments': str}}", "messages")
-    return calls
-
-
-def parse_chat(body) -> tuple[ParsedRequest, list[dict]]:
-    params, style, stream, usage, priority, salt = parse_common(body, chat=True)
-    messages = parse_messages(body)
-    return ParsedRequest([], params, stream, usage, priority, style, salt), messages
+MODELS = (CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest)
+# A union field's error names the forms it accepts (its schema description), not
+# pydantic's one error per form. Keyed by the name the field has in JSON.
+_FORMS = {(f.alias or name): f.description
+          for m in (*MODELS, ChatMessage, StructuredOutputsSpec)
+          for name, f in m.model_fields.items() if f.description}

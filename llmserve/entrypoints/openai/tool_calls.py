@@ -23,7 +23,6 @@ from dataclasses import dataclass
 from llmserve.core.sampling_params import StructuredOutputsParams
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
-_NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
 
 
 class ToolError(ValueError):
@@ -109,48 +108,32 @@ def _as_call(raw: str, tools: dict[str, dict]) -> dict | None:
 
 # --- request parsing ---------------------------------------------------------------------
 def parse_tool_choice(body: dict) -> ToolChoice | None:
-    """Validated `tools` / `tool_choice`; None when the request has no tools."""
+    """``tools`` / ``tool_choice`` of a request whose shapes protocol.py validated (the
+    names' form too); None when the request has no tools."""
     tools = body.get("tools")
     choice = body.get("tool_choice")
-    if tools is None or tools == []:
+    if not tools:
         if choice not in (None, "none", "auto"):
             raise ToolError("'tool_choice' needs 'tools'", "tool_choice")
         return None
-    if not isinstance(tools, list):
-        raise ToolError("'tools' must be an array", "tools")
     by_name: dict[str, dict] = {}
     for i, tool in enumerate(tools):
-        fn = tool.get("function") if isinstance(tool, dict) else None
-        if not (isinstance(tool, dict) and tool.get("type") == "function"
-                and isinstance(fn, dict)):
-            raise ToolError(f"tools[{i}] must be {{'type': 'function', 'function': {{...}}}}",
-                            "tools")
-        name = fn.get("name")
-        if not (isinstance(name, str) and _NAME.match(name)):
-            raise ToolError(f"tools[{i}].function.name must be 1-64 letters, digits, "
-                            "'_', '.' or '-'", "tools")
+        fn = tool["function"]
+        name = fn["name"]
         if name in by_name:
             raise ToolError(f"tools: the function name {name!r} appears twice", "tools")
         params = fn.get("parameters", {"type": "object", "properties": {}})
         if not isinstance(params, dict):
             raise ToolError(f"tools[{i}].function.parameters must be a JSON schema object",
                             "tools")
-        description = fn.get("description")
-        if description is not None and not isinstance(description, str):
-            raise ToolError(f"tools[{i}].function.description must be a string", "tools")
-        by_name[name] = {"name": name, "description": description or "",
+        by_name[name] = {"name": name, "description": fn.get("description") or "",
                          "parameters": params}
     if choice is None or choice in ("none", "auto", "required"):
         return ToolChoice(by_name, choice or "auto")
-    if isinstance(choice, dict) and choice.get("type") == "function":
-        fn = choice.get("function")
-        name = fn.get("name") if isinstance(fn, dict) else None
-        if not isinstance(name, str) or name not in by_name:
-            raise ToolError(f"tool_choice names {name!r}, which is not in 'tools'",
-                            "tool_choice")
-        return ToolChoice(by_name, "named", name)
-    raise ToolError("'tool_choice' must be 'none', 'auto', 'required' or "
-                    "{'type': 'function', 'function': {'name': ...}}", "tool_choice")
+    name = choice["function"]["name"]
+    if name not in by_name:
+        raise ToolError(f"tool_choice names {name!r}, which is not in 'tools'", "tool_choice")
+    return ToolChoice(by_name, "named", name)
 
 
 # --- prompts ------------------------------------------------------------------------------
