@@ -160,7 +160,6 @@ class Scheduler:
             if len(seen) == len(self.shares.active):
                 break
 
-    @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
 
