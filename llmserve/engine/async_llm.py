@@ -20,7 +20,6 @@ loaded by another thread runs its steps about 1.5x slower (measured: 48 ms versu
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import queue
 import threading
@@ -71,7 +70,6 @@ class AsyncLLMEngine:
         self._thread: threading.Thread | None = None
         self._stop = False
         self.error: BaseException | None = None
-        self._ids = itertools.count()
         # Overload fast path (max_waiting): requests handed to the engine thread but not
         # yet queued there, and the unscheduled requests it last saw waiting. A burst is
         # refused here at once, not one engine step later per request.
@@ -137,9 +135,6 @@ class AsyncLLMEngine:
         await asyncio.to_thread(lambda: self.engine.structured_outputs().compile(spec))
 
     # --- requests ----------------------------------------------------------------
-    def new_request_id(self, prefix: str = "req") -> str:
-        return f"{prefix}-{next(self._ids)}-{int(time.time() * 1000)}"
-
     def generate(self, prompt_token_ids: list[int], params: SamplingParams,
                  request_id: str, prompt: str | None = None, priority: int = 0,
                  cache_salt: str | None = None, tenant: Tenancy | None = None

@@ -13,13 +13,9 @@ from llmserve.entrypoints.openai.protocol import (
     parse_chat,
 )
 from llmserve.entrypoints.openai.serving_engine import (
-    ENGINE,
-    check_admitting,
-    check_model,
+    accept_generation,
     compile_constraint,
-    read_json,
     respond,
-    tenancy_of,
 )
 from llmserve.entrypoints.openai.tool_calls import (
     ToolChoice,
@@ -30,12 +26,7 @@ from llmserve.entrypoints.openai.tool_calls import (
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
-    check_admitting(request)
-    body = await read_json(request)
-    model = check_model(request, body)
-    req, parsed = parse_chat(body)
-    parsed.tenant = tenancy_of(request)
-    engine = request.app[ENGINE]
+    engine, model, req, parsed = await accept_generation(request, parse_chat)
     tools = parse_tools(req, parsed)
     messages, template_args = messages_for_template(req.template_messages(), tools,
                                                     engine.tokenizer)

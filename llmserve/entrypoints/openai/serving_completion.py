@@ -6,23 +6,14 @@ from aiohttp import web
 
 from llmserve.entrypoints.openai.protocol import parse_completion
 from llmserve.entrypoints.openai.serving_engine import (
-    ENGINE,
-    check_admitting,
-    check_model,
+    accept_generation,
     compile_constraint,
-    read_json,
     respond,
-    tenancy_of,
 )
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
-    check_admitting(request)
-    body = await read_json(request)
-    model = check_model(request, body)
-    _, parsed = parse_completion(body)
-    parsed.tenant = tenancy_of(request)
-    engine = request.app[ENGINE]
+    engine, model, _, parsed = await accept_generation(request, parse_completion)
     prompt_ids = [engine.tokenize(p) for p in parsed.prompts]
     await compile_constraint(engine, parsed, "response_format")
     return await respond(request, model, parsed, parsed.prompts, prompt_ids, chat=False)

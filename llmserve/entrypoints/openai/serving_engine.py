@@ -65,6 +65,18 @@ def tenancy_of(request: web.Request) -> Tenancy | None:
     return Tenancy(name, weight)
 
 
+async def accept_generation(request: web.Request, parse):
+    """What every generation request does first: refuse while draining, read the JSON
+    body, check the model name, ``parse`` the body into (protocol request, ParsedRequest)
+    and attach the tenant. Returns (engine, model, protocol request, parsed)."""
+    check_admitting(request)
+    body = await read_json(request)
+    model = check_model(request, body)
+    req, parsed = parse(body)
+    parsed.tenant = tenancy_of(request)
+    return request.app[ENGINE], model, req, parsed
+
+
 async def compile_constraint(engine: AsyncLLMEngine, parsed: ParsedRequest,
                              param: str) -> None:
     """Compile the request's grammar, so a bad schema, regex or grammar is a 400 before
