@@ -8,6 +8,16 @@ from dataclasses import dataclass, field, replace
 
 MAX_N = 16
 MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range: -100 bans a token, +100 all but forces it
+
+
+class ParamError(ValueError):
+    """A parameter the engine rejects (it alone knows the vocabulary); ``param`` names
+    the field, so the server's 400 can."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
 
 
 @dataclass
@@ -32,6 +42,13 @@ class SamplingParams:
     extra_eos_token_ids: list[int] = field(default_factory=list, repr=False)
     # Constrain the output to a JSON schema, regex, choice or grammar (structured.py).
     structured_outputs: StructuredOutputsParams | None = None
+    # Token controls: OpenAI's logit_bias (token id -> bias added to its logit), vLLM's
+    # allowed_token_ids (nothing else may be sampled) and bad_words (never generated).
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    # bad_words as token ids, filled in by the engine, which has the tokenizer.
+    bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -81,6 +98,39 @@ class SamplingParams:
         check(self.structured_outputs is None or not self.min_tokens, "min_tokens",
               "cannot be combined with structured outputs: the grammar decides where the "
               "output ends")
+        self._validate_token_controls(check)
+
+    def _validate_token_controls(self, check) -> None:
+        bias = self.logit_bias
+        check(bias is None or isinstance(bias, dict), "logit_bias",
+              "must map token ids to numbers")
+        for token, value in (bias or {}).items():
+            check(_is_int(token) and token >= 0, "logit_bias",
+                  f"keys must be token ids (non-negative integers); got {token!r}")
+            check(_is_num(value) and -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS, "logit_bias",
+                  f"values must be in [-100, 100]; got {value!r} for token {token}")
+        allowed = self.allowed_token_ids
+        check(allowed is None or (isinstance(allowed, list) and allowed
+                                  and all(_is_int(t) and t >= 0 for t in allowed)),
+              "allowed_token_ids", "must be a non-empty list of token ids (non-negative "
+              "integers)")
+        words = self.bad_words
+        check(words is None or (isinstance(words, list)
+                                and all(isinstance(w, str) and w.strip() for w in words)),
+              "bad_words", "must be a list of strings that are not blank")
+
+    def check_token_ids(self, vocab_size: int) -> None:
+        """Raise ParamError naming the field if an id is outside the vocabulary."""
+        for name, ids in (("logit_bias", self.logit_bias or ()),
+                          ("allowed_token_ids", self.allowed_token_ids or ())):
+            bad = [t for t in ids if t >= vocab_size]
+            if bad:
+                raise ParamError(name, f"{name} names token id {bad[0]}, outside the "
+                                       f"vocabulary [0, {vocab_size})")
+
+    @property
+    def has_token_controls(self) -> bool:
+        return bool(self.logit_bias or self.allowed_token_ids or self.bad_words_token_ids)
 
     @property
     def greedy(self) -> bool:

@@ -18,6 +18,7 @@ from llmserve.core.sched.cost_model import StepCostModel
 from llmserve.core.sched.overload import check_admission, expired
 from llmserve.core.sched.scheduler import Scheduler
 from llmserve.distributed.shapes import check_tensor_parallel
+from llmserve.engine.bad_words import bad_words_token_ids
 from llmserve.engine.detokenizer import Detokenizer
 from llmserve.engine.output import RequestOutput
 from llmserve.executor.tensor_parallel import TensorParallelGroup, WorkerDiedError
@@ -162,6 +163,9 @@ class LLMEngine:
                         max(0, self.config.max_num_seqs - len(self.scheduler.running)))
         if params.max_tokens is None:
             params.max_tokens = self.max_model_len - len(ids)
+        if params.bad_words:
+            params.bad_words_token_ids = bad_words_token_ids(
+                params.bad_words, self.tokenizer, self.hf_config.vocab_size)
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -185,6 +189,7 @@ class LLMEngine:
         vocab = self.hf_config.vocab_size
         if min(ids) < 0 or max(ids) >= vocab:
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        params.check_token_ids(vocab)
         total = len(ids) + (params.max_tokens or 0)
         if len(ids) >= self.max_model_len or total > self.max_model_len:
             raise ValueError(

@@ -21,6 +21,7 @@ from pydantic.json_schema import SkipJsonSchema
 
 from llmserve.core.request import Tenancy
 from llmserve.core.sampling_params import (
+    MAX_LOGIT_BIAS,
     MAX_LOGPROBS,
     MAX_N,
     SamplingParams,
@@ -33,6 +34,7 @@ from llmserve.errors import APIError, bad_request  # noqa: F401 - re-exported
 TokenId = Annotated[int, Field(json_schema_extra={"minimum": 0})]
 TokenIds = Annotated[list[TokenId], Field(min_length=1)]
 MAX_COMPLETIONS = 256  # prompts x n in one request
+_DIGITS = re.compile(r"^[0-9]{1,18}$")  # a token id as a logit_bias key (fits int64)
 
 
 def documented(**schema) -> Any:
@@ -185,9 +187,15 @@ class _GenerationRequest(_Model):
     # OpenAI's, accepted only as their no-op values: not advertised in the schema.
     best_of: SkipJsonSchema[int | None] = None  # only equal to n
     echo: SkipJsonSchema[bool | None] = None
-    logit_bias: SkipJsonSchema[dict[str, Any] | None] = None  # only empty
     suffix: SkipJsonSchema[str | None] = None  # only empty
+    # Token ids as JSON object keys (OpenAI's shape); SamplingParams checks the values.
+    logit_bias: Annotated[dict[str, float], Field(json_schema_extra={
+        "propertyNames": {"pattern": _DIGITS.pattern}, "additionalProperties": {
+            "type": "number", "minimum": -MAX_LOGIT_BIAS, "maximum": MAX_LOGIT_BIAS}})
+    ] | None = None
     stop_token_ids: list[TokenId] | None = None
+    allowed_token_ids: Annotated[list[TokenId], Field(min_length=1)] | None = None
+    bad_words: list[str] | None = None
     temperature: float | None = documented(minimum=0, maximum=2)
     top_p: float | None = documented(exclusiveMinimum=0, maximum=1)
     top_k: int | None = None  # -1 or 0: off
@@ -216,8 +224,7 @@ class _GenerationRequest(_Model):
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         if self.best_of is not None and self.best_of != _or(self.n, 1):
             raise bad_request("'best_of' other than n is not supported", "best_of")
-        for name, used in (("echo", self.echo), ("logit_bias", self.logit_bias),
-                           ("suffix", self.suffix)):
+        for name, used in (("echo", self.echo), ("suffix", self.suffix)):
             if used:
                 raise bad_request(f"'{name}' is not supported", name)
         try:
@@ -232,9 +239,20 @@ class _GenerationRequest(_Model):
                 repetition_penalty=_or(self.repetition_penalty, 1.0),
                 skip_special_tokens=_or(self.skip_special_tokens, True),
                 include_stop_str_in_output=bool(self.include_stop_str_in_output),
-                structured_outputs=self.structured_outputs_params())
+                structured_outputs=self.structured_outputs_params(),
+                logit_bias=self.logit_bias_by_id(), allowed_token_ids=self.allowed_token_ids,
+                bad_words=self.bad_words)
         except ValueError as e:  # "<field> must ..."
             raise bad_request(str(e), str(e).split(" ")[0]) from e
+
+    def logit_bias_by_id(self) -> dict[int, float] | None:
+        if self.logit_bias is None:
+            return None
+        bad = next((k for k in self.logit_bias if not _DIGITS.match(k)), None)
+        if bad is not None:
+            raise bad_request(f"logit_bias keys must be token ids (non-negative integers "
+                              f"as strings); got {bad!r}", "logit_bias")
+        return {int(k): v for k, v in self.logit_bias.items()}
 
     def structured_outputs_params(self) -> StructuredOutputsParams | None:
         """response_format, structured_outputs or a guided_* field (at most one of

@@ -115,9 +115,9 @@ def start_requests(engine: AsyncLLMEngine, prompt_ids: list[list[int]], prompts,
             gens.append(engine.generate(ids, parsed.params.copy(), f"{base}-{i}",
                                         prompts[i] if isinstance(prompts[i], str) else None,
                                         parsed.priority, parsed.cache_salt, parsed.tenant))
-        except ValueError as e:
-            raise bad_request(str(e), "messages" if parsed.logprobs_style == "chat"
-                              else "prompt") from e
+        except ValueError as e:  # a ParamError names its field (e.g. logit_bias)
+            raise bad_request(str(e), getattr(e, "param", None) or (
+                "messages" if parsed.logprobs_style == "chat" else "prompt")) from e
     return gens
 
 

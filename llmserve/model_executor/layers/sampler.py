@@ -15,6 +15,7 @@ import torch
 
 from llmserve.core.request import Sequence
 from llmserve.kernels.cpu.native import argmax_rows, native_bf16_applies
+from llmserve.model_executor.layers.token_controls import apply_token_controls
 
 
 @dataclass
@@ -49,6 +50,9 @@ class Sampler:
         want_logprobs = any(p.logprobs is not None for p in params)
         # Logprobs are the model's (after penalties), not the grammar's renormalisation.
         logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
+        # After the logprobs, as the grammar: a banned token's -inf has no JSON form.
+        if any(p.has_token_controls for p in params):
+            apply_token_controls(logits, seqs)
         if grammar_rows:
             apply_bitmask(logits, grammar_rows, bitmask)
 
@@ -65,10 +69,11 @@ class Sampler:
 
     @staticmethod
     def _plain_greedy(seq: Sequence) -> bool:
-        """Greedy with no penalty, no logprobs, no grammar and no token banned yet."""
+        """Greedy with no penalty, no logprobs, no grammar, no token controls and no
+        token banned yet."""
         p = seq.params
         return (p.greedy and not p.has_penalties and p.logprobs is None
-                and seq.matcher is None
+                and seq.matcher is None and not p.has_token_controls
                 and not (p.min_tokens and seq.num_output_tokens < p.min_tokens))
 
     # --- steps -----------------------------------------------------------------
