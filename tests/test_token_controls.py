@@ -125,6 +125,8 @@ def test_a_multi_token_bad_word_bans_its_last_token_after_the_others(client, off
     ({"allowed_token_ids": []}, "allowed_token_ids", "empty"),
     ({"allowed_token_ids": [VOCAB]}, "allowed_token_ids", "vocabulary"),
     ({"allowed_token_ids": [-1]}, "allowed_token_ids", "non-negative"),
+    # min_tokens indexes the logits with the stop ids: one past the vocabulary was a 500
+    ({"stop_token_ids": [VOCAB], "min_tokens": 1}, "stop_token_ids", "vocabulary"),
     ({"bad_words": [" "]}, "bad_words", "blank"),
     ({"bad_words": "word"}, "bad_words", "array"),
 ])
@@ -161,6 +163,7 @@ def test_sampling_params_reject_bad_controls(controls, field):
 @pytest.mark.parametrize("controls,field", [
     ({"logit_bias": {VOCAB: 1.0}}, "logit_bias"),
     ({"allowed_token_ids": [1, VOCAB]}, "allowed_token_ids"),
+    ({"stop_token_ids": [VOCAB], "min_tokens": 1}, "stop_token_ids"),
 ])
 def test_the_engine_rejects_ids_outside_the_vocabulary(offline, controls, field):
     with pytest.raises(ParamError, match="vocabulary") as e:

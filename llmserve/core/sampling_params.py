@@ -122,7 +122,8 @@ class SamplingParams:
     def check_token_ids(self, vocab_size: int) -> None:
         """Raise ParamError naming the field if an id is outside the vocabulary."""
         for name, ids in (("logit_bias", self.logit_bias or ()),
-                          ("allowed_token_ids", self.allowed_token_ids or ())):
+                          ("allowed_token_ids", self.allowed_token_ids or ()),
+                          ("stop_token_ids", self.stop_token_ids or ())):
             bad = [t for t in ids if t >= vocab_size]
             if bad:
                 raise ParamError(name, f"{name} names token id {bad[0]}, outside the "
