@@ -19,10 +19,15 @@ def fuzz_server(tiny_llama):
 
 
 def check_case(case) -> int:
-    # Keep generations short so the fuzzer spends its time on input shapes.
+    # Keep generations short so the fuzzer spends its time on input shapes: a body with
+    # no length would run to --max-model-len (times n, with logprobs), slow enough on a
+    # busy 2-core machine to hit the client's timeout.
     if isinstance(case.body, dict):
-        mt = case.body.get("max_tokens")
-        if isinstance(mt, int) and not isinstance(mt, bool) and mt > 8:
+        for key in ("max_tokens", "max_completion_tokens"):
+            mt = case.body.get(key)
+            if isinstance(mt, int) and not isinstance(mt, bool) and mt > 8:
+                case.body[key] = 8
+        if case.body.get("max_tokens") is None and case.body.get("max_completion_tokens") is None:
             case.body["max_tokens"] = 8
     response = case.call(timeout=60)
     assert response.status_code < 500, (case.path, case.body, response.text[:500])
