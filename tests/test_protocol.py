@@ -30,7 +30,8 @@ def error_of(parse, body) -> APIError:
      "structural_tag"),
     ({"prompt": "x", "response_format": {"type": "xml"}}, "response_format",
      "response_format.type"),
-    ({"prompt": "x", "echo": True}, "echo", "not supported"),
+    ({"prompt": "x", "echo": "yes"}, "echo", "must be a boolean"),
+    ({"prompt": "x", "max_tokens": 0}, "max_tokens", "0 only with 'echo'"),
     ({"prompt": ["a"] * 20, "n": 16}, "prompt", "too many completions"),
     ([1, 2], None, "JSON object"),
 ])

@@ -124,8 +124,10 @@ class BlockManager:
 
     def match_prefix(self, seq: Sequence) -> list[int]:
         """Block ids of the longest cached prefix of ``seq``. At least one token is
-        always left to compute, because the model must run to produce logits."""
-        if not self.enable_prefix_caching:
+        always left to compute, because the model must run to produce logits. None
+        for a request that wants its prompt's logprobs: they come from the prompt's
+        logits, which a cached block does not keep."""
+        if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:
             return []
         num_full = (seq.num_tokens - 1) // self.block_size
         hits = []

@@ -40,6 +40,7 @@ class Logprob:
     token_id: int
     logprob: float
     top: list[tuple[int, float]]  # (token id, logprob) of the top alternatives, best first
+    rank: int | None = None  # 1 + how many tokens were likelier (prompt logprobs)
 
 
 class Sequence:
@@ -106,6 +107,14 @@ class Sequence:
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
 
+    def prompt_logprob_positions(self, num_new: int) -> range:
+        """Of the next ``num_new`` positions to compute, those whose logits score the
+        prompt token after them (empty unless the request wants prompt logprobs)."""
+        if self.params.prompt_logprobs is None:
+            return range(0)
+        start = self.num_computed_tokens
+        return range(start, max(start, min(start + num_new, self.num_prompt_tokens - 1)))
+
     def reset_for_recompute(self) -> None:
         """Forget the KV cache: the whole sequence (prompt and the tokens generated
         so far) is prefilled again when it is rescheduled, so outputs do not change."""
@@ -143,12 +152,17 @@ class Request:
     tenant: str = ""  # fair order among tenants of equal priority (scheduler)
     tenant_weight: float = 1.0
     sequences: list[Sequence] = field(default_factory=list)
+    # With params.prompt_logprobs: one entry per prompt token computed so far; the first
+    # token has none (nothing precedes it).
+    prompt_logprobs: list[Logprob | None] | None = None
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None
     finished_time: float | None = None
 
     def __post_init__(self) -> None:
+        if self.params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None]
         if not self.sequences:
             self.sequences = [Sequence(self, i, self.prompt_token_ids)
                               for i in range(self.params.n)]

@@ -34,6 +34,10 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top alternatives per token, 0 = sampled only
+    # vLLM's prompt_logprobs: the log-probability of every prompt token after the first
+    # (and this many top alternatives); the prompt is computed in full for it, never
+    # taken from the prefix cache.
+    prompt_logprobs: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -86,6 +90,9 @@ class SamplingParams:
         check(self.logprobs is None
               or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
               "logprobs", f"must be an integer in [0, {MAX_LOGPROBS}]")
+        check(self.prompt_logprobs is None
+              or (_is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= MAX_LOGPROBS),
+              "prompt_logprobs", f"must be an integer in [0, {MAX_LOGPROBS}]")
         check(_is_num(self.presence_penalty) and -2.0 <= self.presence_penalty <= 2.0,
               "presence_penalty", "must be in [-2, 2]")
         check(_is_num(self.frequency_penalty) and -2.0 <= self.frequency_penalty <= 2.0,

@@ -22,6 +22,7 @@ from llmserve.engine.bad_words import bad_words_token_ids
 from llmserve.engine.detokenizer import Detokenizer
 from llmserve.engine.output import RequestOutput
 from llmserve.executor.tensor_parallel import TensorParallelGroup, WorkerDiedError
+from llmserve.model_executor.layers.prompt_logprobs import score_tokens
 from llmserve.model_executor.layers.quantization import resolve_quantization
 from llmserve.model_executor.layers.sampler import Sampler
 from llmserve.model_executor.model_loader.gguf import gguf_layer_weight_types
@@ -268,6 +269,9 @@ class LLMEngine:
         t0 = time.perf_counter()
         pending_masks = self._start_grammar_masks(batch)
         logits, due = self.runner.run(batch)
+        if logits is not None and logits.shape[0] > len(due):
+            self._record_prompt_logprobs(batch, logits[len(due):])
+            logits = logits[:len(due)]
         t1 = time.perf_counter()
         kv_tokens = batch.kv_tokens  # before num_computed_tokens moves on
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
@@ -311,6 +315,24 @@ class LLMEngine:
                 req.finished_time = time.monotonic()
                 self.requests.pop(req.request_id, None)
         return outputs
+
+    def _record_prompt_logprobs(self, batch, logits) -> None:
+        """Score the prompt tokens this step's chunks computed (before the sequences'
+        computed counts move on). A recomputed chunk scores tokens already scored:
+        only new ones are appended."""
+        row = 0
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            positions = seq.prompt_logprob_positions(n)
+            if not positions:
+                continue
+            targets = [seq.token_ids[p + 1] for p in positions]
+            scored = score_tokens(logits[row:row + len(positions)], targets,
+                                  seq.params.prompt_logprobs, self.hf_config.vocab_size)
+            row += len(positions)
+            have = seq.request.prompt_logprobs
+            for p, lp in zip(positions, scored):
+                if p + 1 == len(have):
+                    have.append(lp)
 
     def _start_grammar_masks(self, batch):
         """Masks of the constrained sequences that sample this step, computed on a

@@ -32,6 +32,8 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: dict = field(default_factory=dict)
+    # With SamplingParams.prompt_logprobs: one per prompt token, None for the first.
+    prompt_logprobs: list[Logprob | None] | None = None
 
     @classmethod
     def of(cls, req: Request) -> RequestOutput:
@@ -39,6 +41,8 @@ class RequestOutput:
                    prompt_token_ids=req.prompt_token_ids,
                    outputs=[CompletionOutput.of(s) for s in req.sequences],
                    finished=req.finished,
+                   prompt_logprobs=(list(req.prompt_logprobs)
+                                    if req.prompt_logprobs is not None else None),
                    metrics={"arrival_time": req.arrival_time,
                             "first_scheduled_time": req.first_scheduled_time,
                             "first_token_time": req.first_token_time})

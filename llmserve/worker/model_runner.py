@@ -174,9 +174,11 @@ class ModelRunner:
         bs = self.block_size
         input_ids, positions, slots = [], [], []
         query_start, seq_lens, sample_rows, due = [0], [], [], []
-        tables = []
+        tables, prompt_rows = [], []
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
+            first_row = query_start[-1] - start
+            prompt_rows += [first_row + p for p in seq.prompt_logprob_positions(n)]
             input_ids += seq.token_ids[start:end]
             positions += range(start, end)
             table = seq.block_table
@@ -188,7 +190,7 @@ class ModelRunner:
                 sample_rows.append(query_start[-1] - 1)
                 due.append(i)
         return StepInputs(input_ids, positions, slots, query_start, seq_lens, tables,
-                          sample_rows, max(batch.num_new_tokens)), due
+                          sample_rows, max(batch.num_new_tokens), prompt_rows), due
 
     def build(self, inputs: StepInputs):
         """The tensors the model reads, from the flat lists."""
@@ -241,18 +243,19 @@ class ModelRunner:
             hidden = self.graphs.run(bucket, ids, pos, meta)
         else:
             hidden = self.forward(ids, pos, meta)
-        if not inputs.sample_rows:
+        if not inputs.sample_rows and not inputs.prompt_rows:
             return None
-        if rows is None:
-            rows = torch.tensor(inputs.sample_rows, device=self.device)
+        if rows is None or inputs.prompt_rows:
+            rows = torch.tensor(inputs.sample_rows + inputs.prompt_rows, device=self.device)
         return self.model.compute_logits(hidden[rows])
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> tuple[torch.Tensor | None, list[int]]:
-        """Forward the batch once (on every rank); logits only for rows that sample.
+        """Forward the batch once (on every rank); logits only for rows that sample
+        and, after them, the rows that score prompt tokens (``prompt_rows``).
 
-        Returns (logits ``[num_sampling, vocab]`` or None, indices into
-        ``batch.seqs`` of the sequences those rows belong to)."""
+        Returns (logits ``[num_sampling + num_prompt_rows, vocab]`` or None, indices
+        into ``batch.seqs`` of the sequences the sampling rows belong to)."""
         inputs, due = self.flatten(batch)
         if self.group is None:
             seq_ids = [s.seq_id for s in batch.seqs] if self.step_builder is not None else None

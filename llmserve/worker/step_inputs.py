@@ -3,7 +3,7 @@ to every tensor-parallel rank (a few KB pickled per step, not per layer)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -17,3 +17,5 @@ class StepInputs:
     block_tables: list[list[int]]
     sample_rows: list[int]
     max_query_len: int
+    # Rows whose logits give prompt logprobs (rank 0 computes them after sample_rows).
+    prompt_rows: list[int] = field(default_factory=list)

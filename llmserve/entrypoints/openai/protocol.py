@@ -186,7 +186,6 @@ class _GenerationRequest(_Model):
     n: int | None = documented(minimum=1, maximum=MAX_N)
     # OpenAI's, accepted only as their no-op values: not advertised in the schema.
     best_of: SkipJsonSchema[int | None] = None  # only equal to n
-    echo: SkipJsonSchema[bool | None] = None
     suffix: SkipJsonSchema[str | None] = None  # only empty
     # Token ids as JSON object keys (OpenAI's shape); SamplingParams checks the values.
     logit_bias: Annotated[dict[str, float], Field(json_schema_extra={
@@ -194,6 +193,8 @@ class _GenerationRequest(_Model):
             "type": "number", "minimum": -MAX_LOGIT_BIAS, "maximum": MAX_LOGIT_BIAS}})
     ] | None = None
     stop_token_ids: list[TokenId] | None = None
+    # vLLM's: the prompt tokens' log-probabilities (and this many alternatives each).
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     allowed_token_ids: Annotated[list[TokenId], Field(min_length=1)] | None = None
     bad_words: list[str] | None = None
     temperature: float | None = documented(minimum=0, maximum=2)
@@ -224,9 +225,7 @@ class _GenerationRequest(_Model):
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         if self.best_of is not None and self.best_of != _or(self.n, 1):
             raise bad_request("'best_of' other than n is not supported", "best_of")
-        for name, used in (("echo", self.echo), ("suffix", self.suffix)):
-            if used:
-                raise bad_request(f"'{name}' is not supported", name)
+        self.refuse_unsupported()
         try:
             return SamplingParams(
                 n=_or(self.n, 1), temperature=_or(self.temperature, 1.0),
@@ -234,7 +233,8 @@ class _GenerationRequest(_Model):
                 min_p=_or(self.min_p, 0.0), seed=self.seed, max_tokens=max_tokens,
                 min_tokens=_or(self.min_tokens, 0), stop=self.stop,
                 stop_token_ids=self.stop_token_ids, ignore_eos=bool(self.ignore_eos),
-                logprobs=logprobs, presence_penalty=_or(self.presence_penalty, 0.0),
+                logprobs=logprobs, prompt_logprobs=self.wanted_prompt_logprobs(),
+                presence_penalty=_or(self.presence_penalty, 0.0),
                 frequency_penalty=_or(self.frequency_penalty, 0.0),
                 repetition_penalty=_or(self.repetition_penalty, 1.0),
                 skip_special_tokens=_or(self.skip_special_tokens, True),
@@ -244,6 +244,13 @@ class _GenerationRequest(_Model):
                 bad_words=self.bad_words)
         except ValueError as e:  # "<field> must ..."
             raise bad_request(str(e), str(e).split(" ")[0]) from e
+
+    def refuse_unsupported(self) -> None:
+        if self.suffix:
+            raise bad_request("'suffix' is not supported", "suffix")
+
+    def wanted_prompt_logprobs(self) -> int | None:
+        return self.prompt_logprobs
 
     def logit_bias_by_id(self) -> dict[int, float] | None:
         if self.logit_bias is None:
@@ -283,6 +290,15 @@ class CompletionRequest(_GenerationRequest):
         description="a string, an array of strings, an array of token ids or an array of "
                     "such arrays")
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    # OpenAI's: the prompt is repeated before the completion (with its logprobs when
+    # ``logprobs`` is set); with max_tokens 0, only the prompt comes back.
+    echo: bool | None = None
+    max_tokens: int | None = documented(minimum=0)
+
+    def wanted_prompt_logprobs(self) -> int | None:
+        if self.echo and self.logprobs is not None:
+            return max(self.logprobs, _or(self.prompt_logprobs, 0))
+        return self.prompt_logprobs
 
     def prompts(self) -> list[str | list[int]]:
         one = isinstance(self.prompt, str) or isinstance(self.prompt[0], int)
@@ -294,10 +310,16 @@ class ChatCompletionRequest(_GenerationRequest):
     max_completion_tokens: int | None = documented(minimum=1)  # max_tokens' new name
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: SkipJsonSchema[bool | None] = None  # vLLM's chat echo: not supported
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
         None, description="'none', 'auto', 'required' or "
                           "{'type': 'function', 'function': {'name': ...}}")
+
+    def refuse_unsupported(self) -> None:
+        super().refuse_unsupported()
+        if self.echo:
+            raise bad_request("'echo' is not supported on chat completions", "echo")
 
     def template_messages(self) -> list[dict]:
         return [m.for_template() for m in self.messages]
@@ -328,6 +350,9 @@ class ParsedRequest:
     priority: int
     logprobs_style: str | None  # "completion" | "chat" | None
     cache_salt: str | None = None
+    echo: bool = False  # completions: the prompt comes back before the completion
+    echo_only: bool = False  # max_tokens 0: the engine's one token is not shown
+    show_prompt_logprobs: bool = False  # the body asked for vLLM's prompt_logprobs
     tools: object | None = None  # tool_calls.ToolChoice when tools are in play (chat)
     tenant: Tenancy | None = None  # from the gateway's headers, not the body
 
@@ -343,13 +368,20 @@ def validate(model: type[_Model], body) -> _Model:
 def parse_completion(body) -> tuple[CompletionRequest, ParsedRequest]:
     req: CompletionRequest = validate(CompletionRequest, body)
     max_tokens = req.max_tokens if "max_tokens" in req.model_fields_set else 16  # OpenAI's
-    params = req.sampling_params(max_tokens, req.logprobs)
+    echo_only = max_tokens == 0
+    if echo_only and not req.echo:
+        raise bad_request("'max_tokens' must be at least 1 (0 only with 'echo': true, which "
+                          "returns the prompt alone)", "max_tokens")
+    # The engine always samples; with max_tokens 0 its one token is dropped (as vLLM).
+    params = req.sampling_params(1 if echo_only else max_tokens, req.logprobs)
     prompts = req.prompts()
     if len(prompts) * params.n > MAX_COMPLETIONS:
         raise bad_request(f"too many completions in one request (prompts x n > "
                           f"{MAX_COMPLETIONS})", "prompt")
     style = "completion" if req.logprobs is not None else None
-    return req, _parsed(req, prompts, params, style)
+    parsed = _parsed(req, prompts, params, style)
+    parsed.echo, parsed.echo_only = bool(req.echo), echo_only
+    return req, parsed
 
 
 def parse_chat(body) -> tuple[ChatCompletionRequest, ParsedRequest]:
@@ -366,7 +398,8 @@ def parse_chat(body) -> tuple[ChatCompletionRequest, ParsedRequest]:
 def _parsed(req: _GenerationRequest, prompts, params, style) -> ParsedRequest:
     usage = req.stream_options is not None and bool(req.stream_options.include_usage)
     return ParsedRequest(prompts, params, bool(req.stream), usage, _or(req.priority, 0),
-                         style, req.cache_salt)
+                         style, req.cache_salt,
+                         show_prompt_logprobs=req.prompt_logprobs is not None)
 
 
 # --- errors: one clear line naming the field, never pydantic's dump -------------------------

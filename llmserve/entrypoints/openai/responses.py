@@ -8,6 +8,7 @@ import contextlib
 from aiohttp import web
 
 from llmserve.engine.output import CompletionOutput, RequestOutput
+from llmserve.entrypoints.openai.prompt_echo import echo_choice, prompt_logprobs_body
 from llmserve.entrypoints.openai.protocol import ParsedRequest
 
 
@@ -21,12 +22,25 @@ async def full_response(rid: str, created: int, model: str, parsed: ParsedReques
             if out.finished:
                 finals[i] = out
     done = [c for i in range(len(prompt_ids)) for c in finals[i].outputs]
-    choices = [choice_body(tok, parsed, chat, i * n + c.index, c, None)
+    choices = [with_prompt(tok, parsed, chat, choice_body(tok, parsed, chat, i * n + c.index,
+                                                          c, None), finals[i])
                for i in range(len(prompt_ids)) for c in finals[i].outputs]
-    return web.json_response({
-        "id": rid, "object": "chat.completion" if chat else "text_completion",
-        "created": created, "model": model, "choices": choices,
-        "usage": usage([len(p) for p in prompt_ids], done)})
+    body = {"id": rid, "object": "chat.completion" if chat else "text_completion",
+            "created": created, "model": model, "choices": choices,
+            "usage": usage([len(p) for p in prompt_ids], done)}
+    if chat and parsed.show_prompt_logprobs:  # vLLM's place for it in chat answers
+        body["prompt_logprobs"] = prompt_logprobs_body(tok, finals[0])
+    return web.json_response(body)
+
+
+def with_prompt(tok, parsed: ParsedRequest, chat: bool, choice: dict,
+                out: RequestOutput) -> dict:
+    """A completion choice's prompt parts: the echo and vLLM's prompt_logprobs."""
+    if parsed.echo:
+        echo_choice(tok, parsed, choice, out)
+    if parsed.show_prompt_logprobs and not chat:
+        choice["prompt_logprobs"] = prompt_logprobs_body(tok, out)
+    return choice
 
 
 def usage(prompt_lens: list[int], outputs: list[CompletionOutput]) -> dict:

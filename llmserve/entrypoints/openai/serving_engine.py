@@ -14,6 +14,7 @@ from aiohttp import web
 from llmserve.core.request import Tenancy
 from llmserve.core.sampling_params import GrammarError
 from llmserve.engine.async_llm import AsyncLLMEngine
+from llmserve.entrypoints.openai.prompt_echo import hide_generated
 from llmserve.entrypoints.openai.protocol import APIError, ParsedRequest, bad_request
 from llmserve.entrypoints.openai.responses import full_response
 from llmserve.entrypoints.openai.streaming import stream_response
@@ -97,6 +98,8 @@ async def respond(request: web.Request, model: str, parsed: ParsedRequest, promp
     created = int(time.time())
     gens = start_requests(request.app[ENGINE], prompt_ids, prompts, parsed)
     outputs = interleave(gens)
+    if parsed.echo_only:
+        outputs = hide_generated(outputs)
     tok = request.app[ENGINE].tokenizer
     if not parsed.stream:
         return await full_response(rid, created, model, parsed, outputs, prompt_ids, chat, tok)

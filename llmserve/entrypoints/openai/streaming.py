@@ -12,8 +12,9 @@ from aiohttp import web
 from llmserve.core.sched.overload import OverloadedError
 from llmserve.engine.async_llm import EngineDeadError
 from llmserve.engine.output import CompletionOutput, RequestOutput
+from llmserve.entrypoints.openai.prompt_echo import prompt_logprobs_body
 from llmserve.entrypoints.openai.protocol import APIError, ParsedRequest
-from llmserve.entrypoints.openai.responses import choice_body, usage
+from llmserve.entrypoints.openai.responses import choice_body, usage, with_prompt
 from llmserve.entrypoints.openai.tool_calls import ToolCallStream
 
 
@@ -72,6 +73,7 @@ async def stream_response(request, rid, created, model, parsed: ParsedRequest, g
     tool_streams: dict[int, ToolCallStream] = {}
     tokens_sent: dict[int, int] = {}
     done: set[int] = set()
+    echoed: set[int] = set()
     last: dict[int, RequestOutput] = {}
     started = False
     async with contextlib.aclosing(fail_as_event(gen)) as events:
@@ -111,6 +113,14 @@ async def stream_response(request, rid, created, model, parsed: ParsedRequest, g
                     continue  # held back (partial character or possible stop string)
                 choice = choice_body(tok, parsed, chat, idx, c, (prev, len(c.token_ids)),
                                      delta=delta)
+                if idx not in echoed:  # the choice's first chunk carries the prompt parts
+                    echoed.add(idx)
+                    with_prompt(tok, parsed, chat, choice, out)
+                    if chat and parsed.show_prompt_logprobs:
+                        await resp.write(sse({"id": rid, "object": obj, "created": created,
+                                              "model": model, "choices": [choice],
+                                              "prompt_logprobs": prompt_logprobs_body(tok, out)}))
+                        continue
                 await resp.write(chunk(rid, obj, created, model, choice))
     if not started:
         await resp.prepare(request)
