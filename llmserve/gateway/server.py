@@ -39,7 +39,8 @@ from llmserve.gateway.metrics import GatewayMetrics, outcome_of
 from llmserve.gateway.openapi import UpstreamOpenAPI
 from llmserve.gateway.peers import USAGE_PATH
 from llmserve.gateway.prefix import prefix_key
-from llmserve.gateway.routing import make_policy
+from llmserve.gateway.response_affinity import RESPONSES_PATH, ResponseAffinity, responses_key
+from llmserve.gateway.routing import Decision, make_policy
 from llmserve.gateway.upstream_watch import HangWatch, UpstreamHung
 from llmserve.http_serving import (
     BODY_TIMEOUT,
@@ -163,6 +164,7 @@ class Gateway:
         self._tasks: list[asyncio.Task] = []
         self.hangs = HangWatch(self.metrics, self._failed)  # hung engines
         self.openapi = UpstreamOpenAPI()
+        self.affinity = ResponseAffinity()  # stored responses -> the engine that has them
 
     # --- lifecycle --------------------------------------------
     async def start(self) -> None:
@@ -241,8 +243,10 @@ class Gateway:
         finally:
             self.waiting_for_endpoint -= 1
 
-    async def proxy(self, request: web.Request, body: bytes | None, key: str
-                    ) -> web.StreamResponse:
+    async def proxy(self, request: web.Request, body: bytes | None, key: str,
+                    pinned: str | None = None) -> web.StreamResponse:
+        """``pinned``: the endpoint to try first while it is in the pool (the one that
+        has the state this request needs: a stored response)."""
         await self.wait_for_endpoint()
         tried: set[str] = set()
         last_error = "no endpoint is available"
@@ -250,7 +254,10 @@ class Gateway:
             candidates = self.pool.candidates(exclude=tried)
             if not candidates:
                 break
-            decision = self.policy.choose(candidates, key)
+            if pinned is not None and any(c.url == pinned for c in candidates):
+                decision = Decision(pinned, "pinned")
+            else:
+                decision = self.policy.choose(candidates, key)
             url = decision.url
             tried.add(url)
             if attempt:
@@ -308,6 +315,7 @@ class Gateway:
                 self._failed(url, "status")
                 return f"{url}: HTTP {upstream.status}"
             self.pool.succeeded(url)
+            self.affinity.remember(upstream.headers, url)
             response = await self._stream_back(request, upstream, watch)
             done = upstream.content.at_eof()
             return response
@@ -499,15 +507,18 @@ async def generate(request: web.Request) -> web.StreamResponse:
         raise APIError(400, f"invalid JSON body: {e}") from e
     if not isinstance(payload, dict):
         raise APIError(400, "the request body must be a JSON object")
-    key = prefix_key(payload, gw.config.prefix_chars)
+    key, pinned = prefix_key(payload, gw.config.prefix_chars), None
+    if request.path == RESPONSES_PATH:
+        key = responses_key(payload, gw.config.prefix_chars)
+        pinned = gw.affinity.endpoint_for(payload)
     gw.in_flight += 1
     try:
         if gw.tenants is None:
-            return await gw.proxy(request, body, key)
+            return await gw.proxy(request, body, key, pinned)
         chat = request.path.endswith("/chat/completions")
         async with gw.tenants.turn(request, payload, chat) as turn:
             request["turn"] = turn
-            return await gw.proxy(request, turn.body, key)
+            return await gw.proxy(request, turn.body, key, pinned)
     finally:
         gw.in_flight -= 1
 
@@ -549,6 +560,7 @@ def build_app(gw: Gateway) -> web.Application:
     app[GATEWAY] = gw
     app.router.add_post("/v1/completions", generate)
     app.router.add_post("/v1/chat/completions", generate)
+    app.router.add_post(RESPONSES_PATH, generate)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)

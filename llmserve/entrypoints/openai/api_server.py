@@ -25,6 +25,7 @@ from llmserve.entrypoints.openai.protocol import APIError
 from llmserve.entrypoints.openai.serving_chat import chat_completions
 from llmserve.entrypoints.openai.serving_completion import completions
 from llmserve.entrypoints.openai.serving_engine import ENGINE, STATE
+from llmserve.entrypoints.openai.serving_responses import add_routes as add_responses_routes
 from llmserve.entrypoints.openai.serving_tokenization import detokenize, tokenize
 from llmserve.http_serving import (
     BODY_TIMEOUT,
@@ -112,6 +113,7 @@ def build_app(engine: AsyncLLMEngine, api_key: str | None = None,
     app[STATE] = {"draining": False, "started": int(time.time())}
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
+    add_responses_routes(app)  # POST /v1/responses and its store
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
