@@ -83,8 +83,9 @@ def test_null_means_the_default_and_unknown_fields_are_ignored():
 
 def test_the_openapi_schema_agrees_with_the_models():
     doc = openapi_document()
-    assert set(doc["paths"]) == {"/v1/completions", "/v1/chat/completions", "/v1/models",
-                                 "/tokenize", "/detokenize", "/health", "/version"}
+    assert set(doc["paths"]) == {"/v1/completions", "/v1/chat/completions", "/v1/responses",
+                                 "/v1/models", "/tokenize", "/detokenize", "/health",
+                                 "/version"}
     registry = {"components": doc["components"]}
 
     def schema_of(path):

@@ -23,6 +23,7 @@ from llmserve.gateway.fairness import FairQueue, Waiter
 from llmserve.gateway.metrics import GatewayMetrics
 from llmserve.gateway.peers import TOKEN_HEADER, PeerCounters
 from llmserve.gateway.ratelimits import RateLimiter
+from llmserve.gateway.response_affinity import RESPONSES_PATH
 from llmserve.gateway.tenants import CLASS_HEADER, Tenant, TenantsFile, TrafficClass
 from llmserve.gateway.usage import UsageTap, ask_for_usage
 from llmserve.utils import cdiv
@@ -36,22 +37,67 @@ CHARS_PER_TOKEN = 4  # the estimate a gateway without the tokenizer can make
 # Bounds on what one request may claim; the engine refuses beyond its context anyway.
 MAX_TOKENS_ESTIMATE = 1 << 24
 MAX_N = 1024
-DEFAULT_MAX_TOKENS = {"chat": 256, "completions": 16}
+# chat and responses run to the context when unbounded; the estimate assumes this much.
+DEFAULT_MAX_TOKENS = {"chat": 256, "completions": 16, "responses": 256}
+# Where each kind of body says how much it may generate (first given wins).
+LENGTH_FIELDS = {"chat": ("max_completion_tokens", "max_tokens"),
+                 "completions": ("max_completion_tokens", "max_tokens"),
+                 "responses": ("max_output_tokens",)}
+# The strings a Responses input item puts into the prompt (content parts have "text").
+ITEM_TEXT_FIELDS = ("content", "text", "arguments", "output")
 
 
-def estimate_tokens(payload: dict, chat: bool) -> int:
+def request_kind(path: str, chat: bool) -> str:
+    if path == RESPONSES_PATH:
+        return "responses"
+    return "chat" if chat else "completions"
+
+
+def estimate_tokens(payload: dict, kind: str) -> int:
     """Prompt tokens (from its characters) plus what the request may generate."""
-    text = payload.get("messages") if chat else payload.get("prompt")
-    chars = len(json.dumps(text, ensure_ascii=False)) if text is not None else 0
-    prompts = len(text) if not chat and isinstance(text, list) and text and \
-        not isinstance(text[0], int) else 1
-    max_tokens = payload.get("max_completion_tokens") or payload.get("max_tokens")
+    chars, prompts = prompt_chars(payload, kind)
+    max_tokens = next((payload[f] for f in LENGTH_FIELDS[kind] if payload.get(f)), None)
     if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
-        max_tokens = DEFAULT_MAX_TOKENS["chat" if chat else "completions"]
-    n = payload.get("n") if isinstance(payload.get("n"), int) else 1
+        max_tokens = DEFAULT_MAX_TOKENS[kind]
+    n = payload.get("n") if kind != "responses" and isinstance(payload.get("n"), int) else 1
     n = min(max(n, 1), MAX_N)
     estimate = cdiv(chars, CHARS_PER_TOKEN) + prompts * n * min(max_tokens, MAX_TOKENS_ESTIMATE)
     return min(estimate, MAX_TOKENS_ESTIMATE)
+
+
+def prompt_chars(payload: dict, kind: str) -> tuple[int, int]:
+    """(characters of the prompt, how many prompts the body holds)."""
+    if kind == "responses":
+        return responses_chars(payload), 1
+    text = payload.get("messages") if kind == "chat" else payload.get("prompt")
+    chars = len(json.dumps(text, ensure_ascii=False)) if text is not None else 0
+    prompts = len(text) if kind == "completions" and isinstance(text, list) and text and \
+        not isinstance(text[0], int) else 1
+    return chars, prompts
+
+
+def responses_chars(payload: dict) -> int:
+    """A Responses body's prompt: its instructions and its input, a string or items
+    whose text is in content (a string or parts), arguments or output. A conversation
+    continued by previous_response_id is not counted (only its engine has it): the
+    real usage corrects the charge when the response ends."""
+    chars = _text_chars(payload.get("instructions"))
+    given = payload.get("input")
+    for item in given if isinstance(given, list) else [given]:
+        if isinstance(item, dict):
+            chars += sum(_text_chars(item.get(f)) for f in ITEM_TEXT_FIELDS)
+        else:
+            chars += _text_chars(item)
+    return chars
+
+
+def _text_chars(value, depth: int = 0) -> int:
+    """Characters of the strings in ``value``: itself, or the text of its parts."""
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, list) and depth == 0:
+        return sum(_text_chars(p.get("text"), 1) for p in value if isinstance(p, dict))
+    return 0
 
 
 @dataclass
@@ -96,7 +142,8 @@ class TenantAdmission:
         """Admit, queue and dispatch the request; yields its Turn; accounts on exit."""
         tenant: Tenant = request["tenant"]
         cls = self.file.config.class_for(tenant, request.headers.get(CLASS_HEADER))
-        est = estimate_tokens(payload, chat)
+        kind = request_kind(request.path, chat)
+        est = estimate_tokens(payload, kind)
         arrived = time.monotonic()
         request["class"] = cls.name  # for the request counter
         admission = self.limiter.admit(tenant, est)
@@ -109,7 +156,7 @@ class TenantAdmission:
             self.metrics.queue_wait.labels(cls.name, tenant.name).observe(
                 time.monotonic() - arrived)
             payload["priority"] = cls.priority
-            tap = UsageTap(bool(payload.get("stream")), ask_for_usage(payload))
+            tap = UsageTap(bool(payload.get("stream")), ask_for_usage(payload, kind))
             turn = Turn(tenant, cls, json.dumps(payload).encode(),
                         {TENANT_HEADER: tenant.name, WEIGHT_HEADER: f"{tenant.weight:g}"},
                         admission.headers, tap)

@@ -12,7 +12,8 @@ import aiohttp
 
 from llmserve.errors import APIError
 
-GATEWAY_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health")
+GATEWAY_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/models",
+                 "/health")
 FETCH_TIMEOUT = 5.0  # per engine asked; the document is small and built at start
 
 

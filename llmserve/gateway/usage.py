@@ -4,7 +4,10 @@ Rate limits and fair shares are charged an estimate when a request is admitted a
 corrected from its real usage when it ends. A JSON response carries ``usage``; a
 stream carries it in a final chunk only when asked (``stream_options.include_usage``),
 so the gateway asks for it on every stream and, when the client did not, drops that
-chunk on the way back: the client sees exactly what it asked for.
+chunk on the way back: the client sees exactly what it asked for. A /v1/responses
+stream always ends with the response, usage included (``response.completed``,
+``response.incomplete`` or ``response.failed``), in events that start with an
+``event:`` line; nothing is asked for and nothing is dropped there.
 """
 
 from __future__ import annotations
@@ -15,10 +18,14 @@ import time
 MAX_JSON_BODY = 8 << 20  # a larger JSON body is passed through without reading usage
 
 
-def ask_for_usage(payload: dict) -> bool:
+# The Responses stream's last events: their ``response`` carries the usage.
+FINAL_RESPONSE_EVENTS = ("response.completed", "response.incomplete", "response.failed")
+
+
+def ask_for_usage(payload: dict, kind: str = "completions") -> bool:
     """Make a streaming request report usage. True if the client did not ask for it
     (its usage chunk must then be removed from the response)."""
-    if not payload.get("stream"):
+    if not payload.get("stream") or kind == "responses":
         return False
     options = payload.get("stream_options")
     if isinstance(options, dict) and options.get("include_usage") is True:
@@ -62,9 +69,10 @@ class UsageTap:
         return rest
 
     def _keep(self, event: bytes) -> bool:
-        if b'"usage"' not in event or not event.startswith(b"data: {"):
+        raw = _data_line(event) if b'"usage"' in event else None
+        if raw is None:
             return True
-        data = self._read_usage(event[6:])
+        data = self._read_usage(raw)
         return not (self.drop_usage_chunk and data is not None and data.get("choices") == []
                     and data.get("usage") is not None)
 
@@ -73,7 +81,20 @@ class UsageTap:
             data = json.loads(raw)
         except (ValueError, UnicodeDecodeError):
             return None
-        usage = data.get("usage") if isinstance(data, dict) else None
+        if not isinstance(data, dict):
+            return None
+        usage = data.get("usage")
+        if data.get("type") in FINAL_RESPONSE_EVENTS and isinstance(data.get("response"), dict):
+            usage = data["response"].get("usage")
         if isinstance(usage, dict) and isinstance(usage.get("total_tokens"), int):
             self.total_tokens = usage["total_tokens"]
-        return data if isinstance(data, dict) else None
+        return data
+
+
+def _data_line(event: bytes) -> bytes | None:
+    """The JSON object of an SSE event: its ``data:`` line, after any ``event:`` line
+    (the Responses API names each event; chat and completions do not)."""
+    for line in event.split(b"\n"):
+        if line.startswith(b"data: {"):
+            return line[6:]
+    return None

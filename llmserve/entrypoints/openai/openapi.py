@@ -16,6 +16,7 @@ from llmserve.entrypoints.openai.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
+from llmserve.entrypoints.openai.protocol_responses import ResponsesRequest
 
 REF = "#/components/schemas/{model}"
 
@@ -48,7 +49,8 @@ def _post(operation: str, model, ok: str, *errors: int) -> dict:
 @cache
 def openapi_document() -> dict:
     """Built once per process (the models do not change); callers must not mutate it."""
-    models = (CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest)
+    models = (CompletionRequest, ChatCompletionRequest, ResponsesRequest, TokenizeRequest,
+              DetokenizeRequest)
     _, schemas = models_json_schema([(m, "validation") for m in models], ref_template=REF)
     return {
         "openapi": "3.1.0",
@@ -58,6 +60,8 @@ def openapi_document() -> dict:
                                      400, 404),
             "/v1/chat/completions": _post("createChatCompletion", ChatCompletionRequest,
                                           "chat", 400, 404),
+            # 404: a previous_response_id that is not (or no longer) stored.
+            "/v1/responses": _post("createResponse", ResponsesRequest, "response", 400, 404),
             "/v1/models": {"get": {"operationId": "listModels",
                                    "responses": _responses("models")}},
             "/tokenize": _post("tokenize", TokenizeRequest, "tokens", 400),
