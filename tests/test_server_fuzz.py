@@ -18,17 +18,29 @@ def fuzz_server(tiny_llama):
     assert proc.stop() == 0
 
 
+# Each endpoint's length fields; the first is set when none is given. A Responses body
+# has only max_output_tokens (and refuses chat's fields, so it must not get max_tokens).
+LENGTH_FIELDS = {"/v1/responses": ("max_output_tokens",)}
+CHAT_LENGTH_FIELDS = ("max_tokens", "max_completion_tokens")
+
+
+def shorten(path: str, body) -> None:
+    """Keep generations short so the fuzzer spends its time on input shapes: a body with
+    no length would run to --max-model-len (times n, with logprobs), slow enough on a
+    busy 2-core machine to hit the client's timeout."""
+    if not isinstance(body, dict):
+        return
+    fields = LENGTH_FIELDS.get(path, CHAT_LENGTH_FIELDS)
+    for key in fields:
+        mt = body.get(key)
+        if isinstance(mt, int) and not isinstance(mt, bool) and mt > 8:
+            body[key] = 8
+    if all(body.get(key) is None for key in fields):
+        body[fields[0]] = 8
+
+
 def check_case(case) -> int:
-    # Keep generations short so the fuzzer spends its time on input shapes: a body with
-    # no length would run to --max-model-len (times n, with logprobs), slow enough on a
-    # busy 2-core machine to hit the client's timeout.
-    if isinstance(case.body, dict):
-        for key in ("max_tokens", "max_completion_tokens"):
-            mt = case.body.get(key)
-            if isinstance(mt, int) and not isinstance(mt, bool) and mt > 8:
-                case.body[key] = 8
-        if case.body.get("max_tokens") is None and case.body.get("max_completion_tokens") is None:
-            case.body["max_tokens"] = 8
+    shorten(case.path, case.body)
     response = case.call(timeout=60)
     assert response.status_code < 500, (case.path, case.body, response.text[:500])
     if response.status_code >= 400:
@@ -41,6 +53,7 @@ def fuzz_every_operation(url: str, min_operations: int, max_examples: int) -> di
     schema = schemathesis.openapi.from_url(url + "/openapi.json")
     operations = [op.ok() for op in schema.get_all_operations()]
     assert len(operations) >= min_operations
+    assert "/v1/responses" in {op.path for op in operations}
     seen = {"2xx": 0, "4xx": 0}
     modes = (schemathesis.GenerationMode.POSITIVE, schemathesis.GenerationMode.NEGATIVE)
     # Operations without a body (GETs) have nothing to make invalid.
@@ -61,7 +74,7 @@ def fuzz_every_operation(url: str, min_operations: int, max_examples: int) -> di
 
 
 def test_api_never_5xx(fuzz_server):
-    seen = fuzz_every_operation(fuzz_server.url, 7, 30)
+    seen = fuzz_every_operation(fuzz_server.url, 8, 30)
     # Both valid and invalid requests were really sent.
     assert seen["2xx"] > 20 and seen["4xx"] > 20, seen
 
@@ -73,7 +86,7 @@ def test_gateway_api_never_5xx_and_leaks_nothing(fuzz_server):
     from tests.test_gateway import start_gateway
     gw = start_gateway([fuzz_server], host="127.0.0.8")
     try:
-        seen = fuzz_every_operation(gw.url, 4, 6)
+        seen = fuzz_every_operation(gw.url, 5, 6)
         metrics = scrape(gw.url)
         engine = scrape(fuzz_server.url)
     finally:
