@@ -62,6 +62,16 @@ def parse_args() -> argparse.Namespace:
 
 
 # --- running lm-eval ---------------------------------------------------------------------
+def require_lm_eval(python: str) -> None:
+    """Say how to get lm-eval before a server starts, not after a traceback."""
+    probe = subprocess.run([python, "-c", "import lm_eval, accelerate, tenacity"],
+                           capture_output=True, text=True)
+    if probe.returncode != 0:
+        sys.exit(f"{python} cannot run lm-eval ({probe.stderr.strip().splitlines()[-1]}); "
+                 f'install it with: {python} -m pip install "lm-eval[api,hf]>=0.4,<0.5", '
+                 f"or pass --lm-eval-python")
+
+
 def run_lm_eval(python: str, backend: str, model_args: list[str], out: Path,
                 batch_size: int, extra: list[str]) -> tuple[dict, list[dict], float]:
     """One lm-eval CLI run from the repository root (the task's data_files path is
@@ -171,6 +181,7 @@ def report(summary: dict) -> bool:
 
 def main() -> int:
     args = parse_args()
+    require_lm_eval(args.lm_eval_python)
     model_dir = resolve_model(args.model)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     out = args.out / stamp
