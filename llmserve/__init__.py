@@ -11,6 +11,7 @@ _LAZY = {
     "LLMEngine": "llmserve.engine.llm_engine",
     "SamplingParams": "llmserve.core.sampling_params",
     "StructuredOutputsParams": "llmserve.core.sampling_params",
+    "BeamSearchParams": "llmserve.core.beam_search",
     "EngineConfig": "llmserve.config",
     "RequestOutput": "llmserve.engine.output",
     "CompletionOutput": "llmserve.engine.output",

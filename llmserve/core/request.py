@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from llmserve.core.beam_search import BeamSearch
 from llmserve.core.sampling_params import SamplingParams
 
 
@@ -155,6 +156,7 @@ class Request:
     # With params.prompt_logprobs: one entry per prompt token computed so far; the first
     # token has none (nothing precedes it).
     prompt_logprobs: list[Logprob | None] | None = None
+    beams: BeamSearch | None = None  # the search's state, with params.beam
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None
@@ -164,9 +166,21 @@ class Request:
         if self.params.prompt_logprobs is not None:
             self.prompt_logprobs = [None]
         if not self.sequences:
-            self.sequences = [Sequence(self, i, self.prompt_token_ids)
-                              for i in range(self.params.n)]
+            # Beam search starts from one beam and forks as beams are chosen.
+            count = 1 if self.params.beam is not None else self.params.n
+            self.sequences = [Sequence(self, i, self.prompt_token_ids) for i in range(count)]
 
     @property
     def finished(self) -> bool:
         return all(s.finished for s in self.sequences)
+
+    @property
+    def live_sequences(self) -> list[Sequence]:
+        return [s for s in self.sequences if not s.finished]
+
+    def fork_beam(self, parent: Sequence) -> Sequence:
+        """A new beam with ``parent``'s tokens (its blocks are the caller's to share)."""
+        child = Sequence(self, len(self.sequences), self.prompt_token_ids)
+        child.token_ids = list(parent.token_ids)
+        self.sequences.append(child)
+        return child

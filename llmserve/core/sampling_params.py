@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from llmserve.core.beam_search import BeamSearchParams
 
 MAX_N = 16
 MAX_LOGPROBS = 20
@@ -53,6 +57,8 @@ class SamplingParams:
     bad_words: list[str] | None = None
     # bad_words as token ids, filled in by the engine, which has the tokenizer.
     bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False)
+    # Beam search (beam_search.py) instead of sampling; n is then the beam width.
+    beam: BeamSearchParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -157,6 +163,12 @@ class SamplingParams:
     def copy(self) -> SamplingParams:
         """A copy the engine may fill in (``max_tokens``) without touching the caller's."""
         return replace(self)
+
+
+def beam_sampling_params(beam: BeamSearchParams) -> SamplingParams:
+    """The request a beam search is: n beams, the same length limit."""
+    return SamplingParams(n=beam.beam_width, max_tokens=beam.max_tokens,
+                          ignore_eos=beam.ignore_eos, beam=beam)
 
 
 def _is_int(x) -> bool:

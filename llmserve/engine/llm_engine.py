@@ -8,9 +8,11 @@ import logging
 import threading
 import time
 import weakref
+from dataclasses import replace
 from pathlib import Path
 
 from llmserve.config import EngineConfig
+from llmserve.core.beam_search import BeamSearch
 from llmserve.core.block_manager import BlockManager
 from llmserve.core.request import Logprob, Request, Sequence, SequenceStatus, Tenancy
 from llmserve.core.sampling_params import SamplingParams
@@ -19,6 +21,7 @@ from llmserve.core.sched.overload import check_admission, expired
 from llmserve.core.sched.scheduler import Scheduler
 from llmserve.distributed.shapes import check_tensor_parallel
 from llmserve.engine.bad_words import bad_words_token_ids
+from llmserve.engine.beam_search import BeamStepper
 from llmserve.engine.detokenizer import Detokenizer
 from llmserve.engine.output import RequestOutput
 from llmserve.executor.tensor_parallel import TensorParallelGroup, WorkerDiedError
@@ -73,6 +76,7 @@ class LLMEngine:
         vocab = self.hf_config.vocab_size
         self.sampler = Sampler(vocab, self.eos_token_ids)
         self.detokenizer = Detokenizer(self.tokenizer, self.eos_token_ids)
+        self.beam_stepper = BeamStepper(self.scheduler, self.tokenizer, vocab, self.kv_check)
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self.stats = EngineStats()
@@ -164,6 +168,8 @@ class LLMEngine:
                         max(0, self.config.max_num_seqs - len(self.scheduler.running)))
         if params.max_tokens is None:
             params.max_tokens = self.max_model_len - len(ids)
+        if params.beam is not None:  # the search stops where sampling would
+            params.beam = replace(params.beam, max_tokens=params.max_tokens)
         if params.bad_words:
             params.bad_words_token_ids = bad_words_token_ids(
                 params.bad_words, self.tokenizer, self.hf_config.vocab_size)
@@ -175,6 +181,9 @@ class LLMEngine:
                       cache_salt=(cache_salt or "").encode(),
                       tenant=tenant.name if tenant else "",
                       tenant_weight=tenant.weight if tenant else 1.0)
+        if params.beam is not None:
+            req.beams = BeamSearch(params.beam, frozenset(self.eos_token_ids))
+            req.beams.start(req.sequences[0].seq_id)
         if params.structured_outputs is not None:  # GrammarError is a ValueError
             for seq in req.sequences:  # each parallel sample has its own parser state
                 seq.matcher = self.structured_outputs().matcher(params.structured_outputs)
@@ -282,8 +291,11 @@ class LLMEngine:
         if self.kv_check:
             self.kv_check.after_forward(batch)
         touched: dict[str, Request] = {}
+        due_seqs = []
         if due:
-            due_seqs = [batch.seqs[i] for i in due]
+            due_seqs, logits = self._advance_beams([batch.seqs[i] for i in due], logits,
+                                                   touched)
+        if due_seqs:
             rows = list(range(len(due_seqs)))
             for row, seq in enumerate(list(due_seqs)):
                 for child in self.scheduler.fork_children(seq):
@@ -333,6 +345,17 @@ class LLMEngine:
             for p, lp in zip(positions, scored):
                 if p + 1 == len(have):
                     have.append(lp)
+
+    def _advance_beams(self, due_seqs: list[Sequence], logits, touched: dict):
+        """Hand the beam-search rows to the beam stepper; the other rows (and their
+        logits) are returned for sampling."""
+        beam_rows = [i for i, s in enumerate(due_seqs) if s.request.beams is not None]
+        if not beam_rows:
+            return due_seqs, logits
+        for req in self.beam_stepper([due_seqs[i] for i in beam_rows], logits[beam_rows]):
+            touched[req.request_id] = req
+        rest = [i for i, s in enumerate(due_seqs) if s.request.beams is None]
+        return [due_seqs[i] for i in rest], logits[rest]
 
     def _start_grammar_masks(self, batch):
         """Masks of the constrained sequences that sample this step, computed on a

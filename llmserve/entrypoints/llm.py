@@ -8,9 +8,10 @@ from collections.abc import Sequence as Seq
 from tqdm import tqdm
 
 from llmserve.config import EngineConfig
-from llmserve.core.sampling_params import SamplingParams
+from llmserve.core.beam_search import BeamSearchParams
+from llmserve.core.sampling_params import SamplingParams, beam_sampling_params
 from llmserve.engine.llm_engine import LLMEngine
-from llmserve.engine.output import RequestOutput
+from llmserve.engine.output import BeamSearchOutput, BeamSearchSequence, RequestOutput
 
 
 class LLM:
@@ -42,6 +43,24 @@ class LLM:
         ids = [self.engine.add_request(p, sp.copy()).request_id
                for p, sp in zip(prompts, params)]
         return self._run(ids, use_tqdm)
+
+    def beam_search(self, prompts, params: BeamSearchParams,
+                    use_tqdm: bool = False) -> list[BeamSearchOutput]:
+        """Beam search over each prompt (text or token ids), vLLM's shape: one output
+        per prompt, its ``sequences`` best first."""
+        prompts = _as_prompt_list(prompts)
+        sampling = beam_sampling_params(params)
+        ids = [self.engine.add_request(p, sampling.copy()).request_id for p in prompts]
+        outputs = []
+        for out in self._run(ids, use_tqdm):
+            ids = out.prompt_token_ids
+            outputs.append(BeamSearchOutput([
+                BeamSearchSequence(ids + c.token_ids,
+                                   self.tokenizer.decode(ids + c.token_ids,
+                                                         skip_special_tokens=True),
+                                   c.cum_logprob, c.finish_reason, len(ids))
+                for c in out.outputs]))
+        return outputs
 
     def chat(self, messages, sampling_params: SamplingParams | None = None,
              use_tqdm: bool = False) -> list[RequestOutput]:

@@ -200,7 +200,7 @@ class Scheduler:
         prompts plus max_tokens fit the free KV blocks together (at least one)."""
         free, slots = self.bm.num_free_blocks, self.config.max_num_seqs
         for seq in self.waiting:
-            n = len(seq.request.sequences)
+            n = seq.params.n
             need = n * cdiv(seq.num_tokens + seq.params.max_tokens, self.bm.block_size)
             if self.static_members and (need > free or n > slots):
                 break
@@ -237,6 +237,8 @@ class Scheduler:
         return seq.priority < min(v.priority for v in victims)
 
     def _schedule_running(self, seq: Sequence, step: _Step) -> None:
+        if seq.num_uncomputed_tokens == 0:
+            return  # a beam waiting for its siblings' next tokens (beam_search.py)
         decode = seq.num_uncomputed_tokens == 1
         if decode:
             num_new = min(1, step.budget) if step.decode_fits(seq) else 0
@@ -334,7 +336,8 @@ class Scheduler:
         and is about to sample its first token, its siblings start from it, sharing
         every block (copy-on-write). Returns the siblings, which sample now too."""
         req = parent.request
-        if parent.index != 0 or parent.num_output_tokens or len(req.sequences) == 1:
+        if (parent.index != 0 or parent.num_output_tokens or len(req.sequences) == 1
+                or req.beams is not None):
             return []
         children = req.sequences[1:]
         for child in children:
@@ -343,20 +346,45 @@ class Scheduler:
             self.running.append(child)
         return children
 
+    def resume(self, seq: Sequence) -> None:
+        """A beam the search extended: queued again if it was preempted while waiting
+        for its siblings (``preempt``)."""
+        if seq.status is SequenceStatus.WAITING and seq not in self.waiting:
+            self.add(seq)
+
+    def fork_beam(self, parent: Sequence, child: Sequence) -> None:
+        """Beam search chose ``parent`` twice: ``child`` shares its blocks (copy-on-write,
+        so only a partial last block is ever copied). A parent preempted meanwhile has
+        no blocks on the device: the child is prefilled like it."""
+        if parent.status is SequenceStatus.RUNNING:
+            self.bm.fork(parent, child)
+            child.status = SequenceStatus.RUNNING
+            self.running.append(child)
+        else:
+            self.add(child)
+
     def _has_seq_slots(self, seq: Sequence) -> bool:
         """Room under max_num_seqs for ``seq`` and, if it is an unforked first
         sample, for the siblings that will fork from it. A request with more
         samples than the cap still runs when nothing else does."""
         def slots(s: Sequence) -> int:
             unforked = s.index == 0 and s.num_output_tokens == 0
-            return len(s.request.sequences) if unforked else 1
+            return s.params.n if unforked else 1  # (n: the beam width in beam search)
 
         used = sum(slots(s) for s in self.running)
         return used + slots(seq) <= self.config.max_num_seqs or not self.running
 
     def _preempt_for(self, seq: Sequence, step: _Step) -> bool:
-        """Priority policy: preempt the least urgent unscheduled running sequence if
+        """Make room for the candidate ``seq``: a sibling beam that is only waiting
+        for it goes first (under any policy: its next tokens are offered, so only
+        ``seq`` can move the search on, and it would wait for room forever). Then,
+        under the priority policy, the least urgent unscheduled running sequence if
         its priority is strictly less urgent than the candidate's. True if one was."""
+        parked = [s for s in self.running if s.request is seq.request
+                  and s.num_uncomputed_tokens == 0 and s.seq_id not in step.scheduled]
+        if parked:
+            self.preempt(parked[-1], step)
+            return True
         if self.config.scheduling_policy != "priority":
             return False
         victim = self._least_urgent_unscheduled(step)
@@ -378,6 +406,15 @@ class Scheduler:
         self.num_preemptions += 1
         seq.num_preemptions += 1
         step.batch.preempted.append(seq)
+        if seq.num_uncomputed_tokens == 0:
+            # A beam waiting for its siblings: its next tokens are offered, so it has
+            # nothing to run until the search picks them. It leaves the device and
+            # every queue until ``resume`` (queued now, it would only be admitted to
+            # idle, keeping its siblings out).
+            self.bm.free(seq)
+            seq.reset_for_recompute()
+            seq.status = SequenceStatus.WAITING
+            return
         if self.config.preemption_mode == "swap" and self.bm.can_swap_out(seq):
             self.bm.swap_out(seq)
             seq.status = SequenceStatus.SWAPPED

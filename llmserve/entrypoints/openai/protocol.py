@@ -19,6 +19,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic.json_schema import SkipJsonSchema
 
+from llmserve.core.beam_search import BeamSearchParams
 from llmserve.core.request import Tenancy
 from llmserve.core.sampling_params import (
     MAX_LOGIT_BIAS,
@@ -26,6 +27,7 @@ from llmserve.core.sampling_params import (
     MAX_N,
     SamplingParams,
     StructuredOutputsParams,
+    beam_sampling_params,
 )
 from llmserve.errors import APIError, bad_request  # noqa: F401 - re-exported
 
@@ -172,6 +174,14 @@ class StreamOptions(_Model):
     include_usage: bool | None = None
 
 
+# Fields that shape sampling or stream tokens, which beam search does not do.
+BEAM_INCOMPATIBLE = (
+    "stream", "logprobs", "top_logprobs", "echo", "prompt_logprobs", "top_p", "top_k", "min_p",
+    "seed", "min_tokens", "stop", "stop_token_ids", "presence_penalty", "frequency_penalty",
+    "repetition_penalty", "logit_bias", "allowed_token_ids", "bad_words", "response_format",
+    "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+    "tools", "tool_choice")
+
 GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
                  "guided_grammar": "grammar"}
 
@@ -217,6 +227,11 @@ class _GenerationRequest(_Model):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    # vLLM's beam search: n beams, returned best first (beam_search.py).
+    use_beam_search: bool | None = None
+    length_penalty: float | None = documented(minimum=-10, maximum=10)
+    early_stopping: bool | Literal["never"] | None = Field(
+        None, description="true, false or \"never\"")
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     priority: int | None = None  # lower runs first
@@ -226,6 +241,11 @@ class _GenerationRequest(_Model):
         if self.best_of is not None and self.best_of != _or(self.n, 1):
             raise bad_request("'best_of' other than n is not supported", "best_of")
         self.refuse_unsupported()
+        if self.use_beam_search:
+            return self.beam_search_params(max_tokens)
+        for name in ("length_penalty", "early_stopping"):
+            if getattr(self, name) is not None:
+                raise bad_request(f"'{name}' needs 'use_beam_search': true", name)
         try:
             return SamplingParams(
                 n=_or(self.n, 1), temperature=_or(self.temperature, 1.0),
@@ -244,6 +264,23 @@ class _GenerationRequest(_Model):
                 bad_words=self.bad_words)
         except ValueError as e:  # "<field> must ..."
             raise bad_request(str(e), str(e).split(" ")[0]) from e
+
+    def beam_search_params(self, max_tokens: int | None) -> SamplingParams:
+        """Beam search: only what it uses may be set; anything that shapes sampling
+        or streams tokens is a 400 naming it."""
+        for name in BEAM_INCOMPATIBLE:
+            value = getattr(self, name, None)
+            if value is not None and value is not False:  # (logprobs 0 counts)
+                raise bad_request(f"'{name}' cannot be combined with 'use_beam_search'", name)
+        try:
+            return beam_sampling_params(BeamSearchParams(
+                beam_width=_or(self.n, 1), max_tokens=max_tokens,
+                ignore_eos=bool(self.ignore_eos), temperature=_or(self.temperature, 0.0),
+                length_penalty=_or(self.length_penalty, 1.0),
+                early_stopping=_or(self.early_stopping, False)))
+        except ValueError as e:  # "<field> must ..."
+            name = str(e).split(" ")[0]
+            raise bad_request(str(e), "n" if name == "beam_width" else name) from e
 
     def refuse_unsupported(self) -> None:
         if self.suffix:
