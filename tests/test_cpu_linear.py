@@ -4,6 +4,7 @@ packing exactly the dense projections."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -13,14 +14,15 @@ import torch
 import torch.nn.functional as F
 
 from llmserve import LLM, SamplingParams
+from llmserve.kernels.cpu.decoder import int4_pack_block_n
 from llmserve.kernels.cpu.gemm import (
-    QUANT_TILED_MIN_ROWS,
     gemm_backend,
     native_gemm_available,
     packing_available,
     quant_gemm,
     quant_tiled,
     quant_tiled_available,
+    quant_tiled_min_rows,
 )
 from llmserve.model_executor.layers.cpu_linear import (
     NativeLinear,
@@ -151,6 +153,19 @@ def test_an_avx2_build_has_no_native_gemm_and_keeps_onednn():
     assert out.stdout.split() == ["False", "onednn", "refused"]
 
 
+def test_the_quant_tiles_crossover_follows_the_cpu_kind(monkeypatch):
+    """Where quant_gemm starts to pay, per CPU kind as measured (gemm.py): 8 rows
+    without AMX, 24 on AMX Xeons; and the tiles are not kept off by oneDNN computing
+    the dense bf16 linears there."""
+    from llmserve.kernels.cpu import gemm
+    for amx, rows in ((False, 8), (True, 24)):
+        features = dataclasses.replace(gemm.cpu_features(), amx_bf16=amx)
+        monkeypatch.setattr(gemm, "cpu_features", lambda f=features: f)
+        assert gemm.quant_tiled_min_rows() == rows
+    if native_gemm_available() and int4_pack_block_n() == 64:
+        assert quant_tiled_available(4) and quant_tiled_available(8)
+
+
 needs_quant_tiled = pytest.mark.skipif(not quant_tiled_available(4),
                                        reason="quant_gemm needs AVX512-BF16 and ATen's "
                                               "AVX-512 int4 pack")
@@ -224,9 +239,9 @@ def test_an_int8_lm_head_shape_and_strided_rows():
 @needs_quant_tiled
 @pytest.mark.parametrize("bits", [4, 8])
 def test_quantized_linears_take_the_tiles_from_enough_rows(bits):
-    """A QuantizedLinear multiplies by quant_gemm from QUANT_TILED_MIN_ROWS rows on
+    """A QuantizedLinear multiplies by quant_gemm from quant_tiled_min_rows() rows on
     (any leading shape; the input's dtype kept), by ATen's kernel below."""
-    least = QUANT_TILED_MIN_ROWS
+    least = quant_tiled_min_rows()
     lin = quantized_linear(bits, 128, 64, bias=True, seed=0)
     many = torch.randn(2, least, 64).to(torch.bfloat16)
     few = torch.randn(least - 1, 64).to(torch.bfloat16)

@@ -111,20 +111,26 @@ def gemm_backend() -> str:
     return "onednn" if cpu_features().amx_bf16 else "native"
 
 
-# Weight-only products of at least this many rows go through gemm.c's quant_gemm
-# (each group of panels dequantised once to bf16, then the bf16 tiles); fewer rows stay
-# on ATen's kernels, which read the packed bytes directly. Crossovers measured with
-# benchmarks/cpu_linear.py --quantized: between 4 and 8 rows for the int4 projections
-# and for the int8 LM head of both quantised modes (at 32 rows: 1.9x and 3.1x).
-QUANT_TILED_MIN_ROWS = 8
+def quant_tiled_min_rows() -> int:
+    """Weight-only products of at least this many rows go through gemm.c's quant_gemm
+    (each group of panels dequantised once to bf16, then the bf16 tiles); fewer rows
+    stay on ATen's kernels, which read the packed bytes directly. Crossovers measured
+    with benchmarks/cpu_linear.py --quantized, 2 threads, all the built-in model's
+    projections: on a Zen 4 (AVX512-BF16, no AMX) between 4 and 8 rows (at 32 rows 1.9x
+    for int4, 3.1x for the int8 LM head); on an AMX Xeon, whose ATen int4 kernel is
+    relatively faster, between 16 and 24 (0.96x at 16, 1.06x at 24, 1.12x at 32, 1.26x
+    at 128)."""
+    return 24 if cpu_features().amx_bf16 else 8
 
 
 @functools.cache
 def quant_tiled_available(bits: int) -> bool:
-    """quant_gemm runs where our bf16 GEMM does; for int4 it also needs ATen's int4 pack
-    as its AVX-512 builds lay it out (64-column blocks). Decided once per process, like
-    ``native_gemm_available`` (``LLMSERVE_BF16_GEMM`` read at the first call)."""
-    if gemm_backend() != "native":
+    """quant_gemm runs wherever our GEMM is built (AVX512-BF16), whoever computes the
+    dense bf16 linears (oneDNN on AMX); not when ``LLMSERVE_BF16_GEMM=onednn`` keeps
+    gemm.c out. For int4 it also needs ATen's int4 pack as its AVX-512 builds lay it
+    out (64-column blocks). Decided once per process (the variable read at the first
+    call)."""
+    if not native_gemm_available() or forced_backend() == "onednn":
         return False
     if bits == 8:
         return True
@@ -140,7 +146,7 @@ def quant_tiled(x: torch.Tensor, linear) -> torch.Tensor | None:
         return None
     k, n, bits = linear.in_features, linear.out_features, linear.bits
     if (x.device.type != "cpu" or x.dtype != torch.bfloat16 or x.shape[-1] != k
-            or x.numel() < QUANT_TILED_MIN_ROWS * k
+            or x.numel() < quant_tiled_min_rows() * k
             or k % 32 or n % (64 if bits == 4 else 16) or not quant_tiled_available(bits)):
         return None
     if forced_backend() != "native" and not native_measured(n, k, torch.get_num_threads()):
