@@ -5,8 +5,9 @@ same run, the three alternating. Ratios are against the plain ``F.linear``.
 
 ``--quantized``: the weight-only projections instead (int4, and the int8 LM head of
 both quantised modes), ATen's kernels (what the engine uses below
-``QUANT_TILED_MIN_ROWS``) versus ``gemm.c``'s quant_gemm (dequantised per group of
-panels into the bf16 tiles), ratios against ATen.
+``quant_tiled_min_rows()``) versus ``gemm.c``'s quant_gemm (dequantised per group of
+panels into the bf16 tiles; on AMX CPUs both with AVX512-BF16 dot products and with AMX
+tiles), ratios against ATen.
 
 Each shape is timed over as many distinct weights as the built-in model has layers,
 so that the weights come from memory as they do in a decode step, not from a cache
@@ -23,6 +24,7 @@ import time
 import torch
 
 from llmserve.kernels.cpu.gemm import (
+    amx_tiles,
     native_gemm_available,
     packing_available,
     quant_gemm,
@@ -62,6 +64,10 @@ def main() -> None:
             raise SystemExit("quant_gemm does not run here (AVX512-BF16 without AMX)")
         kinds = {"aten": lambda lin: aten_quantized(quantize(lin)),
                  "quant_gemm": lambda lin: tiled_quantized(quantize(lin))}
+        if amx_tiles():  # both ways of multiplying the dequantised tiles
+            kinds = {"aten": kinds["aten"],
+                     "quant_gemm avx512": lambda lin: tiled_quantized(quantize(lin), False),
+                     "quant_gemm amx": lambda lin: tiled_quantized(quantize(lin), True)}
     else:
         kinds = {"plain": lambda lin: lin, "onednn": PackedLinear}
         if native_gemm_available():
@@ -96,8 +102,12 @@ def aten_quantized(q: QuantizedLinear):
     return lambda x: weight_only_mm(x, q.qweight, q.scales, q.bits)
 
 
-def tiled_quantized(q: QuantizedLinear):
-    return lambda x: quant_gemm(x, q)
+def tiled_quantized(q: QuantizedLinear, amx: bool | None = None):
+    def run(x):
+        if amx is not None:
+            amx_tiles(amx)
+        return quant_gemm(x, q)
+    return run
 
 
 def format_cell(seconds: dict) -> str:

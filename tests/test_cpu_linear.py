@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from llmserve import LLM, SamplingParams
 from llmserve.kernels.cpu.decoder import int4_pack_block_n
 from llmserve.kernels.cpu.gemm import (
+    amx_tiles,
     gemm_backend,
     native_gemm_available,
     packing_available,
@@ -155,15 +156,28 @@ def test_an_avx2_build_has_no_native_gemm_and_keeps_onednn():
 
 def test_the_quant_tiles_crossover_follows_the_cpu_kind(monkeypatch):
     """Where quant_gemm starts to pay, per CPU kind as measured (gemm.py): 8 rows
-    without AMX, 24 on AMX Xeons; and the tiles are not kept off by oneDNN computing
-    the dense bf16 linears there."""
+    without AMX and with AMX tiles, 24 on an AMX CPU multiplying without them; and the
+    tiles are not kept off by oneDNN computing the dense bf16 linears there."""
     from llmserve.kernels.cpu import gemm
-    for amx, rows in ((False, 8), (True, 24)):
-        features = dataclasses.replace(gemm.cpu_features(), amx_bf16=amx)
+    for amx_cpu, tiles, rows in ((False, False, 8), (True, True, 8), (True, False, 24)):
+        features = dataclasses.replace(gemm.cpu_features(), amx_bf16=amx_cpu)
         monkeypatch.setattr(gemm, "cpu_features", lambda f=features: f)
+        monkeypatch.setattr(gemm, "_amx_in_use", tiles)
         assert gemm.quant_tiled_min_rows() == rows
     if native_gemm_available() and int4_pack_block_n() == 64:
         assert quant_tiled_available(4) and quant_tiled_available(8)
+
+
+@pytest.fixture(params=["amx", "avx512"])
+def tile_kind(request):
+    """quant_gemm's multiply both ways where this CPU has AMX (only AVX512-BF16
+    elsewhere: the amx case is then skipped, with the reason)."""
+    if request.param == "amx" and not amx_tiles():
+        pytest.skip("no AMX tiles here (CPU, compiler or OS)")
+    was = amx_tiles()
+    amx_tiles(request.param == "amx")
+    yield request.param
+    amx_tiles(was)
 
 
 needs_quant_tiled = pytest.mark.skipif(not quant_tiled_available(4),
@@ -197,7 +211,7 @@ def aten_product(x: torch.Tensor, lin: QuantizedLinear) -> torch.Tensor:
 @pytest.mark.parametrize("out_features, in_features", [(960, 576), (576, 1536), (64, 32),
                                                        (192, 96)])
 def test_quant_gemm_computes_atens_weight_only_product(bits, rows, bias, out_features,
-                                                       in_features):
+                                                       in_features, tile_kind):
     """The same quantised weights as ATen's kernels read them (int4: nibbles, 64-column
     blocks, groups of 32, scale and zero; int8: per-column scales, the 16 x 16
     transposes), dequantised to bf16 once: within bf16 rounding of ATen's product (a

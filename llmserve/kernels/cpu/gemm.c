@@ -278,21 +278,127 @@ typedef struct {
     int64_t n, k;
 } quant_weight;
 
+/* ---- AMX: the same dequantised panels through TDPBF16PS ---------------------------
+ * A panel's layout (K/2 rows of 16 column pairs, 64 bytes a row) is exactly AMX's B
+ * operand: 16 of its rows are one B tile (32 k values x 16 columns). A tile of up to 16
+ * rows x 4 panels keeps its float32 sums in four C tiles (tmm0-3); each 32-wide step of
+ * K loads the rows' A tile once (tmm4) and each panel's B tile (tmm5/6, alternating) and
+ * multiplies: one TDPBF16PS does the work of 16 x 16 VDPBF16PS. Built where the
+ * compiler targets AMX (-march=native on an AMX CPU); used once Linux grants the tile
+ * state (arch_prctl), and switchable for tests (gemm_use_amx). */
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include <sys/syscall.h>
+#include <unistd.h>
+
+enum { AMX_ROWS = 16, ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18 };
+
+static int amx_wanted = 1, amx_granted = -1;
+
+static int amx_on(void) {
+    if (amx_granted < 0)  /* once per process; the kernel keeps the grant */
+        amx_granted = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+    return amx_wanted && amx_granted;
+}
+
+int gemm_use_amx(int want) {
+    if (want >= 0) amx_wanted = want != 0;
+    return amx_on();
+}
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} __attribute__((packed, aligned(64))) tile_config;
+
+/* This thread's tiles for blocks of ``rows`` rows: C tmm0-3 and A tmm4 rows x 64 bytes,
+ * B tmm5/6 16 x 64 bytes. */
+static void amx_configure(int rows) {
+    tile_config c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int t = 0; t < 5; t++) c.rows[t] = (uint8_t)rows, c.colsb[t] = 64;
+    for (int t = 5; t < 7; t++) c.rows[t] = AMX_ROWS, c.colsb[t] = 64;
+    _tile_loadconfig(&c);
+}
+
+/* The C tile of panel P (an immediate, as tile numbers must be) out to y: its rows
+ * through a float32 buffer, plus bias, rounded to bf16 once. */
+#define AMX_STORE(P)                                                                     \
+    do {                                                                                 \
+        _tile_stored(P, out, 64);                                                        \
+        for (int r = 0; r < rows; r++) {                                                 \
+            __m512 sum = _mm512_load_ps(out[r]);                                         \
+            if (bias != NULL) sum = _mm512_add_ps(sum, _mm512_loadu_ps(bias + P * PANEL_COLS)); \
+            _mm256_storeu_si256((__m256i *)(y + r * ldy + P * PANEL_COLS),               \
+                                (__m256i)_mm512_cvtneps_pbh(sum));                       \
+        }                                                                                \
+    } while (0)
+
+/* rows (<= 16, as configured) x panels (<= 4) outputs over all of K (a multiple of 32). */
+static void amx_tile(int rows, int panels, const uint16_t *x, int64_t ldx, const uint16_t *w,
+                     int64_t panel_stride, int64_t k, const float *bias, uint16_t *y,
+                     int64_t ldy) {
+    float out[AMX_ROWS][PANEL_COLS] __attribute__((aligned(64)));
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t k0 = 0; k0 < k; k0 += 32) {
+        const uint16_t *b = w + k0 * PANEL_COLS;  /* pair k0 / 2 of panel 0 */
+        _tile_loadd(4, x + k0, ldx * 2);
+        _tile_loadd(5, b, 64);
+        _tile_dpbf16ps(0, 4, 5);
+        if (panels > 1) { _tile_loadd(6, b + panel_stride, 64); _tile_dpbf16ps(1, 4, 6); }
+        if (panels > 2) { _tile_loadd(5, b + 2 * panel_stride, 64); _tile_dpbf16ps(2, 4, 5); }
+        if (panels > 3) { _tile_loadd(6, b + 3 * panel_stride, 64); _tile_dpbf16ps(3, 4, 6); }
+    }
+    AMX_STORE(0);
+    if (panels > 1) AMX_STORE(1);
+    if (panels > 2) AMX_STORE(2);
+    if (panels > 3) AMX_STORE(3);
+}
+
+/* Rows [0, m) over one dequantised group of panels, 16 rows a tile; ``configured``
+ * is the row count this thread's tiles are set up for (0: none yet). */
+static void amx_rows(int64_t m, int panels, const uint16_t *x, int64_t ldx,
+                     const uint16_t *w, int64_t panel_stride, int64_t k, const float *bias,
+                     uint16_t *y, int64_t ldy, int *configured) {
+    for (int64_t r0 = 0; r0 < m; r0 += AMX_ROWS) {
+        int rows = m - r0 < AMX_ROWS ? (int)(m - r0) : AMX_ROWS;
+        if (rows != *configured) amx_configure(rows), *configured = rows;
+        amx_tile(rows, panels, x + r0 * ldx, ldx, w, panel_stride, k, bias, y + r0 * ldy, ldy);
+    }
+}
+#else
+static int amx_on(void) { return 0; }
+int gemm_use_amx(int want) { (void)want; return 0; }
+#endif
+
 static void dequant_panel(const quant_weight *w, int64_t j, uint16_t *out) {
     if (w->bits == 4) q4_panel(w->qweight, w->scales, w->n, w->k, j, out);
     else q8_panel((const int8_t *)w->qweight, w->scales, w->k, j, out);
 }
 
 /* One thread's panels [first, last): each group of TILE_PANELS dequantised once into
- * scratch, then every tile of rows over it. */
+ * scratch, then every tile of rows over it (AMX tiles where ``amx``). */
 static void quant_gemm_panels(const uint16_t *x, int64_t m, int64_t ldx, const quant_weight *w,
                               const float *bias, uint16_t *y, int64_t ldy, int64_t first,
-                              int64_t last, uint16_t *scratch) {
+                              int64_t last, uint16_t *scratch, int amx) {
     const int64_t pairs = w->k / 2, panel_stride = pairs * 2 * PANEL_COLS;
+    int configured = 0;
     for (int64_t p0 = first; p0 < last; p0 += TILE_PANELS) {
         int panels = last - p0 < TILE_PANELS ? (int)(last - p0) : TILE_PANELS;
         for (int q = 0; q < panels; q++) dequant_panel(w, p0 + q, scratch + q * panel_stride);
         const float *b = bias == NULL ? NULL : bias + p0 * PANEL_COLS;
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+        if (amx) {
+            amx_rows(m, panels, x, ldx, scratch, panel_stride, w->k, b, y + p0 * PANEL_COLS,
+                     ldy, &configured);
+            continue;
+        }
+#endif
+        (void)amx, (void)configured;
         for (int64_t m0 = 0; m0 < m; m0 += CHUNK_ROWS) {
             int64_t rows = m - m0 < CHUNK_ROWS ? m - m0 : CHUNK_ROWS;
             int64_t tiles = (rows + TILE_ROWS - 1) / TILE_ROWS;
@@ -319,6 +425,7 @@ int quant_gemm(int num_threads, const uint16_t *x, int64_t m, int64_t ldx,
     const int64_t panels = n / PANEL_COLS;
     const size_t scratch_bytes = (size_t)TILE_PANELS * (size_t)k * PANEL_COLS * 2;
     int threads = num_threads < panels ? num_threads : (int)panels, failed = 0;
+    const int amx = amx_on();
     #pragma omp parallel num_threads(threads) if(threads > 1) reduction(|:failed)
     {
         extern int omp_get_thread_num(void), omp_get_num_threads(void);
@@ -328,9 +435,12 @@ int quant_gemm(int num_threads, const uint16_t *x, int64_t m, int64_t ldx,
             failed = 1;
         } else {
             quant_gemm_panels(x, m, ldx, &w, bias, y, ldy, panels * t / nt,
-                              panels * (t + 1) / nt, scratch);
+                              panels * (t + 1) / nt, scratch, amx);
             free(scratch);
         }
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+        if (amx) _tile_release();
+#endif
     }
     return failed ? -1 : 0;
 }
@@ -338,6 +448,7 @@ int quant_gemm(int num_threads, const uint16_t *x, int64_t m, int64_t ldx,
 #else  /* no AVX512-BF16: the caller keeps oneDNN (or float32) */
 
 int bf16_gemm_available(void) { return 0; }
+int gemm_use_amx(int want) { (void)want; return 0; }
 
 int bf16_gemm(int num_threads, const uint16_t *x, int64_t m, int64_t ldx,
               const uint16_t *packed, int64_t n, int64_t k, const float *bias, uint16_t *y,

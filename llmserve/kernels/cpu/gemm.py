@@ -116,11 +116,14 @@ def quant_tiled_min_rows() -> int:
     (each group of panels dequantised once to bf16, then the bf16 tiles); fewer rows
     stay on ATen's kernels, which read the packed bytes directly. Crossovers measured
     with benchmarks/cpu_linear.py --quantized, 2 threads, all the built-in model's
-    projections: on a Zen 4 (AVX512-BF16, no AMX) between 4 and 8 rows (at 32 rows 1.9x
-    for int4, 3.1x for the int8 LM head); on an AMX Xeon, whose ATen int4 kernel is
-    relatively faster, between 16 and 24 (0.96x at 16, 1.06x at 24, 1.12x at 32, 1.26x
-    at 128)."""
-    return 24 if cpu_features().amx_bf16 else 8
+    projections, over ATen:
+    - Zen 4 (AVX512-BF16, no AMX): between 4 and 8 rows (at 32 rows 1.9x for int4,
+      3.1x for the int8 LM head);
+    - AMX Xeon with AMX tiles: between 4 and 8 (1.33x at 8, 3.9x at 32, 8.2x at 128);
+    - the same Xeon with AVX512-BF16 dot products only (AMX not granted, or switched
+      off): between 16 and 24 (0.98x at 16, 1.13x at 32, 1.25x at 128)."""
+    amx = _amx_in_use if _amx_in_use is not None else amx_tiles()
+    return 24 if cpu_features().amx_bf16 and not amx else 8
 
 
 @functools.cache
@@ -135,6 +138,20 @@ def quant_tiled_available(bits: int) -> bool:
     if bits == 8:
         return True
     return int4_pack_block_n() == 64
+
+
+_amx_in_use: bool | None = None  # what amx_tiles last found (None: not asked yet)
+
+
+def amx_tiles(want: bool | None = None) -> bool:
+    """Whether quant_gemm multiplies with AMX tiles (TDPBF16PS) rather than AVX512-BF16
+    dot products: where ``gemm.c`` was built for an AMX CPU and Linux grants the tile
+    state. ``want`` switches them on or off for the process (tests and benchmarks
+    compare both); None only asks."""
+    global _amx_in_use
+    lib = decode_kernel()
+    _amx_in_use = lib is not None and lib.gemm_use_amx(-1 if want is None else int(want)) == 1
+    return _amx_in_use
 
 
 def quant_tiled(x: torch.Tensor, linear) -> torch.Tensor | None:

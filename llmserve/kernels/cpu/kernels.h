@@ -116,5 +116,8 @@ int bf16_gemm_pack(int num_threads, const uint16_t *w, int64_t n, int64_t k,
 int quant_gemm(int num_threads, const uint16_t *x, int64_t m, int64_t ldx,
                const uint8_t *qweight, const uint16_t *scales, int bits, int64_t n, int64_t k,
                const float *bias, uint16_t *y, int64_t ldy);
+/* Whether quant_gemm multiplies with AMX tiles: ``want`` 1 or 0 switches them on or off
+ * (-1 only asks); 1 when in use (built for AMX, granted by the OS, and wanted). */
+int gemm_use_amx(int want);
 
 #endif

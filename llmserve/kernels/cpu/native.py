@@ -77,6 +77,7 @@ SIGNATURES: dict[str, list[type]] = {
     "bf16_gemm": [_I32, _PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _PTR, _I64],
     "bf16_gemm_pack": [_I32, _PTR, _I64, _I64, _PTR],
     "quant_gemm": [_I32, _PTR, _I64, _I64, _PTR, _PTR, _I32, _I64, _I64, _PTR, _PTR, _I64],
+    "gemm_use_amx": [_I32],
 }
 
 
