@@ -1,4 +1,6 @@
-/* bf16 linears, y [M, N] = x [M, K] W^T (+ bias), on CPUs with AVX512-BF16 and no AMX.
+/* bf16 linears, y [M, N] = x [M, K] W^T (+ bias), on CPUs with AVX512-BF16 (dense bf16
+ * linears use it where there is no AMX; the weight-only int4/int8 ones everywhere, with
+ * AMX tiles for the multiply where the CPU has them: see quant_gemm below).
  *
  * oneDNN reaches ~89 % of this machine's bf16 peak at 256 rows but 63 % at 32, the
  * decode range, and stalls on reading the weights below 16 rows (~18 GB/s where this
