@@ -113,8 +113,10 @@ class Sequence:
         prompt token after them (empty unless the request wants prompt logprobs)."""
         if self.params.prompt_logprobs is None:
             return range(0)
-        start = self.num_computed_tokens
-        return range(start, max(start, min(start + num_new, self.num_prompt_tokens - 1)))
+        end = min(self.num_computed_tokens + num_new, self.num_prompt_tokens - 1)
+        # Tokens scored before a recompute preemption are not scored again.
+        start = max(self.num_computed_tokens, len(self.request.prompt_logprobs) - 1)
+        return range(start, max(start, end))
 
     def reset_for_recompute(self) -> None:
         """Forget the KV cache: the whole sequence (prompt and the tokens generated

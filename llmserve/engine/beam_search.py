@@ -66,6 +66,8 @@ class BeamStepper:
         for key, seq in live.items():
             if key not in parents:  # dropped: its blocks go back now
                 self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
+        req.sequences = [s for s in req.sequences if not s.finished]  # (each has a copy
+        # of the tokens: a long search would keep thousands)
         # Fork every extra pick before any parent takes its token: a child copies its
         # parent's tokens and blocks as they were when the parent offered.
         picks, used = [], set()

@@ -257,7 +257,9 @@ class Scheduler:
         grow by ``num_new`` tokens. False if ``seq`` itself had to go."""
         while not self.bm.can_allocate(
                 self.bm.blocks_needed(seq, seq.num_computed_tokens + num_new), False):
-            victim = self._least_urgent_unscheduled(step)
+            # A beam idle until its siblings offer goes before anything that has work
+            # (else a sibling's chunked re-prefill could preempt itself for ever).
+            victim = self._parked_beam(seq, step) or self._least_urgent_unscheduled(step)
             self.preempt(victim, step)
             if victim is seq:
                 return False
@@ -351,6 +353,8 @@ class Scheduler:
         for its siblings (``preempt``)."""
         if seq.status is SequenceStatus.WAITING and seq not in self.waiting:
             self.add(seq)
+            if self.static:  # a member of the batch it was running in
+                self.static_members.add(seq.seq_id)
 
     def fork_beam(self, parent: Sequence, child: Sequence) -> None:
         """Beam search chose ``parent`` twice: ``child`` shares its blocks (copy-on-write,
@@ -362,6 +366,8 @@ class Scheduler:
             self.running.append(child)
         else:
             self.add(child)
+            if self.static:
+                self.static_members.add(child.seq_id)
 
     def _has_seq_slots(self, seq: Sequence) -> bool:
         """Room under max_num_seqs for ``seq`` and, if it is an unforked first
@@ -374,16 +380,24 @@ class Scheduler:
         used = sum(slots(s) for s in self.running)
         return used + slots(seq) <= self.config.max_num_seqs or not self.running
 
+    def _parked_beam(self, seq: Sequence, step: _Step) -> Sequence | None:
+        """A running beam that has offered its next tokens and waits for its siblings
+        (unscheduled in this step): ``seq``'s own first, else any request's. Idle until
+        its search moves, it holds blocks others may need: preempting it loses nothing
+        (its offer stands), and keeping it could block the queue's head for ever."""
+        parked = [s for s in self.running if s.num_uncomputed_tokens == 0
+                  and s.seq_id not in step.scheduled and s is not seq]
+        own = [s for s in parked if s.request is seq.request]
+        return (own or parked or [None])[-1]
+
     def _preempt_for(self, seq: Sequence, step: _Step) -> bool:
-        """Make room for the candidate ``seq``: a sibling beam that is only waiting
-        for it goes first (under any policy: its next tokens are offered, so only
-        ``seq`` can move the search on, and it would wait for room forever). Then,
+        """Make room for the candidate ``seq``: a beam that is only waiting for its
+        siblings goes first (under any policy; ``_parked_beam``). Then,
         under the priority policy, the least urgent unscheduled running sequence if
         its priority is strictly less urgent than the candidate's. True if one was."""
-        parked = [s for s in self.running if s.request is seq.request
-                  and s.num_uncomputed_tokens == 0 and s.seq_id not in step.scheduled]
-        if parked:
-            self.preempt(parked[-1], step)
+        parked = self._parked_beam(seq, step)
+        if parked is not None:
+            self.preempt(parked, step)
             return True
         if self.config.scheduling_policy != "priority":
             return False
