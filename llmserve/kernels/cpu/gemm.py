@@ -143,6 +143,13 @@ def quant_tiled_available(bits: int) -> bool:
 _amx_in_use: bool | None = None  # what amx_tiles last found (None: not asked yet)
 
 
+@functools.cache
+def _min_rows_while(amx_in_use: bool | None) -> int:
+    """quant_tiled_min_rows, once per AMX state: it reads the CPU's features (~6 us),
+    and quant_tiled asks on every quantised linear of every step."""
+    return quant_tiled_min_rows()
+
+
 def amx_tiles(want: bool | None = None) -> bool:
     """Whether quant_gemm multiplies with AMX tiles (TDPBF16PS) rather than AVX512-BF16
     dot products: where ``gemm.c`` was built for an AMX CPU and Linux grants the tile
@@ -163,7 +170,7 @@ def quant_tiled(x: torch.Tensor, linear) -> torch.Tensor | None:
         return None
     k, n, bits = linear.in_features, linear.out_features, linear.bits
     if (x.device.type != "cpu" or x.dtype != torch.bfloat16 or x.shape[-1] != k
-            or x.numel() < quant_tiled_min_rows() * k
+            or x.numel() < _min_rows_while(_amx_in_use) * k
             or k % 32 or n % (64 if bits == 4 else 16) or not quant_tiled_available(bits)):
         return None
     if forced_backend() != "native" and not native_measured(n, k, torch.get_num_threads()):
