@@ -116,6 +116,18 @@ class EngineConfig:
         group=GPU_GROUP)
     device_block_tables: bool = flag(
         False, "block tables kept on the GPU, only changed entries written", group=GPU_GROUP)
+    # Fused Triton kernels (kernels/triton/fused.py): residual add + RMSNorm, rotary + KV
+    # write, SiLU x up. They need the Triton backend (a CPU runs them interpreted, as
+    # the tests do); off until a GPU run validates them.
+    fused_kernels: bool = flag(
+        False, "Triton kernels for add+RMSNorm, rotary+KV write and SiLU*up (needs the "
+        "Triton attention backend)", group=GPU_GROUP)
+    # Overlap (engine/async_step.py): step N+1 is scheduled and launched before step N's
+    # sampled tokens are read back. Runs on any device; it pays off where launches are
+    # asynchronous (CUDA).
+    async_scheduling: bool = flag(
+        False, "schedule and launch step N+1 before reading back step N's tokens",
+        group=GPU_GROUP)
     # KV pool = total x gpu_memory_utilization - the profiled peak of a
     # max_num_batched_tokens step (instead of a share of the memory free after loading).
     profile_kv_cache: bool = flag(
@@ -208,6 +220,9 @@ class EngineConfig:
             self.cuda_graph_sizes = _parse_sizes(self.cuda_graph_sizes, self.max_num_seqs)
             if not self.cuda_graphs:
                 raise ValueError("--cuda-graph-sizes is given without --cuda-graphs")
+        if self.fused_kernels and not self.uses_triton:
+            raise ValueError("--fused-kernels are Triton kernels: give --attention-backend "
+                             "triton (on a CPU they run under TRITON_INTERPRET=1)")
         flags = ["--" + name.replace("_", "-") for name in self.GPU_FAST_PATH
                  if getattr(self, name)]
         if not flags:
