@@ -223,6 +223,9 @@ class EngineConfig:
         if self.fused_kernels and not self.uses_triton:
             raise ValueError("--fused-kernels are Triton kernels: give --attention-backend "
                              "triton (on a CPU they run under TRITON_INTERPRET=1)")
+        if self.fused_kernels and self.compile:
+            raise ValueError("--fused-kernels and --compile are not supported together: "
+                             "the compiled layers fuse their own elementwise ops")
         flags = ["--" + name.replace("_", "-") for name in self.GPU_FAST_PATH
                  if getattr(self, name)]
         if not flags:

@@ -68,6 +68,8 @@ class ModelRunner:
         quantize_model(model, config.quantization)
         if packing_applies(self.device, self.dtype) and not config.compile:
             pack_linears(model)  # the dense ones: oneDNN's layout once, not every call
+        if config.fused_kernels:  # Triton add+RMSNorm, rotary+KV write, SiLU*up
+            model.enable_fused_kernels()
         self.model = model.eval()
         self.hf_config = hf_config
         self.block_size = config.block_size
