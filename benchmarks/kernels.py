@@ -7,6 +7,8 @@
 3. bf16 correctness of the Triton kernels against the PyTorch reference.
 4. End-to-end decode throughput of a ~1B-parameter Llama-shaped model with random
    weights (bf16, ``random_llama.py``, or ``--e2e-model``) at batch 64 and 256.
+5. The fused decode-step kernels (add+RMSNorm, rotary+KV write, SiLU x up) against the
+   torch ops they replace, SmolLM2-135M and Llama-8B shapes at batch 1, 32 and 128.
 
 Kernel times come from CUDA events (``triton.testing.do_bench``: median, L2 flushed
 between calls), so they include the host's launch overhead whenever that is longer
@@ -37,7 +39,7 @@ import traceback
 from pathlib import Path
 
 HBM_BYTES_PER_S = 4.8e12  # H200 HBM3e peak
-SECTIONS = ("decode", "mixed", "correctness", "e2e")
+SECTIONS = ("decode", "mixed", "correctness", "e2e", "fused")
 
 
 def bench(fn, device) -> float:
@@ -225,6 +227,108 @@ def _sync(device) -> None:
         torch.cuda.synchronize()
 
 
+# Decoder shapes of the fused-ops section: (hidden, heads, kv heads, head_dim, intermediate).
+FUSED_SHAPES = {"smollm2-135m": (576, 9, 3, 64, 1536), "llama-8b": (4096, 32, 8, 128, 14336)}
+
+
+def fused_ops(args, device, dtype) -> list[dict]:
+    """Each kernel of kernels/triton/fused.py against the torch ops it replaces on the
+    default path (add then F.rms_norm; apply_rotary, split and the Triton KV write;
+    split, silu, mul), at decode batches: time ratio, max difference, bytes/s."""
+    rows = []
+    for name, shape in FUSED_SHAPES.items():
+        if args.smoke and name != "smollm2-135m":
+            continue
+        for batch in (1,) if args.smoke else (1, 32, 128):
+            for op, (fast, slow, nbytes) in _fused_cases(shape, batch, device, dtype).items():
+                row = {"model": name, "batch": batch, "op": op}
+                rows.append(row)
+                try:
+                    row.update(_time_fused(fast, slow, nbytes, device))
+                    hbm = (f"{100 * row['hbm_fraction']:5.1f}% HBM" if device == "cuda"
+                           else "(interpreted: not a GPU number)")
+                    print(f"fused {name:12} B={batch:4} {op:13}: {row['fused_us']:9.1f} us, "
+                          f"torch {row['torch_us']:9.1f} us, ratio "
+                          f"{row['fused_over_torch']:.2f}, {row['bytes_per_s'] / 1e9:8.1f} "
+                          f"GB/s {hbm}, max diff {row['max_abs_diff']:.1e}", flush=True)
+                except Exception as e:  # noqa: BLE001 - record it, measure the next
+                    row["error"] = f"{type(e).__name__}: {e}"
+                    print(f"fused {name} B={batch} {op}: FAILED {row['error']}", flush=True)
+    return rows
+
+
+def _fused_cases(shape, tokens, device, dtype) -> dict:
+    """op -> (fused call, the torch ops it replaces, bytes the fused kernel moves)."""
+    import torch
+    import torch.nn.functional as F
+
+    from llmserve.kernels.triton import fused
+    from llmserve.kernels.triton.attention import write_kv_cache
+    from llmserve.model_executor.models.llama import apply_rotary
+    hidden, heads, kv_heads, head_dim, inter = shape
+    elem = torch.tensor([], dtype=dtype).element_size()
+    x = torch.randn(tokens, hidden, device=device, dtype=dtype)
+    res = torch.randn_like(x)
+    w = torch.rand(hidden, device=device, dtype=dtype)
+    qkv = torch.randn(tokens, heads + 2 * kv_heads, head_dim, device=device, dtype=dtype)
+    angle = torch.rand(tokens, 1, head_dim // 2, device=device) * 100
+    cos, sin = angle.cos(), angle.sin()
+    cache = torch.zeros(2, 4 * tokens + 4, 16, kv_heads, head_dim, device=device, dtype=dtype)
+    slots = torch.randperm(cache.shape[1] * 16, device=device)[:tokens]
+    gate_up = torch.randn(tokens, 2 * inter, device=device, dtype=dtype)
+
+    def norm_torch():
+        r = x + res
+        return F.rms_norm(r, (hidden,), w, 1e-5), r
+
+    def rope_torch():
+        qk = apply_rotary(qkv[:, :heads + kv_heads], cos, sin)
+        q, k = qk.split([heads, kv_heads], dim=1)
+        write_kv_cache(k, qkv[:, heads + kv_heads:], cache[0], cache[1], slots)
+        return q
+
+    def silu_torch():
+        gate, up = gate_up.split(inter, dim=-1)
+        return F.silu(gate) * up
+
+    qkv_bytes = qkv.numel() * elem  # read once, written once as q + k + v
+    return {
+        "add_rms_norm": (lambda: fused.add_rms_norm(x, res, w, 1e-5), norm_torch,
+                         (4 * tokens + 1) * hidden * elem),
+        "rope_write_kv": (lambda: fused.rope_and_write_kv(qkv, cos, sin, cache[0], cache[1],
+                                                          slots, heads),
+                          rope_torch, 2 * qkv_bytes + tokens * head_dim * 4),  # + cos, sin
+        "silu_and_mul": (lambda: fused.silu_and_mul(gate_up, inter), silu_torch,
+                         3 * tokens * inter * elem),
+    }
+
+
+def _time_fused(fast, slow, nbytes, device) -> dict:
+    a, b = fast(), slow()
+    a, b = (a[0], b[0]) if isinstance(a, tuple) else (a, b)
+    t_fused, t_torch = bench(fast, device), bench(slow, device)
+    return dict(fused_us=t_fused * 1e6, torch_us=t_torch * 1e6,
+                fused_over_torch=t_fused / t_torch,
+                max_abs_diff=(a.float() - b.float()).abs().max().item(),
+                bytes_per_s=nbytes / t_fused,
+                hbm_fraction=nbytes / t_fused / HBM_BYTES_PER_S if device == "cuda" else None)
+
+
+def fused_markdown(rows: list[dict]) -> list[str]:
+    lines = ["", "| model | batch | fused op | fused µs | torch µs | fused/torch | GB/s "
+             "| % HBM | max diff |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "error" in r or "fused_us" not in r:
+            lines.append(f"| {r['model']} | {r['batch']} | {r['op']} | "
+                         f"{r.get('error', 'incomplete')} | | | | | |")
+            continue
+        hbm = f"{100 * r['hbm_fraction']:.1f}" if r["hbm_fraction"] is not None else "-"
+        lines.append(f"| {r['model']} | {r['batch']} | {r['op']} | {r['fused_us']:.1f} | "
+                     f"{r['torch_us']:.1f} | {r['fused_over_torch']:.2f} | "
+                     f"{r['bytes_per_s'] / 1e9:.1f} | {hbm} | {r['max_abs_diff']:.1e} |")
+    return lines
+
+
 def markdown(report: dict) -> str:
     """The sections measured so far; a failed section shows its error."""
     def failed(name):
@@ -267,6 +371,8 @@ def markdown(report: dict) -> str:
         else:
             lines += ["", "| e2e batch | tokens/s |", "|---|---|"]
             lines += [f"| {r['batch']} | {r['tokens_per_s']:.0f} |" for r in report["e2e"]]
+    if "fused" in report:
+        lines += ["", note("fused")] if failed("fused") else fused_markdown(report["fused"])
     return "\n".join(lines) + "\n"
 
 
@@ -312,7 +418,8 @@ def main() -> int:
     runners = {"decode": lambda: decode_sweep(args, device, dtype),
                "mixed": lambda: mixed(device, dtype),
                "correctness": lambda: correctness(device, dtype),
-               "e2e": lambda: e2e_decode(args, device)}
+               "e2e": lambda: e2e_decode(args, device),
+               "fused": lambda: fused_ops(args, device, dtype)}
     # In smoke mode these shapes would take minutes in the interpreter.
     smoke_skips = {"mixed", "correctness"} if args.smoke else set()
     for name in args.sections:
@@ -327,10 +434,10 @@ def main() -> int:
                 traceback.print_exc()
                 report[name] = {"error": f"{type(e).__name__}: {e}"}
                 report["failed_sections"].append(name)
-            if name == "decode" and isinstance(report[name], list):
+            if name in ("decode", "fused") and isinstance(report[name], list):
                 bad = sum("error" in r for r in report[name])
                 if bad:
-                    report["failed_sections"].append(f"decode ({bad} shapes)")
+                    report["failed_sections"].append(f"{name} ({bad} shapes)")
             if device == "cuda":
                 torch.cuda.empty_cache()
         report["section_seconds"][name] = round(time.perf_counter() - t0, 1)

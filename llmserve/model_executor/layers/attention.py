@@ -75,11 +75,31 @@ def native_rope_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
     return paged_attention_cpu(q, kv_cache, meta.plan, scale)
 
 
-def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                    kv_cache: torch.Tensor, scale: float) -> torch.Tensor:
-    """Write this step's ``k``/``v`` into the layer's cache and attend ``q`` over it.
+def fused_rope_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                         kv_cache: torch.Tensor, scale: float, num_heads: int) -> torch.Tensor:
+    """``--fused-kernels``: one Triton kernel rotates q and k and stores k and v at the
+    step's slots (``kernels/triton/fused.py``), then the attention reads the cache
+    without writing it again. Eager only: the config refuses --fused-kernels with
+    --compile, so this never meets the custom op."""
+    from llmserve.kernels.triton.fused import rope_and_write_kv
+    meta = _current
+    assert meta is not None, "attention runs inside forward_context()"
+    q = rope_and_write_kv(qkv, cos, sin, kv_cache[0], kv_cache[1], meta.slot_mapping,
+                          num_heads)
+    return paged_attention(q, None, None, kv_cache, scale, kv_written=True)
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
+                    kv_cache: torch.Tensor, scale: float,
+                    kv_written: bool = False) -> torch.Tensor:
+    """Write this step's ``k``/``v`` into the layer's cache and attend ``q`` over it;
+    ``kv_written``: a fused kernel has stored them already (``k``, ``v`` unused).
     Under torch.compile this is the opaque op; eagerly its body is called directly (a
     custom op's dispatch costs ~100 us a call, 3 ms a step of the built-in model)."""
+    if kv_written:
+        meta = _current
+        assert meta is not None, "paged_attention runs inside forward_context()"
+        return _attend(q, kv_cache, scale, meta)
     if torch.compiler.is_compiling():
         return torch.ops.llmserve.paged_attention(q, k, v, kv_cache, scale)
     return _paged_attention_kernel(q, k, v, kv_cache, scale)
@@ -91,11 +111,20 @@ def _paged_attention_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     assert meta is not None, "paged_attention runs inside forward_context()"
     if not meta.use_triton:
         write_kv(k, v, kv_cache, meta.slot_mapping)
+    else:
+        from llmserve.kernels.triton.attention import write_kv_cache
+        write_kv_cache(k, v, kv_cache[0], kv_cache[1], meta.slot_mapping)
+    return _attend(q, kv_cache, scale, meta)
+
+
+def _attend(q: torch.Tensor, kv_cache: torch.Tensor, scale: float,
+            meta: AttentionMetadata) -> torch.Tensor:
+    """Attention of ``q`` over the layer's cache, which holds this step's K/V already."""
+    if not meta.use_triton:
         return paged_attention_cpu(q, kv_cache, meta.plan, scale)
-    from llmserve.kernels.triton.attention import unified_attention, write_kv_cache
+    from llmserve.kernels.triton.attention import unified_attention
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     out = torch.empty_like(q)
-    write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
     unified_attention(q, k_cache, v_cache, out, query_start_loc=meta.query_start_loc,
                       seq_lens=meta.seq_lens, block_tables=meta.block_tables,
                       max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len,

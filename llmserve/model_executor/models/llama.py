@@ -23,6 +23,7 @@ from llmserve.kernels.cpu.native import (
     silu_and_mul,
 )
 from llmserve.model_executor.layers.attention import (
+    fused_rope_attention,
     native_rope_attention,
     paged_attention,
     step_metadata,
@@ -35,8 +36,12 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.fused = False  # the Triton kernel (enable_fused_kernels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused:
+            from llmserve.kernels.triton.fused import rms_norm
+            return rms_norm(x, self.weight, self.eps)
         if native_norm_applies(x, self.weight):  # one C call instead of ~8 ops
             return add_rms_norm(x, self.weight, self.eps)[1]
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
@@ -45,6 +50,10 @@ class RMSNorm(nn.Module):
                                                                            torch.Tensor]:
         """(x + delta, its norm): the residual add and the next norm, in one C call
         where it applies."""
+        if self.fused:
+            from llmserve.kernels.triton.fused import add_rms_norm as triton_add_rms_norm
+            normed, x = triton_add_rms_norm(delta, x, self.weight, self.eps)
+            return x, normed
         if native_norm_applies(x, self.weight):
             return add_rms_norm(x, self.weight, self.eps, delta)
         x = x + delta
@@ -123,6 +132,7 @@ class Attention(nn.Module):
                                 bias=bool(getattr(config, "attention_bias", False)))
         self.scale = self.head_dim ** -0.5
         self.kv_cache: torch.Tensor | None = None  # [2, blocks, block_size, kv_heads, d]
+        self.fused = False  # Triton rotary + KV write (enable_fused_kernels)
 
     def fuse(self) -> None:
         self.qkv_proj = fuse_linears(self.q_proj, self.k_proj, self.v_proj)
@@ -131,12 +141,18 @@ class Attention(nn.Module):
     def forward(self, x, cos, sin):
         t = x.shape[0]
         qkv = self.qkv_proj(x).view(t, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
+        if self.fused:
+            o = fused_rope_attention(qkv, cos, sin, self.kv_cache, self.scale, self.num_heads)
+            return self._output(o, t)
         o = native_rope_attention(qkv, cos, sin, self.kv_cache, self.scale, self.num_heads)
         if o is None:
             qk = apply_rotary(qkv[:, :self.num_heads + self.num_kv_heads], cos, sin)
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
             v = qkv[:, self.num_heads + self.num_kv_heads:]
             o = paged_attention(q, k, v, self.kv_cache, self.scale)
+        return self._output(o, t)
+
+    def _output(self, o: torch.Tensor, t: int) -> torch.Tensor:
         out = self.o_proj(o.view(t, -1))
         return comm.all_reduce(out) if self.tp_size > 1 else out
 
@@ -153,6 +169,7 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(h, i, bias=False)
         self.gate_up_proj: nn.Linear | None = None
         self.down_proj = nn.Linear(i, h, bias=False)
+        self.fused = False  # the Triton SiLU x up (enable_fused_kernels)
 
     def fuse(self) -> None:
         self.gate_up_proj = fuse_linears(self.gate_proj, self.up_proj)
@@ -160,7 +177,10 @@ class MLP(nn.Module):
 
     def forward(self, x):
         gate_up = self.gate_up_proj(x)
-        if native_bf16_applies(gate_up):  # one C pass instead of a split and two ops
+        if self.fused:
+            from llmserve.kernels.triton.fused import silu_and_mul as triton_silu_and_mul
+            act = triton_silu_and_mul(gate_up, self.intermediate)
+        elif native_bf16_applies(gate_up):  # one C pass instead of a split and two ops
             act = silu_and_mul(gate_up, self.intermediate)
         else:
             gate, up = gate_up.split(self.intermediate, dim=-1)
@@ -281,6 +301,18 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.model.layers:
             layer.self_attn.fuse()
             layer.mlp.fuse()
+
+    def enable_fused_kernels(self) -> None:
+        """``--fused-kernels``: every norm, attention and MLP takes its Triton kernels
+        (kernels/triton/fused.py): add+RMSNorm, rotary+KV write, SiLU x up. Fewer
+        launches and HBM passes a decode step. They round as Hugging Face does (so in
+        float32 they agree with the default path to the last ulps; in 16-bit, the norm
+        can differ by one unit from torch's F.rms_norm, which rounds the weight product
+        once). The default path stays as it is for models that never call this."""
+        from llmserve.kernels.triton import fused  # noqa: F401 - fail here, not mid-step
+        for module in self.modules():
+            if isinstance(module, (RMSNorm, Attention, MLP)):
+                module.fused = True
 
     def forward(self, input_ids, positions) -> torch.Tensor:
         """Hidden states of every new token, ``[num_tokens, hidden]``; the attention
