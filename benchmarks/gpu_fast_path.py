@@ -48,9 +48,14 @@ CONFIGS = {
     "off": {},
     "cuda_graphs": {"cuda_graphs": True},
     "staging_tables": {"pinned_staging": True, "device_block_tables": True},
+    "async": {"async_scheduling": True},
+    "fused": {"fused_kernels": True},
     "all": {"cuda_graphs": True, "pinned_staging": True, "device_block_tables": True,
-            "profile_kv_cache": True},
+            "profile_kv_cache": True, "async_scheduling": True, "fused_kernels": True},
 }
+# Refused off CUDA as flags: the smoke attaches these pieces to the runner directly.
+CUDA_ONLY = ("cuda_graphs", "pinned_staging", "device_block_tables", "profile_kv_cache")
+HBM_BYTES_PER_S = 4.8e12  # H200
 
 
 def build(path: Path, flags: dict, smoke: bool, max_num_seqs: int):
@@ -61,15 +66,16 @@ def build(path: Path, flags: dict, smoke: bool, max_num_seqs: int):
                   enable_prefix_caching=False)
     t0 = time.perf_counter()
     if smoke:  # refused on CPU as flags: attach the pieces the flags would
+        anywhere = {k: v for k, v in flags.items() if k not in CUDA_ONLY}
         engine = LLMEngine(EngineConfig(device="cpu", dtype="float32", kv_cache_memory=16 << 20,
-                                        max_model_len=256, **common))
+                                        max_model_len=256, **common, **anywhere))
         sizes = [1, 2, 4] if flags.get("cuda_graphs") else None
         enable_fast_path(engine.runner, engine.max_model_len,
                          pinned_staging=flags.get("pinned_staging", False),
                          device_block_tables=flags.get("device_block_tables", False),
                          graph_sizes=sizes, capture=False)
     else:
-        engine = LLMEngine(EngineConfig(device="cuda", dtype="bfloat16", max_model_len=2048,
+        engine = LLMEngine(EngineConfig(device="cuda", dtype="bfloat16", max_model_len=4096,
                                         **common, **flags))
     t1 = time.perf_counter()
     engine.warm_up()  # with --cuda-graphs: captures every bucket
@@ -97,6 +103,13 @@ def decode_step_ms(engine, batch: int, steps: int, prompt_len: int = 128) -> flo
     return 1000 * statistics.median(times)
 
 
+def step_bytes(engine, batch: int, context: int) -> int:
+    """Bytes a decode step must read from memory at least: every weight once, and each
+    sequence's K and V over its context."""
+    weights = sum(p.numel() * p.element_size() for p in engine.runner.model.parameters())
+    return weights + batch * context * engine.runner.kv_bytes_per_block() // engine.runner.block_size
+
+
 def forward_host_syncs(engine, batch: int = 4, steps: int = 4) -> dict:
     """Host syncs inside the model runner (not the sampler, whose sampled tokens are the
     one sync a step needs) during a few decode steps, with CUDA's sync debug mode set to
@@ -104,13 +117,13 @@ def forward_host_syncs(engine, batch: int = 4, steps: int = 4) -> dict:
     import warnings
     real_run, found = engine.runner.run, {"runner_calls": 0, "syncs": 0, "first": []}
 
-    def run(b):
+    def run(b, *pending):
         found["runner_calls"] += 1
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             torch.cuda.set_sync_debug_mode("warn")
             try:
-                return real_run(b)
+                return real_run(b, *pending)
             finally:
                 torch.cuda.set_sync_debug_mode("default")
                 syncs = [str(w.message)[:300] for w in caught if "synchroniz" in str(w.message)]
@@ -138,13 +151,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", help="a checkpoint directory (default: write a random one)")
     ap.add_argument("--out", default="benchmarks/results/gpu_fast_path.json")
     ap.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    ap.add_argument("--context", type=int, default=2048,
+                    help="prompt tokens of each decoding sequence (GPU)")
     args = ap.parse_args(argv)
     if not args.smoke and not torch.cuda.is_available():
         print("no CUDA device: nothing to measure (use --smoke to exercise the script)")
         return 0
-    batches = (1, 3) if args.smoke else (1, 8, 32, 64)
-    steps = 2 if args.smoke else 30
-    prompt_len = 16 if args.smoke else 128
+    batches = (1, 3) if args.smoke else (1, 32, 128)
+    steps = 2 if args.smoke else 20
+    prompt_len = 16 if args.smoke else args.context
     results: dict = {"device": torch.cuda.get_device_name() if not args.smoke else "cpu",
                      "configs": {}}
     out = Path(args.out)
@@ -168,6 +183,9 @@ def main(argv: list[str] | None = None) -> int:
                 tokens[name] = greedy(engine, prompts, 4 if args.smoke else 32)
                 res["decode_step_ms"] = {str(b): decode_step_ms(engine, b, steps, prompt_len)
                                          for b in batches}
+                res["hbm_fraction"] = {  # of the H200's 4.8 TB/s, at the least bytes read
+                    b: step_bytes(engine, int(b), prompt_len) / (ms / 1000) / HBM_BYTES_PER_S
+                    for b, ms in res["decode_step_ms"].items()}
                 if not args.smoke:
                     try:
                         res["runner_host_syncs"] = forward_host_syncs(engine)

@@ -121,13 +121,13 @@ class EngineConfig:
     # the tests do); off until a GPU run validates them.
     fused_kernels: bool = flag(
         False, "Triton kernels for add+RMSNorm, rotary+KV write and SiLU*up (needs the "
-        "Triton attention backend)", group=GPU_GROUP)
+        "Triton attention backend; off until validated on a GPU)")
     # Overlap (engine/async_step.py): step N+1 is scheduled and launched before step N's
     # sampled tokens are read back. Runs on any device; it pays off where launches are
     # asynchronous (CUDA).
     async_scheduling: bool = flag(
-        False, "schedule and launch step N+1 before reading back step N's tokens",
-        group=GPU_GROUP)
+        False, "schedule and launch step N+1 before reading back step N's tokens (pays "
+        "off where launches are asynchronous: CUDA)")
     # KV pool = total x gpu_memory_utilization - the profiled peak of a
     # max_num_batched_tokens step (instead of a share of the memory free after loading).
     profile_kv_cache: bool = flag(
@@ -223,6 +223,13 @@ class EngineConfig:
         if self.fused_kernels and not self.uses_triton:
             raise ValueError("--fused-kernels are Triton kernels: give --attention-backend "
                              "triton (on a CPU they run under TRITON_INTERPRET=1)")
+        if self.async_scheduling and self.tensor_parallel_size > 1:
+            raise ValueError("--async-scheduling is not supported with "
+                             "--tensor-parallel-size > 1 yet (the workers would need the "
+                             "previous step's tokens)")
+        if self.async_scheduling and self.check_kv_integrity:
+            raise ValueError("--async-scheduling and --check-kv-integrity are not supported "
+                             "together (the check hashes blocks whose tokens are pending)")
         if self.fused_kernels and self.compile:
             raise ValueError("--fused-kernels and --compile are not supported together: "
                              "the compiled layers fuse their own elementwise ops")

@@ -24,10 +24,11 @@ from llmserve.engine.bad_words import bad_words_token_ids
 from llmserve.engine.beam_search import BeamStepper
 from llmserve.engine.detokenizer import Detokenizer
 from llmserve.engine.output import RequestOutput
+from llmserve.engine.overlap import OverlappedSteps
 from llmserve.executor.tensor_parallel import TensorParallelGroup, WorkerDiedError
 from llmserve.model_executor.layers.prompt_logprobs import score_tokens
 from llmserve.model_executor.layers.quantization import resolve_quantization
-from llmserve.model_executor.layers.sampler import Sampler
+from llmserve.model_executor.layers.sampler import Sampler, SamplerOutput
 from llmserve.model_executor.model_loader.gguf import gguf_layer_weight_types
 from llmserve.model_executor.model_loader.sources import (
     load_config,
@@ -83,6 +84,8 @@ class LLMEngine:
         self.last_step: tuple[float, float | None] | None = None  # (actual, predicted) s
         self._structured: StructuredOutputs | None = None
         self._structured_lock = threading.Lock()
+        # Async scheduling: step N+1 launched before step N's tokens are read back.
+        self.overlap = OverlappedSteps(self) if config.async_scheduling else None
 
     def _resolve_quantization(self) -> None:
         """``--quantization auto`` becomes a mode, before any rank builds its model."""
@@ -216,6 +219,8 @@ class LLMEngine:
             return False
         for seq in req.sequences:
             if not seq.finished:
+                if self.overlap is not None:  # its token in flight is not an output
+                    self.overlap.drop_pending(seq)
                 self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
         req.finished_time = time.monotonic()
         return True
@@ -230,7 +235,8 @@ class LLMEngine:
         return [r.request_id for r in gone]
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or (self.overlap is not None
+                                             and self.overlap.has_pending())
 
     def warm_up(self) -> None:
         """Run a prefill, a mixed prefill + decode step, greedy and sampled decodes,
@@ -265,7 +271,37 @@ class LLMEngine:
 
     # --- the step ---------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """One step: schedule, run the model, sample and append the new tokens. With
+        ``async_scheduling`` the tokens appended are the previous step's (overlap.py)."""
+        if self.overlap is not None:
+            return self.overlap.step()
         ts = time.perf_counter()
+        batch = self._schedule()
+        if not batch.seqs:
+            return []
+        now = time.monotonic()
+        t0 = time.perf_counter()
+        pending_masks = self._start_grammar_masks(batch)
+        logits, due = self.runner.run(batch)
+        logits = self._take_prompt_logprobs(batch, logits, len(due))
+        t1 = time.perf_counter()
+        kv_tokens = batch.kv_tokens  # before num_computed_tokens moves on
+        self._advance_computed(batch, now)
+        self._cache_full_blocks(batch.seqs)
+        if self.kv_check:
+            self.kv_check.after_forward(batch)
+        touched: dict[str, Request] = {}
+        due_seqs, sampled = self._sample([batch.seqs[i] for i in due], logits,
+                                         pending_masks, touched)
+        for seq, token, lp in zip(due_seqs, sampled.token_ids, sampled.logprobs):
+            self._append(seq, token, lp)
+            touched[seq.request.request_id] = seq.request
+        self._observe_step(batch, kv_tokens, ts, t0, t1)
+        return self._outputs(touched)
+
+    def _schedule(self):
+        """The next batch, with its block moves applied (and flushed to the workers
+        when nothing runs)."""
         batch = self.scheduler.schedule()
         if batch.has_block_ops:
             self.runner.apply_block_ops(batch)
@@ -273,45 +309,52 @@ class LLMEngine:
             self.kv_check.before_forward(batch)
         if not batch.seqs:
             self.runner.flush_block_ops()
-            return []
-        now = time.monotonic()
-        t0 = time.perf_counter()
-        pending_masks = self._start_grammar_masks(batch)
-        logits, due = self.runner.run(batch)
-        if logits is not None and logits.shape[0] > len(due):
-            self._record_prompt_logprobs(batch, logits[len(due):])
-            logits = logits[:len(due)]
-        t1 = time.perf_counter()
-        kv_tokens = batch.kv_tokens  # before num_computed_tokens moves on
+        return batch
+
+    def _take_prompt_logprobs(self, batch, logits, num_due: int):
+        """Records the prompt logprobs of the rows after the sampling rows (before the
+        sequences' computed counts move on); returns the sampling rows' logits."""
+        if logits is not None and logits.shape[0] > num_due:
+            self._record_prompt_logprobs(batch, logits[num_due:])
+            logits = logits[:num_due]
+        return logits
+
+    def _advance_computed(self, batch, now: float) -> None:
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             seq.num_computed_tokens += n
-            self.block_manager.cache_full_blocks(seq)
             if seq.request.first_scheduled_time is None:
                 seq.request.first_scheduled_time = now
-        if self.kv_check:
-            self.kv_check.after_forward(batch)
-        touched: dict[str, Request] = {}
-        due_seqs = []
-        if due:
-            due_seqs, logits = self._advance_beams([batch.seqs[i] for i in due], logits,
-                                                   touched)
+
+    def _cache_full_blocks(self, seqs) -> None:
+        """Offer the blocks the step filled to the prefix cache (their tokens must be
+        known: under async scheduling, once the pending ones are resolved)."""
+        for seq in seqs:
+            if not seq.finished:
+                self.block_manager.cache_full_blocks(seq)
+
+    def _sample(self, due_seqs: list[Sequence], logits, pending_masks, touched: dict):
+        """Beam rows go to the beam stepper; the others (and the parallel samples
+        forked now) are sampled. Returns (the sampled sequences, the SamplerOutput);
+        nothing is appended yet."""
         if due_seqs:
-            rows = list(range(len(due_seqs)))
-            for row, seq in enumerate(list(due_seqs)):
-                for child in self.scheduler.fork_children(seq):
-                    if self.kv_check:
-                        self.kv_check.forked(seq, child)
-                    due_seqs.append(child)
-                    rows.append(row)  # the child samples from its parent's logits
-            if len(rows) > len(due):
-                logits = logits[rows]
-            rows = [i for i, s in enumerate(due_seqs) if s.matcher is not None]
-            bitmask = (self.structured_outputs().masks([due_seqs[i] for i in rows],
-                                                       pending_masks) if rows else None)
-            sampled = self.sampler(logits, due_seqs, rows, bitmask)
-            for seq, token, lp in zip(due_seqs, sampled.token_ids, sampled.logprobs):
-                self._append(seq, token, lp)
-                touched[seq.request.request_id] = seq.request
+            due_seqs, logits = self._advance_beams(due_seqs, logits, touched)
+        if not due_seqs:
+            return [], SamplerOutput([], [])
+        rows = list(range(len(due_seqs)))
+        for row, seq in enumerate(list(due_seqs)):
+            for child in self.scheduler.fork_children(seq):
+                if self.kv_check:
+                    self.kv_check.forked(seq, child)
+                due_seqs.append(child)
+                rows.append(row)  # the child samples from its parent's logits
+        if len(rows) > logits.shape[0]:
+            logits = logits[rows]
+        rows = [i for i, s in enumerate(due_seqs) if s.matcher is not None]
+        bitmask = (self.structured_outputs().masks([due_seqs[i] for i in rows],
+                                                   pending_masks) if rows else None)
+        return due_seqs, self.sampler(logits, due_seqs, rows, bitmask)
+
+    def _observe_step(self, batch, kv_tokens: int, ts: float, t0: float, t1: float) -> None:
         end = time.perf_counter()
         self.stats.record_step(batch, t0 - ts, t1 - t0, end - t1)
         # The whole step, as a stream sees it between two tokens.
@@ -320,6 +363,8 @@ class LLMEngine:
             cost.observe_error(end - ts, batch.predicted_s)
         cost.observe(batch.num_tokens, kv_tokens, len(batch.seqs), end - ts)
         self.last_step = (end - ts, batch.predicted_s)
+
+    def _outputs(self, touched: dict[str, Request]) -> list[RequestOutput]:
         outputs = []
         for req in touched.values():
             outputs.append(RequestOutput.of(req))
@@ -364,8 +409,13 @@ class LLMEngine:
                if s.matcher is not None and s.num_computed_tokens + n >= s.num_tokens]
         return self.structured_outputs().start_masks(due) if due else None
 
-    def _append(self, seq: Sequence, token: int, lp) -> None:
-        seq.append_token(token)
+    def _append(self, seq: Sequence, token: int, lp, placed: bool = False) -> None:
+        """Append ``token`` to ``seq`` (or, ``placed``, take it as the one its pending
+        placeholder stood for) and finish ``seq`` if it must stop."""
+        if placed:
+            seq.token_ids[-1] = token
+        else:
+            seq.append_token(token)
         req = seq.request
         now = time.monotonic()
         if req.first_token_time is None:

@@ -170,17 +170,24 @@ class ModelRunner:
         return decode_kernel() is not None
 
     # --- one step ---------------------------------------------------------------------
-    def flatten(self, batch: ScheduledBatch) -> tuple[StepInputs, list[int]]:
+    def flatten(self, batch: ScheduledBatch, pending_row_of: dict[int, int] | None = None
+                ) -> tuple[StepInputs, list[int]]:
         """The batch as plain lists (what the workers receive), and the indices into
-        ``batch.seqs`` of the sequences due a new token."""
+        ``batch.seqs`` of the sequences due a new token. ``pending_row_of`` (async
+        scheduling): seq_id -> row of the previous step's tokens, for the sequences
+        whose last token is a placeholder."""
         bs = self.block_size
         input_ids, positions, slots = [], [], []
         query_start, seq_lens, sample_rows, due = [0], [], [], []
-        tables, prompt_rows = [], []
+        tables, prompt_rows, pending_rows, pending_src = [], [], [], []
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
             first_row = query_start[-1] - start
             prompt_rows += [first_row + p for p in seq.prompt_logprob_positions(n)]
+            src = pending_row_of.get(seq.seq_id) if pending_row_of else None
+            if src is not None and start <= seq.num_tokens - 1 < end:
+                pending_rows.append(first_row + seq.num_tokens - 1)
+                pending_src.append(src)
             input_ids += seq.token_ids[start:end]
             positions += range(start, end)
             table = seq.block_table
@@ -192,7 +199,8 @@ class ModelRunner:
                 sample_rows.append(query_start[-1] - 1)
                 due.append(i)
         return StepInputs(input_ids, positions, slots, query_start, seq_lens, tables,
-                          sample_rows, max(batch.num_new_tokens), prompt_rows), due
+                          sample_rows, max(batch.num_new_tokens), prompt_rows,
+                          pending_rows, pending_src), due
 
     def build(self, inputs: StepInputs):
         """The tensors the model reads, from the flat lists."""
@@ -229,16 +237,21 @@ class ModelRunner:
             return self.model(ids, pos)
 
     @torch.inference_mode()
-    def execute(self, inputs: StepInputs, seq_ids: list[int] | None = None
-                ) -> torch.Tensor | None:
+    def execute(self, inputs: StepInputs, seq_ids: list[int] | None = None,
+                prev_tokens: torch.Tensor | None = None) -> torch.Tensor | None:
         """This rank's forward of the step, and the logits of the rows that sample
         (on rank 0; None elsewhere, or when no row samples). ``seq_ids``: the batch's
-        sequence ids, which the device block tables key their rows by."""
+        sequence ids, which the device block tables key their rows by. ``prev_tokens``:
+        the previous step's sampled tokens, still on the device (async scheduling)."""
         rows = None
         if self.step_builder is not None:
             ids, pos, meta, rows = self.step_builder.build(inputs, seq_ids)
         else:
             ids, pos, meta = self.build(inputs)
+        if inputs.pending_rows:  # device to device: the host never waits for them
+            dev = self.device
+            ids[torch.tensor(inputs.pending_rows, device=dev)] = prev_tokens[
+                torch.tensor(inputs.pending_src, device=dev)]
         bucket = (self.graphs.bucket(len(inputs.seq_lens), inputs.max_query_len)
                   if self.graphs is not None else None)
         if bucket is not None:
@@ -252,16 +265,22 @@ class ModelRunner:
         return self.model.compute_logits(hidden[rows])
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch) -> tuple[torch.Tensor | None, list[int]]:
+    def run(self, batch: ScheduledBatch,
+            pending: tuple[dict[int, int], torch.Tensor] | None = None
+            ) -> tuple[torch.Tensor | None, list[int]]:
         """Forward the batch once (on every rank); logits only for rows that sample
         and, after them, the rows that score prompt tokens (``prompt_rows``).
+        ``pending`` (async scheduling, one rank): seq_id -> row of the previous step's
+        token tensor, and that tensor.
 
         Returns (logits ``[num_sampling + num_prompt_rows, vocab]`` or None, indices
         into ``batch.seqs`` of the sequences the sampling rows belong to)."""
-        inputs, due = self.flatten(batch)
+        row_of, prev_tokens = pending if pending is not None else (None, None)
+        inputs, due = self.flatten(batch, row_of)
         if self.group is None:
             seq_ids = [s.seq_id for s in batch.seqs] if self.step_builder is not None else None
-            return self.execute(inputs, seq_ids), due
+            return self.execute(inputs, seq_ids, prev_tokens), due
+        assert pending is None, "async scheduling runs on one rank"
         self.group.send(("step", self._pending_ops, inputs))
         self._pending_ops = []
         try:
