@@ -3,6 +3,10 @@
 1. Decode attention (bf16) over a sweep of batch sizes and context lengths:
    achieved bytes/s against the HBM roofline, and time against PyTorch SDPA on the
    same K/V laid out contiguously (the ratio is printed).
+   Then issue 27's comparison at batch 1/32/128 x 2k and 1/32 x 8k (Llama-3-8B's
+   attention shape): the split-KV rule before (``legacy``: no split at >= 128
+   sequences x KV heads) and now (``occupancy``: enough programs for the SMs), each
+   with the 16-row decode tile of before (``padded``) and the group-sized one (``fit``).
 2. A mixed prefill + decode batch.
 3. bf16 correctness of the Triton kernels against the PyTorch reference.
 4. End-to-end decode throughput of a ~1B-parameter Llama-shaped model with random
@@ -39,7 +43,7 @@ import traceback
 from pathlib import Path
 
 HBM_BYTES_PER_S = 4.8e12  # H200 HBM3e peak
-SECTIONS = ("decode", "mixed", "correctness", "e2e", "fused")
+SECTIONS = ("decode", "decode_rules", "mixed", "correctness", "e2e", "fused")
 
 
 def bench(fn, device) -> float:
@@ -126,6 +130,82 @@ def decode_sweep(args, device, dtype) -> list[dict]:
                 if device == "cuda":
                     torch.cuda.empty_cache()
     return rows
+
+
+# Issue 27: (split rule, decode tile) before and after, and each change alone.
+DECODE_VARIANTS = (("legacy", "padded"), ("occupancy", "padded"), ("legacy", "fit"),
+                   ("occupancy", "fit"))
+DECODE_RULE_SHAPES = ((1, 2048), (32, 2048), (128, 2048), (1, 8192), (32, 8192))
+
+
+def decode_rules(args, device, dtype) -> list[dict]:
+    """Decode attention time per variant of DECODE_VARIANTS; bytes/s = the K/V bytes one
+    step reads / its time, against the H200's 4.8 TB/s. Smoke: a 2-head model and one
+    short context, which no rule splits (the interpreter runs each program in Python;
+    tests/test_kernels.py checks the split path)."""
+    import torch
+
+    from llmserve.kernels.triton.attention import _choose_splits, num_sms, unified_attention
+    heads, kv_heads, head_dim, block_size = (2, 1, 32, 16) if args.smoke else (32, 8, 128, 16)
+    shapes = ((2, 64),) if args.smoke else DECODE_RULE_SHAPES
+    rows = []
+    for batch, ctx in shapes:
+        b = make_decode_batch(batch, ctx, heads, kv_heads, head_dim, block_size, dtype, device)
+        out = torch.empty_like(b["q"])
+        kv_bytes = 2 * kv_heads * head_dim * b["k_cache"].element_size() * batch * ctx
+        for rule, tile in DECODE_VARIANTS:
+            row = {"batch": batch, "context": ctx, "split_rule": rule, "decode_tile": tile,
+                   "num_splits": _choose_splits(batch, kv_heads, ctx, block_size,
+                                                num_sms(device), rule)}
+            rows.append(row)
+            try:
+                call = (lambda rule=rule, tile=tile, b=b, out=out: unified_attention(
+                    out=out, split_rule=rule, decode_tile=tile, **b))
+                t = bench(call, device)
+                t_graph = bench_graph(call, device)
+                row.update(us=t * 1e6, graph_us=t_graph * 1e6 if t_graph else None,
+                           bytes_per_s=kv_bytes / (t_graph or t),
+                           hbm_fraction=kv_bytes / (t_graph or t) / HBM_BYTES_PER_S)
+                graph = f"{row['graph_us']:9.1f}" if t_graph else "        -"
+                print(f"decode B={batch:4} ctx={ctx:5} {rule:9} {tile:6} "
+                      f"splits={row['num_splits']:2}: {row['us']:9.1f} us (graph {graph} us) "
+                      f"{row['bytes_per_s'] / 1e12:6.2f} TB/s "
+                      f"({100 * row['hbm_fraction']:5.1f}% HBM)", flush=True)
+            except Exception as e:  # noqa: BLE001 - one variant failing leaves the others
+                row["error"] = f"{type(e).__name__}: {e}"
+                print(f"decode B={batch:4} ctx={ctx:5} {rule} {tile}: FAILED {row['error']}",
+                      flush=True)
+        del b, out
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    return rows
+
+
+def _decode_rules_markdown(rows: list[dict]) -> list[str]:
+    """One line per shape: each variant's time (graph replay where measured) and the
+    speed-up of now (occupancy, fit) over before (legacy, padded)."""
+    names = [f"{r} / {t}" for r, t in DECODE_VARIANTS]
+    lines = ["", "Decode attention, split rule / decode tile (µs, CUDA-graph replay on a "
+             "GPU; TB/s and % of 4.8 TB/s for the new rule):", "",
+             "| batch | context | " + " | ".join(names) + " | TB/s | % HBM | before/now |",
+             "|---|---|" + "---|" * (len(names) + 3)]
+    shapes = dict.fromkeys((r["batch"], r["context"]) for r in rows)
+    for batch, ctx in shapes:
+        by = {(r["split_rule"], r["decode_tile"]): r for r in rows
+              if (r["batch"], r["context"]) == (batch, ctx)}
+        cells, times = [], {}
+        for v in DECODE_VARIANTS:
+            r = by.get(v, {})
+            t = r.get("graph_us") or r.get("us")
+            times[v] = t
+            cells.append(f"{t:.1f} ({r['num_splits']} splits)" if t else
+                         r.get("error", "-"))
+        now, before = by.get(DECODE_VARIANTS[-1], {}), times[DECODE_VARIANTS[0]]
+        tail = (f"{now['bytes_per_s'] / 1e12:.2f} | {100 * now['hbm_fraction']:.1f} | "
+                f"{before / times[DECODE_VARIANTS[-1]]:.2f}x"
+                if "bytes_per_s" in now and before else "- | - | -")
+        lines.append(f"| {batch} | {ctx} | " + " | ".join(cells) + f" | {tail} |")
+    return lines
 
 
 def correctness(device, dtype) -> list[dict]:
@@ -357,6 +437,9 @@ def markdown(report: dict) -> str:
                              f"{r['triton_us']:.1f} | {f'{graph:.1f}' if graph else '-'} | "
                              f"{r['bytes_per_s'] / 1e12:.2f} | {100 * r['hbm_fraction']:.1f} | "
                              f"{r['sdpa_contiguous_us']:.1f} | {r['triton_over_sdpa']:.2f} |")
+    if "decode_rules" in report:
+        lines += (["", note("decode_rules")] if failed("decode_rules") else
+                  _decode_rules_markdown(report["decode_rules"]))
     if "mixed" in report:
         m = report["mixed"]
         lines += ["", note("mixed") if failed("mixed") else
@@ -416,6 +499,7 @@ def main() -> int:
               "timing": "cuda events (do_bench, median)" if device == "cuda" else "host clock",
               "failed_sections": [], "section_seconds": {}}
     runners = {"decode": lambda: decode_sweep(args, device, dtype),
+               "decode_rules": lambda: decode_rules(args, device, dtype),
                "mixed": lambda: mixed(device, dtype),
                "correctness": lambda: correctness(device, dtype),
                "e2e": lambda: e2e_decode(args, device),
@@ -434,7 +518,7 @@ def main() -> int:
                 traceback.print_exc()
                 report[name] = {"error": f"{type(e).__name__}: {e}"}
                 report["failed_sections"].append(name)
-            if name in ("decode", "fused") and isinstance(report[name], list):
+            if name in ("decode", "decode_rules", "fused") and isinstance(report[name], list):
                 bad = sum("error" in r for r in report[name])
                 if bad:
                     report["failed_sections"].append(f"{name} ({bad} shapes)")

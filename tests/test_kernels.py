@@ -110,7 +110,7 @@ DEFAULT_DECODE = [
     ([(1, 1)], 2, 1, 128, 32, torch.float32),  # one key: single pass
     ([(1, 1), (1, 2100)], 4, 2, 80, 32, torch.float32),  # 16
     ([(1, 576), (1, 17)], 16, 8, 64, 32, torch.float32),  # 4
-    ([(1, 1), (1, 17), (1, 576), (1, 2100), (1, 300)], 4, 4, 128, 16, torch.float16),  # 16
+    ([(1, 1), (1, 17), (1, 576), (1, 2100), (1, 300)], 4, 4, 128, 16, torch.float16),  # 32
     ([(1, 576), (1, 1), (1, 17), (1, 33), (1, 700)], 24, 8, 80, 16, torch.float32),  # 8
 ]
 DEFAULT_MIXED = [
@@ -153,6 +153,140 @@ def test_choose_splits_is_a_supported_power_of_two():
                     assert n == 1 or max_seq_len // block_size >= 4 * n
     assert choose(1, 8, 576, 16) == 8  # the issue #18 shape
     assert choose(128, 8, 4096, 16) == 1  # enough programs already
+
+
+# --- issue 27: splits chosen by occupancy, and a decode tile without padding rows --------
+def test_choose_splits_fills_the_sms_where_the_legacy_rule_stopped():
+    """The occupancy rule on an H200 (132 SMs), 8 KV heads, 16-token blocks: batch 32 at
+    2k was 256 programs (under two per SM) and the legacy rule did not split it."""
+    choose, legacy = triton_attention.choose_splits, triton_attention._legacy_splits
+    assert legacy(32, 8, 2048, 16) == 1
+    assert choose(32, 8, 2048, 16, sms=132) == 4  # 1024 programs >= 4 x 132
+    assert choose(16, 8, 2048, 16, sms=132) == 8
+    assert choose(32, 8, 8192, 16, sms=132) == 4
+    assert choose(128, 8, 2048, 16, sms=132) == 1  # 1024 programs already
+    assert choose(1, 8, 2048, 16, sms=132) == 32  # the cap, 4 blocks a split
+    assert choose(1, 8, 600, 16, sms=132) == 8  # 37 blocks: no more than 4-block splits
+    assert choose(1, 8, 600, 32, sms=132) == 4
+    assert choose(1, 8, 511, 16, sms=132) == 1  # short: launch-bound, never split
+    # More SMs want more programs; fewer want fewer.
+    assert choose(32, 8, 2048, 16, sms=264) == 8
+    assert choose(32, 8, 2048, 16, sms=16) == 1
+
+
+def test_choose_splits_occupancy_rule_and_warm_up_coverage():
+    """For any GPU, batch and context: the smallest power of two that reaches
+    PROGRAMS_PER_SM x SMs programs, unless the cap or the minimum split length stops it
+    first; and always one of ``reachable_splits`` at any longer context limit."""
+    ta = triton_attention
+    for sms in (16, 78, 108, 132, 170):
+        target = ta.PROGRAMS_PER_SM * sms
+        for block_size in (16, 32, 128):
+            for kv_heads in (1, 2, 8, 16):
+                reach = {L: set(ta.reachable_splits(kv_heads, L, block_size, sms))
+                         for L in (4096, 131072)}
+                for num_seqs in (1, 2, 3, 5, 16, 31, 64, 128, 300):
+                    programs = num_seqs * kv_heads
+                    for length in (1, 100, 511, 512, 576, 1000, 2100, 4096, 131072):
+                        n = ta.choose_splits(num_seqs, kv_heads, length, block_size, sms)
+                        assert 1 <= n <= ta.MAX_SPLITS and n & (n - 1) == 0, n
+                        assert n == 1 or length // block_size >= ta.MIN_SPLIT_BLOCKS * n
+                        assert n == 1 or programs * n // 2 < target  # never more than needed
+                        longer = 2 * n <= ta.MAX_SPLITS and length >= ta.MIN_SPLIT_CONTEXT \
+                            and length // block_size >= ta.MIN_SPLIT_BLOCKS * 2 * n
+                        assert programs * n >= target or not longer, (programs, n, length)
+                        for limit, splits in reach.items():
+                            assert length > limit or n in splits, (limit, n, splits)
+
+
+# Decode batches of (sequences x KV heads) >= 128 at long context, lengths not multiples
+# of the block: the legacy rule ran them in one pass per (sequence, KV head).
+MANY_DECODES = [(1, 600 - 7 * i) if i % 4 else (1, 1 + 13 * i) for i in range(32)]
+
+
+def test_many_decodes_at_long_context_now_split():
+    """32 sequences x 4 KV heads; 64-token blocks keep it to 2 splits of >= 4 blocks
+    (the interpreter's cost grows with the programs)."""
+    batch = make_batch(MANY_DECODES, 4, 4, 64, 64, torch.float16)
+    assert batch["max_seq_len"] == 593
+    assert triton_attention._legacy_splits(32, 4, 593, 64) == 1
+    assert triton_attention._choose_splits(32, 4, 593, 64) == 2
+    check(batch, torch.float16)  # the default path: 2 splits
+
+
+GQA_DECODE = [(1, 37), (1, 700), (1, 129), (1, 1)]
+GQA_MIXED = [(5, 40), (1, 700), (1, 33), (17, 17), (1, 1)]
+
+
+@pytest.mark.parametrize("head_dim,block_size", [(64, 16), (128, 32)])
+@pytest.mark.parametrize("group", [1, 3, 4, 8])
+def test_gqa_ratios_decode_and_mixed(group, head_dim, block_size):
+    """Default path: decode-only (split, and the decode kernel in one pass) and mixed
+    prefill + decode, at GQA 1/3/4/8 with 2 KV heads."""
+    for shapes in (GQA_DECODE, GQA_MIXED):
+        batch = make_batch(shapes, 2 * group, 2, head_dim, block_size, torch.float32,
+                           seed=group)
+        check(batch, torch.float32)
+    if block_size == 16:
+        check(make_batch(GQA_DECODE, 2 * group, 2, head_dim, block_size, torch.float32),
+              torch.float32, num_splits=1)
+
+
+def _launches(fn) -> list[tuple[str, dict]]:
+    """(kernel name, its compile-time constants) of every attention launch ``fn`` makes."""
+    kernels = [triton_attention._unified_attention_kernel,
+               triton_attention._split_decode_kernel, triton_attention._split_reduce_kernel]
+    seen = []
+    hooks = [(k, lambda *a, k=k, **kw: seen.append((k.fn.__name__, kw))) for k in kernels]
+    for kernel, hook in hooks:
+        kernel.add_pre_run_hook(hook)
+    try:
+        fn()
+    finally:
+        for kernel, hook in hooks:
+            kernel.pre_run_hooks.remove(hook)
+    return seen
+
+
+@pytest.mark.parametrize("heads,rows", [((8, 2), 4), ((6, 2), 4), ((2, 2), 1)])
+def test_decode_tile_rows_are_the_group_only(heads, rows):
+    """A decode-only batch runs the decode kernel with BLOCK_M = the padded group (the
+    interpreter's and Triton >= 3.2's tl.dot take any M), where the mixed-batch tile had
+    16 rows: at GQA 4, BLOCK_Q = 4 query slots of which a decode fills one. The padded
+    tile of before, kept for the benchmark, gives the same output."""
+    batch = make_batch([(1, 40), (1, 300)], *heads, 64, 16, torch.float32)
+    out = torch.empty_like(batch["q"])
+    for splits in (1, 4):
+        launched = _launches(lambda s=splits: triton_attention.unified_attention(
+            out=out, num_splits=s, **batch))
+        decode = [kw for name, kw in launched if name == "_split_decode_kernel"]
+        assert [kw["BLOCK_M"] for kw in decode] == [
+            max(rows, triton_attention._min_dot_rows())]
+        assert "_unified_attention_kernel" not in {name for name, _ in launched}
+        fit = out.clone()
+        padded = _launches(lambda s=splits: triton_attention.unified_attention(
+            out=out, num_splits=s, decode_tile="padded", **batch))
+        assert padded[0][1]["BLOCK_M"] == 16
+        torch.testing.assert_close(out, fit, atol=1e-5, rtol=1e-5)
+    check(batch, torch.float32)
+
+
+def test_decode_rows_rule():
+    rows = triton_attention._decode_rows
+    floor = triton_attention._min_dot_rows()
+    assert floor in (1, 16)
+    for group_p in (1, 2, 4, 8, 16, 32):
+        assert rows(group_p) == max(group_p, floor)
+        assert rows(group_p, "padded") == max(16, group_p)
+
+
+def test_unified_attention_rejects_unknown_rules():
+    batch = make_batch([(1, 100)], 4, 2, 64, 16, torch.float32)
+    out = torch.empty_like(batch["q"])
+    with pytest.raises(ValueError, match="split_rule"):
+        triton_attention.unified_attention(out=out, **batch, split_rule="greedy")
+    with pytest.raises(ValueError, match="decode_tile"):
+        triton_attention.unified_attention(out=out, **batch, decode_tile="wide")
 
 
 @pytest.mark.parametrize("num_splits", [None, 4])
@@ -345,9 +479,11 @@ def test_no_kernel_specialises_on_what_changes_between_batches():
         kernel.add_pre_run_hook(hook)
     try:
         for num_seqs, context in ((1, 16), (3, 40), (16, 256), (17, 20)):
-            for shapes in ([(1, context)] * num_seqs, [(3, context)] + [(1, 17)] * num_seqs):
+            # decode-only, then mixed: both with num_seqs sequences
+            for shapes in ([(1, context)] * num_seqs,
+                           [(3, context)] + [(1, 17)] * (num_seqs - 1)):
                 batch = make_batch(shapes, 2, 1, 16, 16, torch.float32, seed=num_seqs)
-                for splits in ((None, 2) if shapes[0][0] == 1 else (None,)):
+                for splits in ((None, 1, 2) if shapes[0][0] == 1 else (None,)):
                     out = torch.empty_like(batch["q"])
                     triton_attention.unified_attention(out=out, num_splits=splits, **batch)
                 kv = torch.zeros(len(shapes), 1, 16, device=DEVICE)

@@ -10,10 +10,12 @@ once for the whole group (GQA). A program finds its sequence by binary search
 over the query start offsets. Keys are visited one cache block at a time with
 an fp32 online softmax; a row whose keys are all masked keeps a zero output.
 
-For decode-only batches with few sequences and long contexts the grid above has
-too few programs to fill a GPU, so a split-KV variant gives each
-(sequence, KV head) several programs over disjoint key ranges and a second
-kernel merges their partial results by log-sum-exp.
+Decode-only batches (one query token per sequence) run a decode kernel instead:
+program (sequence, KV head, split) holds just the group's query heads as its rows
+(BLOCK_Q = 1), so no row of its tile is padding for queries that do not exist. With
+several splits each program attends a disjoint share of the keys and a second kernel
+merges the partial results by log-sum-exp; the split count is chosen from the GPU's
+occupancy (``choose_splits``), so long contexts fill the SMs at any batch size.
 
 Shapes the kernels support are checked by ``check_supported`` (a ValueError
 that names the violated limit); ``unified_attention`` calls it on every call.
@@ -23,6 +25,8 @@ The PyTorch references live in ``reference.py``; tests compare the two under
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
@@ -170,13 +174,14 @@ def _unified_attention_kernel(
 
 @triton.jit(do_not_specialize=["stride_bt"])
 def _split_decode_kernel(
-        q_ptr, k_cache_ptr, v_cache_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
+        q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
         query_start_loc_ptr, seq_lens_ptr, block_tables_ptr, scale,
-        stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt,
+        stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_ks, stride_kh, stride_bt,
         NUM_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr, GROUP: tl.constexpr,
         GROUP_P: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr):
-    """Decode-only: program (seq, kv head, split) attends one share of the keys."""
+    """Decode-only: program (seq, kv head, split) attends one share of the keys. With one
+    split it writes the output itself; otherwise its partial result, for the reduce."""
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -187,6 +192,8 @@ def _split_decode_kernel(
     offs_m = tl.arange(0, BLOCK_M)
     head_in_group = offs_m % GROUP_P
     head = kv_head * GROUP + head_in_group
+    # Rows past GROUP_P exist only where Triton's tl.dot needs more rows than the group
+    # has (BLOCK_M floor, see _decode_rows); rows past GROUP pad the group to a power of 2.
     row_mask = (offs_m < GROUP_P) & (head_in_group < GROUP)
     offs_d = tl.arange(0, HEAD_DIM_P)
     d_mask = offs_d < HEAD_DIM
@@ -205,11 +212,16 @@ def _split_decode_kernel(
                                    first, last, seq_len, seq_len - 1, query_pos,
                                    stride_kb, stride_ks, stride_kh, scale,
                                    BLOCK_SIZE, HEAD_DIM, HEAD_DIM_P)
-    part = (seq.to(tl.int64) * NUM_SPLITS + split) * NUM_HEADS + head
-    tl.store(part_acc_ptr + part[:, None] * HEAD_DIM_P + offs_d[None, :], acc,
-             mask=row_mask[:, None])
-    tl.store(part_m_ptr + part, m_i, mask=row_mask)
-    tl.store(part_l_ptr + part, l_i, mask=row_mask)
+    if NUM_SPLITS == 1:  # the whole context: no partials, no reduce launch
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        tl.store(out_ptr + token * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & d_mask[None, :])
+    else:
+        part = (seq.to(tl.int64) * NUM_SPLITS + split) * NUM_HEADS + head
+        tl.store(part_acc_ptr + part[:, None] * HEAD_DIM_P + offs_d[None, :], acc,
+                 mask=row_mask[:, None])
+        tl.store(part_m_ptr + part, m_i, mask=row_mask)
+        tl.store(part_l_ptr + part, l_i, mask=row_mask)
 
 
 @triton.jit
@@ -282,30 +294,108 @@ def _prev_power_of_2(n: int) -> int:
     return 1 << (max(1, n).bit_length() - 1)
 
 
-def _choose_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, block_size: int) -> int:
-    """Split-KV count for a decode-only batch: always a power of two in [1, MAX_SPLITS].
+# --- split-KV decode: how many splits ------------------------------------------------------
+DEFAULT_NUM_SMS = 132  # an H200; used where there is no CUDA device (CPU, the interpreter)
+# Programs per SM the split count aims for: several resident programs per SM keep enough
+# K/V loads in flight to cover HBM latency, and a few waves even out the tail where
+# sequences of unequal length finish at different times.
+PROGRAMS_PER_SM = 4
+MIN_SPLIT_BLOCKS = 4  # no split shorter than this many cache blocks (of the longest sequence)
+MIN_SPLIT_CONTEXT = 512  # below this many keys a decode step is launch-bound: never split
+SPLIT_RULES = ("occupancy", "legacy")
 
-    It must be a power of two because the reduce kernel loads the splits of one head
-    as ``tl.arange(0, NUM_SPLITS)``; and since NUM_SPLITS is a compile-time constant,
-    powers of two also bound the kernel variants to six. Split only when
-    (sequences x KV heads) leaves most of the GPU idle (aim for ~256 programs), and
-    only as far as every split still gets >= 4 cache blocks of the longest sequence
-    (shorter sequences leave their last splits empty, which the merge ignores)."""
+
+@functools.cache
+def _cuda_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def num_sms(device: torch.device | str | None = None) -> int:
+    """Streaming multiprocessors of ``device`` (default: the current CUDA device), or
+    DEFAULT_NUM_SMS without CUDA, where the interpreter makes the same choices the
+    H200 would. Called per attention call: the CUDA query is cached per device."""
+    if INTERPRETED or (device is None and not torch.cuda.is_available()):
+        return DEFAULT_NUM_SMS
+    device = torch.device("cuda" if device is None else device)
+    if device.type != "cuda":
+        return DEFAULT_NUM_SMS
+    return _cuda_sms(torch.cuda.current_device() if device.index is None else device.index)
+
+
+def choose_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, block_size: int,
+                  sms: int) -> int:
+    """Split-KV count for a decode-only batch on a GPU of ``sms`` SMs: a power of two in
+    [1, MAX_SPLITS], the smallest that gives (sequences x KV heads x splits) >=
+    PROGRAMS_PER_SM x sms programs, but no more than leaves every split
+    MIN_SPLIT_BLOCKS cache blocks of the longest sequence (shorter sequences leave their
+    last splits empty, which the merge ignores).
+
+    Powers of two because the reduce kernel loads the splits of one head as
+    ``tl.arange(0, NUM_SPLITS)``, and because NUM_SPLITS is a compile-time constant:
+    powers of two keep the variants few (six), so ``warm_up`` compiles them all ahead.
+    (The legacy rule stopped splitting at 128 sequences x KV heads: at batch 32 of an
+    8-KV-head model that is 256 programs, under two per SM of an H200.)"""
+    programs = num_seqs * num_kv_heads
+    target = PROGRAMS_PER_SM * sms
+    if programs >= target or max_seq_len < MIN_SPLIT_CONTEXT:
+        return 1
+    wanted = triton.next_power_of_2(-(-target // programs))
+    by_length = max_seq_len // (MIN_SPLIT_BLOCKS * block_size)
+    return _prev_power_of_2(min(wanted, MAX_SPLITS, by_length))
+
+
+def _legacy_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, block_size: int) -> int:
+    """The rule before issue 27 (kept for benchmarks/kernels.py's comparison): split only
+    below 128 sequences x KV heads, aiming at ~256 programs whatever the GPU."""
     programs = num_seqs * num_kv_heads
     if programs >= 128 or max_seq_len < 512:
         return 1
     wanted = triton.next_power_of_2(256 // programs)
-    by_length = max_seq_len // (4 * block_size)  # splits of >= 4 blocks
-    return _prev_power_of_2(min(wanted, MAX_SPLITS, by_length))
+    return _prev_power_of_2(min(wanted, MAX_SPLITS, max_seq_len // (4 * block_size)))
 
 
-def reachable_splits(num_kv_heads: int, max_seq_len: int, block_size: int) -> list[int]:
-    """Every split count ``_choose_splits`` can return for this model and context limit."""
-    if num_kv_heads >= 128 or max_seq_len < 512:
-        return [1]
-    top = _prev_power_of_2(min(triton.next_power_of_2(256 // num_kv_heads), MAX_SPLITS,
-                               max_seq_len // (4 * block_size)))
+def _choose_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, block_size: int,
+                   sms: int | None = None, rule: str = "occupancy") -> int:
+    """``choose_splits`` on this machine's GPU (``sms`` None: the current device's)."""
+    if rule == "legacy":
+        return _legacy_splits(num_seqs, num_kv_heads, max_seq_len, block_size)
+    return choose_splits(num_seqs, num_kv_heads, max_seq_len, block_size,
+                         num_sms() if sms is None else sms)
+
+
+def reachable_splits(num_kv_heads: int, max_seq_len: int, block_size: int,
+                     sms: int | None = None) -> list[int]:
+    """Every split count ``_choose_splits`` can return for this model and context limit:
+    the powers of two up to its choice for one sequence at the longest context (it
+    chooses fewer splits for more sequences and for shorter contexts)."""
+    top = _choose_splits(1, num_kv_heads, max_seq_len, block_size, sms)
     return [1 << i for i in range(top.bit_length())]
+
+
+# --- decode tile ------------------------------------------------------------------------------
+@functools.cache
+def _min_dot_rows() -> int:
+    """Fewest rows (M) tl.dot accepts. Triton >= 3.2 asks the backend (NVIDIA: M >= 1,
+    padding small tiles for the tensor cores; AMD: 1) and the interpreter takes any;
+    older releases want M >= 16."""
+    if INTERPRETED:
+        return 1
+    try:
+        from triton.backends.nvidia.compiler import min_dot_size  # noqa: F401
+    except ImportError:
+        return 16
+    return 1
+
+
+def _decode_rows(group_p: int, decode_tile: str = "fit") -> int:
+    """BLOCK_M of the decode kernel. "fit": the group's query heads and nothing else (a
+    decode has one query token, so a BLOCK_Q > 1 tile was (BLOCK_Q - 1) / BLOCK_Q padding:
+    three quarters at GQA 4); fewer rows mean a smaller fp32 accumulator and softmax per
+    program, so more programs stay resident to keep K/V loads in flight. "padded": the
+    16-row tile of before (benchmark comparison only)."""
+    if decode_tile == "padded":
+        return max(16, group_p)
+    return max(group_p, _min_dot_rows())
 
 
 def warm_up(*, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
@@ -322,6 +412,7 @@ def warm_up(*, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int
     num_blocks = max(batch_sizes) * 2
     cache = torch.zeros((2, num_blocks, block_size, num_kv_heads, head_dim), dtype=dtype,
                         device=device)
+    splits = reachable_splits(num_kv_heads, max_seq_len, block_size, num_sms(device))
     launches = 0
     for num_seqs in batch_sizes:
         for query_len in (1, 2):
@@ -334,7 +425,6 @@ def warm_up(*, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int
             lens = torch.full((num_seqs,), query_len, dtype=torch.int32, device=device)
             tables = torch.arange(num_blocks, dtype=torch.int32, device=device).view(
                 num_seqs, -1)
-            splits = reachable_splits(num_kv_heads, max_seq_len, block_size)
             for num_splits in (splits if query_len == 1 else [1]):
                 unified_attention(q, cache[0], cache[1], torch.empty_like(q),
                                   query_start_loc=starts, seq_lens=lens, block_tables=tables,
@@ -349,13 +439,16 @@ def warm_up(*, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int
 def unified_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       out: torch.Tensor, *, query_start_loc: torch.Tensor,
                       seq_lens: torch.Tensor, block_tables: torch.Tensor, max_query_len: int,
-                      max_seq_len: int, scale: float, num_splits: int | None = None
+                      max_seq_len: int, scale: float, num_splits: int | None = None,
+                      split_rule: str = "occupancy", decode_tile: str = "fit"
                       ) -> torch.Tensor:
     """Causal paged attention of each sequence's new tokens over its cached keys.
 
     ``num_splits`` forces the split-KV path (decode-only batches) with that many
     splits (a power of two <= MAX_SPLITS); by default it is chosen from the batch
-    shape. Raises ValueError for shapes outside ``check_supported``."""
+    shape and the GPU's SM count. ``split_rule="legacy"`` and ``decode_tile="padded"``
+    bring back the rules before issue 27, for benchmarks only (``warm_up`` does not
+    compile their variants). Raises ValueError for shapes outside ``check_supported``."""
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     check_supported(block_size=block_size, head_dim=head_dim, num_heads=num_heads,
@@ -364,18 +457,26 @@ def unified_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
                                        and num_splits & (num_splits - 1) == 0):
         raise ValueError(f"num_splits must be a power of two in [1, {MAX_SPLITS}], "
                          f"got {num_splits}")
+    if split_rule not in SPLIT_RULES or decode_tile not in ("fit", "padded"):
+        raise ValueError(f"split_rule must be one of {SPLIT_RULES} and decode_tile 'fit' or "
+                         f"'padded', got {split_rule!r}, {decode_tile!r}")
     num_seqs = seq_lens.shape[0]
     group = num_heads // num_kv_heads
     group_p = triton.next_power_of_2(group)
     head_dim_p = triton.next_power_of_2(head_dim)
     assert k_cache.stride(3) == 1 and q.stride(2) == 1 and out.stride(2) == 1
+    decode = max_query_len == 1
     if num_splits is None:
-        num_splits = (_choose_splits(num_seqs, num_kv_heads, max_seq_len, block_size)
-                      if max_query_len == 1 else 1)
-    if max_query_len == 1 and num_splits > 1:
-        _split_decode(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables,
-                      scale, num_splits, group, group_p, head_dim, head_dim_p)
+        num_splits = (_choose_splits(num_seqs, num_kv_heads, max_seq_len, block_size,
+                                     num_sms(q.device), split_rule) if decode else 1)
+    if decode and (num_splits > 1 or decode_tile == "fit"):
+        _decode(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables, scale,
+                num_splits, group, group_p, head_dim, head_dim_p,
+                _decode_rows(group_p, decode_tile))
         return out
+    # Prefill chunks and mixed batches: BLOCK_Q query tokens x the group per tile. A
+    # decode inside a mixed batch still fills one BLOCK_Q row of its tile; choosing the
+    # tile per sequence would need the decode/prefill split on the host every step.
     block_m = max(16, group_p)
     block_q = block_m // group_p
     grid = (num_tokens // block_q + num_seqs, num_kv_heads)
@@ -388,24 +489,30 @@ def unified_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     return out
 
 
-def _split_decode(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables, scale,
-                  num_splits, group, group_p, head_dim, head_dim_p):
+def _decode(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables, scale,
+            num_splits, group, group_p, head_dim, head_dim_p, block_m):
     num_heads = q.shape[1]
     num_seqs = seq_lens.shape[0]
     num_kv_heads = k_cache.shape[2]
-    part_acc = torch.empty((num_seqs, num_splits, num_heads, head_dim_p), dtype=torch.float32,
-                           device=q.device)
-    part_m = torch.empty((num_seqs, num_splits, num_heads), dtype=torch.float32, device=q.device)
-    part_l = torch.empty_like(part_m)
+    if num_splits == 1:  # the kernel writes ``out`` itself; the partial pointers go unused
+        part_acc = part_m = part_l = out
+    else:
+        part_acc = torch.empty((num_seqs, num_splits, num_heads, head_dim_p),
+                               dtype=torch.float32, device=q.device)
+        part_m = torch.empty((num_seqs, num_splits, num_heads), dtype=torch.float32,
+                             device=q.device)
+        part_l = torch.empty_like(part_m)
     _split_decode_kernel[(num_seqs, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, part_acc, part_m, part_l, query_start_loc, seq_lens, block_tables,
-        scale, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
-        k_cache.stride(2), block_tables.stride(0), NUM_HEADS=num_heads, NUM_SPLITS=num_splits,
-        GROUP=group, GROUP_P=group_p, HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p,
-        BLOCK_SIZE=k_cache.shape[1], BLOCK_M=max(16, group_p))
-    _split_reduce_kernel[(num_seqs, num_heads)](
-        part_acc, part_m, part_l, out, query_start_loc, out.stride(0), out.stride(1),
-        NUM_HEADS=num_heads, NUM_SPLITS=num_splits, HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p)
+        q, k_cache, v_cache, out, part_acc, part_m, part_l, query_start_loc, seq_lens,
+        block_tables, scale, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        NUM_HEADS=num_heads, NUM_SPLITS=num_splits, GROUP=group, GROUP_P=group_p,
+        HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p, BLOCK_SIZE=k_cache.shape[1], BLOCK_M=block_m)
+    if num_splits > 1:
+        _split_reduce_kernel[(num_seqs, num_heads)](
+            part_acc, part_m, part_l, out, query_start_loc, out.stride(0), out.stride(1),
+            NUM_HEADS=num_heads, NUM_SPLITS=num_splits, HEAD_DIM=head_dim,
+            HEAD_DIM_P=head_dim_p)
 
 
 # True when this module's kernels were built for Triton's CPU interpreter
