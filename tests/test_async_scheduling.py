@@ -152,3 +152,20 @@ def test_refused_where_it_cannot_work(tiny_llama):
                      device="cpu")
     with pytest.raises(ValueError, match="check-kv-integrity"):
         EngineConfig(model=str(tiny_llama), async_scheduling=True, check_kv_integrity=True)
+
+
+def test_with_staged_inputs_and_device_block_tables(tiny_llama, pair):
+    """The GPU fast path's step builder takes the pending rows in its one staged copy
+    (attached directly: the flags themselves are CUDA-only)."""
+    from llmserve.worker.step_buffers import enable_fast_path
+    sync, _ = pair
+    staged = LLM(str(tiny_llama), kv_cache_memory=64 << 20, max_num_batched_tokens=64,
+                 async_scheduling=True)
+    enable_fast_path(staged.engine.runner, staged.engine.max_model_len, pinned_staging=True,
+                     device_block_tables=True)
+    seen = _PendingRowsSeen(staged.engine)
+    prompts = _prompts(6, seed=4)
+    params = [SamplingParams(temperature=0, max_tokens=12),
+              SamplingParams(temperature=0.9, seed=8, max_tokens=15, n=2)] * 3
+    _same(sync.generate(prompts, params), staged.generate(prompts, params))
+    assert seen.rows > 0

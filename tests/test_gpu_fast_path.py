@@ -128,8 +128,8 @@ def test_staged_inputs_and_device_tables_through_preemption_and_copy_on_write(ti
     builder = engine.runner.step_builder
     real_build, checked = builder.build, []
 
-    def build(inputs, seq_ids):
-        ids, pos, meta, rows = real_build(inputs, seq_ids)
+    def build(inputs, seq_ids, prev_tokens=None):
+        ids, pos, meta, rows = real_build(inputs, seq_ids, prev_tokens)
         for i, table in enumerate(inputs.block_tables):
             assert meta.block_tables[i, :len(table)].tolist() == table
         assert rows.tolist() == inputs.sample_rows and pos.tolist() == inputs.positions

@@ -245,13 +245,13 @@ class ModelRunner:
         the previous step's sampled tokens, still on the device (async scheduling)."""
         rows = None
         if self.step_builder is not None:
-            ids, pos, meta, rows = self.step_builder.build(inputs, seq_ids)
+            ids, pos, meta, rows = self.step_builder.build(inputs, seq_ids, prev_tokens)
         else:
             ids, pos, meta = self.build(inputs)
-        if inputs.pending_rows:  # device to device: the host never waits for them
-            dev = self.device
-            ids[torch.tensor(inputs.pending_rows, device=dev)] = prev_tokens[
-                torch.tensor(inputs.pending_src, device=dev)]
+            if inputs.pending_rows:  # device to device: the host never waits for them
+                dev = self.device
+                ids[torch.tensor(inputs.pending_rows, device=dev)] = prev_tokens[
+                    torch.tensor(inputs.pending_src, device=dev)]
         bucket = (self.graphs.bucket(len(inputs.seq_lens), inputs.max_query_len)
                   if self.graphs is not None else None)
         if bucket is not None:

@@ -159,10 +159,15 @@ class StepBuilder:
         self.staging = StagingBuffer(device) if staging else None
         self.block_tables = block_tables
 
-    def build(self, inputs: StepInputs, seq_ids: list[int]):
+    def build(self, inputs: StepInputs, seq_ids: list[int],
+              prev_tokens: torch.Tensor | None = None):
+        """``prev_tokens``: the previous step's sampled tokens on the device, which
+        fill ``inputs.pending_rows`` (async scheduling); their indices travel in the
+        same staged copy."""
         fields = [(inputs.input_ids, torch.int64), (inputs.positions, torch.int64),
                   (inputs.slots, torch.int64), (inputs.query_start, torch.int32),
-                  (inputs.seq_lens, torch.int32), (inputs.sample_rows, torch.int64)]
+                  (inputs.seq_lens, torch.int32), (inputs.sample_rows, torch.int64),
+                  (inputs.pending_rows, torch.int64), (inputs.pending_src, torch.int64)]
         if self.block_tables is not None:
             plan = self.block_tables.plan(seq_ids, inputs.block_tables)
             fields += [(plan[0], torch.int64), (plan[1], torch.int64), (plan[2], torch.int64),
@@ -171,7 +176,10 @@ class StepBuilder:
             width = max(len(t) for t in inputs.block_tables)
             flat = [b for t in inputs.block_tables for b in t + [0] * (width - len(t))]
             fields.append((flat, torch.int32))
-        ids, pos, slots, starts, lens, rows, *tables = self._upload(fields)
+        ids, pos, slots, starts, lens, rows, pending_rows, pending_src, *tables = \
+            self._upload(fields)
+        if inputs.pending_rows:
+            ids[pending_rows] = prev_tokens[pending_src]
         if self.block_tables is not None:
             table_tensor = self.block_tables.apply(*tables)
         else:
