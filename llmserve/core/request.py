@@ -14,8 +14,6 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
-import torch
-
 from llmserve.core.beam_search import BeamSearch
 from llmserve.core.sampling_params import SamplingParams
 
@@ -66,10 +64,6 @@ class Sequence:
         self.text = ""
         self.prefix_offset = max(self.num_prompt_tokens - 5, 0)
         self.read_offset = self.num_prompt_tokens
-        seed = self.params.sample_seed(index)
-        self.generator: torch.Generator | None = None
-        if seed is not None:
-            self.generator = torch.Generator().manual_seed(seed)
         self.num_preemptions = 0
         self.recomputed_until = 0  # tokens computed before a recompute preemption
         # Parser state of a constrained output (structured.py); survives preemption,
