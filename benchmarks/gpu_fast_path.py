@@ -106,8 +106,9 @@ def decode_step_ms(engine, batch: int, steps: int, prompt_len: int = 128) -> flo
 def step_bytes(engine, batch: int, context: int) -> int:
     """Bytes a decode step must read from memory at least: every weight once, and each
     sequence's K and V over its context."""
-    weights = sum(p.numel() * p.element_size() for p in engine.runner.model.parameters())
-    return weights + batch * context * engine.runner.kv_bytes_per_block() // engine.runner.block_size
+    runner = engine.runner
+    weights = sum(p.numel() * p.element_size() for p in runner.model.parameters())
+    return weights + batch * context * runner.kv_bytes_per_block() // runner.block_size
 
 
 def forward_host_syncs(engine, batch: int = 4, steps: int = 4) -> dict:

@@ -14,8 +14,8 @@ import pytest
 from llmserve import LLM, SamplingParams
 from llmserve.config import EngineConfig
 from llmserve.core.beam_search import BeamSearchParams
-from llmserve.engine.llm_engine import LLMEngine
 from llmserve.core.sampling_params import StructuredOutputsParams
+from llmserve.engine.llm_engine import LLMEngine
 from tests.differential import (
     Differential,
     random_workload,

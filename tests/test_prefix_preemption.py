@@ -87,14 +87,14 @@ def test_parallel_samples_share_blocks_and_never_write_shared(tiny_llama):
     original_flatten = runner.flatten  # where the runner reads each step's batch
     writes_checked = []
 
-    def checked_flatten(batch):
+    def checked_flatten(batch, pending_row_of=None):
         bs = bm.block_size
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             for pos in range(seq.num_computed_tokens, seq.num_computed_tokens + n):
                 block = bm.blocks[seq.block_table[pos // bs]]
                 assert block.ref_count == 1, f"write into shared {block}"
                 writes_checked.append(pos)
-        return original_flatten(batch)
+        return original_flatten(batch, pending_row_of)
 
     runner.flatten = checked_flatten
     prompt = list(range(100, 150))  # 50 tokens: 3 full blocks + a shared partial one

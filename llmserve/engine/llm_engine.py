@@ -28,7 +28,7 @@ from llmserve.engine.overlap import OverlappedSteps
 from llmserve.executor.tensor_parallel import TensorParallelGroup, WorkerDiedError
 from llmserve.model_executor.layers.prompt_logprobs import score_tokens
 from llmserve.model_executor.layers.quantization import resolve_quantization
-from llmserve.model_executor.layers.sampler import Sampler, SamplerOutput
+from llmserve.model_executor.layers.sampler import Sampler
 from llmserve.model_executor.model_loader.gguf import gguf_layer_weight_types
 from llmserve.model_executor.model_loader.sources import (
     load_config,
@@ -293,9 +293,10 @@ class LLMEngine:
         touched: dict[str, Request] = {}
         due_seqs, sampled = self._sample([batch.seqs[i] for i in due], logits,
                                          pending_masks, touched)
-        for seq, token, lp in zip(due_seqs, sampled.token_ids, sampled.logprobs):
-            self._append(seq, token, lp)
-            touched[seq.request.request_id] = seq.request
+        if sampled is not None:
+            for seq, token, lp in zip(due_seqs, sampled.token_ids, sampled.logprobs):
+                self._append(seq, token, lp)
+                touched[seq.request.request_id] = seq.request
         self._observe_step(batch, kv_tokens, ts, t0, t1)
         return self._outputs(touched)
 
@@ -332,14 +333,16 @@ class LLMEngine:
             if not seq.finished:
                 self.block_manager.cache_full_blocks(seq)
 
-    def _sample(self, due_seqs: list[Sequence], logits, pending_masks, touched: dict):
+    def _sample(self, due_seqs: list[Sequence], logits, pending_masks, touched: dict,
+                on_device: bool = False):
         """Beam rows go to the beam stepper; the others (and the parallel samples
-        forked now) are sampled. Returns (the sampled sequences, the SamplerOutput);
-        nothing is appended yet."""
+        forked now) are sampled. Returns (the sampled sequences, the SamplerOutput, or
+        with ``on_device`` the SampledTokens still on the device, or None when no row
+        samples); nothing is appended yet."""
         if due_seqs:
             due_seqs, logits = self._advance_beams(due_seqs, logits, touched)
         if not due_seqs:
-            return [], SamplerOutput([], [])
+            return [], None
         rows = list(range(len(due_seqs)))
         for row, seq in enumerate(list(due_seqs)):
             for child in self.scheduler.fork_children(seq):
@@ -352,7 +355,8 @@ class LLMEngine:
         rows = [i for i, s in enumerate(due_seqs) if s.matcher is not None]
         bitmask = (self.structured_outputs().masks([due_seqs[i] for i in rows],
                                                    pending_masks) if rows else None)
-        return due_seqs, self.sampler(logits, due_seqs, rows, bitmask)
+        sample = self.sampler.sample if on_device else self.sampler
+        return due_seqs, sample(logits, due_seqs, rows, bitmask)
 
     def _observe_step(self, batch, kv_tokens: int, ts: float, t0: float, t1: float) -> None:
         end = time.perf_counter()

@@ -30,10 +30,8 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import torch
-
 from llmserve.core.request import Request, Sequence
-from llmserve.model_executor.layers.sampler import SamplerOutput
+from llmserve.model_executor.layers.sampler import SampledTokens
 
 if TYPE_CHECKING:
     from llmserve.engine.llm_engine import LLMEngine
@@ -46,14 +44,10 @@ PLACEHOLDER = 0
 
 @dataclass
 class InflightTokens:
-    """Step k-1's sampled tokens, on the device until ``resolve``."""
+    """Step k-1's sampled tokens, on the device until ``sampled.resolve()``."""
     seqs: list[Sequence]
-    tokens: torch.Tensor  # [len(seqs)] int64, on the model's device
-    sampled: SamplerOutput  # its host lists are read only by ``resolve``
-    row_of: dict[int, int]  # seq_id -> row of ``tokens``
-
-    def resolve(self) -> SamplerOutput:
-        return self.sampled
+    sampled: SampledTokens
+    row_of: dict[int, int]  # seq_id -> row of ``sampled.tokens``
 
 
 class OverlappedSteps:
@@ -78,7 +72,7 @@ class OverlappedSteps:
         logits = due = None
         if batch.seqs:
             prev = self.inflight
-            pending = (prev.row_of, prev.tokens) if prev is not None else None
+            pending = (prev.row_of, prev.sampled.tokens) if prev is not None else None
             logits, due = e.runner.run(batch, pending)
             logits = e._take_prompt_logprobs(batch, logits, len(due))
             kv_tokens = batch.kv_tokens
@@ -101,7 +95,7 @@ class OverlappedSteps:
         prev, self.inflight = self.inflight, None
         if prev is None:
             return
-        sampled = prev.resolve()
+        sampled = prev.sampled.resolve()  # the step's one wait for the device
         for seq, token, lp in zip(prev.seqs, sampled.token_ids, sampled.logprobs):
             if seq.finished:
                 continue
@@ -114,11 +108,10 @@ class OverlappedSteps:
         live = [i for i, s in enumerate(due_seqs) if not s.finished]
         if len(live) < len(due_seqs):
             due_seqs, logits = [due_seqs[i] for i in live], logits[live]
-        seqs, sampled = self.engine._sample(due_seqs, logits, None, beams)
-        if not seqs:
+        seqs, sampled = self.engine._sample(due_seqs, logits, None, beams, on_device=True)
+        if sampled is None:
             return
         for seq in seqs:
             seq.append_token(PLACEHOLDER)
-        tokens = torch.tensor(sampled.token_ids, dtype=torch.long, device=logits.device)
-        self.inflight = InflightTokens(seqs, tokens, sampled,
+        self.inflight = InflightTokens(seqs, sampled,
                                        {s.seq_id: row for row, s in enumerate(seqs)})

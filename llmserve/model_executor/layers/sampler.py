@@ -39,23 +39,44 @@ class SamplerOutput:
     logprobs: list[tuple[float, list[tuple[int, float]]] | None]
 
 
+@dataclass
+class SampledTokens:
+    """A step's sampled tokens still on the logits' device (async scheduling reads
+    them back a step later): ``tokens`` feeds the next step's inputs there, and
+    ``resolve`` is the one host sync."""
+    tokens: torch.Tensor  # [rows] int64
+    params: list
+    # (chosen logprob [rows], top values [rows, k], top ids [rows, k]) or None
+    logprob_tensors: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None
+
+    def resolve(self) -> SamplerOutput:
+        return SamplerOutput(self.tokens.tolist(),
+                             logprob_lists(self.logprob_tensors, self.params))
+
+
 class Sampler:
     def __init__(self, vocab_size: int, eos_token_ids: set[int]):
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
 
-    @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence],
                  grammar_rows: list[int] | None = None,
                  bitmask: torch.Tensor | None = None) -> SamplerOutput:
         """``bitmask`` (one row per entry of ``grammar_rows``) lists the tokens each
         constrained row may take; the others are never sampled."""
+        return self.sample(logits, seqs, grammar_rows, bitmask).resolve()
+
+    @torch.inference_mode()
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence],
+               grammar_rows: list[int] | None = None,
+               bitmask: torch.Tensor | None = None) -> SampledTokens:
+        """As ``__call__``, leaving the tokens (and logprobs) on the device."""
         logits = logits[:, : self.vocab_size]
         params = [s.params for s in seqs]
         if not grammar_rows and all(self._plain_greedy(s) for s in seqs):
             # Nothing to transform or report: the argmax of the raw logits, in their
             # dtype (bf16 -> float32 is exact, so the same token), without the copy.
-            return SamplerOutput(greedy_tokens(logits).tolist(), [None] * len(seqs))
+            return SampledTokens(greedy_tokens(logits), params, None)
         logits = logits.float()
         dev = logits.device
         if any(p.has_penalties for p in params):
@@ -83,8 +104,7 @@ class Sampler:
             if len(sampled) < len(seqs):  # a full pass, only when a row needs it
                 greedy = torch.tensor([p.greedy for p in params], device=dev)
                 tokens = torch.where(greedy, logits.argmax(dim=-1), tokens)
-        token_list = tokens.tolist()
-        return SamplerOutput(token_list, self._gather_logprobs(logprobs, tokens, params))
+        return SampledTokens(tokens, params, logprob_tensors(logprobs, tokens, params))
 
     @staticmethod
     def _plain_greedy(seq: Sequence) -> bool:
@@ -127,23 +147,32 @@ class Sampler:
             index = torch.tensor([rows, cols], dtype=torch.long, device=logits.device)
             logits[index[0], index[1]] = NEG_INF
 
-    def _gather_logprobs(self, logprobs, tokens, params):
-        if logprobs is None:
-            return [None] * len(params)
-        k = max(p.logprobs or 0 for p in params)
-        chosen = logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1).tolist()
-        top_vals, top_ids = (logprobs.topk(k, dim=-1) if k else (None, None))
-        top_vals = top_vals.tolist() if k else None
-        top_ids = top_ids.tolist() if k else None
-        result = []
-        for i, p in enumerate(params):
-            if p.logprobs is None:
-                result.append(None)
-                continue
-            n = p.logprobs
-            top = list(zip(top_ids[i][:n], top_vals[i][:n])) if n else []
-            result.append((chosen[i], top))
-        return result
+
+def logprob_tensors(logprobs, tokens, params):
+    """On the device: each row's sampled logprob and the batch's top-k (k: the largest
+    asked), or None when no row asks."""
+    if logprobs is None:
+        return None
+    chosen = logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
+    k = max(p.logprobs or 0 for p in params)
+    top_vals, top_ids = logprobs.topk(k, dim=-1) if k else (None, None)
+    return chosen, top_vals, top_ids
+
+
+def logprob_lists(tensors, params) -> list:
+    """Per row: (sampled logprob, [(token, logprob)] of its own top-k) or None."""
+    if tensors is None:
+        return [None] * len(params)
+    chosen, top_vals, top_ids = (t.tolist() if t is not None else None for t in tensors)
+    result = []
+    for i, p in enumerate(params):
+        if p.logprobs is None:
+            result.append(None)
+            continue
+        n = p.logprobs
+        top = list(zip(top_ids[i][:n], top_vals[i][:n])) if n else []
+        result.append((chosen[i], top))
+    return result
 
 
 def token_counts(seqs: list[Sequence], vocab: int,
