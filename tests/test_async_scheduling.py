@@ -169,3 +169,23 @@ def test_with_staged_inputs_and_device_block_tables(tiny_llama, pair):
               SamplingParams(temperature=0.9, seed=8, max_tokens=15, n=2)] * 3
     _same(sync.generate(prompts, params), staged.generate(prompts, params))
     assert seen.rows > 0
+
+
+TRITON_WORKLOADS = int(os.environ.get("LLMSERVE_TRITON_FUZZ_WORKLOADS", "2"))
+
+
+def test_triton_fused_and_async_match_the_default_engine(tiny_llama):
+    """The whole decode-step work together, through Triton's interpreter: the Triton
+    attention (occupancy split rule, one-row decode tile), the fused kernels and async
+    scheduling under the differential harness, against the default synchronous engine
+    on the torch backend (float32: only near-ties may differ, which the harness
+    allows). More workloads: LLMSERVE_TRITON_FUZZ_WORKLOADS."""
+    sync = Differential(_engine(tiny_llama), ample_blocks=256)
+    fast = Differential(_engine(tiny_llama, async_scheduling=True, attention_backend="triton",
+                                fused_kernels=True), ample_blocks=256)
+    fast.reference = sync.reference
+    rng = random.Random(os.environ.get("LLMSERVE_FUZZ_SEED", "3"))
+    pool = spec_pool(rng, sync.engine.hf_config.vocab_size, size=12, prefix_len=20)
+    for _ in range(TRITON_WORKLOADS):
+        fast.run(random_workload(rng, pool, BLOCK, max_blocks=256, max_cpu_blocks=128))
+    assert fast.num_compared >= TRITON_WORKLOADS
