@@ -21,7 +21,7 @@ from tests.differential import (
 
 BLOCK = 16
 TINY_BLOCK_BYTES = 2 * 2 * BLOCK * 2 * 16 * 4  # K+V x layers x slots x kv heads x dim x fp32
-NUM_WORKLOADS = int(os.environ.get("LLMSERVE_FUZZ_WORKLOADS", "200"))
+NUM_WORKLOADS = int(os.environ.get("LLMSERVE_FUZZ_WORKLOADS", "120"))
 
 
 @pytest.fixture(scope="module")
