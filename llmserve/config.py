@@ -122,7 +122,7 @@ class EngineConfig:
     fused_kernels: bool = flag(
         False, "Triton kernels for add+RMSNorm, rotary+KV write and SiLU*up (needs the "
         "Triton attention backend; off until validated on a GPU)")
-    # Overlap (engine/async_step.py): step N+1 is scheduled and launched before step N's
+    # Overlap (engine/overlap.py): step N+1 is scheduled and launched before step N's
     # sampled tokens are read back. Runs on any device; it pays off where launches are
     # asynchronous (CUDA).
     async_scheduling: bool = flag(

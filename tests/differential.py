@@ -6,7 +6,8 @@ reference. A workload then submits some of them at chosen steps, with priorities
 aborts, into one engine configured tightly (scheduling policy, preemption mode,
 prefix caching, chunk budget, KV blocks from barely-fits to ample). Every finished
 request must equal its reference, every aborted one must be a prefix of it, and every
-block must be free at the end. The engine runs with its KV integrity checks on.
+block must be free at the end. The engine runs with its KV integrity checks on (where
+the configuration allows them: async scheduling refuses them).
 
 One model load serves every run: ``reconfigure`` gives the engine a fresh block
 manager and scheduler over a prefix of its KV blocks.
@@ -64,6 +65,7 @@ def reconfigure(engine: LLMEngine, num_blocks: int, num_cpu_blocks: int = 0, **o
     engine.block_manager = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching,
                                         cfg.watermark, num_cpu_blocks)
     engine.scheduler = Scheduler(cfg, engine.block_manager)
+    engine.beam_stepper.scheduler = engine.scheduler
 
 
 def drain(engine: LLMEngine, max_steps: int = 20000):

@@ -189,3 +189,25 @@ def test_triton_fused_and_async_match_the_default_engine(tiny_llama):
     for _ in range(TRITON_WORKLOADS):
         fast.run(random_workload(rng, pool, BLOCK, max_blocks=256, max_cpu_blocks=128))
     assert fast.num_compared >= TRITON_WORKLOADS
+
+
+def test_a_request_its_last_token_ends_takes_no_more_room(tiny_llama):
+    """A sequence whose token in flight ends it for certain (max_tokens) is not
+    scheduled again: no discarded row that would take a block and preempt another
+    request the synchronous engine leaves alone."""
+    from tests.differential import drain, reconfigure
+    counts = {}
+    for overlap in (False, True):
+        engine = _engine(tiny_llama, async_scheduling=overlap)
+        reconfigure(engine, 4, 0, preemption_mode="recompute", watermark=0.0)
+        # A's prompt fills one block exactly: a row for its (discarded) next token would
+        # need a second block per sample, which only preempting B could give.
+        a = engine.add_request(list(range(100, 116)),
+                               SamplingParams(temperature=0, n=2, max_tokens=1))
+        b = engine.add_request(list(range(200, 230)), SamplingParams(temperature=0,
+                                                                     max_tokens=20))
+        drain(engine)
+        engine.block_manager.check_all_free()
+        counts[overlap] = (engine.scheduler.num_preemptions,
+                           [s.output_token_ids for s in a.sequences + b.sequences])
+    assert counts[True] == counts[False] and counts[True][0] == 0

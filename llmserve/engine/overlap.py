@@ -13,10 +13,14 @@ One call of ``OverlappedSteps.step``:
    busy with batch k meanwhile) and append them: stop checks, detokenisation, outputs.
 4. Sample batch k's due rows on the device, and give each sequence a placeholder.
 
-What this costs: a sequence that stopped at step k-1 was already in batch k. Its row
-there is discarded (one wasted token per finished request, as in vLLM), and the blocks
-it freed are reused only by later launches, which the device runs after batch k.
-Blocks are offered to the prefix cache only once their tokens are known (after 3).
+What this costs: a sequence that stopped at step k-1 on an EOS, a stop token or a stop
+string was already in batch k. Its row there is discarded (one wasted token, as in
+vLLM): it held a place in the batch, may have taken a block (and so preempted another
+sequence under memory pressure), and was charged to its tenant. A sequence whose
+token ends it for certain (max_tokens, the model's length) is not scheduled again.
+Blocks freed at step 3 are reused only by later launches, which the device runs after
+batch k. Blocks are offered to the prefix cache only once their tokens are known.
+Every token reaches its caller one step later than without overlap.
 
 What stays synchronous, and why: beam-search rows (the search decides on the host),
 prompt logprobs, and grammar masks (computed after 3, once the matcher has consumed the
@@ -48,6 +52,9 @@ class InflightTokens:
     seqs: list[Sequence]
     sampled: SampledTokens
     row_of: dict[int, int]  # seq_id -> row of ``sampled.tokens``
+    # seq_ids holding a placeholder; the others end with this token whatever it is
+    # and are not scheduled again (see ``_sample_ahead``).
+    placed: set[int]
 
 
 class OverlappedSteps:
@@ -61,7 +68,7 @@ class OverlappedSteps:
     def drop_pending(self, seq: Sequence) -> None:
         """``seq`` ends (aborted) before its token in flight is read: the placeholder
         goes, and the token will be ignored."""
-        if self.inflight is not None and seq.seq_id in self.inflight.row_of:
+        if self.inflight is not None and seq.seq_id in self.inflight.placed:
             seq.token_ids.pop()
 
     def step(self) -> list[RequestOutput]:
@@ -99,19 +106,30 @@ class OverlappedSteps:
         for seq, token, lp in zip(prev.seqs, sampled.token_ids, sampled.logprobs):
             if seq.finished:
                 continue
-            self.engine._append(seq, token, lp, placed=True)
+            self.engine._append(seq, token, lp, placed=seq.seq_id in prev.placed)
             touched[seq.request.request_id] = seq.request
 
     def _sample_ahead(self, due_seqs: list[Sequence], logits, beams: dict) -> None:
         """Sample the rows of sequences still live after step k-1's tokens; their
-        tokens stay on the device, each sequence holding a placeholder."""
+        tokens stay on the device, each sequence holding a placeholder. A sequence this
+        token ends for certain (max_tokens or the model's length) gets none: with
+        nothing left to compute, the scheduler leaves it out (no wasted row, block or
+        place in the batch), and it finishes when its token is read."""
         live = [i for i, s in enumerate(due_seqs) if not s.finished]
         if len(live) < len(due_seqs):
             due_seqs, logits = [due_seqs[i] for i in live], logits[live]
         seqs, sampled = self.engine._sample(due_seqs, logits, None, beams, on_device=True)
         if sampled is None:
             return
+        placed = set()
         for seq in seqs:
-            seq.append_token(PLACEHOLDER)
+            if not self._ends_with_next_token(seq):
+                seq.append_token(PLACEHOLDER)
+                placed.add(seq.seq_id)
         self.inflight = InflightTokens(seqs, sampled,
-                                       {s.seq_id: row for row, s in enumerate(seqs)})
+                                       {s.seq_id: row for row, s in enumerate(seqs)}, placed)
+
+    def _ends_with_next_token(self, seq: Sequence) -> bool:
+        """The length checks of ``LLMEngine._append``, one token ahead."""
+        return (seq.num_output_tokens + 1 >= seq.params.max_tokens
+                or seq.num_tokens + 1 >= self.engine.max_model_len)

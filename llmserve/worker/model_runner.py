@@ -252,16 +252,19 @@ class ModelRunner:
                 dev = self.device
                 ids[torch.tensor(inputs.pending_rows, device=dev)] = prev_tokens[
                     torch.tensor(inputs.pending_src, device=dev)]
+        wanted = inputs.sample_rows + inputs.prompt_rows
+        if wanted and (rows is None or inputs.prompt_rows):
+            # Uploaded before the launch: a pageable copy waits for the device's queue,
+            # which after the forward would make this call wait for the whole step.
+            rows = torch.tensor(wanted, device=self.device)
         bucket = (self.graphs.bucket(len(inputs.seq_lens), inputs.max_query_len)
                   if self.graphs is not None else None)
         if bucket is not None:
             hidden = self.graphs.run(bucket, ids, pos, meta)
         else:
             hidden = self.forward(ids, pos, meta)
-        if not inputs.sample_rows and not inputs.prompt_rows:
+        if not wanted:
             return None
-        if rows is None or inputs.prompt_rows:
-            rows = torch.tensor(inputs.sample_rows + inputs.prompt_rows, device=self.device)
         return self.model.compute_logits(hidden[rows])
 
     @torch.inference_mode()

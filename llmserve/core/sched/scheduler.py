@@ -238,7 +238,10 @@ class Scheduler:
 
     def _schedule_running(self, seq: Sequence, step: _Step) -> None:
         if seq.num_uncomputed_tokens == 0:
-            return  # a beam waiting for its siblings' next tokens (beam_search.py)
+            # Nothing to compute: a beam waiting for its siblings' next tokens
+            # (beam_search.py), or a sequence whose last token, in flight, ends it
+            # (async scheduling, engine/overlap.py).
+            return
         decode = seq.num_uncomputed_tokens == 1
         if decode:
             num_new = min(1, step.budget) if step.decode_fits(seq) else 0
@@ -384,7 +387,9 @@ class Scheduler:
         """A running beam that has offered its next tokens and waits for its siblings
         (unscheduled in this step): ``seq``'s own first, else any request's. Idle until
         its search moves, it holds blocks others may need: preempting it loses nothing
-        (its offer stands), and keeping it could block the queue's head for ever."""
+        (its offer stands), and keeping it could block the queue's head for ever. (A
+        sequence whose final token is in flight under async scheduling is idle the
+        same way, and ends when that token is read.)"""
         parked = [s for s in self.running if s.num_uncomputed_tokens == 0
                   and s.seq_id not in step.scheduled and s is not seq]
         own = [s for s in parked if s.request is seq.request]
