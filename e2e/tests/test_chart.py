@@ -30,7 +30,7 @@ def test_template_renders_labelled_least_privilege_objects():
     docs = [d for d in yaml.safe_load_all(r.stdout) if d]
     kinds = sorted(d["kind"] for d in docs)
     assert kinds == ["ClusterRole", "ClusterRoleBinding", "CustomResourceDefinition",
-                     "Deployment", "PodMonitor", "ServiceAccount"]
+                     "Deployment", "ServiceAccount", "ServiceMonitor"]
     for d in docs:
         if d["kind"] != "CustomResourceDefinition":
             labels = d["metadata"]["labels"]
