@@ -154,3 +154,13 @@ def test_bad_prompt_logprob_requests_are_400s_naming_the_field(client, body, fie
         create(model="m", **known, extra_body=extra)
     assert e.value.body["param"] == field
     assert client.completions.create(model="m", prompt="ok", max_tokens=1).choices
+
+
+def test_rows_are_scored_a_slice_at_a_time(offline, oracle, monkeypatch):
+    """More prompt rows in a step than one slice holds (a 5-row slice here; 256 in
+    serving, bounding the float32 log-softmax a long chunk would otherwise need)."""
+    import llmserve.worker.model_runner as model_runner
+    monkeypatch.setattr(model_runner, "ROWS_PER_SLICE", 5)
+    ids = offline.tokenizer.encode(TEXT)
+    out = offline.generate([ids], SamplingParams(max_tokens=1, prompt_logprobs=2))[0]
+    assert_matches(out.prompt_logprobs, ids, hf_prompt_logprobs(oracle, ids), 2)

@@ -289,3 +289,21 @@ def test_killed_worker_takes_the_server_down(tiny_llama, tmp_path):
         assert "tensor-parallel worker rank 1" in text and "SIGKILL" in text, text[-2000:]
     finally:
         server.stop()
+
+
+def test_prompt_logprobs_over_several_slices(tiny_models):
+    """A chunk's prompt rows are scored ROWS_PER_SLICE at a time, each slice's logits
+    gathered by a collective every rank joins: two ranks give one rank's scores."""
+    from llmserve.model_executor.layers.prompt_logprobs import ROWS_PER_SLICE
+    path = str(tiny_models["llama"])
+    args = dict(kv_cache_memory=8 << 20, max_num_batched_tokens=512)
+    one = LLM(path, **args)
+    two = tp_engine("slices", lambda: LLM(path, tensor_parallel_size=2, **args))
+    rng = random.Random(5)
+    prompt = [rng.randrange(3, 49152) for _ in range(ROWS_PER_SLICE + 40)]
+    params = SamplingParams(max_tokens=1, prompt_logprobs=2)
+    a = one.generate([prompt], params)[0].prompt_logprobs
+    b = two.generate([prompt], params)[0].prompt_logprobs
+    assert len(a) == len(b) == len(prompt) and a[0] is None and b[0] is None
+    assert [lp.token_id for lp in a[1:]] == [lp.token_id for lp in b[1:]] == prompt[1:]
+    assert max(abs(x.logprob - y.logprob) for x, y in zip(a[1:], b[1:])) < 1e-3

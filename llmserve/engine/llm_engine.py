@@ -26,7 +26,6 @@ from llmserve.engine.detokenizer import Detokenizer
 from llmserve.engine.output import RequestOutput
 from llmserve.engine.overlap import OverlappedSteps
 from llmserve.executor.tensor_parallel import TensorParallelGroup, WorkerDiedError
-from llmserve.model_executor.layers.prompt_logprobs import score_tokens
 from llmserve.model_executor.layers.quantization import resolve_quantization
 from llmserve.model_executor.layers.sampler import Sampler
 from llmserve.model_executor.model_loader.gguf import gguf_layer_weight_types
@@ -282,8 +281,8 @@ class LLMEngine:
         now = time.monotonic()
         t0 = time.perf_counter()
         pending_masks = self._start_grammar_masks(batch)
-        logits, due = self.runner.run(batch)
-        logits = self._take_prompt_logprobs(batch, logits, len(due))
+        logits, prompt_scores, due = self.runner.run(batch)
+        self._record_prompt_logprobs(batch, prompt_scores)
         t1 = time.perf_counter()
         kv_tokens = batch.kv_tokens  # before num_computed_tokens moves on
         self._advance_computed(batch, now)
@@ -311,14 +310,6 @@ class LLMEngine:
         if not batch.seqs:
             self.runner.flush_block_ops()
         return batch
-
-    def _take_prompt_logprobs(self, batch, logits, num_due: int):
-        """Records the prompt logprobs of the rows after the sampling rows (before the
-        sequences' computed counts move on); returns the sampling rows' logits."""
-        if logits is not None and logits.shape[0] > num_due:
-            self._record_prompt_logprobs(batch, logits[num_due:])
-            logits = logits[:num_due]
-        return logits
 
     def _advance_computed(self, batch, now: float) -> None:
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
@@ -377,18 +368,20 @@ class LLMEngine:
                 self.requests.pop(req.request_id, None)
         return outputs
 
-    def _record_prompt_logprobs(self, batch, logits) -> None:
-        """Score the prompt tokens this step's chunks computed (before the sequences'
+    def _record_prompt_logprobs(self, batch, scores) -> None:
+        """Record the prompt logprobs this step's chunks scored (before the sequences'
         computed counts move on). A recomputed chunk scores tokens already scored:
         only new ones are appended."""
+        if scores is None:
+            return
         row = 0
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             positions = seq.prompt_logprob_positions(n)
             if not positions:
                 continue
             targets = [seq.token_ids[p + 1] for p in positions]
-            scored = score_tokens(logits[row:row + len(positions)], targets,
-                                  seq.params.prompt_logprobs, self.hf_config.vocab_size)
+            scored = scores.rows(row, row + len(positions)).logprobs(
+                targets, seq.params.prompt_logprobs)
             row += len(positions)
             have = seq.request.prompt_logprobs
             for p, lp in zip(positions, scored):

@@ -80,8 +80,8 @@ class OverlappedSteps:
         if batch.seqs:
             prev = self.inflight
             pending = (prev.row_of, prev.sampled.tokens) if prev is not None else None
-            logits, due = e.runner.run(batch, pending)
-            logits = e._take_prompt_logprobs(batch, logits, len(due))
+            logits, prompt_scores, due = e.runner.run(batch, pending)
+            e._record_prompt_logprobs(batch, prompt_scores)  # a sync, only when asked
             kv_tokens = batch.kv_tokens
             e._advance_computed(batch, time.monotonic())
         t1 = time.perf_counter()

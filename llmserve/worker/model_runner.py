@@ -16,6 +16,11 @@ from llmserve.kernels.cpu.gemm import packing_applies
 from llmserve.kernels.cpu.native import DTYPE_CODES, decode_kernel
 from llmserve.model_executor.layers.attention import AttentionMetadata, forward_context
 from llmserve.model_executor.layers.cpu_linear import pack_linears
+from llmserve.model_executor.layers.prompt_logprobs import (
+    ROWS_PER_SLICE,
+    PromptScores,
+    score_rows,
+)
 from llmserve.model_executor.layers.quantization import quantize_model
 from llmserve.model_executor.model_loader.weights import empty_model_init, load_weights
 from llmserve.model_executor.models.llama import RotaryEmbedding
@@ -179,11 +184,16 @@ class ModelRunner:
         bs = self.block_size
         input_ids, positions, slots = [], [], []
         query_start, seq_lens, sample_rows, due = [0], [], [], []
-        tables, prompt_rows, pending_rows, pending_src = [], [], [], []
+        tables, prompt_rows, prompt_targets, pending_rows, pending_src = [], [], [], [], []
+        prompt_top = 0
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
             first_row = query_start[-1] - start
-            prompt_rows += [first_row + p for p in seq.prompt_logprob_positions(n)]
+            scored = seq.prompt_logprob_positions(n)
+            if scored:
+                prompt_rows += [first_row + p for p in scored]
+                prompt_targets += [seq.token_ids[p + 1] for p in scored]
+                prompt_top = max(prompt_top, seq.params.prompt_logprobs)
             src = pending_row_of.get(seq.seq_id) if pending_row_of else None
             if src is not None and start <= seq.num_tokens - 1 < end:
                 pending_rows.append(first_row + seq.num_tokens - 1)
@@ -199,8 +209,9 @@ class ModelRunner:
                 sample_rows.append(query_start[-1] - 1)
                 due.append(i)
         return StepInputs(input_ids, positions, slots, query_start, seq_lens, tables,
-                          sample_rows, max(batch.num_new_tokens), prompt_rows,
-                          pending_rows, pending_src), due
+                          sample_rows, max(batch.num_new_tokens), prompt_rows=prompt_rows,
+                          prompt_targets=prompt_targets, prompt_top=prompt_top,
+                          pending_rows=pending_rows, pending_src=pending_src), due
 
     def build(self, inputs: StepInputs):
         """The tensors the model reads, from the flat lists."""
@@ -238,11 +249,13 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, inputs: StepInputs, seq_ids: list[int] | None = None,
-                prev_tokens: torch.Tensor | None = None) -> torch.Tensor | None:
-        """This rank's forward of the step, and the logits of the rows that sample
-        (on rank 0; None elsewhere, or when no row samples). ``seq_ids``: the batch's
-        sequence ids, which the device block tables key their rows by. ``prev_tokens``:
-        the previous step's sampled tokens, still on the device (async scheduling)."""
+                prev_tokens: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor | None, PromptScores | None]:
+        """This rank's forward of the step: the logits of the rows that sample and the
+        scores of the prompt rows (on rank 0; None elsewhere, or when there are no
+        such rows). ``seq_ids``: the batch's sequence ids, which the device block
+        tables key their rows by. ``prev_tokens``: the previous step's sampled tokens,
+        still on the device (async scheduling)."""
         rows = None
         if self.step_builder is not None:
             ids, pos, meta, rows = self.step_builder.build(inputs, seq_ids, prev_tokens)
@@ -252,42 +265,56 @@ class ModelRunner:
                 dev = self.device
                 ids[torch.tensor(inputs.pending_rows, device=dev)] = prev_tokens[
                     torch.tensor(inputs.pending_src, device=dev)]
-        wanted = inputs.sample_rows + inputs.prompt_rows
-        if wanted and (rows is None or inputs.prompt_rows):
+        if inputs.sample_rows and rows is None:
             # Uploaded before the launch: a pageable copy waits for the device's queue,
             # which after the forward would make this call wait for the whole step.
-            rows = torch.tensor(wanted, device=self.device)
+            rows = torch.tensor(inputs.sample_rows, device=self.device)
         bucket = (self.graphs.bucket(len(inputs.seq_lens), inputs.max_query_len)
                   if self.graphs is not None else None)
         if bucket is not None:
             hidden = self.graphs.run(bucket, ids, pos, meta)
         else:
             hidden = self.forward(ids, pos, meta)
-        if not wanted:
-            return None
-        return self.model.compute_logits(hidden[rows])
+        logits = self.model.compute_logits(hidden[rows]) if inputs.sample_rows else None
+        return logits, self._score_prompt_rows(hidden, inputs)
+
+    def _score_prompt_rows(self, hidden: torch.Tensor, inputs: StepInputs
+                           ) -> PromptScores | None:
+        """The prompt rows' scores, a slice of rows at a time (every rank runs the same
+        slices: the logits are gathered onto rank 0 by a collective)."""
+        parts = []
+        for start in range(0, len(inputs.prompt_rows), ROWS_PER_SLICE):
+            end = start + ROWS_PER_SLICE
+            rows = torch.tensor(inputs.prompt_rows[start:end], device=self.device)
+            logits = self.model.compute_logits(hidden[rows])
+            if logits is not None:  # rank 0
+                targets = torch.tensor(inputs.prompt_targets[start:end], device=self.device)
+                parts.append(score_rows(logits, targets, inputs.prompt_top,
+                                        self.hf_config.vocab_size))
+        return PromptScores.cat(parts) if parts else None
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch,
             pending: tuple[dict[int, int], torch.Tensor] | None = None
-            ) -> tuple[torch.Tensor | None, list[int]]:
-        """Forward the batch once (on every rank); logits only for rows that sample
-        and, after them, the rows that score prompt tokens (``prompt_rows``).
+            ) -> tuple[torch.Tensor | None, PromptScores | None, list[int]]:
+        """Forward the batch once (on every rank); logits only for rows that sample,
+        and the scores of the rows that score prompt tokens (``prompt_rows``).
         ``pending`` (async scheduling, one rank): seq_id -> row of the previous step's
         token tensor, and that tensor.
 
-        Returns (logits ``[num_sampling + num_prompt_rows, vocab]`` or None, indices
-        into ``batch.seqs`` of the sequences the sampling rows belong to)."""
+        Returns (logits ``[num_sampling, vocab]`` or None, the prompt rows' scores or
+        None, indices into ``batch.seqs`` of the sequences the sampling rows belong
+        to)."""
         row_of, prev_tokens = pending if pending is not None else (None, None)
         inputs, due = self.flatten(batch, row_of)
         if self.group is None:
             seq_ids = [s.seq_id for s in batch.seqs] if self.step_builder is not None else None
-            return self.execute(inputs, seq_ids, prev_tokens), due
+            return *self.execute(inputs, seq_ids, prev_tokens), due
         assert pending is None, "async scheduling runs on one rank"
         self.group.send(("step", self._pending_ops, inputs))
         self._pending_ops = []
         try:
-            return self.execute(inputs), due
+            return *self.execute(inputs), due
         except RuntimeError as e:  # a collective failed: a dead worker is the likely cause
             blamed = self.group.blame(e)
             if blamed is e:

@@ -19,6 +19,9 @@ class StepInputs:
     max_query_len: int
     # Rows whose logits give prompt logprobs (rank 0 computes them after sample_rows).
     prompt_rows: list[int] = field(default_factory=list)
+    # The prompt token each of those rows scores, and the most alternatives any asks.
+    prompt_targets: list[int] = field(default_factory=list)
+    prompt_top: int = 0
     # Async scheduling: rows of input_ids whose token is still on the device, and the
     # row of the previous step's token tensor that holds each.
     pending_rows: list[int] = field(default_factory=list)
