@@ -78,6 +78,7 @@ CASES = [
      "max_tokens"),
     ("/tokenize", {"nothing": 1}, 400, "prompt"),
     ("/detokenize", {"tokens": ["a"]}, 400, "tokens"),
+    ("/detokenize", {"tokens": [1, 10 ** 7]}, 400, "tokens"),  # outside the vocabulary
 ]
 
 

@@ -40,5 +40,5 @@ async def detokenize(request: web.Request) -> web.Response:
     engine = request.app[ENGINE]
     vocab = engine.vocab_size
     if req.tokens and (min(req.tokens) < 0 or max(req.tokens) >= vocab):
-        raise bad_request(f"token ids must be in [0, {vocab})", "prompt")
+        raise bad_request(f"token ids must be in [0, {vocab})", "tokens")
     return web.json_response({"prompt": engine.tokenizer.decode(req.tokens)})
