@@ -164,3 +164,23 @@ def test_rows_are_scored_a_slice_at_a_time(offline, oracle, monkeypatch):
     ids = offline.tokenizer.encode(TEXT)
     out = offline.generate([ids], SamplingParams(max_tokens=1, prompt_logprobs=2))[0]
     assert_matches(out.prompt_logprobs, ids, hf_prompt_logprobs(oracle, ids), 2)
+
+
+def _assert_offsets_index_the_text(text: str, lps) -> None:
+    assert len(lps.text_offset) == len(lps.tokens) and lps.text_offset[0] == 0
+    for token, offset in zip(lps.tokens, lps.text_offset):
+        assert text[offset:offset + len(token)] == token
+
+
+def test_text_offset_indexes_each_token_in_the_text(client):
+    """OpenAI's text_offset: where each token's text starts in the choice's text, with
+    the echoed prompt, and the same whether streamed or not."""
+    args = dict(model="m", prompt="The capital of France is", max_tokens=6, temperature=0,
+                logprobs=1)
+    plain = client.completions.create(**args).choices[0]
+    _assert_offsets_index_the_text(plain.text, plain.logprobs)
+    echoed = client.completions.create(echo=True, **args).choices[0]
+    _assert_offsets_index_the_text(echoed.text, echoed.logprobs)
+    chunks = [ch.choices[0] for ch in client.completions.create(stream=True, **args)
+              if ch.choices and ch.choices[0].logprobs]
+    assert [o for ch in chunks for o in ch.logprobs.text_offset] == plain.logprobs.text_offset

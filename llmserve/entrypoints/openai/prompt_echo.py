@@ -41,7 +41,19 @@ def echo_choice(tok, parsed: ParsedRequest, choice: dict, out: RequestOutput) ->
         body["token_logprobs"] = [lp and lp.logprob for lp in lps] + body["token_logprobs"]
         body["top_logprobs"] = [lp and _top_by_text(tok, lp, num_top)
                                 for lp in lps] + body["top_logprobs"]
+        body["text_offset"] = text_offsets(body["tokens"], 0)
     return choice
+
+
+def text_offsets(tokens: list[str], start: int) -> list[int]:
+    """OpenAI's ``text_offset``: where each token's text starts in the choice's text,
+    the first at ``start`` (as vLLM counts: each token's decoded text after the one
+    before)."""
+    offsets = []
+    for token in tokens:
+        offsets.append(start)
+        start += len(token)
+    return offsets
 
 
 def _top_by_text(tok, lp: Logprob, num_top: int) -> dict[str, float]:

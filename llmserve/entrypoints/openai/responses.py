@@ -8,7 +8,11 @@ import contextlib
 from aiohttp import web
 
 from llmserve.engine.output import CompletionOutput, RequestOutput
-from llmserve.entrypoints.openai.prompt_echo import echo_choice, prompt_logprobs_body
+from llmserve.entrypoints.openai.prompt_echo import (
+    echo_choice,
+    prompt_logprobs_body,
+    text_offsets,
+)
 from llmserve.entrypoints.openai.protocol import ParsedRequest
 
 
@@ -49,11 +53,14 @@ def usage(prompt_lens: list[int], outputs: list[CompletionOutput]) -> dict:
 
 
 def choice_body(tok, parsed: ParsedRequest, chat: bool, index: int, c: CompletionOutput,
-                lp_range: tuple[int, int] | None, delta: str | None = None) -> dict:
+                lp_range: tuple[int, int] | None, delta: str | None = None,
+                text_start: int = 0) -> dict:
     """One choice: whole (``delta`` None) or one streamed update of it, with the
-    logprobs of its tokens in ``lp_range`` (all of them when None)."""
+    logprobs of its tokens in ``lp_range`` (all of them when None); ``text_start``: the
+    text offset of the first of them (a stream's earlier chunks')."""
     start, end = lp_range or (0, len(c.token_ids))
-    body = {"index": index, "logprobs": logprobs_body(tok, parsed, c, start, end),
+    body = {"index": index,
+            "logprobs": logprobs_body(tok, parsed, c, start, end, text_start),
             "finish_reason": c.finish_reason}
     if c.finish_reason == "stop" and c.stop_reason is not None:
         body["stop_reason"] = c.stop_reason
@@ -74,7 +81,7 @@ def choice_body(tok, parsed: ParsedRequest, chat: bool, index: int, c: Completio
 
 
 def logprobs_body(tok, parsed: ParsedRequest, c: CompletionOutput, start: int,
-                  end: int) -> dict | None:
+                  end: int, text_start: int = 0) -> dict | None:
     lps = (c.logprobs or [])[start:end]
     if parsed.logprobs_style == "chat":
         return {"content": [
@@ -84,8 +91,9 @@ def logprobs_body(tok, parsed: ParsedRequest, c: CompletionOutput, start: int,
                                "bytes": list(a.encode())} for tid, v in lp.top]}
             for lp in lps]}
     if parsed.logprobs_style == "completion":
-        return {"tokens": [tok.decode([lp.token_id]) for lp in lps],
+        tokens = [tok.decode([lp.token_id]) for lp in lps]
+        return {"tokens": tokens,
                 "token_logprobs": [lp.logprob for lp in lps],
                 "top_logprobs": [{tok.decode([t]): v for t, v in lp.top} for lp in lps],
-                "text_offset": []}
+                "text_offset": text_offsets(tokens, text_start)}
     return None

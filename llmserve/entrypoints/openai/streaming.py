@@ -74,6 +74,7 @@ async def stream_response(request, rid, created, model, parsed: ParsedRequest, g
     tokens_sent: dict[int, int] = {}
     done: set[int] = set()
     echoed: set[int] = set()
+    next_offset: dict[int, int] = {}  # completions' logprobs: the next token's text_offset
     last: dict[int, RequestOutput] = {}
     started = False
     async with contextlib.aclosing(fail_as_event(gen)) as events:
@@ -112,10 +113,13 @@ async def stream_response(request, rid, created, model, parsed: ParsedRequest, g
                 elif not delta and parsed.logprobs_style is None:
                     continue  # held back (partial character or possible stop string)
                 choice = choice_body(tok, parsed, chat, idx, c, (prev, len(c.token_ids)),
-                                     delta=delta)
+                                     delta=delta, text_start=next_offset.get(idx, 0))
                 if idx not in echoed:  # the choice's first chunk carries the prompt parts
                     echoed.add(idx)
                     with_prompt(tok, parsed, chat, choice, out)
+                lps = choice["logprobs"]
+                if lps and lps.get("text_offset"):  # completions: the next chunk's start
+                    next_offset[idx] = lps["text_offset"][-1] + len(lps["tokens"][-1])
                     if chat and parsed.show_prompt_logprobs:
                         await resp.write(sse({"id": rid, "object": obj, "created": created,
                                               "model": model, "choices": [choice],
