@@ -26,6 +26,9 @@ from llmserve.engine.llm_engine import LLMEngine
 from llmserve.engine.output import CompletionOutput
 
 TIE_GAP = 1e-4  # a greedy choice this close to the runner-up may flip with batch shape
+# The tiny checkpoint's KV block (tests/conftest.py), shared by the fuzz tests.
+BLOCK = 16
+TINY_BLOCK_BYTES = 2 * 2 * BLOCK * 2 * 16 * 4  # K+V x layers x slots x kv heads x dim x fp32
 
 
 @dataclass(frozen=True)

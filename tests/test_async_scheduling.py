@@ -17,14 +17,14 @@ from llmserve.core.beam_search import BeamSearchParams
 from llmserve.core.sampling_params import StructuredOutputsParams
 from llmserve.engine.llm_engine import LLMEngine
 from tests.differential import (
+    BLOCK,
+    TINY_BLOCK_BYTES,
     Differential,
     random_workload,
     spec_pool,
     with_stop_strings,
 )
 
-BLOCK = 16
-TINY_BLOCK_BYTES = 2 * 2 * BLOCK * 2 * 16 * 4  # K+V x layers x slots x kv heads x dim x fp32
 NUM_WORKLOADS = int(os.environ.get("LLMSERVE_ASYNC_FUZZ_WORKLOADS", "24"))
 
 

@@ -11,6 +11,8 @@ import pytest
 from llmserve.config import EngineConfig
 from llmserve.engine.llm_engine import LLMEngine
 from tests.differential import (
+    BLOCK,
+    TINY_BLOCK_BYTES,
     Differential,
     Spec,
     Workload,
@@ -19,8 +21,6 @@ from tests.differential import (
     with_stop_strings,
 )
 
-BLOCK = 16
-TINY_BLOCK_BYTES = 2 * 2 * BLOCK * 2 * 16 * 4  # K+V x layers x slots x kv heads x dim x fp32
 NUM_WORKLOADS = int(os.environ.get("LLMSERVE_FUZZ_WORKLOADS", "120"))
 
 
