@@ -128,6 +128,25 @@ class EngineConfig:
     async_scheduling: bool = flag(
         False, "schedule and launch step N+1 before reading back step N's tokens (pays "
         "off where launches are asynchronous: CUDA)")
+    # Prefill/decode disaggregation (engine/disagg.py, distributed/kv_transfer/): a
+    # prefill engine holds a leg-1 request's KV under a lease and serves it through its
+    # side channel; a decode engine reads the blocks its prefix cache lacks.
+    kv_role: str = flag(
+        "both", "prefill: serve leg-1 requests and hold their KV for a decode engine; "
+        "decode: read a leg-2 request's KV from the prefill engine its "
+        "kv_transfer_params name; both: no transfer (colocated)",
+        choices=("prefill", "decode", "both"))
+    kv_transfer_port: int = flag(
+        5600, "the side channel a prefill engine serves KV on (0: any free port)",
+        metavar="N")
+    kv_transfer_host: str | None = flag(
+        None, "the address a prefill engine advertises to decode engines (default: "
+        "$POD_IP, else 127.0.0.1)")
+    kv_transfer_backend: str = flag(
+        "auto", "how KV moves: nixl (one-sided reads), tcp (inline on the side channel), "
+        "auto (nixl where it loads)", choices=("auto", "nixl", "tcp"))
+    kv_lease_ttl: float = flag(
+        30.0, "seconds a prefill engine holds KV for a decode engine to read", metavar="S")
     # KV pool = total x gpu_memory_utilization - the profiled peak of a
     # max_num_batched_tokens step (instead of a share of the memory free after loading).
     profile_kv_cache: bool = flag(
@@ -178,6 +197,24 @@ class EngineConfig:
             self.num_threads = len(os.sched_getaffinity(0))
         self._check_tensor_parallel()
         self._check_gpu_fast_path()
+        self._check_kv_transfer()
+
+    def _check_kv_transfer(self) -> None:
+        if not 0 <= self.kv_transfer_port < 65536:
+            raise ValueError(f"kv_transfer_port must be a TCP port (0-65535), got "
+                             f"{self.kv_transfer_port}")
+        if not self.kv_lease_ttl > 0:
+            raise ValueError("kv_lease_ttl must be a positive number of seconds")
+        if self.kv_role == "both":
+            return
+        if self.tensor_parallel_size > 1:
+            raise ValueError(f"--kv-role {self.kv_role} is not supported with "
+                             f"--tensor-parallel-size > 1 yet (each rank holds a shard of "
+                             f"the KV); serve each pool with --tensor-parallel-size 1")
+        if self.kv_role == "decode" and not self.enable_prefix_caching:
+            raise ValueError("--kv-role decode needs prefix caching (the KV read from a "
+                             "prefill engine enters the prefix cache): drop "
+                             "--no-prefix-caching")
 
     def _check_choices(self) -> None:
         """Each field with choices (the CLI's argparse checks its own; the Python API

@@ -13,3 +13,10 @@ def cache_root() -> Path:
         return Path(os.environ["LLMSERVE_CACHE"])
     from platformdirs import user_cache_dir
     return Path(user_cache_dir("llmserve"))
+
+
+def kv_transfer_secret() -> bytes | None:
+    """The deployment's shared secret for the P/D side channel
+    (``$LLMSERVE_KV_TRANSFER_SECRET``; the operator sets it from a Secret), or None."""
+    secret = os.environ.get("LLMSERVE_KV_TRANSFER_SECRET", "")
+    return secret.encode() if secret else None

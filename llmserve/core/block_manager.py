@@ -11,6 +11,10 @@ front; a hit "touches" a free block and removes it from the queue in O(1)
 (an OrderedDict is a doubly linked list with a hash index). Sequences free their
 blocks tail first, so among blocks freed together the chain tail is evicted first.
 
+Holds (prefill/decode disaggregation): ``hold`` keeps blocks referenced past their
+sequence (a prefill engine's lease, a decode engine's imported prefix until its request
+is scheduled); every hold is undone by exactly one ``unhold``.
+
 Block operations (swap-out, swap-in, copy-on-write copy) are not performed here:
 they are appended to ``ops``, the step's log, in the order the decisions were
 taken, and the KV cache applies them in that order before the forward (see
@@ -39,6 +43,16 @@ def hash_block(parent: bytes, token_ids, extra: bytes = b"") -> bytes:
     h.update(array("q", token_ids).tobytes())
     h.update(extra)
     return h.digest()
+
+
+def prefix_hashes(token_ids, num_full_blocks: int, block_size: int,
+                  extra: bytes = b"") -> list[bytes]:
+    """The chained keys of the first ``num_full_blocks`` blocks of ``token_ids``."""
+    hashes, parent = [], NO_HASH
+    for i in range(num_full_blocks):
+        parent = hash_block(parent, token_ids[i * block_size:(i + 1) * block_size], extra)
+        hashes.append(parent)
+    return hashes
 
 
 class BlockOp(NamedTuple):
@@ -168,6 +182,46 @@ class BlockManager:
                 block.block_hash = hashes[i]
                 self.cached[hashes[i]] = block.block_id
         seq.num_cached_blocks = num_full
+
+    # --- holds and imported prefixes (P/D) -----------------------------------
+    def hold(self, block_ids: list[int]) -> None:
+        for block_id in block_ids:
+            self._acquire(block_id)
+
+    def unhold(self, block_ids: list[int]) -> None:
+        for block_id in reversed(block_ids):  # tail first, as a sequence frees
+            self._release(block_id)
+
+    def reserve_import(self, hashes: list[bytes]) -> tuple[list[int], int]:
+        """For a prefix whose KV another engine computed: hold its cached leading blocks
+        and take fresh blocks for as many of the rest as fit above the watermark.
+        Returns (held block ids, index of the first fresh one); the caller fills the
+        fresh ones and calls ``commit_import`` (or ``unhold`` to give up)."""
+        held = []
+        for h in hashes:
+            block_id = self.cached.get(h)
+            if block_id is None:
+                break
+            self._acquire(block_id)
+            held.append(block_id)
+        first_new = len(held)
+        room = self.num_free_blocks - self.watermark_blocks
+        for _ in range(max(0, min(len(hashes) - first_new, room))):
+            held.append(self._take_free_block())
+        return held, first_new
+
+    def commit_import(self, block_ids: list[int], hashes: list[bytes], first_new: int,
+                      filled: bool) -> list[int]:
+        """Register the fresh blocks under their keys once ``filled``; otherwise give them
+        back. Returns the blocks still held (the caller ``unhold``s them later)."""
+        if not filled:
+            self.unhold(block_ids[first_new:])
+            return block_ids[:first_new]
+        for block_id, h in zip(block_ids[first_new:], hashes[first_new:]):
+            if h not in self.cached:  # else an equal block arrived meanwhile: ours stays anonymous
+                self.blocks[block_id].block_hash = h
+                self.cached[h] = block_id
+        return block_ids
 
     # --- allocation --------------------------------------------------------
     def allocate(self, seq: Sequence, num_tokens: int) -> None:

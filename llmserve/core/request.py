@@ -153,6 +153,12 @@ class Request:
     # token has none (nothing precedes it).
     prompt_logprobs: list[Logprob | None] | None = None
     beams: BeamSearch | None = None  # the search's state, with params.beam
+    # P/D (engine/disagg.py). Prefill engine: hold the prompt's KV for a decode engine
+    # when this request finishes, and say where (kv_transfer_params). Decode engine: the
+    # imported prefix's blocks, held until the request is first scheduled.
+    remote_decode: bool = False
+    kv_transfer_params: dict | None = None
+    kv_hold: list[int] = field(default_factory=list)
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None

@@ -25,12 +25,14 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from llmserve.config import EngineConfig
 from llmserve.core.request import Tenancy
 from llmserve.core.sampling_params import SamplingParams, StructuredOutputsParams
 from llmserve.core.sched.overload import OverloadedError, queue_full, waiting_requests
+from llmserve.distributed.kv_transfer.params import RemoteDecode, RemotePrefill
+from llmserve.engine.kv_transfer_service import KVTransferService
 from llmserve.engine.llm_engine import LLMEngine
 from llmserve.engine.metrics import EngineMetrics
 from llmserve.engine.output import RequestOutput
@@ -50,11 +52,22 @@ class _Add:
     cache_salt: str | None
     sink: asyncio.Queue
     tenant: Tenancy | None = None
+    remote_decode: bool = False  # P/D leg 1 on a prefill engine
+    remote: RemotePrefill | None = None  # P/D leg 2 on a decode engine: where the KV is
+    kv_hold: list[int] = field(default_factory=list)  # its imported prefix, held
 
 
 @dataclass
 class _Abort:
     request_id: str
+
+
+@dataclass
+class _Call:
+    """Run ``fn(engine)`` on the engine thread; its result (or exception) settles
+    ``future`` on the event loop."""
+    fn: object
+    future: asyncio.Future
 
 
 class AsyncLLMEngine:
@@ -77,6 +90,7 @@ class AsyncLLMEngine:
         self._pending_adds = 0
         self.num_waiting = 0
         self.free_slots = config.max_num_seqs  # sequence slots free at the last look
+        self.kv_service: KVTransferService | None = None  # P/D (kv_role prefill|decode)
 
     # --- lifecycle ----------------------------------------------------------------
     async def start(self) -> None:
@@ -88,12 +102,17 @@ class AsyncLLMEngine:
         await self._loop.run_in_executor(None, self._ready.wait)
         if self.error is not None:
             raise self.error
+        if self.engine.kv_transfer is not None:
+            self.kv_service = KVTransferService(self, self.engine.kv_transfer)
+            self.kv_service.start(self._wake.set)
 
     def shutdown(self) -> None:
         self._stop = True
         self._wake.set()
         if self._thread:
             self._thread.join(timeout=10)
+        if self.kv_service is not None:
+            self.kv_service.close()
 
     @property
     def alive(self) -> bool:
@@ -137,21 +156,37 @@ class AsyncLLMEngine:
     # --- requests ----------------------------------------------------------------
     def generate(self, prompt_token_ids: list[int], params: SamplingParams,
                  request_id: str, prompt: str | None = None, priority: int = 0,
-                 cache_salt: str | None = None, tenant: Tenancy | None = None
+                 cache_salt: str | None = None, tenant: Tenancy | None = None,
+                 kv_transfer: RemoteDecode | RemotePrefill | None = None
                  ) -> AsyncIterator[RequestOutput]:
         """The request's outputs as they come; the request is aborted if the consumer
         stops early. Raises at once, before anything is queued, EngineDeadError when the
         engine is not running and ValueError for a request that can never run (the
-        engine thread's add_request checks again: the offline API relies on it)."""
+        engine thread's add_request checks again: the offline API relies on it).
+        ``kv_transfer``: a P/D leg, honoured when this engine has that role (ignored
+        otherwise, as vLLM does)."""
         if not self.alive:
             raise EngineDeadError("the engine is not running")
         # Reads only what is fixed at start (vocabulary, max_model_len, KV cache size).
         self.engine.validate_prompt(prompt_token_ids, params)
-        return self._stream(_Add(request_id, prompt_token_ids, prompt, params, priority,
-                                 cache_salt, asyncio.Queue(), tenant))
+        add = _Add(request_id, prompt_token_ids, prompt, params, priority, cache_salt,
+                   asyncio.Queue(), tenant)
+        role = self.config.kv_role
+        if isinstance(kv_transfer, RemoteDecode) and role == "prefill":
+            add.remote_decode = True
+        elif isinstance(kv_transfer, RemotePrefill) and role == "decode":
+            add.remote = kv_transfer
+        return self._stream(add)
 
     async def _stream(self, add: _Add) -> AsyncIterator[RequestOutput]:
-        self._admit()
+        if add.remote is not None:  # P/D leg 2: bring the prompt's KV over first
+            add.kv_hold = await self.kv_service.import_prefix(
+                add.prompt_token_ids, (add.cache_salt or "").encode(), add.remote)
+        try:
+            self._admit()
+        except BaseException:
+            self.release_hold(add.kv_hold)
+            raise
         self._sinks[add.request_id] = add.sink
         self._inbox.put(add)
         self._wake.set()
@@ -187,6 +222,18 @@ class AsyncLLMEngine:
         self._inbox.put(_Abort(request_id))
         self._wake.set()
 
+    def on_engine(self, fn) -> asyncio.Future:
+        """Run ``fn(engine)`` on the engine thread, between steps; await its result."""
+        future = self._loop.create_future()
+        self._inbox.put(_Call(fn, future))
+        self._wake.set()
+        return future
+
+    def release_hold(self, block_ids: list[int]) -> None:
+        """Give back blocks of an imported prefix no request took over."""
+        if block_ids:
+            self.on_engine(lambda e: e.block_manager.unhold(block_ids))
+
     # --- the engine thread ---------------------------------------------------------
     def _run(self) -> None:
         try:
@@ -207,6 +254,8 @@ class AsyncLLMEngine:
             while not self._stop:
                 self.engine.check_health()  # a dead tensor-parallel worker ends the loop
                 self._drain_inbox()
+                if self.kv_service is not None:
+                    self.kv_service.collect_leases()
                 self._expire_waiting()
                 self._publish_waiting()
                 if not self.engine.has_unfinished():
@@ -251,19 +300,41 @@ class AsyncLLMEngine:
                 if self.engine.abort(cmd.request_id):
                     self.metrics.aborted += 1
                 continue
+            if isinstance(cmd, _Call):
+                self._call(cmd)
+                continue
             with self._count_lock:
                 self._pending_adds -= 1
             if cmd.request_id not in self._sinks:  # cancelled before it got here
+                self.engine.block_manager.unhold(cmd.kv_hold)
                 continue
             try:
                 req = self.engine.add_request(cmd.prompt, cmd.params, cmd.request_id,
                                               cmd.priority, prompt_token_ids=cmd.prompt_token_ids,
-                                              cache_salt=cmd.cache_salt, tenant=cmd.tenant)
+                                              cache_salt=cmd.cache_salt, tenant=cmd.tenant,
+                                              remote_decode=cmd.remote_decode,
+                                              kv_hold=cmd.kv_hold)
                 self.metrics.on_arrival(req)
             except (ValueError, OverloadedError) as e:
+                self.engine.block_manager.unhold(cmd.kv_hold)
                 if isinstance(e, OverloadedError):
                     self.metrics.on_overload("queue_full")
                 self._deliver(cmd.request_id, e)
+
+    def _call(self, cmd: _Call) -> None:
+        try:
+            result, error = cmd.fn(self.engine), None
+        except Exception as e:  # noqa: BLE001 - handed to the awaiting coroutine
+            result, error = None, e
+
+        def settle() -> None:
+            if cmd.future.done():  # its awaiter was cancelled
+                return
+            if error is not None:
+                cmd.future.set_exception(error)
+            else:
+                cmd.future.set_result(result)
+        self._loop.call_soon_threadsafe(settle)
 
     def _publish_waiting(self) -> None:
         if self.config.max_waiting is not None:

@@ -23,6 +23,7 @@ from llmserve.distributed.shapes import check_tensor_parallel
 from llmserve.engine.bad_words import bad_words_token_ids
 from llmserve.engine.beam_search import BeamStepper
 from llmserve.engine.detokenizer import Detokenizer
+from llmserve.engine.disagg import KVTransferSide
 from llmserve.engine.output import RequestOutput
 from llmserve.engine.overlap import OverlappedSteps
 from llmserve.executor.tensor_parallel import TensorParallelGroup, WorkerDiedError
@@ -85,6 +86,8 @@ class LLMEngine:
         self._structured_lock = threading.Lock()
         # Async scheduling: step N+1 launched before step N's tokens are read back.
         self.overlap = OverlappedSteps(self) if config.async_scheduling else None
+        # P/D: leases (prefill role) or imported prefixes (decode role).
+        self.kv_transfer = KVTransferSide(self) if config.kv_role != "both" else None
 
     def _resolve_quantization(self) -> None:
         """``--quantization auto`` becomes a mode, before any rank builds its model."""
@@ -158,10 +161,14 @@ class LLMEngine:
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None, priority: int = 0,
                     prompt_token_ids: list[int] | None = None,
-                    cache_salt: str | None = None, tenant: Tenancy | None = None
+                    cache_salt: str | None = None, tenant: Tenancy | None = None,
+                    remote_decode: bool = False, kv_hold: list[int] | None = None
                     ) -> Request:
         """Queue a request. Raises ValueError, changing nothing, when it can never run,
-        and OverloadedError when the waiting queue is at ``max_waiting``."""
+        and OverloadedError when the waiting queue is at ``max_waiting``. P/D:
+        ``remote_decode`` holds the prompt's KV for a decode engine when the request
+        finishes (prefill role); ``kv_hold`` are blocks of an imported prefix the request
+        takes over (decode role; the caller gives them back if this raises)."""
         params = params or SamplingParams()
         ids = prompt_token_ids if prompt_token_ids is not None else self.tokenize(prompt)
         self.validate_prompt(ids, params)
@@ -182,7 +189,9 @@ class LLMEngine:
         req = Request(request_id, text, list(ids), params, priority=priority,
                       cache_salt=(cache_salt or "").encode(),
                       tenant=tenant.name if tenant else "",
-                      tenant_weight=tenant.weight if tenant else 1.0)
+                      tenant_weight=tenant.weight if tenant else 1.0,
+                      remote_decode=remote_decode and self.kv_transfer is not None,
+                      kv_hold=list(kv_hold or []))
         if params.beam is not None:
             req.beams = BeamSearch(params.beam, frozenset(self.eos_token_ids))
             req.beams.start(req.sequences[0].seq_id)
@@ -221,6 +230,8 @@ class LLMEngine:
                 if self.overlap is not None:  # its token in flight is not an output
                     self.overlap.drop_pending(seq)
                 self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
+        if self.kv_transfer is not None:
+            self.kv_transfer.release_hold(req)
         req.finished_time = time.monotonic()
         return True
 
@@ -316,6 +327,8 @@ class LLMEngine:
             seq.num_computed_tokens += n
             if seq.request.first_scheduled_time is None:
                 seq.request.first_scheduled_time = now
+                if seq.request.kv_hold:  # its prefix is in its block table now
+                    self.kv_transfer.release_hold(seq.request)
 
     def _cache_full_blocks(self, seqs) -> None:
         """Offer the blocks the step filled to the prefix cache (their tokens must be
@@ -430,6 +443,8 @@ class LLMEngine:
                                or seq.num_tokens >= self.max_model_len):
             status = SequenceStatus.FINISHED_LENGTH
         if status is not None:
+            if seq.request.remote_decode:  # leg 1: keep the prompt's KV for the decode engine
+                self.kv_transfer.hold_for_decode(seq, status)
             self.scheduler.finish(seq, status)
 
 

@@ -67,11 +67,44 @@ class EngineMetrics:
             "llmserve:overload_rejections",
             "Requests answered 503 server_overloaded: reason=queue_full (max_waiting) or "
             "queue_delay (max_queue_delay).", ["model_name", "reason"], registry=r)
+        self._kv_transfer_metrics(r)
         self.aborted = 0
         self._seen_tokens: dict[str, int] = {}
         self._last_token_at: dict[str, float] = {}
         self._synced = {"queries": 0, "hits": 0, "preemptions": 0, "swap_outs": 0,
                         "aborted": 0}
+
+    def _kv_transfer_metrics(self, r: CollectorRegistry) -> None:
+        """P/D (engine/disagg.py): KV moved between engines, and what a prefill pool's
+        autoscaler reads."""
+        labels = ["model_name"]
+        self.kv_tokens = Counter(
+            "llmserve:kv_transfer_tokens", "Prompt tokens whose KV moved between engines: "
+            "direction=sent (prefill engine) or received (decode engine).",
+            [*labels, "direction"], registry=r)
+        self.kv_seconds = Histogram(
+            "llmserve:kv_transfer_seconds", "Duration of one KV import (decode engine).",
+            labels, buckets=LATENCY_BUCKETS, registry=r).labels(self.model_name)
+        self.kv_failures = Counter(
+            "llmserve:kv_transfer_failures", "KV transfers that did not happen (the decode "
+            "engine prefilled itself; a prefill engine counts leases that expired unread).",
+            [*labels, "reason"], registry=r)
+        self.kv_blocks_held = Gauge(
+            "llmserve:kv_transfer_blocks_held", "KV blocks a prefill engine holds for "
+            "decode engines to read.", labels, registry=r).labels(self.model_name)
+        self.waiting_prompt_tokens = Gauge(
+            "llmserve:num_waiting_prompt_tokens", "Prompt tokens not computed yet, of "
+            "waiting and prefilling requests.", labels, registry=r).labels(self.model_name)
+
+    def kv_sent(self, tokens: int) -> None:
+        self.kv_tokens.labels(self.model_name, "sent").inc(tokens)
+
+    def kv_received(self, tokens: int, seconds: float) -> None:
+        self.kv_tokens.labels(self.model_name, "received").inc(tokens)
+        self.kv_seconds.observe(seconds)
+
+    def kv_failure(self, reason: str, count: int = 1) -> None:
+        self.kv_failures.labels(self.model_name, reason).inc(count)
 
     def on_overload(self, reason: str) -> None:
         self.overloaded.labels(self.model_name, reason).inc()
@@ -86,6 +119,9 @@ class EngineMetrics:
         self.waiting.set(len({s.request.request_id for s in sched.waiting}))
         self.swapped.set(len(getattr(sched, "swapped", ())))
         self.kv_usage.set(bm.usage)
+        self.waiting_prompt_tokens.set(sum(
+            max(0, s.num_prompt_tokens - s.num_computed_tokens)
+            for s in (*sched.waiting, *sched.running)))
         self._sync(self.prefix_queries, "queries", bm.prefix_queries)
         self._sync(self.prefix_hits, "hits", bm.prefix_hits)
         self._sync(self.preemptions, "preemptions", sched.num_preemptions)

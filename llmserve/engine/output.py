@@ -35,6 +35,8 @@ class RequestOutput:
     metrics: dict = field(default_factory=dict)
     # With SamplingParams.prompt_logprobs: one per prompt token, None for the first.
     prompt_logprobs: list[Logprob | None] | None = None
+    # A prefill engine's leg-1 answer: where the prompt's KV is held (engine/disagg.py).
+    kv_transfer_params: dict | None = None
 
     @classmethod
     def of(cls, req: Request) -> RequestOutput:
@@ -45,6 +47,7 @@ class RequestOutput:
                    finished=req.finished,
                    prompt_logprobs=(list(req.prompt_logprobs)
                                     if req.prompt_logprobs is not None else None),
+                   kv_transfer_params=req.kv_transfer_params,
                    metrics={"arrival_time": req.arrival_time,
                             "first_scheduled_time": req.first_scheduled_time,
                             "first_token_time": req.first_token_time})

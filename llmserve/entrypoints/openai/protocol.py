@@ -29,6 +29,11 @@ from llmserve.core.sampling_params import (
     StructuredOutputsParams,
     beam_sampling_params,
 )
+from llmserve.distributed.kv_transfer.params import (
+    RemoteDecode,
+    RemotePrefill,
+    parse_kv_transfer_params,
+)
 from llmserve.errors import APIError, bad_request  # noqa: F401 - re-exported
 
 # A prompt given as token ids; never empty (an empty prompt cannot run). The upper bound
@@ -236,6 +241,9 @@ class _GenerationRequest(_Model):
     stream_options: StreamOptions | None = None
     priority: int | None = None  # lower runs first
     cache_salt: str | None = None  # isolates this request's prefix-cache entries
+    # P/D's two legs (vLLM's shape; distributed/kv_transfer/params.py). The gateway
+    # strips clients' and sets its own.
+    kv_transfer_params: dict[str, Any] | None = None
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         if self.best_of is not None and self.best_of != _or(self.n, 1):
@@ -392,6 +400,7 @@ class ParsedRequest:
     show_prompt_logprobs: bool = False  # the body asked for vLLM's prompt_logprobs
     tools: object | None = None  # tool_calls.ToolChoice when tools are in play (chat)
     tenant: Tenancy | None = None  # from the gateway's headers, not the body
+    kv_transfer: RemoteDecode | RemotePrefill | None = None  # a P/D leg
 
 
 def validate(model: type[_Model], body) -> _Model:
@@ -434,9 +443,16 @@ def parse_chat(body) -> tuple[ChatCompletionRequest, ParsedRequest]:
 
 def _parsed(req: _GenerationRequest, prompts, params, style) -> ParsedRequest:
     usage = req.stream_options is not None and bool(req.stream_options.include_usage)
+    try:
+        kv_transfer = parse_kv_transfer_params(req.kv_transfer_params)
+    except ValueError as e:
+        raise bad_request(str(e), "kv_transfer_params") from e
+    if kv_transfer is not None and len(prompts) > 1:
+        raise bad_request("kv_transfer_params needs a single prompt", "kv_transfer_params")
     return ParsedRequest(prompts, params, bool(req.stream), usage, _or(req.priority, 0),
                          style, req.cache_salt,
-                         show_prompt_logprobs=req.prompt_logprobs is not None)
+                         show_prompt_logprobs=req.prompt_logprobs is not None,
+                         kv_transfer=kv_transfer)
 
 
 # --- errors: one clear line naming the field, never pydantic's dump -------------------------

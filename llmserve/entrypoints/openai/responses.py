@@ -7,6 +7,7 @@ import contextlib
 
 from aiohttp import web
 
+from llmserve.distributed.kv_transfer.params import RemoteDecode
 from llmserve.engine.output import CompletionOutput, RequestOutput
 from llmserve.entrypoints.openai.prompt_echo import (
     echo_choice,
@@ -34,6 +35,8 @@ async def full_response(rid: str, created: int, model: str, parsed: ParsedReques
             "usage": usage([len(p) for p in prompt_ids], done)}
     if chat and parsed.show_prompt_logprobs:  # vLLM's place for it in chat answers
         body["prompt_logprobs"] = prompt_logprobs_body(tok, finals[0])
+    if isinstance(parsed.kv_transfer, RemoteDecode):  # P/D leg 1: where the KV is held
+        body["kv_transfer_params"] = finals[0].kv_transfer_params
     return web.json_response(body)
 
 

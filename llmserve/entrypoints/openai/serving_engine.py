@@ -13,6 +13,7 @@ from aiohttp import web
 
 from llmserve.core.request import Tenancy
 from llmserve.core.sampling_params import GrammarError
+from llmserve.distributed.kv_transfer.params import RemoteDecode
 from llmserve.engine.async_llm import AsyncLLMEngine
 from llmserve.entrypoints.openai.prompt_echo import hide_generated
 from llmserve.entrypoints.openai.protocol import APIError, ParsedRequest, bad_request
@@ -117,11 +118,20 @@ def start_requests(engine: AsyncLLMEngine, prompt_ids: list[list[int]], prompts,
         try:
             gens.append(engine.generate(ids, parsed.params.copy(), f"{base}-{i}",
                                         prompts[i] if isinstance(prompts[i], str) else None,
-                                        parsed.priority, parsed.cache_salt, parsed.tenant))
+                                        parsed.priority, parsed.cache_salt, parsed.tenant,
+                                        kv_leg(parsed)))
         except ValueError as e:  # a ParamError names its field (e.g. logit_bias)
             raise bad_request(str(e), getattr(e, "param", None) or (
                 "messages" if parsed.logprobs_style == "chat" else "prompt")) from e
     return gens
+
+
+def kv_leg(parsed: ParsedRequest):
+    """The P/D leg to run: leg 1's lease comes back only in a whole (non-streamed)
+    answer, so a streamed leg 1 holds nothing."""
+    if isinstance(parsed.kv_transfer, RemoteDecode) and parsed.stream:
+        return None
+    return parsed.kv_transfer
 
 
 async def interleave(gens: list):
