@@ -45,9 +45,14 @@ def cluster_role_rules() -> list[dict]:
 
 
 def test_cluster_role_deletes_exactly_the_kinds_the_operator_prunes():
-    from llmserve.operator.kube import CHILD_KINDS
+    from llmserve.operator.kube import CHILD_KINDS, NAMED_CHILD_KINDS
     rules = cluster_role_rules()
     assert all("*" not in r["verbs"] and "*" not in r["resources"] for r in rules)
     deletable = {(g, res) for r in rules if "delete" in r["verbs"]
                  for g in r["apiGroups"] for res in r["resources"]}
-    assert deletable == {(k.group, k.resource) for k in CHILD_KINDS.values()}
+    pruned = {**CHILD_KINDS, **NAMED_CHILD_KINDS}
+    assert deletable == {(k.group, k.resource) for k in pruned.values()}
+    # The kinds pruned by name are never listed: a list of Secrets returns their data.
+    listable = {(g, res) for r in rules if {"list", "watch"} & set(r["verbs"])
+                for g in r["apiGroups"] for res in r["resources"]}
+    assert not listable & {(k.group, k.resource) for k in NAMED_CHILD_KINDS.values()}

@@ -40,16 +40,18 @@ def test_template_renders_labelled_least_privilege_objects():
     verbs = {v for rule in role["rules"] for v in rule["verbs"]}
     assert "*" not in verbs
     # delete: only the kinds of child the operator prunes (tests/test_chart_static.py
-    # checks they are exactly kube.CHILD_KINDS)
+    # checks they are exactly kube.CHILD_KINDS and kube.NAMED_CHILD_KINDS)
     deletable = {r for rule in role["rules"] if "delete" in rule["verbs"]
                  for r in rule["resources"]}
     assert deletable == {"deployments", "services", "serviceaccounts", "roles",
-                         "rolebindings", "networkpolicies"}
-    # Secrets: only `get`, for the one tenants Secret an LLMDeployment names; never
-    # list or watch (the operator cannot enumerate or read Secrets it is not pointed at).
+                         "rolebindings", "networkpolicies", "secrets"}
+    # Secrets: by name only (the tenants Secret an LLMDeployment names; the P/D
+    # kv-transfer Secret it creates and prunes); never list or watch, so the operator
+    # cannot enumerate or read Secrets it is not pointed at.
     for rule in role["rules"]:
         if "secrets" in rule["resources"]:
-            assert rule["resources"] == ["secrets"] and rule["verbs"] == ["get"], rule
+            assert rule["resources"] == ["secrets"], rule
+            assert rule["verbs"] == ["get", "create", "delete"], rule
     dep = next(d for d in docs if d["kind"] == "Deployment")
     args = dep["spec"]["template"]["spec"]["containers"][0]["args"]
     assert "--namespace=a" in args and "--namespace=b" in args

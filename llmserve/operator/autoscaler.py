@@ -6,12 +6,19 @@ for the stabilisation windows: scaling up takes the smallest proposal of the
 up-window, scaling down the largest of the down-window (so a short dip never
 drops replicas). Bounds clamp the result; an idle deployment may go to zero after
 ``scaleToZeroAfterSeconds``; missing metrics hold the current size.
+
+Each engine pool decides alone, on its own metrics: the main (decode, or colocated)
+pool on queue depth and KV utilisation; a prefill pool (``spec.prefill``) on the
+prompt tokens waiting to be computed and on queue depth, within its own bounds
+(``Policy.for_prefill``). A metric whose target is None proposes nothing.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+
+DEFAULT_TARGET_WAITING_PROMPT_TOKENS = 4096  # per prefill replica
 
 
 @dataclass
@@ -22,6 +29,7 @@ class Observation:
     kv_usage: float
     ready_replicas: int
     demand_at_zero: float = 0.0  # requests a gateway holds while no engine exists
+    waiting_prompt_tokens: float = 0.0  # llmserve:num_waiting_prompt_tokens, summed
 
 
 @dataclass
@@ -29,7 +37,8 @@ class Policy:
     min_replicas: int = 1
     max_replicas: int = 4
     target_queue_depth: float = 4.0
-    target_kv_utilization: float = 0.8
+    target_kv_utilization: float | None = 0.8
+    target_waiting_prompt_tokens: float | None = None  # per replica
     tolerance: float = 0.1
     scale_up_window: float = 0.0
     scale_down_window: float = 300.0
@@ -45,6 +54,21 @@ class Policy:
                    scale_up_window=a.get("scaleUpStabilizationSeconds", 0),
                    scale_down_window=a.get("scaleDownStabilizationSeconds", 300),
                    scale_to_zero_after=a.get("scaleToZeroAfterSeconds", 0))
+
+    @classmethod
+    def for_prefill(cls, spec: dict) -> Policy:
+        """The prefill pool: its own bounds and prompt-token target; the queue target,
+        tolerance and windows of ``spec.autoscaling``. KV utilisation is no signal
+        there (a prefill engine holds blocks only until they are read), and the pool
+        never scales to zero (while it is empty, decode engines prefill alone)."""
+        pool, p = spec.get("prefill") or {}, cls.from_spec(spec)
+        return cls(min_replicas=max(1, pool.get("minReplicas", 1)),
+                   max_replicas=pool.get("maxReplicas", 4),
+                   target_queue_depth=p.target_queue_depth, target_kv_utilization=None,
+                   target_waiting_prompt_tokens=pool.get("targetWaitingPromptTokens",
+                                                         DEFAULT_TARGET_WAITING_PROMPT_TOKENS),
+                   tolerance=p.tolerance, scale_up_window=p.scale_up_window,
+                   scale_down_window=p.scale_down_window, scale_to_zero_after=0)
 
 
 @dataclass
@@ -63,19 +87,25 @@ class Decision:
 
 def propose(current: int, obs: Observation, p: Policy) -> tuple[int, str]:
     """What the metrics ask for, before windows and bounds."""
-    base = max(current, 1)
-    asks = []
-    queue_ratio = (obs.waiting / max(obs.ready_replicas, 1)) / p.target_queue_depth
-    if abs(queue_ratio - 1) > p.tolerance:
-        asks.append((math.ceil(base * queue_ratio), f"queue depth {obs.waiting:g}"))
-    else:
-        asks.append((current, "queue depth within tolerance"))
-    kv_ratio = obs.kv_usage / p.target_kv_utilization
-    if abs(kv_ratio - 1) > p.tolerance:
-        asks.append((math.ceil(base * kv_ratio), f"KV utilisation {obs.kv_usage:.2f}"))
-    else:
-        asks.append((current, "KV utilisation within tolerance"))
+    per_replica = max(obs.ready_replicas, 1)
+    signals = [(obs.waiting / per_replica, p.target_queue_depth,
+                "queue depth", f"{obs.waiting:g}"),
+               (obs.kv_usage, p.target_kv_utilization,
+                "KV utilisation", f"{obs.kv_usage:.2f}"),
+               (obs.waiting_prompt_tokens / per_replica, p.target_waiting_prompt_tokens,
+                "waiting prompt tokens", f"{obs.waiting_prompt_tokens:g}")]
+    asks = [_ask(current, value / target, p.tolerance, name, shown)
+            for value, target, name, shown in signals if target is not None]
     return max(asks, key=lambda a: a[0])
+
+
+def _ask(current: int, ratio: float, tolerance: float, name: str, shown: str
+         ) -> tuple[int, str]:
+    """One metric's proposal: ``ceil(current x observed / target)`` outside the
+    tolerance band, else the current size."""
+    if abs(ratio - 1) > tolerance:
+        return math.ceil(max(current, 1) * ratio), f"{name} {shown}"
+    return current, f"{name} within tolerance"
 
 
 def decide(current: int, obs: Observation | None, p: Policy, history: History,

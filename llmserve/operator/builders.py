@@ -9,10 +9,11 @@ calls for (``stale_children``) is pruned by the operator.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import SimpleNamespace
 
 from llmserve.distributed.shapes import check_tensor_parallel
+from llmserve.operator import prefill
 
 BUILTIN_MODELS = {"smollm2-135m-instruct"}
 # The shapes tensor parallelism depends on, of the models whose shape the operator knows
@@ -57,7 +58,8 @@ def names(owner: Owner) -> dict[str, str]:
     n = owner.name
     return {"engine": f"{n}-engine", "gateway": f"{n}-gateway",
             "gateway_sa": f"{n}-gateway", "netpol": f"{n}-engine",
-            "gateway_peers": f"{n}-gateway-peers"}
+            "gateway_peers": f"{n}-gateway-peers", "prefill": f"{n}-prefill",
+            "prefill_netpol": f"{n}-prefill", "kv_secret": f"{n}-kv-transfer"}
 
 
 def labels(owner: Owner, component: str) -> dict[str, str]:
@@ -73,8 +75,8 @@ def selector(owner: Owner, component: str) -> dict[str, str]:
             "app.kubernetes.io/component": component}
 
 
-def selector_string(owner: Owner) -> str:
-    return ",".join(f"{k}={v}" for k, v in selector(owner, "engine").items())
+def selector_string(owner: Owner, component: str = "engine") -> str:
+    return ",".join(f"{k}={v}" for k, v in selector(owner, component).items())
 
 
 def meta(owner: Owner, name: str, component: str) -> dict:
@@ -186,9 +188,15 @@ def check_known_shape(owner: Owner, tp: int) -> None:
         raise SpecError(f"{e} (from resources.gpus / engine.tensorParallelSize)") from e
 
 
-def engine_container(owner: Owner) -> dict:
+def engine_container(owner: Owner, role: str = "both") -> dict:
+    """The engine container of one pool; ``role`` is its P/D role (``prefill``,
+    ``decode``, or ``both`` without a prefill pool)."""
     spec, engine = owner.spec, owner.spec.get("engine", {})
     kind = engine.get("kind", "llmserve")
+    flag = prefill.owned_flag_in(engine.get("args", []))
+    if flag:
+        raise SpecError(f"{flag} in engine.args: the operator sets the P/D flags from "
+                        f"spec.prefill (add spec.prefill for a prefill pool)")
     port = engine.get("port", 8000)
     model, _, mounts = model_source(owner)
     gpus = spec.get("resources", {}).get("gpus", 0)
@@ -237,14 +245,16 @@ def engine_container(owner: Owner) -> dict:
         # A node whose runtime hides the GPU must not quietly serve on its CPU: with
         # --device cuda the engine refuses to start without CUDA.
         args += ["--device", "cuda"]
+    args += prefill.role_args(kind, role)
     args += list(engine.get("args", []))
     probe = {"httpGet": {"path": "/health", "port": "http"}}
     return {
         "name": "engine", "image": image, "command": command, "args": args,
-        "ports": [{"name": "http", "containerPort": port, "protocol": "TCP"}],
+        "ports": [{"name": "http", "containerPort": port, "protocol": "TCP"},
+                  *prefill.role_ports(kind, role)],
         # The image bakes the built-in model's converted cache (LLMSERVE_CACHE);
         # anything downloaded at run time (hf:// snapshots) goes to the /cache volume.
-        "env": engine_env(owner),
+        "env": engine_env(owner) + prefill.role_env(kind, role, names(owner)["kv_secret"]),
         "resources": resources(spec.get("resources", {})),
         "readinessProbe": {**probe, "periodSeconds": 2, "failureThreshold": 2},
         "startupProbe": {**probe, "periodSeconds": 2, "failureThreshold": 900},
@@ -281,8 +291,18 @@ def shared_memory_volume(res: dict) -> dict:
                                                               DEFAULT_SHM_SIZE)}}
 
 
-def engine_deployment(owner: Owner, replicas: int) -> dict:
+def pool_component(role: str) -> str:
+    """The component label (and name suffix) of a pool: the prefill pool is its own;
+    the decode pool keeps the engine's, so everything that finds engines (the scale
+    subresource's selector, monitors, the gateway's --k8s-service) finds it."""
+    return "prefill" if role == "prefill" else "engine"
+
+
+def engine_deployment(owner: Owner, replicas: int, role: str = "both") -> dict:
+    """The Deployment of one engine pool; the prefill pool's is built from
+    ``prefill_owner(owner)``."""
     spec = owner.spec
+    component = pool_component(role)
     _, volumes, _ = model_source(owner)
     res = spec.get("resources", {})
     pod_spec = {
@@ -290,7 +310,7 @@ def engine_deployment(owner: Owner, replicas: int) -> dict:
         "automountServiceAccountToken": False,
         "enableServiceLinks": False,
         "terminationGracePeriodSeconds": 60,
-        "containers": [engine_container(owner)],
+        "containers": [engine_container(owner, role)],
         "volumes": [{"name": "cache", "emptyDir": {}},
                     {"name": "tmp", "emptyDir": {"medium": "Memory", "sizeLimit": "256Mi"}},
                     *volumes],
@@ -308,25 +328,59 @@ def engine_deployment(owner: Owner, replicas: int) -> dict:
         pod_spec["runtimeClassName"] = res["runtimeClassName"]
     return {
         "apiVersion": "apps/v1", "kind": "Deployment",
-        "metadata": meta(owner, names(owner)["engine"], "engine"),
+        "metadata": meta(owner, names(owner)[component], component),
         "spec": {
             "replicas": replicas,
-            "selector": {"matchLabels": selector(owner, "engine")},
+            "selector": {"matchLabels": selector(owner, component)},
             "strategy": {"type": "RollingUpdate",
                          "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}},
-            "template": {"metadata": {"labels": labels(owner, "engine")}, "spec": pod_spec},
+            "template": {"metadata": {"labels": labels(owner, component)}, "spec": pod_spec},
         },
     }
 
 
-def engine_service(owner: Owner) -> dict:
+def engine_service(owner: Owner, role: str = "both") -> dict:
     """Headless: the gateway reads its EndpointSlices and talks to pods directly."""
     port = owner.spec.get("engine", {}).get("port", 8000)
+    component = pool_component(role)
+    kind = owner.spec.get("engine", {}).get("kind", "llmserve")
+    kv = [{"name": p["name"], "port": p["containerPort"], "targetPort": p["name"]}
+          for p in prefill.role_ports(kind, role)]
     return {"apiVersion": "v1", "kind": "Service",
-            "metadata": meta(owner, names(owner)["engine"], "engine"),
-            "spec": {"clusterIP": "None", "selector": selector(owner, "engine"),
+            "metadata": meta(owner, names(owner)[component], component),
+            "spec": {"clusterIP": "None", "selector": selector(owner, component),
                      "publishNotReadyAddresses": False,
-                     "ports": [{"name": "http", "port": port, "targetPort": "http"}]}}
+                     "ports": [{"name": "http", "port": port, "targetPort": "http"}, *kv]}}
+
+
+# --- prefill pool (spec.prefill) --------------------------------------------
+def prefill_owner(owner: Owner) -> Owner:
+    """``owner`` as the prefill pool sees it: spec.prefill's engine and resources over
+    the main pool's. Refuses a pool split differently from the decode pool: KV blocks
+    move between engines whose ranks hold the same heads."""
+    pool = replace(owner, spec=prefill.prefill_pool_spec(owner.spec))
+    tp, pool_tp = tensor_parallel_size(owner), tensor_parallel_size(pool)
+    if tp != pool_tp:
+        raise SpecError(f"spec.prefill.resources.gpus gives the prefill pool tensor-parallel "
+                        f"size {pool_tp}, the decode pool has {tp}: KV moves only between "
+                        f"engines of the same size (set both pools' gpus alike)")
+    return pool
+
+
+def prefill_children(owner: Owner, replicas: int) -> list[dict]:
+    """The prefill pool: its Service, Deployment and NetworkPolicy."""
+    pool = prefill_owner(owner)
+    return [engine_service(pool, "prefill"), engine_deployment(pool, replicas, "prefill"),
+            prefill_network_policy(owner)]
+
+
+def kv_transfer_secret(owner: Owner, value: str) -> dict:
+    """The shared secret of the deployment's side channel. Created once with a random
+    value (never applied, so reconciling never rotates it) and immutable; owned by the
+    LLMDeployment, so it goes with it."""
+    return {"apiVersion": "v1", "kind": "Secret", "type": "Opaque", "immutable": True,
+            "metadata": meta(owner, names(owner)["kv_secret"], "kv-transfer"),
+            "stringData": {prefill.KV_SECRET_KEY: value}}
 
 
 # --- gateway --------------------------------------------
@@ -338,6 +392,8 @@ def gateway_deployment(owner: Owner) -> dict:
             "--policy", gw.get("policy", "prefix-hash"),
             "--load-factor", str(gw.get("loadFactor", 1.25)),
             "--prefix-chars", str(gw.get("prefixChars", 100))]
+    if prefill.has_prefill(owner.spec):  # long prompts go through both pools
+        args += ["--prefill-k8s-service", f"{owner.namespace}/{n['prefill']}"]
     mounts, volumes = [], []
     secret = gw.get("apiKeySecret")
     if secret:
@@ -442,25 +498,57 @@ def gateway_rbac(owner: Owner) -> list[dict]:
     ]
 
 
-def network_policy(owner: Owner) -> dict:
-    """Only this deployment's gateway (and the operator, which scrapes metrics) may
-    reach the engines."""
+def http_ingress(owner: Owner) -> dict:
+    """This deployment's gateway (and the operator, which scrapes metrics) reach an
+    engine's HTTP port."""
     port = owner.spec.get("engine", {}).get("port", 8000)
+    return {"from": [{"podSelector": {"matchLabels": selector(owner, "gateway")}},
+                     {"namespaceSelector": {}, "podSelector": {"matchLabels":
+                                                               OPERATOR_LABELS}}],
+            "ports": [{"protocol": "TCP", "port": port}]}
+
+
+def peer_ingress(owner: Owner, from_component: str) -> dict:
+    """KV transfer between the pools. Our decode engines read from the prefill pool's
+    side channel port only; vLLM's NIXL moves the blocks over UCX, whose TCP transport
+    opens connections on ports of its choosing in both directions, so between this
+    deployment's two pools every port is open."""
+    rule = {"from": [{"podSelector": {"matchLabels": selector(owner, from_component)}}]}
+    if owner.spec.get("engine", {}).get("kind", "llmserve") == "llmserve":
+        rule["ports"] = [{"protocol": "TCP", "port": prefill.KV_TRANSFER_PORT}]
+    return rule
+
+
+def network_policy(owner: Owner) -> dict:
+    """Only this deployment's gateway (and the operator) may reach the engines; with
+    vLLM's P/D, the prefill pool too."""
+    ingress = [http_ingress(owner)]
+    if prefill.has_prefill(owner.spec) and owner.spec.get("engine", {}).get("kind") == "vllm":
+        ingress.append(peer_ingress(owner, "prefill"))
     return {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
             "metadata": meta(owner, names(owner)["netpol"], "engine"),
             "spec": {"podSelector": {"matchLabels": selector(owner, "engine")},
+                     "policyTypes": ["Ingress"], "ingress": ingress}}
+
+
+def prefill_network_policy(owner: Owner) -> dict:
+    """The prefill pool: the gateway and the operator on HTTP, the decode pool on the
+    side channel."""
+    return {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+            "metadata": meta(owner, names(owner)["prefill_netpol"], "prefill"),
+            "spec": {"podSelector": {"matchLabels": selector(owner, "prefill")},
                      "policyTypes": ["Ingress"],
-                     "ingress": [{"from": [
-                         {"podSelector": {"matchLabels": selector(owner, "gateway")}},
-                         {"namespaceSelector": {}, "podSelector": {"matchLabels":
-                                                                   OPERATOR_LABELS}}],
-                         "ports": [{"protocol": "TCP", "port": port}]}]}}
+                     "ingress": [http_ingress(owner), peer_ingress(owner, "engine")]}}
 
 
-def children(owner: Owner, engine_replicas: int) -> list[dict]:
-    """Every child, in the order they are applied."""
-    return [*gateway_rbac(owner), engine_service(owner),
-            engine_deployment(owner, engine_replicas), network_policy(owner),
+def children(owner: Owner, engine_replicas: int, prefill_replicas: int = 1) -> list[dict]:
+    """Every child, in the order they are applied (the prefill pool before the
+    gateway that is pointed at it). The kv-transfer Secret is not among them: it is
+    created once (``kv_transfer_secret``), never applied."""
+    role = prefill.role_of_main_pool(owner.spec)
+    pool = prefill_children(owner, prefill_replicas) if prefill.has_prefill(owner.spec) else []
+    return [*gateway_rbac(owner), engine_service(owner, role),
+            engine_deployment(owner, engine_replicas, role), network_policy(owner), *pool,
             gateway_deployment(owner), gateway_service(owner),
             *([gateway_peers_service(owner)] if tenants_secret(owner) else [])]
 
@@ -470,6 +558,12 @@ def children_selector(owner: Owner) -> str:
     """The labels every child of ``owner`` carries: what the operator lists to prune."""
     return ",".join(f"{k}={v}" for k, v in
                     {"serving.llmserve.io/deployment": owner.name, **MANAGED_BY}.items())
+
+
+def named_children(owner: Owner) -> list[tuple[str, str]]:
+    """(kind, name) of the children that are read back by name to prune, not listed
+    (the operator may not list Secrets): whether or not the spec still calls for them."""
+    return [("Secret", names(owner)["kv_secret"])]
 
 
 def is_own_child(owner: Owner, obj: dict) -> bool:

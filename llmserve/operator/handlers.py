@@ -14,6 +14,7 @@ import asyncio
 import datetime
 import json
 import logging
+import secrets
 import time
 
 import aiohttp
@@ -31,17 +32,21 @@ from llmserve.operator.builders import (
     children,
     children_selector,
     endpoint_url,
+    kv_transfer_secret,
+    named_children,
     names,
     selector_string,
     stale_children,
     tenants_secret,
 )
+from llmserve.operator.prefill import has_prefill
 
 GROUP, VERSION, PLURAL = "serving.llmserve.io", "v1alpha1", "llmdeployments"
 RUNNING = "vllm:num_requests_running"
+WAITING_PROMPT_TOKENS = "llmserve:num_waiting_prompt_tokens"
 log = logging.getLogger("llmserve.operator")
 
-_histories: dict[str, History] = {}  # uid -> autoscaler memory
+_histories: dict[str, History] = {}  # uid (the main pool), uid/prefill -> autoscaler memory
 
 
 @kopf.on.startup()
@@ -98,6 +103,27 @@ async def engine_replicas(api, o: Owner, status: dict) -> int:
     return max(int(auto.get("minReplicas", 1)), 1)
 
 
+async def prefill_replicas(api, o: Owner, status: dict) -> int:
+    """The prefill pool's replicas, chosen as ``engine_replicas`` chooses the main
+    pool's: spec.prefill.replicas, or with autoscaling what it last decided."""
+    pool = o.spec.get("prefill") or {}
+    if not (o.spec.get("autoscaling") or {}).get("enabled"):
+        return int(pool.get("replicas", 1))
+    desired = (status.get("prefill") or {}).get("desiredReplicas")
+    if desired is not None:
+        return int(desired)
+    dep = await kube.get_deployment(api, o.namespace, names(o)["prefill"])
+    if dep is not None:
+        return int(dep["spec"].get("replicas") or 0)
+    return max(int(pool.get("minReplicas", 1)), 1)
+
+
+def update_prefill_status(patch, fields: dict) -> None:
+    """Merge into status.prefill of this patch: the autoscaler and the reconcile of
+    one tick both write parts of it."""
+    patch.status["prefill"] = {**(patch.status.get("prefill") or {}), **fields}
+
+
 async def reconcile(body, patch, logger) -> None:
     o = owner_of(body)
     status = dict(body.get("status") or {})
@@ -106,7 +132,10 @@ async def reconcile(body, patch, logger) -> None:
         tenants_problem = None
         try:
             replicas = await engine_replicas(api, o, status)
-            desired = children(o, replicas)
+            # A prefill pool with no decode engine to hand KV to follows it to zero.
+            prefill_n = (await prefill_replicas(api, o, status)
+                         if has_prefill(o.spec) and replicas > 0 else 0)
+            desired = children(o, replicas, prefill_n)
             try:
                 await check_tenants(api, o)
             except SpecError as e:
@@ -124,8 +153,10 @@ async def reconcile(body, patch, logger) -> None:
             patch.status["conditions"] = merge_conditions(status.get("conditions"), conditions)
             patch.status["observedGeneration"] = o.generation
             return
+        # A fresh random value each pass, used only when the Secret does not exist yet.
+        once = [kv_transfer_secret(o, secrets.token_urlsafe(32))] if has_prefill(o.spec) else []
         try:
-            await converge(api, body, o, desired)
+            await converge(api, body, o, desired, once)
         except ConvergeError as e:
             message = str(e)
             kopf.warn(body, reason="ApplyFailed", message=message)
@@ -134,12 +165,26 @@ async def reconcile(body, patch, logger) -> None:
             raise kopf.TemporaryError(message, delay=10) from e
         engine = await kube.get_deployment(api, o.namespace, names(o)["engine"]) or {}
         gateway = await kube.get_deployment(api, o.namespace, names(o)["gateway"]) or {}
+        pool = (await kube.get_deployment(api, o.namespace, names(o)["prefill"]) or {}
+                if has_prefill(o.spec) else None)
     ready = int((engine.get("status") or {}).get("readyReplicas") or 0)
     gw_ready = int((gateway.get("status") or {}).get("readyReplicas") or 0)
     current = int((engine.get("status") or {}).get("replicas") or 0)
+    # Serving needs the main pool and a gateway; without prefill engines the decode
+    # engines prefill themselves, so the prefill pool shows in Progressing only.
     is_ready = (ready >= 1 or replicas == 0) and gw_ready >= 1
     progressing = ready < replicas or gw_ready < 1
     message = f"{ready}/{replicas} engine replicas ready, {gw_ready} gateway ready"
+    if pool is not None:
+        p_ready = int((pool.get("status") or {}).get("readyReplicas") or 0)
+        progressing = progressing or p_ready < prefill_n
+        message += f", {p_ready}/{prefill_n} prefill replicas ready"
+        update_prefill_status(patch, {
+            "replicas": int((pool.get("status") or {}).get("replicas") or 0),
+            "readyReplicas": p_ready, "desiredReplicas": prefill_n,
+            "ready": f"{p_ready}/{prefill_n}"})
+    elif status.get("prefill") is not None:
+        patch.status["prefill"] = None  # spec.prefill removed: so is its column
     conditions = [
         condition("Ready", is_ready, "Serving" if is_ready else "Starting", message,
                   o.generation),
@@ -160,18 +205,30 @@ class ConvergeError(Exception):
     """An API call of ``converge`` failed; the message names the step."""
 
 
-async def converge(api, body, o: Owner, desired: list[dict]) -> None:
-    """Apply every desired child, then prune those of ours it no longer has (after, so
-    whatever replaces a child, e.g. a gateway no longer pointed at its peers, is in
-    place before the child goes)."""
+async def converge(api, body, o: Owner, desired: list[dict], once: list[dict]) -> None:
+    """Create the children made ``once`` that are missing (first: pods read the
+    Secret), apply every desired child, then prune those of ours it no longer has
+    (after, so whatever replaces a child, e.g. a gateway no longer pointed at its
+    peers or at a prefill pool, is in place before the child goes)."""
     step = ""
     try:
+        for manifest in once:
+            step = f"creating {manifest['kind']} {manifest['metadata']['name']}"
+            if await kube.create_if_absent(api, manifest):
+                kopf.info(body, reason="Created", message=f"created {manifest['kind']} "
+                          f"{manifest['metadata']['name']}")
         for manifest in desired:
             step = f"applying {manifest['kind']} {manifest['metadata']['name']}"
             await kube.apply(api, manifest)
         step = "listing children to prune"
         live = await kube.list_children(api, o.namespace, children_selector(o))
-        for obj in stale_children(o, desired, live):
+        wanted = {(m["kind"], m["metadata"]["name"]) for m in once}
+        for kind, name in named_children(o):
+            if (kind, name) not in wanted:  # read only what may have to go
+                step = f"reading {kind} {name} to prune"
+                obj = await kube.read_named(api, o.namespace, kind, name)
+                live += [obj] if obj is not None else []
+        for obj in stale_children(o, [*desired, *once], live):
             step = f"pruning {obj['kind']} {obj['metadata']['name']}"
             await kube.delete(api, obj)
             kopf.info(body, reason="Pruned", message=f"deleted {obj['kind']} "
@@ -213,7 +270,9 @@ async def on_change(body, patch, logger, **_) -> None:
 
 @kopf.on.delete(GROUP, VERSION, PLURAL, optional=True)
 async def on_delete(body, **_) -> None:
-    _histories.pop(body["metadata"]["uid"], None)  # children go by garbage collection
+    uid = body["metadata"]["uid"]
+    _histories.pop(uid, None)  # children go by garbage collection
+    _histories.pop(f"{uid}/prefill", None)
 
 
 @kopf.timer(GROUP, VERSION, PLURAL, interval=10.0, initial_delay=5.0)
@@ -223,6 +282,8 @@ async def tick(body, patch, logger, **_) -> None:
     auto = o.spec.get("autoscaling") or {}
     if auto.get("enabled"):
         await autoscale(body, patch, o, auto)
+        if has_prefill(o.spec):
+            await autoscale_prefill(body, patch, o)
         body = {**body, "status": {**(body.get("status") or {}), **patch.status}}
     else:
         await observe_only(body, patch, o)
@@ -241,16 +302,18 @@ async def scrape(session: aiohttp.ClientSession, url: str) -> dict[str, float] |
     return sum_by_name(text)
 
 
-async def observe(o: Owner) -> Observation | None:
-    """Sum the engines' queues, average their KV usage; None if any ready engine
-    could not be scraped (a partial view must not drive a decision)."""
+async def observe(o: Owner, component: str = "engine") -> Observation | None:
+    """Sum one pool's queues and waiting prompt tokens, average its KV usage; None if
+    any ready engine could not be scraped (a partial view must not drive a decision).
+    The gateway's held requests count as demand for the main pool only."""
     port = o.spec.get("engine", {}).get("port", 8000)
     async with client.ApiClient() as api:
-        ips = await kube.ready_pod_ips(api, o.namespace, selector_string(o))
+        ips = await kube.ready_pod_ips(api, o.namespace, selector_string(o, component))
     async with aiohttp.ClientSession() as session:
         results = await asyncio.gather(*(scrape(session, f"http://{ip}:{port}/metrics")
                                          for ip in ips))
-        gateway = await scrape(session, f"{endpoint_url(o)}/metrics")
+        gateway = (await scrape(session, f"{endpoint_url(o)}/metrics")
+                   if component == "engine" else None)
     demand = (gateway or {}).get("llmserve_gateway_queued_requests", 0.0)
     if not ips:
         return Observation(0, 0, 0, 0, demand_at_zero=demand)
@@ -259,7 +322,13 @@ async def observe(o: Owner) -> Observation | None:
     return Observation(waiting=sum(r.get(WAITING, 0.0) for r in results),
                        running=sum(r.get(RUNNING, 0.0) for r in results),
                        kv_usage=sum(r.get(KV_USAGE, 0.0) for r in results) / len(results),
-                       ready_replicas=len(ips), demand_at_zero=demand)
+                       ready_replicas=len(ips), demand_at_zero=demand,
+                       waiting_prompt_tokens=sum(r.get(WAITING_PROMPT_TOKENS, 0.0)
+                                                 for r in results))
+
+
+def prefill_load(obs: Observation) -> dict:
+    return {"queueDepth": obs.waiting, "waitingPromptTokens": obs.waiting_prompt_tokens}
 
 
 async def observe_only(body, patch, o: Owner) -> None:
@@ -267,6 +336,10 @@ async def observe_only(body, patch, o: Owner) -> None:
     if obs is not None and obs.ready_replicas:
         patch.status["queueDepth"] = obs.waiting
         patch.status["kvCacheUtilization"] = f"{100 * obs.kv_usage:.0f}%"
+    if has_prefill(o.spec):
+        pool = await observe(o, "prefill")
+        if pool is not None and pool.ready_replicas:
+            update_prefill_status(patch, prefill_load(pool))
 
 
 async def autoscale(body, patch, o: Owner, auto: dict) -> None:
@@ -284,3 +357,24 @@ async def autoscale(body, patch, o: Owner, auto: dict) -> None:
         patch.status["lastScaleReason"] = decision.reason
         kopf.info(body, reason="Scaled",
                   message=f"engine replicas {current} -> {decision.replicas}: {decision.reason}")
+
+
+async def autoscale_prefill(body, patch, o: Owner) -> None:
+    """The prefill pool's own decision: waiting prompt tokens and queue depth against
+    its targets, within spec.prefill's bounds (``Policy.for_prefill``)."""
+    pool = (body.get("status") or {}).get("prefill") or {}
+    current = int(pool.get("desiredReplicas", pool.get("replicas", 0)) or 0)
+    if patch.status.get("desiredReplicas") == 0:  # the decode pool scaled to zero
+        update_prefill_status(patch, {"desiredReplicas": 0})
+        return
+    obs = await observe(o, "prefill")
+    history = _histories.setdefault(f"{o.uid}/prefill", History())
+    decision = decide(current, obs, Policy.for_prefill(o.spec), history, time.monotonic())
+    fields = {"desiredReplicas": decision.replicas}
+    if obs is not None and obs.ready_replicas:
+        fields.update(prefill_load(obs))
+    if decision.replicas != current:
+        fields.update(lastScaleTime=now_iso(), lastScaleReason=decision.reason)
+        kopf.info(body, reason="Scaled", message=f"prefill replicas {current} -> "
+                  f"{decision.replicas}: {decision.reason}")
+    update_prefill_status(patch, fields)

@@ -15,7 +15,6 @@ from kubernetes_asyncio import client, config
 FIELD_MANAGER = "llmserve-operator"
 
 
-
 @dataclass(frozen=True)
 class ChildKind:
     """How to reach one kind of child: the typed API class, the suffix of its
@@ -39,10 +38,15 @@ CHILD_KINDS = {
     "NetworkPolicy": ChildKind(client.NetworkingV1Api, "network_policy", "networking.k8s.io",
                                "networkpolicies"),
 }
+# Children created once and read back by name to prune, never listed: the operator may
+# not list Secrets (a list returns every Secret's data in the namespace).
+NAMED_CHILD_KINDS = {
+    "Secret": ChildKind(client.CoreV1Api, "secret", "", "secrets"),
+}
 
 
 def _method(api: client.ApiClient, kind: str, verb: str):
-    k = CHILD_KINDS[kind]
+    k = CHILD_KINDS.get(kind) or NAMED_CHILD_KINDS[kind]
     return getattr(k.api(api), f"{verb}_namespaced_{k.suffix}")
 
 
@@ -59,6 +63,26 @@ async def apply(api: client.ApiClient, manifest: dict) -> None:
     await _method(api, manifest["kind"], "patch")(
         m["name"], m["namespace"], manifest, field_manager=FIELD_MANAGER, force=True,
         _content_type="application/apply-patch+yaml")
+
+
+async def create_if_absent(api: client.ApiClient, manifest: dict) -> bool:
+    """Create ``manifest`` unless an object of its name exists (then it is left exactly
+    as it is); True if this call created it."""
+    try:
+        await _method(api, manifest["kind"], "create")(manifest["metadata"]["namespace"],
+                                                       manifest)
+    except client.exceptions.ApiException as e:
+        if e.status == 409:
+            return False
+        raise
+    return True
+
+
+async def read_named(api: client.ApiClient, namespace: str, kind: str, name: str
+                     ) -> dict | None:
+    """One object as a plain dict with its ``kind``; None if it does not exist."""
+    obj = await read_or_none(_method(api, kind, "read"), name, namespace)
+    return None if obj is None else {**api.sanitize_for_serialization(obj), "kind": kind}
 
 
 async def list_children(api: client.ApiClient, namespace: str, label_selector: str

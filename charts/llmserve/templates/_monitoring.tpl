@@ -1,5 +1,6 @@
 {{/* Target labels the dashboards and alerts group by, from the labels the operator
-puts on engine and gateway pods (llmserve/operator/builders.py, labels()). */}}
+puts on engine, prefill (spec.prefill) and gateway pods (llmserve/operator/builders.py,
+labels()). */}}
 {{- define "llmserve.monitoring.relabelings" -}}
 - sourceLabels: [__meta_kubernetes_pod_label_serving_llmserve_io_deployment]
   targetLabel: llmdeployment
@@ -11,5 +12,5 @@ puts on engine and gateway pods (llmserve/operator/builders.py, labels()). */}}
 matchExpressions:
   - {key: app.kubernetes.io/part-of, operator: In, values: [llmserve]}
   - {key: app.kubernetes.io/managed-by, operator: In, values: [llmserve-operator]}
-  - {key: app.kubernetes.io/component, operator: In, values: [engine, gateway]}
+  - {key: app.kubernetes.io/component, operator: In, values: [engine, prefill, gateway]}
 {{- end -}}
