@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import base64
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -49,6 +51,10 @@ def test_examples_are_accepted_by_the_api_server(kubectl, namespace):
     ({"replicas": -1}, "should be greater than or equal to 0"),
     ({"gateway": {"loadFactor": 0.5}}, "should be greater than or equal to 1"),
     ({"resources": {"memory": "lots"}}, "should match"),
+    ({"prefill": {"minReplicas": 3, "maxReplicas": 2}}, "prefill.minReplicas must not exceed"),
+    ({"prefill": {"minReplicas": 0}}, "should be greater than or equal to 1"),
+    ({"prefill": {"resources": {"memory": "lots"}}}, "should match"),
+    ({"prefill": {"engine": {"kind": "vllm"}}}, 'unknown field "spec.prefill.engine.kind"'),
 ])
 def test_invalid_specs_are_rejected(kubectl, namespace, spec, message):
     r = kubectl("apply", "-f", "-", input=llmd("bad", **spec), check=False)
@@ -131,3 +137,106 @@ def test_chart_crd_matches(kubectl, crd):
     live = get_json(kubectl, "crd", "llmdeployments.serving.llmserve.io")
     want = yaml.safe_load((ROOT / "crds" / "llmdeployments.serving.llmserve.io.yaml").read_text())
     assert live["spec"]["versions"][0]["schema"] == want["spec"]["versions"][0]["schema"]
+
+
+# --- spec.prefill (issue 28) ----------------------------------------------------------------
+PD_KINDS = {("Deployment", "pd-prefill"), ("Service", "pd-prefill"),
+            ("NetworkPolicy", "pd-prefill")}
+
+
+def secret(kubectl, name):
+    r = kubectl("get", "secret", name, "-n", NS, "-o", "json", check=False)
+    return json.loads(r.stdout) if r.returncode == 0 else None
+
+
+def status_of(kubectl, name):
+    return get_json(kubectl, "llmd", name, "-n", NS).get("status") or {}
+
+
+def test_prefill_renders_the_pool_and_a_secret_once(kubectl, operator):
+    # Zero replicas: the children are the point (the prefill pool follows the decode
+    # pool to zero, so no engine process starts here).
+    kubectl("apply", "-f", "-", input=llmd("pd", replicas=0, prefill={"replicas": 1}))
+    kids = wait_for(lambda: (k := children_of(kubectl, "pd")) and len(k) == 11 and k, 60,
+                    what="11 children")
+    assert PD_KINDS <= set(kids)
+    uid = get_json(kubectl, "llmd", "pd", "-n", NS)["metadata"]["uid"]
+    s = wait_for(lambda: secret(kubectl, "pd-kv-transfer"), 30, what="the Secret")
+    assert s["metadata"]["ownerReferences"][0]["uid"] == uid and s["immutable"] is True
+    assert len(base64.b64decode(s["data"]["secret"])) >= 32
+    pool = kids[("Deployment", "pd-prefill")]
+    assert pool["spec"]["replicas"] == 0
+    c = pool["spec"]["template"]["spec"]["containers"][0]
+    assert c["args"][c["args"].index("--kv-role") + 1] == "prefill"
+    gw = kids[("Deployment", "pd-gateway")]["spec"]["template"]["spec"]["containers"][0]
+    assert f"{NS}/pd-prefill" in gw["args"]
+    status = wait_for(lambda: (s := status_of(kubectl, "pd")).get("prefill") and s, 60,
+                      what="status.prefill")
+    assert status["prefill"]["ready"] == "0/0"
+    printed = kubectl("get", "llmd", "pd", "-n", NS).stdout.splitlines()
+    assert "PREFILL" in printed[0].split() and "0/0" in printed[1].split()
+    # Later reconciles (a spec change, the timer's passes) never rotate it.
+    kubectl("patch", "llmd", "pd", "-n", NS, "--type=merge",
+            "-p", '{"spec": {"gateway": {"prefixChars": 64}}}')
+    generation = get_json(kubectl, "llmd", "pd", "-n", NS)["metadata"]["generation"]
+    wait_for(lambda: status_of(kubectl, "pd").get("observedGeneration") == generation, 60,
+             what="the change reconciled")
+    time.sleep(11)  # one more timer pass
+    again = secret(kubectl, "pd-kv-transfer")
+    assert (again["metadata"]["uid"], again["data"]) == (s["metadata"]["uid"], s["data"])
+
+
+def test_removing_prefill_prunes_the_pool_and_the_secret(kubectl, operator):
+    before = {k: v["metadata"]["uid"] for k, v in children_of(kubectl, "pd").items()}
+    assert PD_KINDS <= set(before)
+    kubectl("patch", "llmd", "pd", "-n", NS, "--type=json",
+            "-p", '[{"op": "remove", "path": "/spec/prefill"}]')
+    wait_for(lambda: not PD_KINDS & set(children_of(kubectl, "pd"))
+             and secret(kubectl, "pd-kv-transfer") is None, 60,
+             what="the prefill pool and the Secret pruned")
+    after = {k: v["metadata"]["uid"] for k, v in children_of(kubectl, "pd").items()}
+    assert after == {k: uid for k, uid in before.items() if k not in PD_KINDS}
+    gw = children_of(kubectl, "pd")[("Deployment", "pd-gateway")]
+    assert "--prefill-k8s-service" not in gw["spec"]["template"]["spec"]["containers"][0]["args"]
+    wait_for(lambda: "prefill" not in status_of(kubectl, "pd"), 30, what="status.prefill gone")
+    events = get_json(kubectl, "events", "-n", NS,
+                      "--field-selector", "involvedObject.name=pd")["items"]
+    assert any(e["reason"] == "Pruned" and "pd-kv-transfer" in e["message"] for e in events)
+    kubectl("delete", "llmd", "pd", "-n", NS)
+
+
+def test_a_users_own_secret_is_used_and_never_pruned(kubectl, operator):
+    kubectl("create", "secret", "generic", "byo-kv-transfer", "-n", NS,
+            "--from-literal=secret=chosen-by-the-user")
+    kubectl("apply", "-f", "-", input=llmd("byo", replicas=0, prefill={}))
+    wait_for(lambda: ("Deployment", "byo-prefill") in children_of(kubectl, "byo"), 60,
+             what="the prefill pool")
+    kubectl("patch", "llmd", "byo", "-n", NS, "--type=json",
+            "-p", '[{"op": "remove", "path": "/spec/prefill"}]')
+    wait_for(lambda: ("Deployment", "byo-prefill") not in children_of(kubectl, "byo"), 60,
+             what="the prefill pool pruned")
+    s = secret(kubectl, "byo-kv-transfer")
+    assert base64.b64decode(s["data"]["secret"]) == b"chosen-by-the-user"
+    assert not s["metadata"].get("ownerReferences")
+    kubectl("delete", "llmd", "byo", "-n", NS)
+    kubectl("delete", "secret", "byo-kv-transfer", "-n", NS)
+
+
+def test_vllm_prefill_renders_nixl_and_a_mismatched_pool_is_degraded(kubectl, operator):
+    spec = {"model": {"source": "hf://Qwen/Qwen2.5-7B-Instruct", "name": "q"},
+            "engine": {"kind": "vllm"}, "resources": {"gpus": 2}, "replicas": 0}
+    kubectl("apply", "-f", "-", input=llmd("nixl", **spec, prefill={"resources": {"gpus": 2}}))
+    kids = wait_for(lambda: (k := children_of(kubectl, "nixl")) and len(k) == 11 and k, 60,
+                    what="11 children")
+    for name in ("nixl-engine", "nixl-prefill"):
+        args = kids[("Deployment", name)]["spec"]["template"]["spec"]["containers"][0]["args"]
+        config = json.loads(args[args.index("--kv-transfer-config") + 1])
+        assert config == {"kv_connector": "NixlConnector", "kv_role": "kv_both"}
+    kubectl("patch", "llmd", "nixl", "-n", NS, "--type=merge",
+            "-p", '{"spec": {"prefill": {"resources": {"gpus": 1}}}}')
+    cond = wait_for(lambda: {c["type"]: c for c in status_of(kubectl, "nixl")
+                             .get("conditions", [])}.get("Degraded", {}).get("status") == "True"
+                    and status_of(kubectl, "nixl")["conditions"], 60, what="Degraded")
+    degraded = next(c for c in cond if c["type"] == "Degraded")
+    assert "same size" in degraded["message"], degraded
+    kubectl("delete", "llmd", "nixl", "-n", NS)
