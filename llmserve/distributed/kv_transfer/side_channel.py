@@ -149,7 +149,7 @@ class SideChannelServer:
             return
         try:
             send_message(sock, {"ok": True})
-            self.transport.send(sock, ids)
+            self.transport.for_reader(msg.get("transport")).send(sock, ids)
             self.on_sent(len(ids))
         finally:
             self.leases.end_read(lease_id, release=bool(msg.get("release", True)))
@@ -178,7 +178,8 @@ def read_remote_blocks(transport: KVTransport, layout: KVLayout, remote: RemoteP
             _ask(sock, {"op": "release", "lease": remote.remote_lease_id})
             return 0
         _ask(sock, {"op": "read", "lease": remote.remote_lease_id, "block_ids": src_ids,
-                    "prompt_digest": prompt_digest, "release": True})
+                    "prompt_digest": prompt_digest, "release": True,
+                    "transport": transport.name})
         return transport.receive(sock, hello, src_ids, dst_ids)
     except TimeoutError as e:
         raise KVTransferError("timeout", f"the side channel timed out after {timeout} s") from e

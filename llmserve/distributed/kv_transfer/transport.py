@@ -17,11 +17,14 @@ tensor (``worker/kv_cache.py``); both caches must have the same ``KVLayout``.
 
 from __future__ import annotations
 
+import logging
 import socket
 from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass
 
 import torch
+
+log = logging.getLogger(__name__)
 
 # Blocks per message: bounds the gather buffer (a block of the built-in model is
 # ~370 KB over all layers) while keeping per-message overhead negligible.
@@ -80,6 +83,11 @@ class KVTransport(ABC):
         """Read side: fill blocks ``dst_ids`` of our storage with the peer's blocks
         ``src_ids`` (``peer``: the hello, with the peer's metadata). Returns bytes."""
 
+    def for_reader(self, reader_transport: str | None) -> KVTransport:
+        """Serve side: the transport that serves a reader speaking ``reader_transport``
+        (the name in its read request; None from readers that do not say)."""
+        return self
+
 
 class TcpTransport(KVTransport):
     name = "tcp"
@@ -121,13 +129,17 @@ def recv_exactly(sock: socket.socket, view: memoryview) -> None:
 
 
 def make_transport(name: str) -> KVTransport:
-    """``tcp``, ``nixl``, or ``auto`` (NIXL where it loads, else TCP)."""
+    """``tcp``, ``nixl``, or ``auto`` (NIXL where it loads, else TCP, logging why)."""
     if name == "tcp":
         return TcpTransport()
+    if name not in ("nixl", "auto"):
+        raise ValueError(f"unknown KV transfer backend {name!r} (tcp, nixl or auto)")
     try:
         from llmserve.distributed.kv_transfer.nixl import NixlTransport
         return NixlTransport()
-    except ImportError:
+    except Exception as e:  # ImportError, a library that does not load, UCX failing
         if name == "nixl":
             raise
+        log.warning("KV transfer: NIXL does not load here (%s: %s); using the TCP "
+                    "transport", type(e).__name__, e)
         return TcpTransport()
