@@ -5,7 +5,6 @@ e2e/tests/test_operator_api.py and the pods' in e2e/tests/test_pd_e2e.py."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -21,7 +20,7 @@ from llmserve.operator.builders import (
     named_children,
     stale_children,
 )
-from llmserve.operator.prefill import PREFILL_ENGINE_KEYS, VLLM_KV_TRANSFER_CONFIG
+from llmserve.operator.prefill import PREFILL_ENGINE_KEYS
 from tests.test_chart_monitoring import needs_helm, of_kind, render, selects
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -129,7 +128,7 @@ def test_prefill_pool_must_split_like_the_decode_pool():
 
 
 @pytest.mark.parametrize("args", [["--kv-role", "decode"], ["--kv-transfer-port=7000"],
-                                  ["--kv-transfer-config", "{}"]])
+                                  ["--kv-transfer-host", "10.0.0.1"]])
 def test_the_operator_owns_the_role_flags(args):
     with pytest.raises(SpecError, match="spec.prefill"):
         children(owner(engine={"args": args}, **PD), 1)
@@ -149,27 +148,24 @@ def test_network_policies_open_the_side_channel_to_decode_pods_only():
     assert kv["ports"] == [{"protocol": "TCP", "port": 5600}]
 
 
-def test_vllm_runs_its_nixl_connector_on_both_pools():
+def test_vllm_with_prefill_is_refused_with_the_reason():
     o = owner(model={"source": "hf://Qwen/Qwen2.5-7B-Instruct"}, engine={"kind": "vllm"},
               resources={"gpus": 1}, **PD)
-    objs = children(o, 1)
-    for name in ("chat-engine", "chat-prefill"):
-        c = container(objs, name)
-        assert c["command"][:2] == ["vllm", "serve"] and "--kv-role" not in c["args"]
-        assert json.loads(flag(c["args"], "--kv-transfer-config")) == {
-            "kv_connector": "NixlConnector", "kv_role": "kv_both"}
-        e = env(c)
-        assert e["VLLM_NIXL_SIDE_CHANNEL_HOST"] == POD_IP
-        assert e["VLLM_NIXL_SIDE_CHANNEL_PORT"] == "5600"
-        assert "kv-transfer" in {p["name"] for p in c["ports"]}
-    assert VLLM_KV_TRANSFER_CONFIG == '{"kv_connector":"NixlConnector","kv_role":"kv_both"}'
-    # UCX picks its own ports, in both directions: the two pools reach each other fully
-    named = by_name(objs)
-    for policy, peer in (("chat-engine", "prefill"), ("chat-prefill", "engine")):
-        rules = named[("NetworkPolicy", policy)]["spec"]["ingress"]
-        peer_rule = next(r for r in rules if r["from"][0]["podSelector"]["matchLabels"]
-                         .get("app.kubernetes.io/component") == peer)
-        assert "ports" not in peer_rule
+    with pytest.raises(SpecError, match="needs engine.kind llmserve") as e:
+        children(o, 1)
+    assert "remote_lease_id" in str(e.value) and "remove spec.prefill" in str(e.value)
+    # the same engine without spec.prefill is served as before
+    assert len(children(owner(**{k: v for k, v in o.spec.items() if k != "prefill"}), 1)) == 8
+
+
+def test_refusal_matches_what_the_gateway_requires():
+    """The reason vLLM is refused: the gateway sends leg 2 only with these fields, which
+    vLLM's NixlConnector does not return. Once the gateway accepts vLLM's params, this
+    fails, and spec.prefill can render vLLM's --kv-transfer-config instead."""
+    from llmserve.gateway.disagg import PARAM_TYPES
+    vllm_params = {"do_remote_prefill", "do_remote_decode", "remote_engine_id",
+                   "remote_block_ids", "remote_host", "remote_port", "tp_size"}
+    assert {"remote_lease_id", "num_tokens"} <= set(PARAM_TYPES) - vllm_params
 
 
 def test_kv_transfer_secret_is_owned_immutable_and_random_per_call():

@@ -222,21 +222,18 @@ def test_a_users_own_secret_is_used_and_never_pruned(kubectl, operator):
     kubectl("delete", "secret", "byo-kv-transfer", "-n", NS)
 
 
-def test_vllm_prefill_renders_nixl_and_a_mismatched_pool_is_degraded(kubectl, operator):
+def test_prefill_pools_that_cannot_work_are_degraded(kubectl, operator):
     spec = {"model": {"source": "hf://Qwen/Qwen2.5-7B-Instruct", "name": "q"},
-            "engine": {"kind": "vllm"}, "resources": {"gpus": 2}, "replicas": 0}
-    kubectl("apply", "-f", "-", input=llmd("nixl", **spec, prefill={"resources": {"gpus": 2}}))
-    kids = wait_for(lambda: (k := children_of(kubectl, "nixl")) and len(k) == 11 and k, 60,
-                    what="11 children")
-    for name in ("nixl-engine", "nixl-prefill"):
-        args = kids[("Deployment", name)]["spec"]["template"]["spec"]["containers"][0]["args"]
-        config = json.loads(args[args.index("--kv-transfer-config") + 1])
-        assert config == {"kv_connector": "NixlConnector", "kv_role": "kv_both"}
-    kubectl("patch", "llmd", "nixl", "-n", NS, "--type=merge",
-            "-p", '{"spec": {"prefill": {"resources": {"gpus": 1}}}}')
-    cond = wait_for(lambda: {c["type"]: c for c in status_of(kubectl, "nixl")
-                             .get("conditions", [])}.get("Degraded", {}).get("status") == "True"
-                    and status_of(kubectl, "nixl")["conditions"], 60, what="Degraded")
-    degraded = next(c for c in cond if c["type"] == "Degraded")
-    assert "same size" in degraded["message"], degraded
-    kubectl("delete", "llmd", "nixl", "-n", NS)
+            "resources": {"gpus": 2}, "replicas": 0}
+    cases = [("vllm-pd", {**spec, "engine": {"kind": "vllm"}, "prefill": {}},
+              "needs engine.kind llmserve"),
+             ("split-pd", {**spec, "prefill": {"resources": {"gpus": 1}}}, "same size")]
+    for name, body, _ in cases:
+        kubectl("apply", "-f", "-", input=llmd(name, **body))
+    for name, _, message in cases:
+        cond = wait_for(lambda n=name: {c["type"]: c for c in status_of(kubectl, n)
+                                        .get("conditions", [])}.get("Degraded"), 60,
+                        what=f"{name} Degraded")
+        assert cond["status"] == "True" and message in cond["message"], cond
+        assert children_of(kubectl, name) == {}
+        kubectl("delete", "llmd", name, "-n", NS)

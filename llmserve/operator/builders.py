@@ -245,16 +245,16 @@ def engine_container(owner: Owner, role: str = "both") -> dict:
         # A node whose runtime hides the GPU must not quietly serve on its CPU: with
         # --device cuda the engine refuses to start without CUDA.
         args += ["--device", "cuda"]
-    args += prefill.role_args(kind, role)
+    args += prefill.role_args(role)
     args += list(engine.get("args", []))
     probe = {"httpGet": {"path": "/health", "port": "http"}}
     return {
         "name": "engine", "image": image, "command": command, "args": args,
         "ports": [{"name": "http", "containerPort": port, "protocol": "TCP"},
-                  *prefill.role_ports(kind, role)],
+                  *prefill.role_ports(role)],
         # The image bakes the built-in model's converted cache (LLMSERVE_CACHE);
         # anything downloaded at run time (hf:// snapshots) goes to the /cache volume.
-        "env": engine_env(owner) + prefill.role_env(kind, role, names(owner)["kv_secret"]),
+        "env": engine_env(owner) + prefill.role_env(role, names(owner)["kv_secret"]),
         "resources": resources(spec.get("resources", {})),
         "readinessProbe": {**probe, "periodSeconds": 2, "failureThreshold": 2},
         "startupProbe": {**probe, "periodSeconds": 2, "failureThreshold": 900},
@@ -343,9 +343,8 @@ def engine_service(owner: Owner, role: str = "both") -> dict:
     """Headless: the gateway reads its EndpointSlices and talks to pods directly."""
     port = owner.spec.get("engine", {}).get("port", 8000)
     component = pool_component(role)
-    kind = owner.spec.get("engine", {}).get("kind", "llmserve")
     kv = [{"name": p["name"], "port": p["containerPort"], "targetPort": p["name"]}
-          for p in prefill.role_ports(kind, role)]
+          for p in prefill.role_ports(role)]
     return {"apiVersion": "v1", "kind": "Service",
             "metadata": meta(owner, names(owner)[component], component),
             "spec": {"clusterIP": "None", "selector": selector(owner, component),
@@ -358,6 +357,9 @@ def prefill_owner(owner: Owner) -> Owner:
     """``owner`` as the prefill pool sees it: spec.prefill's engine and resources over
     the main pool's. Refuses a pool split differently from the decode pool: KV blocks
     move between engines whose ranks hold the same heads."""
+    refusal = prefill.refusal(owner.spec)
+    if refusal:
+        raise SpecError(refusal)
     pool = replace(owner, spec=prefill.prefill_pool_spec(owner.spec))
     tp, pool_tp = tensor_parallel_size(owner), tensor_parallel_size(pool)
     if tp != pool_tp:
@@ -508,27 +510,12 @@ def http_ingress(owner: Owner) -> dict:
             "ports": [{"protocol": "TCP", "port": port}]}
 
 
-def peer_ingress(owner: Owner, from_component: str) -> dict:
-    """KV transfer between the pools. Our decode engines read from the prefill pool's
-    side channel port only; vLLM's NIXL moves the blocks over UCX, whose TCP transport
-    opens connections on ports of its choosing in both directions, so between this
-    deployment's two pools every port is open."""
-    rule = {"from": [{"podSelector": {"matchLabels": selector(owner, from_component)}}]}
-    if owner.spec.get("engine", {}).get("kind", "llmserve") == "llmserve":
-        rule["ports"] = [{"protocol": "TCP", "port": prefill.KV_TRANSFER_PORT}]
-    return rule
-
-
 def network_policy(owner: Owner) -> dict:
-    """Only this deployment's gateway (and the operator) may reach the engines; with
-    vLLM's P/D, the prefill pool too."""
-    ingress = [http_ingress(owner)]
-    if prefill.has_prefill(owner.spec) and owner.spec.get("engine", {}).get("kind") == "vllm":
-        ingress.append(peer_ingress(owner, "prefill"))
+    """Only this deployment's gateway (and the operator) may reach the engines."""
     return {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
             "metadata": meta(owner, names(owner)["netpol"], "engine"),
             "spec": {"podSelector": {"matchLabels": selector(owner, "engine")},
-                     "policyTypes": ["Ingress"], "ingress": ingress}}
+                     "policyTypes": ["Ingress"], "ingress": [http_ingress(owner)]}}
 
 
 def prefill_network_policy(owner: Owner) -> dict:
@@ -538,7 +525,9 @@ def prefill_network_policy(owner: Owner) -> dict:
             "metadata": meta(owner, names(owner)["prefill_netpol"], "prefill"),
             "spec": {"podSelector": {"matchLabels": selector(owner, "prefill")},
                      "policyTypes": ["Ingress"],
-                     "ingress": [http_ingress(owner), peer_ingress(owner, "engine")]}}
+                     "ingress": [http_ingress(owner), {
+                         "from": [{"podSelector": {"matchLabels": selector(owner, "engine")}}],
+                         "ports": [{"protocol": "TCP", "port": prefill.KV_TRANSFER_PORT}]}]}}
 
 
 def children(owner: Owner, engine_replicas: int, prefill_replicas: int = 1) -> list[dict]:

@@ -7,28 +7,31 @@ both (docs/architecture.md, "Prefill/decode disaggregation"). This module holds 
 spec-level rules, as pure functions of the spec: the prefill pool's engine and
 resources (the main pool's, with ``spec.prefill``'s fields over them), and the flags,
 environment and ports a pod of each role gets. ``builders`` turns them into manifests.
+P/D needs ``engine.kind: llmserve`` (``refusal``; docs/architecture.md says why).
 """
 
 from __future__ import annotations
 
-import json
-
-KV_TRANSFER_PORT = 5600  # our side channel, and vLLM's NIXL side channel's default
+KV_TRANSFER_PORT = 5600
 KV_TRANSFER_PORT_NAME = "kv-transfer"
 KV_SECRET_KEY = "secret"
 KV_SECRET_ENV = "LLMSERVE_KV_TRANSFER_SECRET"
-# vLLM's own P/D: both pools run its NixlConnector as kv_both; the decode side pulls
-# the blocks named by the prefill response's kv_transfer_params, the shape our gateway
-# forwards unchanged (the two legs are the same requests for either engine).
-VLLM_KV_TRANSFER_CONFIG = json.dumps({"kv_connector": "NixlConnector", "kv_role": "kv_both"},
-                                     separators=(",", ":"))
+# vLLM's own P/D (its NixlConnector, kv_role kv_both on both pools) takes the same two
+# requests, but its prefill answer's kv_transfer_params lack the lease fields the
+# gateway requires before it sends leg 2 (gateway/disagg.py, PARAM_TYPES): every long
+# prompt would be prefilled twice. Refused until the gateway accepts vLLM's params.
+VLLM_REFUSAL = ("spec.prefill needs engine.kind llmserve: vLLM's NixlConnector answers the "
+                "prefill leg without the lease fields (remote_lease_id, num_tokens) the "
+                "gateway needs to send the decode leg, so every long prompt would be "
+                "prefilled twice. Use engine.kind llmserve for P/D, or remove spec.prefill "
+                "to serve vLLM colocated")
 # spec.prefill.engine may set these (the CRD lists the same); the rest (kind, dtype,
 # port, maxModelLen, tensorParallelSize) must match the decode pool's, so they are
 # the main pool's: KV moves between engines of the same shape and dtype.
 PREFILL_ENGINE_KEYS = ("image", "args", "maxNumSeqs", "maxNumBatchedTokens",
                        "kvCacheMemory", "maxWaiting", "maxQueueDelaySeconds")
 # Flags the operator owns once spec.prefill decides the roles.
-ROLE_FLAGS = ("--kv-role", "--kv-transfer-port", "--kv-transfer-host", "--kv-transfer-config")
+ROLE_FLAGS = ("--kv-role", "--kv-transfer-port", "--kv-transfer-host")
 
 
 def has_prefill(spec: dict) -> bool:
@@ -61,42 +64,38 @@ def owned_flag_in(args: list[str]) -> str | None:
     return None
 
 
-def role_args(kind: str, role: str) -> list[str]:
+def refusal(spec: dict) -> str | None:
+    """Why this spec's prefill pool cannot be realised (None: it can)."""
+    if has_prefill(spec) and spec.get("engine", {}).get("kind", "llmserve") != "llmserve":
+        return VLLM_REFUSAL
+    return None
+
+
+def role_args(role: str) -> list[str]:
     """The flags of one pool's engines; none for ``both`` (the colocated default)."""
-    if role == "both":
-        return []
-    if kind == "vllm":
-        return ["--kv-transfer-config", VLLM_KV_TRANSFER_CONFIG]
     if role == "prefill":
         return ["--kv-role", "prefill", "--kv-transfer-port", str(KV_TRANSFER_PORT)]
-    return ["--kv-role", "decode"]
+    if role == "decode":
+        return ["--kv-role", "decode"]
+    return []
 
 
-def listens_for_kv(kind: str, role: str) -> bool:
-    """Whether this pool's pods serve KV to peers: our prefill engines; with vLLM every
-    engine (kv_both opens the NIXL side channel on both pools)."""
-    return role == "prefill" or (kind == "vllm" and role != "both")
-
-
-def role_env(kind: str, role: str, secret_name: str) -> list[dict]:
+def role_env(role: str, secret_name: str) -> list[dict]:
     """Environment of one pool's engines: the deployment's shared secret (the side
-    channel serves only peers that hold it) and, where a pod serves KV, the address it
+    channel serves only peers that hold it) and, on a prefill pod, the address it
     advertises to decode engines (its own pod IP)."""
     if role == "both":
         return []
-    pod_ip = {"valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}
     env = [{"name": KV_SECRET_ENV, "valueFrom": {"secretKeyRef": {
         "name": secret_name, "key": KV_SECRET_KEY}}}]
-    if listens_for_kv(kind, role):
-        env.append({"name": "POD_IP", **pod_ip})
-        if kind == "vllm":
-            env += [{"name": "VLLM_NIXL_SIDE_CHANNEL_HOST", **pod_ip},
-                    {"name": "VLLM_NIXL_SIDE_CHANNEL_PORT", "value": str(KV_TRANSFER_PORT)}]
+    if role == "prefill":
+        env.append({"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}})
     return env
 
 
-def role_ports(kind: str, role: str) -> list[dict]:
-    if not listens_for_kv(kind, role):
+def role_ports(role: str) -> list[dict]:
+    """The side channel, on the pods that serve KV."""
+    if role != "prefill":
         return []
     return [{"name": KV_TRANSFER_PORT_NAME, "containerPort": KV_TRANSFER_PORT,
              "protocol": "TCP"}]
