@@ -171,6 +171,13 @@ def add_gateway_args(p: argparse.ArgumentParser, spill_over_flag: str = "--max-w
     g.add_argument("--upstream-idle-timeout", type=float, default=30.0, metavar="S",
                    help="hung engines: the same after S s without a body chunk; a hung "
                         "engine's streams end with an SSE error event and [DONE]. 0 = never")
+    d = p.add_argument_group("prefill/decode disaggregation (with a prefill pool)")
+    d.add_argument("--pd-min-prompt-tokens", type=int, default=256, metavar="N",
+                   help="prompts shorter than N tokens skip the prefill pool and go straight "
+                        "to the decode pool")
+    d.add_argument("--pd-prefill-timeout", type=float, default=60.0, metavar="S",
+                   help="a prefill leg that has not answered in S s is abandoned (its engine "
+                        "ejected until /health answers); the decode engine prefills instead")
     t = p.add_argument_group("tenants")
     t.add_argument("--tenants", default=None, metavar="FILE",
                    help="tenants file (classes, tenants, API keys, limits); re-read when it "
@@ -199,7 +206,11 @@ def gateway_config(args, backends: list[str]):
                          peer_interval=args.peer_interval,
                          header_timeout=args.header_timeout, body_timeout=args.body_timeout,
                          upstream_first_byte_timeout=args.upstream_first_byte_timeout,
-                         upstream_idle_timeout=args.upstream_idle_timeout)
+                         upstream_idle_timeout=args.upstream_idle_timeout,
+                         prefill_backends=getattr(args, "prefill_backend", None) or [],
+                         prefill_k8s_service=getattr(args, "prefill_k8s_service", None),
+                         pd_min_prompt_tokens=args.pd_min_prompt_tokens,
+                         pd_prefill_timeout=args.pd_prefill_timeout)
 
 
 def cmd_gateway(args) -> int:
@@ -207,8 +218,9 @@ def cmd_gateway(args) -> int:
     configure_logging(args.log_level)
     if not args.backend and not args.k8s_service:
         raise ValueError("give --backend URL (repeatable) or --k8s-service NAMESPACE/NAME")
-    if args.k8s_service and "/" not in args.k8s_service:
-        raise ValueError("--k8s-service must be NAMESPACE/NAME")
+    for flag in ("k8s_service", "prefill_k8s_service"):
+        if getattr(args, flag) and "/" not in getattr(args, flag):
+            raise ValueError(f"--{flag.replace('_', '-')} must be NAMESPACE/NAME")
     if args.peer_service and "/" not in args.peer_service:
         raise ValueError("--peer-service must be NAMESPACE/NAME")
     if (args.peer or args.peer_service) and not args.tenants:
@@ -318,7 +330,13 @@ def main(argv: list[str] | None = None) -> int:
     gw.add_argument("--backend", action="append", help="engine base URL (repeatable)")
     gw.add_argument("--k8s-service", default=None,
                     help="NAMESPACE/NAME: follow the EndpointSlices of this Service")
-    gw.add_argument("--k8s-port-name", default=None, help="EndpointSlice port to use")
+    gw.add_argument("--k8s-port-name", default=None,
+                    help="EndpointSlice port to use (of the prefill Service too)")
+    gw.add_argument("--prefill-backend", action="append", metavar="URL",
+                    help="a prefill engine's base URL (repeatable): long prompts are "
+                         "prefilled there and decoded by --backend / --k8s-service")
+    gw.add_argument("--prefill-k8s-service", default=None, metavar="NAMESPACE/NAME",
+                    help="follow the EndpointSlices of this Service as the prefill pool")
     add_server_args(gw, 8080)
     add_gateway_args(gw)
     gw.set_defaults(func=cmd_gateway)

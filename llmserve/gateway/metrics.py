@@ -58,6 +58,23 @@ class GatewayMetrics:
             "Time from forwarding a request to the upstream's response headers.",
             buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
             registry=r)
+        # --- prefill/decode disaggregation (with a prefill pool; disagg.py) ---
+        self.pd_requests = Counter(
+            "llmserve_gateway_pd_requests",
+            "Completions and chat requests by prefill/decode mode: disaggregated (leg 1 on "
+            "a prefill engine, leg 2 with its KV on a decode engine); direct (P/D could not "
+            "help; reason short_prompt, echo, prompt_logprobs, beam_search, batch); fallback "
+            "(leg 1 could not run or gave nothing, the decode engine prefilled; reason "
+            "no_endpoint, connection, timeout, status, overloaded, rejected, no_params, "
+            "bad_params). Counted only with a prefill pool.",
+            ["mode", "reason"], registry=r)
+        self.pd_prefill_latency = Histogram(
+            "llmserve_gateway_pd_prefill_seconds",
+            "Leg 1 of a disaggregated request: from sending it to a prefill engine to its "
+            "answer (or failure).", buckets=WAIT_BUCKETS, registry=r)
+        self.prefill_endpoints = Gauge("llmserve_gateway_prefill_endpoints",
+                                       "Known prefill endpoints by state.", ["state"],
+                                       registry=r)
         # --- tenants (with --tenants) ---
         self.queue_depth = Gauge("llmserve_gateway_queue_depth",
                                  "Requests waiting in a class queue, per tenant.",

@@ -8,7 +8,8 @@ those tokens in its prefix cache.
 from __future__ import annotations
 
 
-def _content(message: dict) -> str:
+def message_text(message: dict) -> str:
+    """A chat message's text: its content string, or its text parts joined."""
     content = message.get("content")
     if isinstance(content, str):
         return content
@@ -28,8 +29,8 @@ def prefix_key(body, max_chars: int = 100) -> str:
     messages = body.get("messages")
     if isinstance(messages, list):
         dicts = [m for m in messages if isinstance(m, dict)]
-        system = "".join(_content(m) for m in dicts if m.get("role") in ("system", "developer"))
-        first_user = next((_content(m) for m in dicts if m.get("role") == "user"), "")
+        system = "".join(message_text(m) for m in dicts if m.get("role") in ("system", "developer"))
+        first_user = next((message_text(m) for m in dicts if m.get("role") == "user"), "")
         text = system + "\n" + first_user
     else:
         prompt = body.get("prompt")

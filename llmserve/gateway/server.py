@@ -25,7 +25,7 @@ import json
 import logging
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import aiohttp
@@ -34,6 +34,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from llmserve.errors import APIError
 from llmserve.gateway.admission import INTERNAL_HEADERS, TenantAdmission, Turn
+from llmserve.gateway.disagg import PD_PATHS, Disaggregation, leg2_body, strip_client_params
 from llmserve.gateway.endpoints import EndpointPool
 from llmserve.gateway.metrics import GatewayMetrics, outcome_of
 from llmserve.gateway.openapi import UpstreamOpenAPI
@@ -101,6 +102,13 @@ class GatewayConfig:
     # under load, so half a minute of silence is already suspicious.
     upstream_first_byte_timeout: float = 60.0
     upstream_idle_timeout: float = 30.0
+    # Prefill/decode disaggregation (disagg.py): the prefill pool (the backends above
+    # are then the decode pool), the shortest prompt worth a prefill leg, and how long
+    # that leg may take before the decode engine is asked to prefill instead.
+    prefill_backends: list[str] = field(default_factory=list)
+    prefill_k8s_service: str | None = None  # "namespace/name"
+    pd_min_prompt_tokens: int = 256
+    pd_prefill_timeout: float = 60.0
 
 
 def check_tenant_keys(tenants_file: str | None, keys: ApiKeys) -> None:
@@ -149,11 +157,12 @@ class Gateway:
                                  cap)
         self.policy = make_policy(config.policy, config.load_factor)
         self.metrics = GatewayMetrics()
+        self.disagg = Disaggregation(config, self.metrics)
         self.keys = ApiKeys(config.api_key_file, os.environ.get("LLMSERVE_API_KEYS"))
         check_tenant_keys(config.tenants_file, self.keys)
         self.tenants = None
         if config.tenants_file:
-            self.tenants = TenantAdmission(config.tenants_file, self.pool.free_slots,
+            self.tenants = TenantAdmission(config.tenants_file, self.free_slots,
                                            self.metrics, config.peer_interval)
         self.waiting_for_endpoint = 0
         self.metrics.queued.set_function(lambda: self.waiting_for_endpoint + (
@@ -165,6 +174,11 @@ class Gateway:
         self.hangs = HangWatch(self.metrics, self._failed)  # hung engines
         self.openapi = UpstreamOpenAPI()
         self.affinity = ResponseAffinity()  # stored responses -> the engine that has them
+
+    def free_slots(self, priority: int | None = None) -> float:
+        """Room in the (decode) pool for a class, less the requests of that class or
+        more urgent ones now in their prefill leg: each needs a decode place next."""
+        return max(0.0, self.pool.free_slots(priority) - self.disagg.pending(priority))
 
     # --- lifecycle --------------------------------------------
     async def start(self) -> None:
@@ -181,6 +195,7 @@ class Gateway:
                 namespace, name, self.pool.set_urls, self.config.k8s_port_name)))
         self._tasks.append(asyncio.create_task(
             self.pool.scrape_forever(self.session, self.config.scrape_interval)))
+        self._tasks += self.disagg.start(self.session)
         timeouts = [t for t in (self.config.upstream_first_byte_timeout,
                                 self.config.upstream_idle_timeout) if t > 0]
         if timeouts:  # a hang is seen within a quarter of the timeout (1 s at most)
@@ -221,6 +236,19 @@ class Gateway:
             await self.session.close()
 
     # --- proxying --------------------------------------------
+    async def serve(self, request: web.Request, body: bytes, payload: dict, key: str,
+                    pinned: str | None = None) -> web.StreamResponse:
+        """Proxy the request, first through a prefill engine when a prefill pool can
+        take its prompt (``payload`` is what ``body`` says)."""
+        if self.disagg.enabled and request.path in PD_PATHS:
+            turn: Turn | None = request.get("turn")
+            params = await self.disagg.kv_params(
+                self.session, request.path, self.upstream_headers(request), payload, key,
+                turn.cls.priority if turn is not None else None)
+            if params is not None:
+                body = leg2_body(payload, params)
+        return await self.proxy(request, body, key, pinned)
+
     def upstream_headers(self, request: web.Request) -> dict:
         headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_HEADERS}
         if self.config.upstream_api_key:
@@ -507,6 +535,8 @@ async def generate(request: web.Request) -> web.StreamResponse:
         raise APIError(400, f"invalid JSON body: {e}") from e
     if not isinstance(payload, dict):
         raise APIError(400, "the request body must be a JSON object")
+    if strip_client_params(payload):  # only the gateway names a KV lease
+        body = json.dumps(payload).encode()
     key, pinned = prefix_key(payload, gw.config.prefix_chars), None
     if request.path == RESPONSES_PATH:
         key = responses_key(payload, gw.config.prefix_chars)
@@ -514,11 +544,11 @@ async def generate(request: web.Request) -> web.StreamResponse:
     gw.in_flight += 1
     try:
         if gw.tenants is None:
-            return await gw.proxy(request, body, key, pinned)
+            return await gw.serve(request, body, payload, key, pinned)
         chat = request.path.endswith("/chat/completions")
         async with gw.tenants.turn(request, payload, chat) as turn:
             request["turn"] = turn
-            return await gw.proxy(request, turn.body, key, pinned)
+            return await gw.serve(request, turn.body, payload, key, pinned)
     finally:
         gw.in_flight -= 1
 
@@ -548,6 +578,10 @@ async def metrics(request: web.Request) -> web.Response:
     eps = list(gw.pool.endpoints.values())
     gw.metrics.endpoints.labels("ejected").set(sum(e.ejected for e in eps))
     gw.metrics.endpoints.labels("ready").set(sum(not e.ejected for e in eps))
+    if gw.disagg.enabled:
+        prefill = list(gw.disagg.pool.endpoints.values())
+        gw.metrics.prefill_endpoints.labels("ejected").set(sum(e.ejected for e in prefill))
+        gw.metrics.prefill_endpoints.labels("ready").set(sum(not e.ejected for e in prefill))
     if gw.tenants is not None:
         gw.tenants.observe()
     return web.Response(body=generate_latest(gw.metrics.registry),
