@@ -136,16 +136,18 @@ def test_the_operator_owns_the_role_flags(args):
         children(owner(prefill={"engine": {"args": args}}), 1)
 
 
-def test_network_policies_open_the_side_channel_to_decode_pods_only():
+def test_network_policies_let_the_two_pools_and_the_gateway_in_only():
     named = by_name(children(owner(**PD), 1))
     engine, pool = (named[("NetworkPolicy", n)]["spec"] for n in ("chat-engine", "chat-prefill"))
-    assert engine == by_name(children(owner(), 1))[("NetworkPolicy", "chat-engine")]["spec"]
+    alone = by_name(children(owner(), 1))[("NetworkPolicy", "chat-engine")]["spec"]
     assert pool["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "prefill"
-    http, kv = pool["ingress"]
-    assert http == engine["ingress"][0]  # the gateway and the operator, on HTTP
-    assert kv["from"] == [{"podSelector": {"matchLabels": {
-        "serving.llmserve.io/deployment": "chat", "app.kubernetes.io/component": "engine"}}}]
-    assert kv["ports"] == [{"protocol": "TCP", "port": 5600}]
+    http = alone["ingress"][0]  # the gateway and the operator, on HTTP
+    assert pool["ingress"][0] == engine["ingress"][0] == http
+    # KV transfer: each pool admits the other (NIXL's UCX picks its own ports, both ways)
+    for policy, peer in ((pool, "engine"), (engine, "prefill")):
+        assert policy["ingress"][1] == {"from": [{"podSelector": {"matchLabels": {
+            "serving.llmserve.io/deployment": "chat", "app.kubernetes.io/component": peer}}}]}
+        assert len(policy["ingress"]) == 2
 
 
 def test_vllm_with_prefill_is_refused_with_the_reason():

@@ -510,24 +510,36 @@ def http_ingress(owner: Owner) -> dict:
             "ports": [{"protocol": "TCP", "port": port}]}
 
 
+def peer_ingress(owner: Owner, from_component: str) -> dict:
+    """KV transfer between this deployment's two pools, on every port: the decode
+    engine opens the prefill engine's side channel (5600), and with the NIXL backend
+    (the default where it loads) UCX moves the blocks over connections on ports of its
+    own choosing, in both directions (its wireup answers back over TCP; RDMA bypasses
+    the policy). No other pod gains anything: the side channel serves only peers that
+    hold the deployment's secret."""
+    return {"from": [{"podSelector": {"matchLabels": selector(owner, from_component)}}]}
+
+
 def network_policy(owner: Owner) -> dict:
-    """Only this deployment's gateway (and the operator) may reach the engines."""
+    """Only this deployment's gateway (and the operator) may reach the engines; beside a
+    prefill pool, its engines too (``peer_ingress``)."""
+    ingress = [http_ingress(owner)]
+    if prefill.has_prefill(owner.spec):
+        ingress.append(peer_ingress(owner, "prefill"))
     return {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
             "metadata": meta(owner, names(owner)["netpol"], "engine"),
             "spec": {"podSelector": {"matchLabels": selector(owner, "engine")},
-                     "policyTypes": ["Ingress"], "ingress": [http_ingress(owner)]}}
+                     "policyTypes": ["Ingress"], "ingress": ingress}}
 
 
 def prefill_network_policy(owner: Owner) -> dict:
-    """The prefill pool: the gateway and the operator on HTTP, the decode pool on the
-    side channel."""
+    """The prefill pool: the gateway and the operator on HTTP, the decode pool for
+    KV transfer."""
     return {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
             "metadata": meta(owner, names(owner)["prefill_netpol"], "prefill"),
             "spec": {"podSelector": {"matchLabels": selector(owner, "prefill")},
                      "policyTypes": ["Ingress"],
-                     "ingress": [http_ingress(owner), {
-                         "from": [{"podSelector": {"matchLabels": selector(owner, "engine")}}],
-                         "ports": [{"protocol": "TCP", "port": prefill.KV_TRANSFER_PORT}]}]}}
+                     "ingress": [http_ingress(owner), peer_ingress(owner, "engine")]}}
 
 
 def children(owner: Owner, engine_replicas: int, prefill_replicas: int = 1) -> list[dict]:
