@@ -9,11 +9,14 @@ process (its storage, lease table and side channel, as in an engine) into this o
 - ``baseline``: a plain loopback socket copy of the same bytes, contiguous buffer to
   contiguous buffer: what any copy through the kernel costs.
 
-The transports are timed over the whole read (connect, authenticate, read, release),
-as a decode engine does it. The prompt's blocks are scattered over both pools
-(``--layout contiguous``: consecutive on both sides). Torch runs one thread per side.
+All three run in turn in every round (each against its own prefill process), so a
+busy machine slows them alike. The transports are timed over the whole read (connect,
+authenticate, read, release), as a decode engine does it. Where the prompt's blocks lie
+in both pools (``--layout``): ``scattered`` (one block at a time, a long-running
+engine's worst case), ``runs`` (runs of 8 consecutive blocks), ``contiguous``. NIXL
+moves one descriptor per (layer, K/V, run of blocks). Torch runs one thread per side.
 
-    python benchmarks/kv_transfer.py [--tokens 4000] [--rounds 10]
+    python benchmarks/kv_transfer.py [--layout scattered|runs|contiguous] [--rounds 10]
 """
 
 from __future__ import annotations
@@ -103,47 +106,46 @@ class Prefill:
         self.proc.join(10)
 
 
-def time_transport(name: str, args, src_ids: list[int], dst_ids: list[int]) -> dict:
-    prefill = Prefill(name, args.blocks)
-    try:
-        dst = make_transport(name)
-        assert dst.name == name, f"{name} does not load here"
-        dst.register(make_storage(args.blocks, fill=False))
-        times, nbytes = [], 0
-        for i in range(args.warmup + args.rounds):
-            remote = prefill.lease(src_ids)
-            t0 = time.perf_counter()
-            nbytes = read_remote_blocks(dst, layout(), remote, src_ids, dst_ids, "d", SECRET,
-                                        timeout=60)
-            if i >= args.warmup:
-                times.append(time.perf_counter() - t0)
+class Reader:
+    """The decode engine's side of one transport, with its own prefill process."""
+
+    def __init__(self, name: str, args, src_ids: list[int], dst_ids: list[int]):
+        self.name, self.src_ids, self.dst_ids = name, src_ids, dst_ids
+        self.prefill = Prefill(name, args.blocks)
+        self.dst = make_transport(name)
+        assert self.dst.name == name, f"{name} does not load here"
+        self.dst.register(make_storage(args.blocks, fill=False))
+
+    def once(self) -> tuple[float, int]:
+        remote = self.prefill.lease(self.src_ids)
+        t0 = time.perf_counter()
+        nbytes = read_remote_blocks(self.dst, layout(), remote, self.src_ids, self.dst_ids,
+                                    "d", SECRET, timeout=60)
+        return time.perf_counter() - t0, nbytes
+
+    def check(self, args) -> None:
         want = make_storage(args.blocks, fill=True)
-        idx_src, idx_dst = torch.tensor(src_ids), torch.tensor(dst_ids)
-        assert torch.equal(dst.storage[:, :, idx_dst], want[:, :, idx_src]), "blocks differ"
-        return {"bytes": nbytes, "seconds": times}
-    finally:
-        prefill.stop()
+        src, dst = torch.tensor(self.src_ids), torch.tensor(self.dst_ids)
+        assert torch.equal(self.dst.storage[:, :, dst], want[:, :, src]), "blocks differ"
 
 
-def time_baseline(args, nbytes: int) -> dict:
-    prefill = Prefill("tcp", args.blocks)
-    buf = bytearray(nbytes)
-    times = []
-    try:
-        with socket.create_server(("127.0.0.1", 0)) as listener:
-            port = listener.getsockname()[1]
-            for i in range(args.warmup + args.rounds):
-                prefill.conn.send(("baseline", port, nbytes))
-                sock, _ = listener.accept()
-                with sock:
-                    t0 = time.perf_counter()
-                    recv_exactly(sock, memoryview(buf))
-                    if i >= args.warmup:
-                        times.append(time.perf_counter() - t0)
-                prefill.conn.recv()
-    finally:
-        prefill.stop()
-    return {"bytes": nbytes, "seconds": times}
+class Baseline:
+    """A plain loopback socket copy of ``nbytes``, contiguous to contiguous."""
+
+    def __init__(self, args, nbytes: int):
+        self.prefill = Prefill("tcp", args.blocks)
+        self.buf = bytearray(nbytes)
+        self.listener = socket.create_server(("127.0.0.1", 0))
+
+    def once(self) -> tuple[float, int]:
+        self.prefill.conn.send(("baseline", self.listener.getsockname()[1], len(self.buf)))
+        sock, _ = self.listener.accept()
+        with sock:
+            t0 = time.perf_counter()
+            recv_exactly(sock, memoryview(self.buf))
+            dt = time.perf_counter() - t0
+        self.prefill.conn.recv()
+        return dt, len(self.buf)
 
 
 def summary(result: dict, tokens: int, base: dict | None) -> dict:
@@ -153,6 +155,8 @@ def summary(result: dict, tokens: int, base: dict | None) -> dict:
            "min ms": min(result["seconds"]) * 1e3, "max ms": max(result["seconds"]) * 1e3}
     if base is not None:
         out["x baseline (GB/s)"] = out["GB/s"] / base["GB/s"]
+    else:
+        out["x baseline (GB/s)"] = 1.0
     return out
 
 
@@ -161,26 +165,48 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=4000)
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--layout", choices=("scattered", "contiguous"), default="scattered")
+    ap.add_argument("--layout", choices=("scattered", "runs", "contiguous"),
+                    default="scattered")
     ap.add_argument("--transports", default="nixl,tcp")
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args()
     torch.set_num_threads(1)
     n = args.tokens // BLOCK  # the prompt's full blocks
     args.blocks = n + n // 4 + 8  # each pool holds a little more than the prompt
+    rng = random.Random(0)
     if args.layout == "scattered":
-        rng = random.Random(0)
         src_ids, dst_ids = rng.sample(range(args.blocks), n), rng.sample(range(args.blocks), n)
+    elif args.layout == "runs":
+        def runs() -> list[int]:
+            chunks = [list(range(b, b + 8)) for b in range(0, args.blocks - 7, 8)]
+            rng.shuffle(chunks)
+            return [b for chunk in chunks for b in chunk][:n]
+        src_ids, dst_ids = runs(), runs()
     else:
         src_ids, dst_ids = list(range(n)), list(range(8, 8 + n))
     block_bytes = LAYERS * 2 * BLOCK * KV_HEADS * HEAD_DIM * 2
     tokens = n * BLOCK
     print(f"{tokens} tokens = {n} blocks x {block_bytes} B = {n * block_bytes / 1e6:.1f} MB, "
           f"{args.layout} blocks, {args.rounds} rounds (median)", flush=True)
-    base = summary(time_baseline(args, n * block_bytes), tokens, None)
-    results = {"baseline": base}
-    for name in args.transports.split(","):
-        results[name] = summary(time_transport(name, args, src_ids, dst_ids), tokens, base)
+    # Round-robin, so a busy machine slows every contender alike.
+    contenders = {"baseline": Baseline(args, n * block_bytes)}
+    try:
+        for name in args.transports.split(","):
+            contenders[name] = Reader(name, args, src_ids, dst_ids)
+        runs = {name: {"bytes": 0, "seconds": []} for name in contenders}
+        for i in range(args.warmup + args.rounds):
+            for name, c in contenders.items():
+                dt, runs[name]["bytes"] = c.once()
+                if i >= args.warmup:
+                    runs[name]["seconds"].append(dt)
+        for c in contenders.values():
+            if isinstance(c, Reader):
+                c.check(args)
+    finally:
+        for c in contenders.values():
+            c.prefill.stop()
+    base = summary(runs["baseline"], tokens, None)
+    results = {name: summary(r, tokens, base) for name, r in runs.items()}
     print(f"{'':10} {'GB/s':>7} {'ms':>8} {'ms/1k tok':>10} {'x baseline':>11}")
     for name, r in results.items():
         ratio = r.get("x baseline (GB/s)", 1.0)

@@ -122,9 +122,12 @@ def prefill(request):
     p.stop()
 
 
+READER_BLOCKS = SHAPE[2] + 6  # the decode engine's pool is another size
+
+
 def reader(name: str):
     transport = make_transport(name)
-    transport.register(torch.zeros(SHAPE))
+    transport.register(torch.zeros(SHAPE[:2] + (READER_BLOCKS,) + SHAPE[3:]))
     return transport
 
 
@@ -132,7 +135,7 @@ def reader(name: str):
 @pytest.mark.parametrize("reader_name", TRANSPORTS)
 def test_blocks_read_equal_the_source_and_the_lease_is_released(prefill, reader_name):
     src_ids = [3, 4, 5, 9, 1, 23, 0]  # runs and gaps, out of order, the last block
-    dst_ids = [0, 1, 2, 7, 8, 22, 23]
+    dst_ids = [0, 1, 2, 7, 8, 28, 29]
     dst = reader(reader_name)
     held0, _ = prefill.state()
     remote = prefill.lease([*src_ids, 11])
@@ -143,7 +146,7 @@ def test_blocks_read_equal_the_source_and_the_lease_is_released(prefill, reader_
     want = source_storage()
     for s, d in zip(src_ids, dst_ids):
         assert torch.equal(dst.storage[:, :, d], want[:, :, s]), (s, d)
-    untouched = [b for b in range(SHAPE[2]) if b not in dst_ids]
+    untouched = [b for b in range(READER_BLOCKS) if b not in dst_ids]
     assert dst.storage[:, :, untouched].abs().sum() == 0  # nothing else written
     held, sent = prefill.state(lambda held, sent: held == held0 and sent)
     assert held == held0 and sent[-1] == len(src_ids)  # released, collected, counted
@@ -173,9 +176,8 @@ def test_an_expired_lease_is_refused_as_expired(prefill, reader_name):
 
 
 @needs_nixl
+@pytest.mark.parametrize("prefill", ["nixl"], indirect=True)
 def test_a_nixl_read_that_times_out_fails_both_sides(prefill, monkeypatch):
-    if prefill.transport != "nixl":
-        pytest.skip("the NIXL reader against a NIXL server")
     monkeypatch.setattr(nixl_mod, "_poll", lambda agent, handle, state, deadline: "PROC")
     held0, sent0 = prefill.state()
     remote = prefill.lease([5, 6])
