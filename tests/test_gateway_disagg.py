@@ -11,6 +11,8 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
+import subprocess
+import sys
 from dataclasses import fields
 
 import openai
@@ -26,6 +28,10 @@ from tests.server_proc import ServerProcess as EngineProcess
 PARAMS = {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": "e1",
           "remote_host": "127.0.0.1", "remote_port": 5600, "remote_lease_id": "lease-1",
           "remote_block_ids": [3, 4, 5], "num_tokens": 40, "expires_at": 2e9, "model": "tiny"}
+# vLLM's NixlConnector answer: no lease (a decode engine of ours would answer 400).
+VLLM_PARAMS = {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": "v",
+               "remote_block_ids": [1, 2], "remote_host": "10.0.0.1", "remote_port": 5600,
+               "tp_size": 1}
 LONG = "the quick brown fox jumps over the lazy dog " * 80  # ~3.5 kB: > 256 tokens for sure
 SHORT = "hello there"
 
@@ -52,6 +58,14 @@ def test_client_params_are_stripped_and_prompts_sized():
     assert text.low >= 256 and text.high >= len(LONG.encode())
     chat = prompt_size({"messages": [{"role": "user", "content": SHORT}]}, chat=True)
     assert chat.high < 256  # certainly short: no /tokenize needed
+
+
+def test_the_gateway_still_runs_without_torch():
+    """disagg.py checks a prefill engine's params with the engines' own parser
+    (distributed/kv_transfer/params.py), which must stay free of torch."""
+    code = ("import sys; import llmserve.gateway.server, llmserve.gateway.disagg; "
+            "sys.exit('torch' in sys.modules)")
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0
 
 
 # --- recording stand-ins ---------------------------------------------------------------
@@ -104,7 +118,7 @@ class Stub:
             return web.json_response({"error": {"message": "no"}}, status=int(self.answer))
         if self.answer == "overloaded":
             return web.json_response({"error": {"type": "server_overloaded"}}, status=503)
-        params = PARAMS if self.answer == "params" else None
+        params = {"params": PARAMS, "vllm": VLLM_PARAMS}.get(self.answer)
         return web.json_response({"choices": [{"text": "x"}], "kv_transfer_params": params})
 
     def sent(self, path_end="completions") -> list[dict]:
@@ -224,7 +238,8 @@ async def test_prompts_near_the_threshold_are_counted_by_the_prefill_engine(stub
 
 @pytest.mark.parametrize("answer,reason,ejected", [
     ("null", "no_params", False), ("500", "status", True), ("400", "rejected", False),
-    ("overloaded", "overloaded", False), ("hang", "timeout", True)])
+    ("overloaded", "overloaded", False), ("hang", "timeout", True),
+    ("vllm", "bad_params", False)])
 async def test_a_failed_prefill_leg_falls_back_to_the_decode_pool(stubs, answer, reason,
                                                                   ejected):
     prefill, decode = stubs

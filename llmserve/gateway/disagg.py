@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 import aiohttp
 
+from llmserve.distributed.kv_transfer.params import RemotePrefill, parse_kv_transfer_params
 from llmserve.gateway.endpoints import EndpointPool
 from llmserve.gateway.metrics import GatewayMetrics
 from llmserve.gateway.prefix import message_text
@@ -43,10 +44,6 @@ PD_PATHS = ("/v1/completions", "/v1/chat/completions")
 # Leg 1 computes the prompt and samples one token that nobody reads: these would make
 # it refuse that (min_tokens > 1, best_of > n) or stream.
 LEG1_DROPPED = ("stream_options", "best_of", "min_tokens", KV_PARAMS)
-# The fields of a prefill engine's answer that a decode engine needs, and their types:
-# an answer without them would get leg 2 a 400, so it is not sent on.
-PARAM_TYPES = {"remote_engine_id": str, "remote_host": str, "remote_port": int,
-               "remote_lease_id": str, "remote_block_ids": list, "num_tokens": int}
 
 # Counting prompt tokens without the tokenizer: a token is at least one byte of UTF-8
 # (byte-level BPE; SentencePiece with byte fallback), so a prompt of b bytes has at most
@@ -140,9 +137,12 @@ def leg2_body(payload: dict, params: dict) -> bytes:
 
 
 def usable_params(params) -> bool:
-    return isinstance(params, dict) and all(
-        isinstance(params.get(k), t) and not isinstance(params.get(k), bool)
-        for k, t in PARAM_TYPES.items())
+    """Whether a decode engine would take these params (the engine's own parser, which
+    imports no torch): any other answer would get leg 2 a 400, so it is not sent on."""
+    try:
+        return isinstance(parse_kv_transfer_params(params), RemotePrefill)
+    except ValueError:
+        return False
 
 
 def overloaded_answer(data: bytes) -> bool:
