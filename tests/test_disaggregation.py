@@ -331,18 +331,6 @@ def test_malformed_params_are_a_400_naming_the_field(engines):
         assert e.value.body["param"] == "kv_transfer_params"
 
 
-def test_both_pools_are_whole_afterwards(engines):
-    """Runs after the others in this module: every lease was read (or released) and
-    every request finished, so no block is held anywhere."""
-    deadline = time.monotonic() + 10
-    while metric(engines["prefill"], "llmserve:kv_transfer_blocks_held") and \
-            time.monotonic() < deadline:
-        time.sleep(0.2)
-    for name in ("prefill", "decode"):
-        assert metric(engines[name], "vllm:kv_cache_usage_perc") == 0, name
-    assert metric(engines["prefill"], "llmserve:kv_transfer_blocks_held") == 0
-
-
 def test_an_unread_lease_expires_and_frees_its_blocks(tiny_models):
     """A decode engine that dies (or a client that leaves) after leg 1: the lease
     expires, its blocks come back, and a late leg 2 still succeeds by prefilling."""
@@ -363,3 +351,63 @@ def test_an_unread_lease_expires_and_frees_its_blocks(tiny_models):
                       reason="expired") == 1
     finally:
         prefill.stop()
+
+
+def test_a_prefill_engine_dying_mid_transfer_leaves_the_decode_engine_whole(engines):
+    """A peer that passes the hello and starts sending blocks, then dies: the decode
+    engine gives the half-filled blocks back, prefills itself and answers as a
+    colocated engine would; nothing stays held."""
+    import socket
+    import threading
+
+    from llmserve.distributed.kv_transfer.side_channel import recv_message, send_message
+
+    prompt = "Who dies mid-transfer? " + LONG  # nothing of it is cached on the decode side
+    params = leg1(engines["prefill"], prompt=prompt)
+    real_layout = KVLayout(params["model"], "float32", "none", 2, 16, 2, 16)
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def half_a_peer():
+        conn, _ = listener.accept()
+        with conn:
+            send_message(conn, {"nonce": "n", "engine_id": "dying",
+                                "layout": real_layout.to_json(), "transport": {}})
+            recv_message(conn)  # the proof of the secret
+            send_message(conn, {"ok": True})
+            recv_message(conn)  # the read
+            send_message(conn, {"ok": True})
+            conn.sendall(b"\0" * 1000)  # far less than one block
+
+    threading.Thread(target=half_a_peer, daemon=True).start()
+    dying = {**params, "remote_engine_id": "dying", "remote_host": "127.0.0.1",
+             "remote_port": listener.getsockname()[1]}
+    failures0 = metric(engines["decode"], "llmserve:kv_transfer_failures_total",
+                       reason="protocol")
+    got = client(engines["decode"]).completions.create(
+        model=None, prompt=prompt, max_tokens=10, temperature=0,
+        extra_body={"kv_transfer_params": dying})
+    listener.close()
+    want = client(engines["colocated"]).completions.create(
+        model=None, prompt=prompt, max_tokens=10, temperature=0)
+    assert got.choices[0].text == want.choices[0].text
+    assert metric(engines["decode"], "llmserve:kv_transfer_failures_total",
+                  reason="protocol") == failures0 + 1
+    deadline = time.monotonic() + 5
+    while metric(engines["decode"], "vllm:kv_cache_usage_perc") and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert metric(engines["decode"], "vllm:kv_cache_usage_perc") == 0
+    release = RemotePrefill(**{k: v for k, v in params.items()
+                               if k not in ("do_remote_prefill", "do_remote_decode")})
+    assert read_remote_blocks(reader(), real_layout, release, [], [], "", SECRET.encode()) == 0
+
+
+def test_both_pools_are_whole_afterwards(engines):
+    """Runs after the others in this module: every lease was read (or released) and
+    every request finished, so no block is held anywhere."""
+    deadline = time.monotonic() + 10
+    while metric(engines["prefill"], "llmserve:kv_transfer_blocks_held") and \
+            time.monotonic() < deadline:
+        time.sleep(0.2)
+    for name in ("prefill", "decode"):
+        assert metric(engines[name], "vllm:kv_cache_usage_perc") == 0, name
+    assert metric(engines["prefill"], "llmserve:kv_transfer_blocks_held") == 0
