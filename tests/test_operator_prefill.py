@@ -119,12 +119,23 @@ def test_prefill_overrides_engine_and_resources_but_not_the_shape():
     assert d["resources"]["limits"] == {"cpu": "4", "memory": "8Gi"}
 
 
-def test_prefill_pool_must_split_like_the_decode_pool():
-    ok = children(owner(resources={"gpus": 1}, prefill={"resources": {"gpus": 1}}), 1)
-    assert container(ok, "chat-prefill")["resources"]["limits"]["nvidia.com/gpu"] == "1"
-    with pytest.raises(SpecError, match="same size"):
-        children(owner(model={"source": "hf://Qwen/Qwen2.5-7B-Instruct"},
-                       resources={"gpus": 2}, prefill={"resources": {"gpus": 1}}), 1)
+@pytest.mark.parametrize("spec,message", [
+    ({"resources": {"gpus": 2}}, "decode pool would run tensor-parallel size 2"),
+    ({"resources": {"gpus": 1}, "prefill": {"resources": {"gpus": 2}}},
+     "prefill pool would run tensor-parallel size 2"),
+    ({"engine": {"args": ["--no-prefix-caching"]}}, "decode pool needs prefix caching"),
+])
+def test_what_the_engines_would_refuse_is_refused_here(spec, message):
+    spec = {"model": {"source": "hf://Qwen/Qwen2.5-7B-Instruct"}, "prefill": {}, **spec}
+    with pytest.raises(SpecError, match=message):
+        children(owner(**spec), 1)
+
+
+def test_one_gpu_per_engine_in_both_pools():
+    ok = children(owner(resources={"gpus": 1}, **PD), 1)
+    for name in ("chat-engine", "chat-prefill"):
+        assert container(ok, name)["resources"]["limits"]["nvidia.com/gpu"] == "1"
+        assert flag(container(ok, name)["args"], "--device") == "cuda"
 
 
 @pytest.mark.parametrize("args", [["--kv-role", "decode"], ["--kv-transfer-port=7000"],

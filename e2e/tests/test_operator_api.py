@@ -227,7 +227,8 @@ def test_prefill_pools_that_cannot_work_are_degraded(kubectl, operator):
             "resources": {"gpus": 2}, "replicas": 0}
     cases = [("vllm-pd", {**spec, "engine": {"kind": "vllm"}, "prefill": {}},
               "needs engine.kind llmserve"),
-             ("split-pd", {**spec, "prefill": {"resources": {"gpus": 1}}}, "same size")]
+             ("split-pd", {**spec, "prefill": {"resources": {"gpus": 1}}},
+              "tensor-parallel size 2")]
     for name, body, _ in cases:
         kubectl("apply", "-f", "-", input=llmd(name, **body))
     for name, _, message in cases:

@@ -355,17 +355,25 @@ def engine_service(owner: Owner, role: str = "both") -> dict:
 # --- prefill pool (spec.prefill) --------------------------------------------
 def prefill_owner(owner: Owner) -> Owner:
     """``owner`` as the prefill pool sees it: spec.prefill's engine and resources over
-    the main pool's. Refuses a pool split differently from the decode pool: KV blocks
-    move between engines whose ranks hold the same heads."""
+    the main pool's. Refuses, with what would work, what the engines would refuse at
+    start-up (``EngineConfig._check_kv_transfer``), so it shows as Degraded rather
+    than as pods that never become ready."""
     refusal = prefill.refusal(owner.spec)
     if refusal:
         raise SpecError(refusal)
     pool = replace(owner, spec=prefill.prefill_pool_spec(owner.spec))
-    tp, pool_tp = tensor_parallel_size(owner), tensor_parallel_size(pool)
-    if tp != pool_tp:
-        raise SpecError(f"spec.prefill.resources.gpus gives the prefill pool tensor-parallel "
-                        f"size {pool_tp}, the decode pool has {tp}: KV moves only between "
-                        f"engines of the same size (set both pools' gpus alike)")
+    for name, o in (("decode", owner), ("prefill", pool)):
+        tp = tensor_parallel_size(o)
+        if tp > 1:
+            raise SpecError(f"spec.prefill: the {name} pool would run tensor-parallel size "
+                            f"{tp} (resources.gpus / engine.tensorParallelSize), and a P/D "
+                            f"role runs on one rank for now (each rank would hold a shard "
+                            f"of the KV): give each pool's engines one GPU, or remove "
+                            f"spec.prefill")
+    if prefill.NO_PREFIX_CACHING in owner.spec.get("engine", {}).get("args", []):
+        raise SpecError(f"spec.prefill: the decode pool needs prefix caching (the KV it "
+                        f"reads from prefill engines enters it): remove "
+                        f"{prefill.NO_PREFIX_CACHING} from engine.args")
     return pool
 
 

@@ -30,6 +30,7 @@ VLLM_REFUSAL = ("spec.prefill needs engine.kind llmserve: vLLM's NixlConnector a
 # the main pool's: KV moves between engines of the same shape and dtype.
 PREFILL_ENGINE_KEYS = ("image", "args", "maxNumSeqs", "maxNumBatchedTokens",
                        "kvCacheMemory", "maxWaiting", "maxQueueDelaySeconds")
+NO_PREFIX_CACHING = "--no-prefix-caching"  # which --kv-role decode refuses
 # Flags the operator owns once spec.prefill decides the roles.
 ROLE_FLAGS = ("--kv-role", "--kv-transfer-port", "--kv-transfer-host")
 
