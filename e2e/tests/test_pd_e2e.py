@@ -45,12 +45,22 @@ def long_prompt(tag: str) -> str:
     return f"[{tag}] {facts}\nSummarise the log in one sentence:"
 
 
-def transfer_tokens(ip: str, direction: str) -> float:
-    with urllib.request.urlopen(f"http://{ip}:8000/metrics", timeout=5) as r:
+def metric(url: str, name: str, **labels) -> float:
+    """``name`` on ``url``/metrics, summed over the series whose labels include these."""
+    with urllib.request.urlopen(f"{url}/metrics", timeout=5) as r:
         text = r.read().decode()
     return sum(s.value for s in samples(text)
-               if s.name == "llmserve:kv_transfer_tokens_total"
-               and s.labels.get("direction") == direction)
+               if s.name == name and labels.items() <= s.labels.items())
+
+
+def transfer_tokens(ip: str, direction: str) -> float:
+    return metric(f"http://{ip}:8000", "llmserve:kv_transfer_tokens_total",
+                  direction=direction)
+
+
+def pd_requests(gateway: str, mode: str) -> float:
+    """The gateway's count of requests by P/D path: disaggregated, direct, fallback."""
+    return metric(gateway, "llmserve_gateway_pd_requests_total", mode=mode)
 
 
 def status(kubectl) -> dict:
@@ -112,10 +122,13 @@ def test_long_request_is_prefilled_on_the_prefill_pod_and_decoded_on_the_decode_
         kubectl, pd):
     (prefill_ip,), (decode_ip,) = ready_ips(kubectl, NS, PREFILL), ready_ips(kubectl, NS, ENGINE)
     sent, received = transfer_tokens(prefill_ip, SENT), transfer_tokens(decode_ip, RECEIVED)
-    client = openai.OpenAI(base_url=gateway_url(kubectl) + "/v1", api_key="x", max_retries=0)
+    gateway = gateway_url(kubectl)
+    disaggregated = pd_requests(gateway, "disaggregated")
+    client = openai.OpenAI(base_url=gateway + "/v1", api_key="x", max_retries=0)
     out = client.completions.create(model=MODEL, prompt=long_prompt("amber"), max_tokens=12,
                                     temperature=0)
     assert out.usage.prompt_tokens > 256 and out.usage.completion_tokens > 0
+    assert pd_requests(gateway, "disaggregated") == disaggregated + 1
     moved_sent = transfer_tokens(prefill_ip, SENT) - sent
     moved_received = transfer_tokens(decode_ip, RECEIVED) - received
     # The prompt's full blocks moved: sent by the prefill pod, received by the decode pod.
@@ -149,13 +162,18 @@ def test_requests_are_served_with_the_prefill_pod_deleted(cluster, kubectl, pd):
         async with aiohttp.ClientSession(timeout=timeout) as s:
             return await asyncio.gather(*(long_request(s, url, f"gone-{i}") for i in range(4)))
 
-    t0 = time.monotonic()
+    fallbacks, t0 = pd_requests(url, "fallback"), time.monotonic()
     results = asyncio.run(burst())  # ... while no replacement is ready yet
+    took = time.monotonic() - t0
     for code, body in results:
         assert code == 200, body
         assert json.loads(body)["choices"][0]["text"] is not None
-    print(f"\n[e2e pd] prefill pod killed: 4 long requests served by the decode pool in "
-          f"{time.monotonic() - t0:.1f} s", flush=True)
+    # The decode pool prefilled them itself: the gateway fell back, it did not fail.
+    assert pd_requests(url, "fallback") - fallbacks == len(results)
+    reasons = {r: metric(url, "llmserve_gateway_pd_requests_total", mode="fallback", reason=r)
+               for r in ("connection", "timeout", "no_endpoint", "status")}
+    print(f"\n[e2e pd] prefill pod killed: {len(results)} long requests served by the decode "
+          f"pool in {took:.1f} s; gateway fallbacks by reason so far: {reasons}", flush=True)
     # The replacement pod comes up and takes prefills again.
     ips = wait_for(lambda: (ips := ready_ips(kubectl, NS, PREFILL)) and name not in
                    [p["metadata"]["name"] for p in pods(kubectl, NS, PREFILL)] and ips,
