@@ -171,14 +171,19 @@ def test_vllm_with_prefill_is_refused_with_the_reason():
     assert len(children(owner(**{k: v for k, v in o.spec.items() if k != "prefill"}), 1)) == 8
 
 
-def test_refusal_matches_what_the_gateway_requires():
-    """The reason vLLM is refused: the gateway sends leg 2 only with these fields, which
-    vLLM's NixlConnector does not return. Once the gateway accepts vLLM's params, this
-    fails, and spec.prefill can render vLLM's --kv-transfer-config instead."""
-    from llmserve.gateway.disagg import PARAM_TYPES
-    vllm_params = {"do_remote_prefill", "do_remote_decode", "remote_engine_id",
-                   "remote_block_ids", "remote_host", "remote_port", "tp_size"}
-    assert {"remote_lease_id", "num_tokens"} <= set(PARAM_TYPES) - vllm_params
+def test_refusal_matches_what_the_gateway_accepts():
+    """The reason vLLM is refused: the gateway sends leg 2 only with params a decode
+    engine takes, and vLLM's NixlConnector answers without a lease. Once the gateway
+    accepts vLLM's params, this fails, and spec.prefill can render vLLM's
+    --kv-transfer-config instead (docs/disaggregation.md, "Refused")."""
+    from llmserve.gateway.disagg import usable_params
+    vllm_params = {"do_remote_prefill": True, "do_remote_decode": False,
+                   "remote_engine_id": "e1", "remote_block_ids": [0, 1, 2],
+                   "remote_host": "10.0.0.7", "remote_port": 5600, "tp_size": 1}
+    assert not usable_params(vllm_params)
+    ours = {**vllm_params, "remote_lease_id": "l1", "num_tokens": 48,
+            "expires_at": 2e9, "model": "m"}
+    assert usable_params(ours)  # the same answer with a lease is taken
 
 
 def test_kv_transfer_secret_is_owned_immutable_and_random_per_call():
@@ -350,3 +355,54 @@ def test_the_chart_monitors_scrape_the_prefill_pool():
     svc = by_name(objs)[("Service", "chat-prefill")]
     assert selects(sm["spec"]["selector"], svc["metadata"]["labels"])
     assert sm["spec"]["endpoints"][0]["port"] in {p["name"] for p in svc["spec"]["ports"]}
+
+
+class Patch:
+    def __init__(self, status=None):
+        self.status = dict(status or {})
+
+
+@pytest.fixture
+def prefill_tick(monkeypatch):
+    """autoscale_prefill with the pool's scrape and kopf's events stubbed: (run, events)."""
+    from llmserve.operator import handlers
+    events = []
+    monkeypatch.setattr(handlers.kopf, "info", lambda body, reason, message:
+                        events.append((reason, message)))
+    handlers._histories.pop("uid-123/prefill", None)
+
+    async def run(spec, status, observed, patch_status=None):
+        async def observe(o, component="engine"):
+            assert component == "prefill"
+            return observed
+        monkeypatch.setattr(handlers, "observe", observe)
+        patch = Patch(patch_status)
+        await handlers.autoscale_prefill({"status": status}, patch, owner(**spec))
+        return patch.status.get("prefill")
+    yield run, events
+    handlers._histories.pop("uid-123/prefill", None)
+
+
+AUTO_PD = {"prefill": {"minReplicas": 1, "maxReplicas": 3},
+           "autoscaling": {"enabled": True, "scaleUpStabilizationSeconds": 0}}
+
+
+async def test_prefill_tick_scales_on_waiting_prompt_tokens(prefill_tick):
+    run, events = prefill_tick
+    out = await run(AUTO_PD, {"prefill": {"desiredReplicas": 1}},
+                    pool_obs(tokens=3 * 4096 + 1, ready=1), {"desiredReplicas": 2})
+    assert out["desiredReplicas"] == 3  # 12289 / 4096 -> 4, clamped to maxReplicas 3
+    assert out["waitingPromptTokens"] == 3 * 4096 + 1 and "waiting prompt tokens" in \
+        out["lastScaleReason"]
+    assert events == [("Scaled", f"prefill replicas 1 -> 3: {out['lastScaleReason']}")]
+
+
+async def test_prefill_tick_follows_the_decode_pool_to_zero(prefill_tick):
+    run, events = prefill_tick
+    out = await run(AUTO_PD, {"prefill": {"desiredReplicas": 2}},
+                    pool_obs(tokens=10**6, ready=2), {"desiredReplicas": 0})
+    assert out == {"desiredReplicas": 0} and events == []
+    # back with the decode pool: at its minimum
+    out = await run(AUTO_PD, {"prefill": {"desiredReplicas": 0}}, pool_obs(ready=0),
+                    {"desiredReplicas": 1})
+    assert out["desiredReplicas"] == 1

@@ -18,7 +18,7 @@ KV_SECRET_KEY = "secret"
 KV_SECRET_ENV = "LLMSERVE_KV_TRANSFER_SECRET"
 # vLLM's own P/D (its NixlConnector, kv_role kv_both on both pools) takes the same two
 # requests, but its prefill answer's kv_transfer_params lack the lease fields the
-# gateway requires before it sends leg 2 (gateway/disagg.py, PARAM_TYPES): every long
+# gateway requires before it sends leg 2 (gateway/disagg.py, usable_params): every long
 # prompt would be prefilled twice. Refused until the gateway accepts vLLM's params.
 VLLM_REFUSAL = ("spec.prefill needs engine.kind llmserve: vLLM's NixlConnector answers the "
                 "prefill leg without the lease fields (remote_lease_id, num_tokens) the "
