@@ -197,6 +197,23 @@ def test_kv_transfer_secret_is_owned_immutable_and_random_per_call():
         assert selector.items() <= o["metadata"]["labels"].items(), o["metadata"]["name"]
 
 
+def test_the_secrets_fingerprint_is_on_both_pools_templates():
+    from llmserve.operator.builders import KV_SECRET_ANNOTATION
+    from llmserve.operator.prefill import secret_fingerprint
+    live = {"data": {"secret": "c2VjcmV0LW9uZQ=="}}
+    fp = secret_fingerprint(live)
+    assert fp and len(fp) == 16 and "c2Vj" not in fp
+    assert secret_fingerprint({"data": {"other": "x"}}) is None
+    assert secret_fingerprint({"data": {"secret": "b3RoZXI="}}) != fp
+    named = by_name(children(owner(**PD), 1, 1, fp))
+    for name in ("chat-engine", "chat-prefill"):
+        template = named[("Deployment", name)]["spec"]["template"]["metadata"]
+        assert template["annotations"] == {KV_SECRET_ANNOTATION: fp}
+    # without spec.prefill nothing reads it, so nothing is stamped
+    plain = by_name(children(owner(), 1, 1, fp))[("Deployment", "chat-engine")]
+    assert "annotations" not in plain["spec"]["template"]["metadata"]
+
+
 # --- pruning ------------------------------------------------------------------------------
 def live(objs):
     return [{**o, "metadata": {**o["metadata"], "uid": f"live-{i}"}} for i, o in enumerate(objs)]

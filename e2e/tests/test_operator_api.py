@@ -184,6 +184,30 @@ def test_prefill_renders_the_pool_and_a_secret_once(kubectl, operator):
     time.sleep(11)  # one more timer pass
     again = secret(kubectl, "pd-kv-transfer")
     assert (again["metadata"]["uid"], again["data"]) == (s["metadata"]["uid"], s["data"])
+    stamps = pool_stamps(kubectl, "pd")
+    assert len(set(stamps.values())) == 1 and None not in stamps.values(), stamps
+
+
+def pool_stamps(kubectl, name) -> dict:
+    """The kv-transfer Secret fingerprint on each pool's pod template."""
+    kids = children_of(kubectl, name)
+    return {n: kids[("Deployment", n)]["spec"]["template"]["metadata"].get("annotations", {})
+            .get("serving.llmserve.io/kv-transfer-secret")
+            for n in (f"{name}-engine", f"{name}-prefill")}
+
+
+def test_a_secret_deleted_by_hand_is_recreated_and_rolls_both_pools(kubectl, operator):
+    before = secret(kubectl, "pd-kv-transfer")
+    stamps = pool_stamps(kubectl, "pd")
+    kubectl("delete", "secret", "pd-kv-transfer", "-n", NS)
+    after = wait_for(lambda: (s := secret(kubectl, "pd-kv-transfer"))
+                     and s["metadata"]["uid"] != before["metadata"]["uid"] and s, 60,
+                     what="the Secret recreated")
+    assert after["data"] != before["data"]  # a new random value
+    new = wait_for(lambda: (p := pool_stamps(kubectl, "pd")) and p != stamps
+                   and len(set(p.values())) == 1 and p, 60,
+                   what="both pools' templates stamped with the new value")
+    assert None not in new.values()
 
 
 def test_removing_prefill_prunes_the_pool_and_the_secret(kubectl, operator):

@@ -298,11 +298,19 @@ def pool_component(role: str) -> str:
     return "prefill" if role == "prefill" else "engine"
 
 
-def engine_deployment(owner: Owner, replicas: int, role: str = "both") -> dict:
+KV_SECRET_ANNOTATION = "serving.llmserve.io/kv-transfer-secret"
+
+
+def engine_deployment(owner: Owner, replicas: int, role: str = "both",
+                      kv_secret: str | None = None) -> dict:
     """The Deployment of one engine pool; the prefill pool's is built from
-    ``prefill_owner(owner)``."""
+    ``prefill_owner(owner)``. ``kv_secret``: the fingerprint of the P/D Secret's value
+    (``prefill.secret_fingerprint``), on the pod template so a new value rolls the pods."""
     spec = owner.spec
     component = pool_component(role)
+    template_meta = {"labels": labels(owner, component)}
+    if kv_secret and role != "both":
+        template_meta["annotations"] = {KV_SECRET_ANNOTATION: kv_secret}
     _, volumes, _ = model_source(owner)
     res = spec.get("resources", {})
     pod_spec = {
@@ -334,7 +342,7 @@ def engine_deployment(owner: Owner, replicas: int, role: str = "both") -> dict:
             "selector": {"matchLabels": selector(owner, component)},
             "strategy": {"type": "RollingUpdate",
                          "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}},
-            "template": {"metadata": {"labels": labels(owner, component)}, "spec": pod_spec},
+            "template": {"metadata": template_meta, "spec": pod_spec},
         },
     }
 
@@ -377,10 +385,11 @@ def prefill_owner(owner: Owner) -> Owner:
     return pool
 
 
-def prefill_children(owner: Owner, replicas: int) -> list[dict]:
+def prefill_children(owner: Owner, replicas: int, kv_secret: str | None = None) -> list[dict]:
     """The prefill pool: its Service, Deployment and NetworkPolicy."""
     pool = prefill_owner(owner)
-    return [engine_service(pool, "prefill"), engine_deployment(pool, replicas, "prefill"),
+    return [engine_service(pool, "prefill"),
+            engine_deployment(pool, replicas, "prefill", kv_secret),
             prefill_network_policy(owner)]
 
 
@@ -550,14 +559,18 @@ def prefill_network_policy(owner: Owner) -> dict:
                      "ingress": [http_ingress(owner), peer_ingress(owner, "engine")]}}
 
 
-def children(owner: Owner, engine_replicas: int, prefill_replicas: int = 1) -> list[dict]:
+def children(owner: Owner, engine_replicas: int, prefill_replicas: int = 1,
+             kv_secret: str | None = None) -> list[dict]:
     """Every child, in the order they are applied (the prefill pool before the
     gateway that is pointed at it). The kv-transfer Secret is not among them: it is
-    created once (``kv_transfer_secret``), never applied."""
+    created once (``kv_transfer_secret``), never applied; ``kv_secret`` is its value's
+    fingerprint, once it exists."""
     role = prefill.role_of_main_pool(owner.spec)
-    pool = prefill_children(owner, prefill_replicas) if prefill.has_prefill(owner.spec) else []
+    pool = (prefill_children(owner, prefill_replicas, kv_secret)
+            if prefill.has_prefill(owner.spec) else [])
     return [*gateway_rbac(owner), engine_service(owner, role),
-            engine_deployment(owner, engine_replicas, role), network_policy(owner), *pool,
+            engine_deployment(owner, engine_replicas, role, kv_secret), network_policy(owner),
+            *pool,
             gateway_deployment(owner), gateway_service(owner),
             *([gateway_peers_service(owner)] if tenants_secret(owner) else [])]
 

@@ -39,7 +39,7 @@ from llmserve.operator.builders import (
     stale_children,
     tenants_secret,
 )
-from llmserve.operator.prefill import has_prefill
+from llmserve.operator.prefill import KV_SECRET_KEY, has_prefill, secret_fingerprint
 
 GROUP, VERSION, PLURAL = "serving.llmserve.io", "v1alpha1", "llmdeployments"
 RUNNING = "vllm:num_requests_running"
@@ -156,6 +156,9 @@ async def reconcile(body, patch, logger) -> None:
         # A fresh random value each pass, used only when the Secret does not exist yet.
         once = [kv_transfer_secret(o, secrets.token_urlsafe(32))] if has_prefill(o.spec) else []
         try:
+            fingerprint = await create_once(api, body, once)
+            if fingerprint:  # the pods, stamped with the value they will read
+                desired = children(o, replicas, prefill_n, fingerprint)
             await converge(api, body, o, desired, once)
         except ConvergeError as e:
             message = str(e)
@@ -205,18 +208,35 @@ class ConvergeError(Exception):
     """An API call of ``converge`` failed; the message names the step."""
 
 
+async def create_once(api, body, once: list[dict]) -> str | None:
+    """Create the children made once that are missing (before the pods that read
+    them); the fingerprint of the kv-transfer Secret's value, which may be one a user
+    made (None without spec.prefill)."""
+    fingerprint = None
+    for manifest in once:
+        name = manifest["metadata"]["name"]
+        try:
+            live, created = await kube.create_if_absent(api, manifest)
+        except client.exceptions.ApiException as e:
+            raise ConvergeError(f"creating {manifest['kind']} {name} failed: {e.status} "
+                                f"{e.reason}: {api_message(e)}") from e
+        if created:
+            kopf.info(body, reason="Created", message=f"created {manifest['kind']} {name}")
+        fingerprint = secret_fingerprint(live)
+        if fingerprint is None:
+            raise ConvergeError(f"Secret {name} has no key {KV_SECRET_KEY!r}: the engines "
+                                f"read their shared secret from it; delete the Secret (the "
+                                f"operator makes a new one) or add the key")
+    return fingerprint
+
+
 async def converge(api, body, o: Owner, desired: list[dict], once: list[dict]) -> None:
-    """Create the children made ``once`` that are missing (first: pods read the
-    Secret), apply every desired child, then prune those of ours it no longer has
-    (after, so whatever replaces a child, e.g. a gateway no longer pointed at its
-    peers or at a prefill pool, is in place before the child goes)."""
+    """Apply every desired child, then prune those of ours it no longer has (after, so
+    whatever replaces a child, e.g. a gateway no longer pointed at its peers or at a
+    prefill pool, is in place before the child goes). ``once``: the children
+    ``create_once`` made, kept."""
     step = ""
     try:
-        for manifest in once:
-            step = f"creating {manifest['kind']} {manifest['metadata']['name']}"
-            if await kube.create_if_absent(api, manifest):
-                kopf.info(body, reason="Created", message=f"created {manifest['kind']} "
-                          f"{manifest['metadata']['name']}")
         for manifest in desired:
             step = f"applying {manifest['kind']} {manifest['metadata']['name']}"
             await kube.apply(api, manifest)

@@ -65,17 +65,20 @@ async def apply(api: client.ApiClient, manifest: dict) -> None:
         _content_type="application/apply-patch+yaml")
 
 
-async def create_if_absent(api: client.ApiClient, manifest: dict) -> bool:
+async def create_if_absent(api: client.ApiClient, manifest: dict) -> tuple[dict, bool]:
     """Create ``manifest`` unless an object of its name exists (then it is left exactly
-    as it is); True if this call created it."""
+    as it is): (the live object with its ``kind``, whether this call created it)."""
+    kind, m = manifest["kind"], manifest["metadata"]
     try:
-        await _method(api, manifest["kind"], "create")(manifest["metadata"]["namespace"],
-                                                       manifest)
+        obj = await _method(api, kind, "create")(m["namespace"], manifest)
     except client.exceptions.ApiException as e:
-        if e.status == 409:
-            return False
-        raise
-    return True
+        if e.status != 409:
+            raise
+        existing = await read_named(api, m["namespace"], kind, m["name"])
+        if existing is None:  # deleted since: the next pass creates it
+            raise
+        return existing, False
+    return {**api.sanitize_for_serialization(obj), "kind": kind}, True
 
 
 async def read_named(api: client.ApiClient, namespace: str, kind: str, name: str

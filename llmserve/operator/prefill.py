@@ -3,14 +3,16 @@
 With ``spec.prefill`` an LLMDeployment runs two engine pools: ``<name>-prefill``
 computes prompts, the main pool (``<name>-engine``) decodes, reading each prompt's KV
 from the prefill engine that computed it; the gateway sends every long request through
-both (docs/architecture.md, "Prefill/decode disaggregation"). This module holds the
+both (docs/disaggregation.md; the engine's side in docs/architecture.md). This module holds the
 spec-level rules, as pure functions of the spec: the prefill pool's engine and
 resources (the main pool's, with ``spec.prefill``'s fields over them), and the flags,
 environment and ports a pod of each role gets. ``builders`` turns them into manifests.
-P/D needs ``engine.kind: llmserve`` (``refusal``; docs/architecture.md says why).
+P/D needs ``engine.kind: llmserve`` (``refusal``; docs/disaggregation.md says why).
 """
 
 from __future__ import annotations
+
+import hashlib
 
 KV_TRANSFER_PORT = 5600
 KV_TRANSFER_PORT_NAME = "kv-transfer"
@@ -33,6 +35,14 @@ PREFILL_ENGINE_KEYS = ("image", "args", "maxNumSeqs", "maxNumBatchedTokens",
 NO_PREFIX_CACHING = "--no-prefix-caching"  # which --kv-role decode refuses
 # Flags the operator owns once spec.prefill decides the roles.
 ROLE_FLAGS = ("--kv-role", "--kv-transfer-port", "--kv-transfer-host")
+
+
+def secret_fingerprint(secret: dict) -> str | None:
+    """A short digest of the live Secret's value (None without the key), stamped on
+    both pools' pod templates: a Secret recreated or edited rolls every engine, so no
+    pod is left holding a value its peers no longer have."""
+    value = (secret.get("data") or {}).get(KV_SECRET_KEY)
+    return None if value is None else hashlib.sha256(value.encode()).hexdigest()[:16]
 
 
 def has_prefill(spec: dict) -> bool:
