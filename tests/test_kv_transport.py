@@ -264,3 +264,10 @@ def metric(url: str, name: str, **labels) -> float:
     return sum(v for k, v in scrape(url).items()
                if (k == name or k.startswith(name + "{"))
                and all(f'{lk}="{lv}"' in k for lk, lv in labels.items()))
+
+
+@pytest.mark.parametrize("tls, only", [("", False), ("sm", True), ("sm,self", True),
+                                       ("cma,self,sm", True), ("tcp,sm", False),
+                                       ("rc_x,sm", False), ("^ib", False), ("all", False)])
+def test_shared_memory_only_ucx_transports_turn_peer_error_handling_off(tls, only):
+    assert nixl_mod._shared_memory_only(tls) is only

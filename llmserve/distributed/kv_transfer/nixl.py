@@ -77,8 +77,9 @@ class NixlTransport(KVTransport):
         if "UCX" not in self.agent.get_plugin_list():
             raise ImportError("NIXL loads but has no UCX plugin")
         params = {}
-        if os.environ.get("UCX_TLS", "").strip() in ("sm", "shm"):
-            # UCX's shared-memory transports cannot do peer error handling.
+        if _shared_memory_only(os.environ.get("UCX_TLS", "")):
+            # UCX's shared-memory transports cannot do peer error handling: the backend
+            # fails to start ("no peer failure handler") unless it is off.
             params["ucx_error_handling_mode"] = "none"
         self.agent.create_backend("UCX", params)
         # Fail here, not at the first transfer, where UCX cannot register memory (so
@@ -244,6 +245,17 @@ class NixlTransport(KVTransport):
     def _block_bytes(self) -> int:
         st = self.storage
         return st.shape[0] * st.shape[1] * _region_bytes(st) if st is not None else 0
+
+
+_NETWORK_TLS = ("all", "tcp", "rc", "ud", "dc", "ib", "srd")
+
+
+def _shared_memory_only(ucx_tls: str) -> bool:
+    """UCX_TLS names only on-host transports (``sm``, ``cma``, ``self``...)."""
+    names = [t.strip() for t in ucx_tls.split(",") if t.strip()]
+    if not names or names[0].startswith("^"):
+        return False
+    return not any(t.startswith(_NETWORK_TLS) for t in names)
 
 
 def _region_bytes(storage: torch.Tensor) -> int:
