@@ -177,14 +177,22 @@ def test_an_expired_lease_is_refused_as_expired(prefill, reader_name):
 
 @needs_nixl
 @pytest.mark.parametrize("prefill", ["nixl"], indirect=True)
-def test_a_nixl_read_that_times_out_fails_both_sides(prefill, monkeypatch):
-    monkeypatch.setattr(nixl_mod, "_poll", lambda agent, handle, state, deadline: "PROC")
+@pytest.mark.parametrize("fault, reason", [("the READ hangs", "timeout"),
+                                           ("NIXL raises", "unreachable")])
+def test_a_failed_nixl_read_fails_both_sides_and_frees_the_lease(prefill, monkeypatch,
+                                                                 fault, reason):
+    dst = reader("nixl")
+    if fault == "the READ hangs":
+        monkeypatch.setattr(nixl_mod, "_poll", lambda agent, handle, state, deadline: "PROC")
+    else:
+        def broken(*args, **kwargs):
+            raise RuntimeError("NIXL_ERR_BACKEND")
+        monkeypatch.setattr(dst.agent, "initialize_xfer", broken)
     held0, sent0 = prefill.state()
     remote = prefill.lease([5, 6])
     with pytest.raises(KVTransferError) as e:
-        read_remote_blocks(reader("nixl"), LAYOUT, remote, [5, 6], [0, 1], "d", SECRET,
-                           timeout=2)
-    assert e.value.reason == "timeout"
+        read_remote_blocks(dst, LAYOUT, remote, [5, 6], [0, 1], "d", SECRET, timeout=2)
+    assert e.value.reason == reason
     held, sent = prefill.state(lambda held, sent: held == held0)
     assert held == held0 and sent == sent0  # released, not counted as sent
 

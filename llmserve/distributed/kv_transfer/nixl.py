@@ -150,7 +150,14 @@ class NixlTransport(KVTransport):
             return self._tcp.receive(sock, peer, src_ids, dst_ids)
         timeout = sock.gettimeout() or DEFAULT_TIMEOUT
         try:
-            moved = self._read(remote, src_ids, dst_ids, timeout)
+            try:
+                moved = self._read(remote, src_ids, dst_ids, timeout)
+            except KVTransferError:
+                raise
+            except Exception as e:  # NIXL's own errors (nixlBackendError...): never a 5xx
+                self._forget(str(remote.get("agent")))
+                raise KVTransferError("unreachable", f"NIXL could not read the peer's "
+                                      f"blocks: {type(e).__name__}: {e}") from e
         except KVTransferError as e:
             _tell(sock, {"done": False, "reason": e.reason, "message": str(e)})
             raise
@@ -163,7 +170,7 @@ class NixlTransport(KVTransport):
         if st is None:
             raise RuntimeError("NixlTransport.register was not called")
         if len(src_ids) != len(dst_ids):
-            raise ValueError("src_ids and dst_ids differ in length")
+            raise KVTransferError("protocol", "src_ids and dst_ids differ in length")
         region = _region_bytes(st)
         try:
             shape = [int(x) for x in remote["shape"]]
