@@ -188,8 +188,10 @@ class NixlTransport(KVTransport):
                                   f"{list(st.shape)} ({region} B regions)")
         if not src_ids:
             return 0
-        src = np.asarray(src_ids, dtype=np.int64)
-        dst = np.asarray(dst_ids, dtype=np.int64)
+        # In the peer's address order: a block run listed out of order still merges.
+        order = np.argsort(np.asarray(src_ids, dtype=np.int64), kind="stable")
+        src = np.asarray(src_ids, dtype=np.int64)[order]
+        dst = np.asarray(dst_ids, dtype=np.int64)[order]
         if src.min() < 0 or src.max() >= shape[2] or dst.min() < 0 or dst.max() >= st.shape[2]:
             raise KVTransferError("protocol", "block ids out of range")
         remote_descs = _descs(base, shape[0] * shape[1], shape[2], region, src, dst,
