@@ -153,6 +153,25 @@ def test_blocks_read_equal_the_source_and_the_lease_is_released(prefill, reader_
 
 
 @pytest.mark.parametrize("reader_name", TRANSPORTS)
+def test_concurrent_reads_through_one_transport(prefill, reader_name):
+    """A decode engine imports several requests' prefixes at once (one thread each)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    dst = reader(reader_name)
+    jobs = [([4 * i, 4 * i + 1, 4 * i + 2], [6 * i + 5, 6 * i + 3, 6 * i + 4])
+            for i in range(4)]
+    remotes = [prefill.lease(src) for src, _ in jobs]
+    with ThreadPoolExecutor(4) as pool:
+        list(pool.map(lambda job: read_remote_blocks(dst, LAYOUT, job[1], *job[0], "d",
+                                                     SECRET, timeout=20),
+                      [((src, d), remote) for (src, d), remote in zip(jobs, remotes)]))
+    want = source_storage()
+    for src, d in jobs:
+        for s, t in zip(src, d):
+            assert torch.equal(dst.storage[:, :, t], want[:, :, s]), (s, t)
+
+
+@pytest.mark.parametrize("reader_name", TRANSPORTS)
 def test_a_wrong_secret_is_refused_as_auth(prefill, reader_name):
     remote = prefill.lease([1, 2])
     with pytest.raises(KVTransferError) as e:
