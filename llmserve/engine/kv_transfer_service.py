@@ -26,10 +26,26 @@ class KVTransferService:
     def __init__(self, llm, side: KVTransferSide):
         self.llm, self.side = llm, side  # llm: the AsyncLLMEngine
         self.metrics = llm.metrics
-        self.transport = make_transport(llm.config.kv_transfer_backend)
-        self.transport.register(llm.engine.runner.kv_cache.storage)
+        self.transport = self._transport(llm.config.kv_transfer_backend,
+                                         llm.engine.runner.kv_cache.storage)
         self.secret = kv_transfer_secret()
         self.server: SideChannelServer | None = None
+
+    @staticmethod
+    def _transport(backend: str, storage):
+        """The transport, with our KV storage registered. ``auto`` falls back to TCP when
+        NIXL loads but cannot register the real storage (as when it does not load)."""
+        transport = make_transport(backend)
+        try:
+            transport.register(storage)
+        except Exception as e:  # noqa: BLE001 - NIXL/UCX errors have no common base
+            if backend != "auto" or transport.name == "tcp":
+                raise
+            log.warning("KV transfer: NIXL cannot register the KV cache (%s: %s); using "
+                        "the TCP transport", type(e).__name__, e)
+            transport = make_transport("tcp")
+            transport.register(storage)
+        return transport
 
     def start(self, wake) -> None:
         """Prefill role: serve the side channel (``wake`` tells the engine thread a lease
