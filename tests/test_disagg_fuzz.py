@@ -475,7 +475,7 @@ def test_an_import_through_the_side_channel_moves_the_right_blocks(engines):
 
 
 @pytest.mark.xfail(strict=True, reason=(
-    "LeaseTable.begin_read checks the asked block ids only as a set (leases.py:159): a "
+    "LeaseTable.begin_read checks the asked block ids only as a set (leases.py:74): a "
     "leg-2 request whose remote_block_ids are the lease's in another order (a client "
     "that bypasses the gateway; the secret does not help, the decode engine is the "
     "authenticated peer) is served, and the decode engine registers each block under "
@@ -544,7 +544,7 @@ def test_a_peer_without_the_secret_cannot_fill_the_decode_prefix_cache(engines):
 
 @pytest.mark.xfail(strict=True, reason=(
     "KVTransferService._import catches only KVTransferError around the read "
-    "(kv_transfer_service.py:95-105): a remote_host that socket.create_connection "
+    "(kv_transfer_service.py:106-117): a remote_host that socket.create_connection "
     "refuses with UnicodeError (e.g. '..', or a 64+-character label) escapes, "
     "commit_import never runs and the blocks plan_import reserved are held for ever "
     "(and the request fails instead of prefilling locally)"))
