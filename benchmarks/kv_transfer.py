@@ -119,7 +119,7 @@ class Reader:
     def once(self) -> tuple[float, int]:
         remote = self.prefill.lease(self.src_ids)
         t0 = time.perf_counter()
-        nbytes = read_remote_blocks(self.dst, layout(), remote, self.src_ids, self.dst_ids,
+        nbytes = read_remote_blocks(self.dst, layout(), remote, 0, self.dst_ids,
                                     "d", SECRET, timeout=60)
         return time.perf_counter() - t0, nbytes
 

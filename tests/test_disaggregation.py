@@ -65,12 +65,12 @@ def test_lease_is_not_collected_while_read_and_expires_unread():
     table = LeaseTable(ttl=30, clock=clock)
     read = table.create([3, 4], "d1")
     unread = table.create([5], "d2")
-    table.begin_read(read.lease_id, "d1", [4])
+    table.begin_read(read.lease_id, "d1", 1, 1)
     clock.now += 31  # both past their deadline; one is being read
     assert [lease.lease_id for lease in table.collect()] == [unread.lease_id]
     assert table.expired_total == 1 and table.blocks_held == 2
     with pytest.raises(LeaseError) as e:  # a new read of an expired lease is refused
-        table.begin_read(read.lease_id, "d1", [3])
+        table.begin_read(read.lease_id, "d1", 0, 1)
     assert e.value.reason == "expired"
     table.end_read(read.lease_id, release=True)
     assert [lease.lease_id for lease in table.collect()] == [read.lease_id]
@@ -78,12 +78,12 @@ def test_lease_is_not_collected_while_read_and_expires_unread():
     assert table.blocks_held == 0 and len(table) == 0
 
 
-def test_lease_refuses_another_prompt_and_foreign_blocks():
+def test_lease_refuses_another_prompt_and_positions_it_does_not_cover():
     table = LeaseTable(ttl=30)
     lease = table.create([3, 4], "digest")
-    for digest, blocks in [("other", [3]), ("digest", [3, 9])]:
+    for digest, first, count in [("other", 0, 1), ("digest", 1, 2), ("digest", -1, 1)]:
         with pytest.raises(LeaseError) as e:
-            table.begin_read(lease.lease_id, digest, blocks)
+            table.begin_read(lease.lease_id, digest, first, count)
         assert e.value.reason == "mismatch"
     assert table.release(lease.lease_id) and table.collect()
     assert not table.release("no-such-lease")
@@ -157,7 +157,7 @@ def test_side_channel_moves_exactly_the_leased_blocks_and_releases(side_channel)
     src, leases, port, sent = side_channel
     lease = leases.create([7, 2, 9], "d")
     dst = reader()
-    moved = read_remote_blocks(dst, LAYOUT, lease_params(lease, port, 12), [2, 9], [0, 5],
+    moved = read_remote_blocks(dst, LAYOUT, lease_params(lease, port, 12), 1, [0, 5],
                                "d", SECRET.encode())
     assert moved == 2 * src[:, :, 0].numel() * 4
     assert torch.equal(dst.storage[:, :, 0], src[:, :, 2])
@@ -194,7 +194,7 @@ def test_side_channel_refusals_name_their_reason(side_channel, case, reason):
         params = RemotePrefill("engine-a", "127.0.0.1", free_port(),
                                *list(params.to_json().values())[3:8])
     with pytest.raises(KVTransferError) as e:
-        read_remote_blocks(reader(), layout, params, [1, 2], [0, 1], digest, secret)
+        read_remote_blocks(reader(), layout, params, 0, [0, 1], digest, secret)
     assert e.value.reason == reason
     assert sent == []
 
@@ -294,16 +294,26 @@ def test_a_second_turn_moves_only_the_new_blocks(engines):
     assert got.choices[0].text == want.choices[0].text
 
 
+def resign(params: dict) -> dict:
+    """``params`` signed again with the deployment's secret (as a prefill engine would
+    have): the test's way to name an engine that is dead or serves another model."""
+    remote = parse_kv_transfer_params(params)
+    return remote.signed(SECRET.encode()).to_json()
+
+
 @pytest.mark.parametrize("fault, reason", [("dead engine", "unreachable"),
-                                           ("another model", "mismatch")])
+                                           ("another model", "mismatch"),
+                                           ("forged params", "auth")])
 def test_a_failed_transfer_prefills_locally(engines, fault, reason):
     prompt = LONG + f" A question about {fault}?"
     held = leg1(engines["prefill"], prompt=prompt)
     params = dict(held)
     if fault == "dead engine":
-        params["remote_port"] = free_port()
-    else:
-        params["model"] = "another-model"
+        params = resign({**params, "remote_port": free_port()})
+    elif fault == "another model":
+        params = resign({**params, "model": "another-model"})
+    else:  # a client pointing the decode engine at a listener of its own
+        params["remote_host"] = "127.0.0.9"
     failures0 = metric(engines["decode"], "llmserve:kv_transfer_failures_total", reason=reason)
     got = client(engines["decode"]).completions.create(
         model=None, prompt=prompt, max_tokens=10, temperature=0,
@@ -319,7 +329,7 @@ def test_a_failed_transfer_prefills_locally(engines, fault, reason):
                                if k not in ("do_remote_prefill", "do_remote_decode")})
     layout = KVLayout(held["model"], "float32", "none", num_layers=2, block_size=16,
                       num_kv_heads=2, head_dim=16)  # the tiny checkpoint's
-    assert read_remote_blocks(reader(), layout, release, [], [], "", SECRET.encode()) == 0
+    assert read_remote_blocks(reader(), layout, release, 0, [], "", SECRET.encode()) == 0
 
 
 def test_malformed_params_are_a_400_naming_the_field(engines):
@@ -357,6 +367,8 @@ def test_a_prefill_engine_dying_mid_transfer_leaves_the_decode_engine_whole(engi
     """A peer that passes the hello and starts sending blocks, then dies: the decode
     engine gives the half-filled blocks back, prefills itself and answers as a
     colocated engine would; nothing stays held."""
+    import hashlib
+    import hmac
     import socket
     import threading
 
@@ -367,20 +379,23 @@ def test_a_prefill_engine_dying_mid_transfer_leaves_the_decode_engine_whole(engi
     real_layout = KVLayout(params["model"], "float32", "none", 2, 16, 2, 16)
     listener = socket.create_server(("127.0.0.1", 0))
 
-    def half_a_peer():
+    def half_a_peer():  # a real peer (it holds the secret) that dies while sending
         conn, _ = listener.accept()
         with conn:
             send_message(conn, {"nonce": "n", "engine_id": "dying",
                                 "layout": real_layout.to_json(), "transport": {}})
-            recv_message(conn)  # the proof of the secret
+            theirs = recv_message(conn)["nonce"]
+            send_message(conn, {"proof": hmac.new(SECRET.encode(), f"server|{theirs}|n".encode(),
+                                                  hashlib.sha256).hexdigest()})
+            recv_message(conn)  # the reader's proof
             send_message(conn, {"ok": True})
-            recv_message(conn)  # the read
-            send_message(conn, {"ok": True})
+            read = recv_message(conn)
+            send_message(conn, {"ok": True, "block_ids": list(range(read["count"]))})
             conn.sendall(b"\0" * 1000)  # far less than one block
 
     threading.Thread(target=half_a_peer, daemon=True).start()
-    dying = {**params, "remote_engine_id": "dying", "remote_host": "127.0.0.1",
-             "remote_port": listener.getsockname()[1]}
+    dying = resign({**params, "remote_engine_id": "dying", "remote_host": "127.0.0.1",
+                    "remote_port": listener.getsockname()[1]})
     failures0 = metric(engines["decode"], "llmserve:kv_transfer_failures_total",
                        reason="protocol")
     got = client(engines["decode"]).completions.create(
@@ -398,7 +413,7 @@ def test_a_prefill_engine_dying_mid_transfer_leaves_the_decode_engine_whole(engi
     assert metric(engines["decode"], "vllm:kv_cache_usage_perc") == 0
     release = RemotePrefill(**{k: v for k, v in params.items()
                                if k not in ("do_remote_prefill", "do_remote_decode")})
-    assert read_remote_blocks(reader(), real_layout, release, [], [], "", SECRET.encode()) == 0
+    assert read_remote_blocks(reader(), real_layout, release, 0, [], "", SECRET.encode()) == 0
 
 
 def test_both_pools_are_whole_afterwards(engines):

@@ -139,7 +139,7 @@ def test_blocks_read_equal_the_source_and_the_lease_is_released(prefill, reader_
     dst = reader(reader_name)
     held0, _ = prefill.state()
     remote = prefill.lease([*src_ids, 11])
-    moved = read_remote_blocks(dst, LAYOUT, remote, src_ids, dst_ids, "d", SECRET,
+    moved = read_remote_blocks(dst, LAYOUT, remote, 0, dst_ids, "d", SECRET,
                                timeout=20)
     region = SHAPE[3] * SHAPE[4] * SHAPE[5] * 4
     assert moved == len(src_ids) * SHAPE[0] * SHAPE[1] * region
@@ -162,7 +162,7 @@ def test_concurrent_reads_through_one_transport(prefill, reader_name):
             for i in range(4)]
     remotes = [prefill.lease(src) for src, _ in jobs]
     with ThreadPoolExecutor(4) as pool:
-        list(pool.map(lambda job: read_remote_blocks(dst, LAYOUT, job[1], *job[0], "d",
+        list(pool.map(lambda job: read_remote_blocks(dst, LAYOUT, job[1], 0, job[0][1], "d",
                                                      SECRET, timeout=20),
                       [((src, d), remote) for (src, d), remote in zip(jobs, remotes)]))
     want = source_storage()
@@ -175,7 +175,7 @@ def test_concurrent_reads_through_one_transport(prefill, reader_name):
 def test_a_wrong_secret_is_refused_as_auth(prefill, reader_name):
     remote = prefill.lease([1, 2])
     with pytest.raises(KVTransferError) as e:
-        read_remote_blocks(reader(reader_name), LAYOUT, remote, [1, 2], [0, 1], "d",
+        read_remote_blocks(reader(reader_name), LAYOUT, remote, 0, [0, 1], "d",
                            b"guess", timeout=20)
     assert e.value.reason == "auth"
 
@@ -189,7 +189,7 @@ def test_an_expired_lease_is_refused_as_expired(prefill, reader_name):
     for expires_at in (remote.expires_at, time.time() + 30):
         late = RemotePrefill(*list(remote.to_json().values())[:6], expires_at, "m")
         with pytest.raises(KVTransferError) as e:
-            read_remote_blocks(reader(reader_name), LAYOUT, late, [1, 2], [0, 1], "d",
+            read_remote_blocks(reader(reader_name), LAYOUT, late, 0, [0, 1], "d",
                                SECRET, timeout=20)
         assert e.value.reason == "expired"
 
@@ -210,7 +210,7 @@ def test_a_failed_nixl_read_fails_both_sides_and_frees_the_lease(prefill, monkey
     held0, sent0 = prefill.state()
     remote = prefill.lease([5, 6])
     with pytest.raises(KVTransferError) as e:
-        read_remote_blocks(dst, LAYOUT, remote, [5, 6], [0, 1], "d", SECRET, timeout=2)
+        read_remote_blocks(dst, LAYOUT, remote, 0, [0, 1], "d", SECRET, timeout=2)
     assert e.value.reason == reason
     held, sent = prefill.state(lambda held, sent: held == held0)
     assert held == held0 and sent == sent0  # released, not counted as sent

@@ -29,6 +29,7 @@ from llmserve.core.request import Request, Sequence, SequenceStatus
 from llmserve.distributed.kv_transfer.leases import LeaseTable
 from llmserve.distributed.kv_transfer.params import RemotePrefill, prompt_digest
 from llmserve.distributed.kv_transfer.transport import KVLayout
+from llmserve.envs import kv_transfer_secret
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +68,11 @@ class KVTransferSide:
         self.host = config.kv_transfer_host or default_host()
         self.port = config.kv_transfer_port  # the bound port once the side channel listens
         self.imported_tokens = 0  # decode: prompt tokens whose KV arrived from a peer
+        self.secret = kv_transfer_secret()  # signs the leases' params (prefill role)
+        # Leases may hold at most this many blocks: the rest of the pool keeps serving
+        # leg 1 while decode engines are slow to read (a request over it gets no lease,
+        # and its decode engine prefills itself).
+        self.max_leased_blocks = engine.block_manager.num_blocks // 2
 
     # --- prefill role ---------------------------------------------------------------
     def hold_for_decode(self, seq: Sequence, status: SequenceStatus) -> None:
@@ -76,7 +82,8 @@ class KVTransferSide:
         n = min(transferable_blocks(seq.num_prompt_tokens, self.block_size),
                 seq.num_computed_tokens // self.block_size, len(seq.block_table))
         if (self.leases is None or status == SequenceStatus.FINISHED_ABORTED or n <= 0
-                or req.kv_transfer_params is not None):  # one lease per request (n = 1)
+                or req.kv_transfer_params is not None  # one lease per request (n = 1)
+                or self.leases.blocks_held + n > self.max_leased_blocks):
             return
         block_ids = seq.block_table[:n]
         num_tokens = n * self.block_size
@@ -86,7 +93,7 @@ class KVTransferSide:
             remote_engine_id=self.engine_id, remote_host=self.host, remote_port=self.port,
             remote_lease_id=lease.lease_id, remote_block_ids=block_ids,
             num_tokens=num_tokens, expires_at=lease.expires_at,
-            model=self.engine.model_name).to_json()
+            model=self.engine.model_name).signed(self.secret).to_json()
 
     def collect_leases(self) -> int:
         """Free the blocks of leases that were read or expired; how many expired."""
@@ -122,6 +129,18 @@ class KVTransferSide:
         if req.kv_hold:
             self.engine.block_manager.unhold(req.kv_hold)
             req.kv_hold = []
+
+    def drop_waiting_holds(self) -> bool:
+        """Make the imported prefixes of requests not yet scheduled evictable. Called when
+        a step schedules nothing: those holds may be what the queue's head waits for,
+        and nothing else would ever free them. The blocks stay in the prefix cache, so
+        the requests still find them unless they are evicted meanwhile."""
+        dropped = False
+        for req in self.engine.requests.values():
+            if req.kv_hold and req.first_scheduled_time is None:
+                self.release_hold(req)
+                dropped = True
+        return dropped
 
 
 def default_host() -> str:

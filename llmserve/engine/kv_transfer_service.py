@@ -97,26 +97,44 @@ class KVTransferService:
 
     async def _import(self, token_ids: list[int], cache_salt: bytes,
                       remote: RemotePrefill) -> list[int]:
-        if remote.model != self.side.layout.model:
-            self.metrics.kv_failure("mismatch")
-            log.warning("kv_transfer_params name model %r; this engine serves %r: "
-                        "prefilling locally", remote.model, self.side.layout.model)
+        refusal = self._refusal(remote)
+        if refusal is not None:
+            self.metrics.kv_failure(refusal[0])
+            log.warning("kv_transfer_params refused (%s): prefilling locally", refusal[1])
             return []
         plan = await self.llm.on_engine(
             lambda engine: self.side.plan_import(token_ids, cache_salt, remote))
-        src = remote.remote_block_ids[plan.first_new:plan.first_new + len(plan.fresh)]
+        filled = False
+        try:
+            filled = await self._read(plan, token_ids, remote)
+        finally:  # whatever went wrong, the fresh blocks are committed or given back
+            held = await self.llm.on_engine(
+                lambda engine: self.side.commit_import(plan, filled))
+        return held
+
+    def _refusal(self, remote: RemotePrefill) -> tuple[str, str] | None:
+        if not remote.verify(self.secret):
+            return "auth", "not signed by a prefill engine holding our shared secret"
+        if remote.model != self.side.layout.model:
+            return "mismatch", f"they name model {remote.model!r}, this engine serves " \
+                               f"{self.side.layout.model!r}"
+        return None
+
+    async def _read(self, plan, token_ids: list[int], remote: RemotePrefill) -> bool:
+        """Fill the plan's fresh blocks from the peer; False (counted, logged) on any
+        failure: the request then prefills what is missing."""
         digest = prompt_digest(token_ids[:remote.num_tokens])
         t0 = time.perf_counter()
         try:
             await asyncio.to_thread(read_remote_blocks, self.transport, self.side.layout,
-                                    remote, src, plan.fresh, digest, self.secret)
-            filled = True
-            if src:
-                self.metrics.kv_received(len(src) * self.side.block_size,
-                                         time.perf_counter() - t0)
-        except KVTransferError as e:
-            filled = False
-            self.metrics.kv_failure(e.reason)
+                                    remote, plan.first_new, plan.fresh, digest, self.secret)
+        except Exception as e:  # noqa: BLE001 - a transfer never fails the request
+            reason = e.reason if isinstance(e, KVTransferError) else "protocol"
+            self.metrics.kv_failure(reason)
             log.warning("KV transfer from %s:%d failed (%s): %s; prefilling locally",
-                        remote.remote_host, remote.remote_port, e.reason, e)
-        return await self.llm.on_engine(lambda engine: self.side.commit_import(plan, filled))
+                        remote.remote_host, remote.remote_port, reason, e)
+            return False
+        if plan.fresh:
+            self.metrics.kv_received(len(plan.fresh) * self.side.block_size,
+                                     time.perf_counter() - t0)
+        return True

@@ -312,7 +312,15 @@ class LLMEngine:
 
     def _schedule(self):
         """The next batch, with its block moves applied (and flushed to the workers
-        when nothing runs)."""
+        when nothing runs). P/D: a step that schedules nothing while imported prefixes
+        are held for waiting requests frees those holds and tries again."""
+        batch = self._schedule_once()
+        if not batch.seqs and self.kv_transfer is not None and \
+                self.kv_transfer.drop_waiting_holds():
+            batch = self._schedule_once()
+        return batch
+
+    def _schedule_once(self):
         batch = self.scheduler.schedule()
         if batch.has_block_ops:
             self.runner.apply_block_ops(batch)

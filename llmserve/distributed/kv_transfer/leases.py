@@ -60,10 +60,12 @@ class LeaseTable:
             self._leases[lease.lease_id] = lease
         return lease
 
-    def begin_read(self, lease_id: str, prompt_digest: str, block_ids: list[int]) -> Lease:
-        """Mark a read in progress (the lease is not collected meanwhile). Raises
+    def begin_read(self, lease_id: str, prompt_digest: str, first: int,
+                   count: int) -> list[int]:
+        """Mark a read of the lease's blocks at positions ``first .. first+count`` in
+        progress (the lease is not collected meanwhile); their block ids. Raises
         LeaseError: reason "expired" (unknown, released or past its deadline) or
-        "mismatch" (another prompt, or blocks the lease does not hold)."""
+        "mismatch" (another prompt, or positions the lease does not cover)."""
         with self._lock:
             lease = self._leases.get(lease_id)
             if lease is None or lease.done or self._clock() > lease.deadline:
@@ -71,10 +73,11 @@ class LeaseTable:
                                  "or never existed")
             if prompt_digest != lease.prompt_digest:
                 raise LeaseError("mismatch", "the lease holds another prompt's KV")
-            if not set(block_ids) <= set(lease.block_ids):
-                raise LeaseError("mismatch", "blocks asked for are not in the lease")
+            if first < 0 or count < 1 or first + count > len(lease.block_ids):
+                raise LeaseError("mismatch", f"the lease covers block positions 0.."
+                                 f"{len(lease.block_ids) - 1}, not {first}..{first + count - 1}")
             lease.readers += 1
-            return lease
+            return lease.block_ids[first:first + count]
 
     def end_read(self, lease_id: str, release: bool) -> None:
         with self._lock:

@@ -10,11 +10,16 @@ the HTTP layer answers 400.
 from __future__ import annotations
 
 import hashlib
+import hmac
+import json
+import re
 from array import array
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 # Bounds that keep a forged object from asking for absurd work.
 MAX_BLOCK_IDS = 1 << 20
+# A host name or an IPv4/IPv6 address, nothing else (no spaces, no URL).
+_HOST = re.compile(r"^[A-Za-z0-9._:-]{1,253}$")
 
 
 @dataclass(frozen=True)
@@ -35,9 +40,24 @@ class RemotePrefill:
     model: str
     do_remote_prefill: bool = True
     do_remote_decode: bool = False
+    # HMAC of the other fields under the deployment's secret, by the prefill engine that
+    # issued them: a decode engine uses only params a real prefill engine wrote, so a
+    # client cannot point it at a listener of its own or reorder the blocks.
+    signature: str = ""
 
     def to_json(self) -> dict:
         return asdict(self)
+
+    def signed(self, secret: bytes | None) -> RemotePrefill:
+        return replace(self, signature=self._mac(secret)) if secret else self
+
+    def verify(self, secret: bytes | None) -> bool:
+        return secret is None or hmac.compare_digest(self.signature, self._mac(secret))
+
+    def _mac(self, secret: bytes) -> str:
+        fields = {k: v for k, v in self.to_json().items() if k != "signature"}
+        text = json.dumps(fields, sort_keys=True, separators=(",", ":"))
+        return hmac.new(secret, text.encode(), hashlib.sha256).hexdigest()
 
 
 _FIELDS = {"remote_engine_id": str, "remote_host": str, "remote_port": int,
@@ -77,7 +97,12 @@ def _remote_prefill(obj: dict) -> RemotePrefill:
         raise ValueError("kv_transfer_params.remote_port must be a TCP port")
     if obj["num_tokens"] < 0:
         raise ValueError("kv_transfer_params.num_tokens must be >= 0")
-    return RemotePrefill(**{name: obj[name] for name in _FIELDS})
+    if not _HOST.match(obj["remote_host"]):
+        raise ValueError("kv_transfer_params.remote_host must be a host name or address")
+    signature = obj.get("signature", "")
+    if not isinstance(signature, str):
+        raise ValueError("kv_transfer_params.signature must be a string")
+    return RemotePrefill(**{name: obj[name] for name in _FIELDS}, signature=signature)
 
 
 def prompt_digest(token_ids: list[int]) -> str:

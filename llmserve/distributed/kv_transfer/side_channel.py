@@ -4,15 +4,22 @@ authenticate, read the blocks a lease holds, and release the lease.
 Messages are a 4-byte big-endian length and a JSON object; block bytes follow a
 read's answer raw (``transport.py``). A connection:
 
-    server -> {"nonce", "engine_id", "layout", "transport": {metadata}}
-    client -> {"auth": HMAC-SHA256(secret, nonce)}         server -> {"ok": true}
-    client -> {"op": "read", "lease", "prompt_digest", "block_ids", "release"}
-    server -> {"ok": true, "nbytes"} + the blocks          (or {"ok": false, "reason"})
+    server -> {"nonce": Ns, "engine_id", "layout", "transport": {metadata}}
+    client -> {"nonce": Nc}
+    server -> {"proof": HMAC(secret, "server|Nc|Ns")}    the server holds the secret
+    client -> {"auth": HMAC(secret, "client|Ns|Nc")}     server -> {"ok": true}
+    client -> {"op": "read", "lease", "prompt_digest", "first", "count", "release"}
+    server -> {"ok": true, "block_ids"} + the blocks       (or {"ok": false, "reason"})
     client -> {"op": "release", "lease"}                   server -> {"ok": true}
 
-Only peers holding the deployment's shared secret get past the hello, so no client can
-read another tenant's KV; with no secret configured any peer may, but it still needs
-the lease id (128 random bits) that only the gateway saw.
+Authentication is mutual: only peers holding the deployment's shared secret get past
+the hello, so no client can read another tenant's KV, and a decode engine sends its
+proof only to a server that proved itself first, so a listener a client names in forged
+``kv_transfer_params`` can neither feed it bytes nor use it to sign. A read names
+*positions* in the lease (the prompt's blocks ``first .. first+count``), never block ids:
+the server maps them to its blocks, so a reordered ``remote_block_ids`` cannot file one
+position's KV under another's key. With no secret configured any peer may read, but it
+still needs the lease id (128 random bits) that only the gateway saw.
 """
 
 from __future__ import annotations
@@ -40,6 +47,9 @@ from llmserve.distributed.kv_transfer.transport import (
 
 log = logging.getLogger(__name__)
 
+# The server's per-operation socket timeout: longer than a reader's whole transfer
+# (read_remote_blocks' timeout), so the server never gives up on a read still running.
+SERVER_TIMEOUT = 60.0
 MAX_MESSAGE = 16 << 20  # a JSON header; block ids of a 1M-token prompt fit easily
 _LEN = struct.Struct(">I")
 
@@ -66,8 +76,16 @@ def recv_message(sock: socket.socket) -> dict:
     return msg
 
 
-def _proof(secret: bytes, nonce: str) -> str:
-    return hmac.new(secret, nonce.encode(), hashlib.sha256).hexdigest()
+def _proof(secret: bytes | None, *parts: str) -> str:
+    if secret is None:
+        return ""
+    return hmac.new(secret, "|".join(parts).encode(), hashlib.sha256).hexdigest()
+
+
+def _matches(secret: bytes | None, proof, *parts: str) -> bool:
+    if secret is None:
+        return True
+    return isinstance(proof, str) and hmac.compare_digest(proof, _proof(secret, *parts))
 
 
 # --- the prefill engine's side ----------------------------------------------------------
@@ -101,13 +119,17 @@ class SideChannelServer:
 
     def _serve(self, sock: socket.socket) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.settimeout(SERVER_TIMEOUT)  # a stalled reader does not pin its lease forever
         nonce = secrets.token_hex(16)
         try:
             send_message(sock, {"nonce": nonce, "engine_id": self.engine_id,
                                 "layout": self.layout.to_json(),
                                 "transport": {"name": self.transport.name,
                                               **self.transport.metadata()}})
-            if not self._authentic(recv_message(sock).get("auth"), nonce):
+            theirs = str(recv_message(sock).get("nonce"))
+            send_message(sock, {"proof": _proof(self.secret, "server", theirs, nonce)})
+            if not _matches(self.secret, recv_message(sock).get("auth"), "client", nonce,
+                            theirs):
                 send_message(sock, {"ok": False, "reason": "auth"})
                 return
             send_message(sock, {"ok": True})
@@ -119,11 +141,6 @@ class SideChannelServer:
                 self._answer(sock, msg)
         except (OSError, KVTransferError) as e:
             log.info("side channel: peer dropped: %s", e)
-
-    def _authentic(self, auth, nonce: str) -> bool:
-        if self.secret is None:
-            return True
-        return isinstance(auth, str) and hmac.compare_digest(auth, _proof(self.secret, nonce))
 
     def _answer(self, sock: socket.socket, msg: dict) -> None:
         op, lease_id = msg.get("op"), msg.get("lease")
@@ -138,17 +155,18 @@ class SideChannelServer:
             send_message(sock, {"ok": False, "reason": "protocol"})
 
     def _read(self, sock: socket.socket, lease_id: str, msg: dict) -> None:
-        ids = msg.get("block_ids")
-        if not isinstance(ids, list) or not all(isinstance(b, int) for b in ids):
+        first, count = msg.get("first"), msg.get("count")
+        if not (isinstance(first, int) and isinstance(count, int) and first >= 0
+                and count > 0):
             send_message(sock, {"ok": False, "reason": "protocol"})
             return
         try:
-            self.leases.begin_read(lease_id, str(msg.get("prompt_digest")), ids)
+            ids = self.leases.begin_read(lease_id, str(msg.get("prompt_digest")), first, count)
         except LeaseError as e:
             send_message(sock, {"ok": False, "reason": e.reason, "message": str(e)})
             return
         try:
-            send_message(sock, {"ok": True})
+            send_message(sock, {"ok": True, "block_ids": ids})
             self.transport.for_reader(msg.get("transport")).send(sock, ids)
             self.on_sent(len(ids))
         finally:
@@ -157,36 +175,60 @@ class SideChannelServer:
 
 # --- the decode engine's side -----------------------------------------------------------
 def read_remote_blocks(transport: KVTransport, layout: KVLayout, remote: RemotePrefill,
-                       src_ids: list[int], dst_ids: list[int], prompt_digest: str,
+                       first: int, dst_ids: list[int], prompt_digest: str,
                        secret: bytes | None, timeout: float = 30.0) -> int:
-    """Copy the remote lease's blocks ``src_ids`` into our blocks ``dst_ids`` and release
-    the lease (also when nothing is to be read). Returns the bytes moved; raises
-    KVTransferError (the caller prefills locally)."""
+    """Copy the remote lease's blocks at positions ``first .. first+len(dst_ids)`` into
+    our blocks ``dst_ids`` and release the lease (also when nothing is to be read), all
+    within ``timeout`` seconds. Returns the bytes moved; raises KVTransferError (the
+    caller prefills locally)."""
     if remote.expires_at < time.time():
         raise KVTransferError("expired", "the lease expired before the decode engine read it")
     try:
         sock = socket.create_connection((remote.remote_host, remote.remote_port),
                                         timeout=min(timeout, 5.0))
-    except OSError as e:
+    except (OSError, UnicodeError) as e:
         raise KVTransferError("unreachable", f"cannot reach the prefill engine at "
                               f"{remote.remote_host}:{remote.remote_port}: {e}") from e
+    # One deadline for the whole transfer: a peer trickling bytes cannot hold our blocks
+    # (and a worker thread) past it.
+    deadline = threading.Timer(timeout, _cut, (sock,))
+    deadline.start()
     try:
         sock.settimeout(timeout)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         hello = _handshake(sock, layout, remote, secret)
-        if not src_ids:
+        if not dst_ids:
             _ask(sock, {"op": "release", "lease": remote.remote_lease_id})
             return 0
-        _ask(sock, {"op": "read", "lease": remote.remote_lease_id, "block_ids": src_ids,
-                    "prompt_digest": prompt_digest, "release": True,
-                    "transport": transport.name})
+        answer = _ask(sock, {"op": "read", "lease": remote.remote_lease_id, "first": first,
+                             "count": len(dst_ids), "prompt_digest": prompt_digest,
+                             "release": True, "transport": transport.name})
+        src_ids = answer.get("block_ids")
+        if not (isinstance(src_ids, list) and len(src_ids) == len(dst_ids)
+                and all(isinstance(b, int) and b >= 0 for b in src_ids)):
+            raise KVTransferError("protocol", "the read's answer names no valid blocks")
         return transport.receive(sock, hello, src_ids, dst_ids)
     except TimeoutError as e:
         raise KVTransferError("timeout", f"the side channel timed out after {timeout} s") from e
     except OSError as e:
+        if not deadline.is_alive():
+            raise KVTransferError("timeout", f"the transfer took over {timeout} s") from e
         raise KVTransferError("unreachable", f"the side channel broke: {e}") from e
+    except KVTransferError as e:
+        if not deadline.is_alive() and e.reason == "protocol":
+            raise KVTransferError("timeout", f"the transfer took over {timeout} s") from e
+        raise
     finally:
+        deadline.cancel()
         sock.close()
+
+
+def _cut(sock: socket.socket) -> None:
+    """The transfer's deadline passed: unblock whatever waits on the socket."""
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
 
 
 def _handshake(sock: socket.socket, layout: KVLayout, remote: RemotePrefill,
@@ -195,13 +237,18 @@ def _handshake(sock: socket.socket, layout: KVLayout, remote: RemotePrefill,
     nonce = hello.get("nonce")
     if not isinstance(nonce, str):
         raise KVTransferError("protocol", "the side channel sent no nonce")
-    send_message(sock, {"auth": _proof(secret, nonce) if secret is not None else ""})
+    ours = secrets.token_hex(16)
+    send_message(sock, {"nonce": ours})
+    if not _matches(secret, recv_message(sock).get("proof"), "server", ours, nonce):
+        raise KVTransferError("auth", "the peer does not hold the shared secret")
+    send_message(sock, {"auth": _proof(secret, "client", nonce, ours)})
     if not recv_message(sock).get("ok"):
         raise KVTransferError("auth", "the prefill engine refused our shared secret")
     if hello.get("engine_id") != remote.remote_engine_id:
         raise KVTransferError("mismatch", "another engine answers at that address (it "
                               "restarted?)")
-    diff = layout.mismatch(hello.get("layout") or {})
+    peer_layout = hello.get("layout")
+    diff = layout.mismatch(peer_layout if isinstance(peer_layout, dict) else {})
     if diff:
         _ask(sock, {"op": "release", "lease": remote.remote_lease_id})
         raise KVTransferError("mismatch", f"the engines' KV layouts differ: {diff}")
