@@ -596,13 +596,16 @@ def test_a_client_cancelled_during_the_import_leaves_both_pools_whole(engines):
         svc.transport.receive = gated
         try:
             prompt = list(range(500, 500 + 3 * BLOCK + 5))
-            remote = dataclasses.replace(_lease(prefill, prompt), remote_port=port)
+            remote = dataclasses.replace(_lease(prefill, prompt),
+                                         remote_port=port).signed(b"s")
 
             async def cancel_midway(svc=svc, prompt=prompt, remote=remote,
                                     entered=entered, go_on=go_on, during=during_transfer):
                 task = asyncio.ensure_future(svc.import_prefix(prompt, b"", remote))
-                if during:
-                    while not entered.is_set():
+                if during:  # bounded: an import refused early never enters the transport
+                    for _ in range(2000):
+                        if entered.is_set() or task.done():
+                            break
                         await asyncio.sleep(0.005)
                 else:
                     await asyncio.sleep(0)
