@@ -9,6 +9,7 @@ pool does, and (once engines take --kv-role) that P/D output equals a direct eng
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import signal
 import subprocess
@@ -137,13 +138,19 @@ async def stubs():
         await s.close()
 
 
+@contextlib.asynccontextmanager
 async def gateway_client(decode, prefill_urls, **config):
+    """A gateway in front of ``decode`` (and the prefill pool), and a client of it."""
     gw = Gateway(GatewayConfig(backends=[decode.url], prefill_backends=prefill_urls,
                                scrape_interval=0.2, **config))
     await gw.start()
     client = TestClient(TestServer(build_app(gw), handler_cancellation=True))
     await client.start_server()
-    return gw, client
+    try:
+        yield gw, client
+    finally:
+        await client.close()
+        await gw.close()
 
 
 def pd_count(gw, mode, reason="") -> float:
@@ -152,8 +159,7 @@ def pd_count(gw, mode, reason="") -> float:
 
 async def test_the_two_legs_carry_what_the_contract_says(stubs):
     prefill, decode = stubs
-    gw, client = await gateway_client(decode, [prefill.url])
-    try:
+    async with gateway_client(decode, [prefill.url]) as (gw, client):
         sent = {"model": "tiny", "prompt": LONG, "max_tokens": 20, "stream": True,
                 "kv_transfer_params": {"remote_host": "evil", "do_remote_prefill": True}}
         r = await client.post("/v1/completions", json=sent)
@@ -166,15 +172,11 @@ async def test_the_two_legs_carry_what_the_contract_says(stubs):
         assert leg2 == {**client_body, "kv_transfer_params": PARAMS}
         assert pd_count(gw, "disaggregated") == 1
         assert gw.metrics.pd_prefill_latency._sum.get() > 0
-    finally:
-        await client.close()
-        await gw.close()
 
 
 async def test_client_params_never_reach_an_engine(stubs):
     prefill, decode = stubs
-    gw, client = await gateway_client(decode, [prefill.url])
-    try:
+    async with gateway_client(decode, [prefill.url]) as (gw, client):
         bogus = {"remote_host": "10.0.0.9", "remote_lease_id": "someone-elses"}
         for prompt in (SHORT, LONG):
             prefill.answer = "null"  # a fallback: leg 2 must carry nothing either
@@ -185,23 +187,15 @@ async def test_client_params_never_reach_an_engine(stubs):
             assert "kv_transfer_params" not in body
         assert all(b["kv_transfer_params"] == {"do_remote_decode": True}
                    for b in prefill.sent())
-    finally:
-        await client.close()
-        await gw.close()
-    gw, client = await gateway_client(decode, [])  # no prefill pool at all: stripped too
-    try:
+    async with gateway_client(decode, []) as (gw, client):  # no prefill pool at all: stripped too
         r = await client.post("/v1/completions", json={
             "prompt": LONG, "max_tokens": 2, "kv_transfer_params": bogus})
         assert r.status == 200 and "kv_transfer_params" not in decode.sent()[-1]
-    finally:
-        await client.close()
-        await gw.close()
 
 
 async def test_what_pd_cannot_help_goes_direct(stubs):
     prefill, decode = stubs
-    gw, client = await gateway_client(decode, [prefill.url])
-    try:
+    async with gateway_client(decode, [prefill.url]) as (gw, client):
         cases = [({"prompt": SHORT}, "short_prompt"),
                  ({"prompt": LONG, "echo": True, "logprobs": 1}, "echo"),
                  ({"prompt": LONG, "prompt_logprobs": 0}, "prompt_logprobs"),
@@ -212,16 +206,12 @@ async def test_what_pd_cannot_help_goes_direct(stubs):
             assert r.status == 200, reason
             assert pd_count(gw, "direct", reason) == 1, reason
         assert prefill.bodies == [] and len(decode.sent()) == len(cases)
-    finally:
-        await client.close()
-        await gw.close()
 
 
 async def test_prompts_near_the_threshold_are_counted_by_the_prefill_engine(stubs):
     prefill, decode = stubs
-    gw, client = await gateway_client(decode, [prefill.url])
-    middling = "word " * 200  # 1000 bytes: 125 to 1002 tokens, the bytes cannot tell
-    try:
+    async with gateway_client(decode, [prefill.url]) as (gw, client):
+        middling = "word " * 200  # 1000 bytes: 125 to 1002 tokens, the bytes cannot tell
         for count, mode in ((100, "direct"), (300, "disaggregated")):
             prefill.token_count = count
             messages = [{"role": "user", "content": middling}]
@@ -231,9 +221,6 @@ async def test_prompts_near_the_threshold_are_counted_by_the_prefill_engine(stub
             assert prefill.bodies[-1 if mode == "direct" else -2] == (
                 "/tokenize", {"messages": messages, "model": "tiny"})
             assert pd_count(gw, mode, "short_prompt" if mode == "direct" else "") == 1
-    finally:
-        await client.close()
-        await gw.close()
 
 
 @pytest.mark.parametrize("answer,reason,ejected", [
@@ -244,8 +231,7 @@ async def test_a_failed_prefill_leg_falls_back_to_the_decode_pool(stubs, answer,
                                                                   ejected):
     prefill, decode = stubs
     prefill.answer = answer
-    gw, client = await gateway_client(decode, [prefill.url], pd_prefill_timeout=0.5)
-    try:
+    async with gateway_client(decode, [prefill.url], pd_prefill_timeout=0.5) as (gw, client):
         r = await client.post("/v1/chat/completions", json={
             "model": "tiny", "messages": [{"role": "user", "content": LONG}]})
         assert r.status == 200 and (await r.json())["usage"]["total_tokens"] == 902
@@ -255,16 +241,12 @@ async def test_a_failed_prefill_leg_falls_back_to_the_decode_pool(stubs, answer,
         if ejected:  # the next request does not wait on it again
             r = await client.post("/v1/completions", json={"prompt": LONG})
             assert r.status == 200 and pd_count(gw, "fallback", "no_endpoint") == 1
-    finally:
-        await client.close()
-        await gw.close()
 
 
 async def test_a_client_gone_during_the_prefill_leg_cancels_it(stubs):
     prefill, decode = stubs
     prefill.answer = "hang"
-    gw, client = await gateway_client(decode, [prefill.url])
-    try:
+    async with gateway_client(decode, [prefill.url]) as (gw, client):
         request = asyncio.create_task(client.post("/v1/completions", json={"prompt": LONG}))
         for _ in range(100):
             if prefill.sent():
@@ -275,9 +257,6 @@ async def test_a_client_gone_during_the_prefill_leg_cancels_it(stubs):
         await asyncio.sleep(0.2)
         assert decode.sent() == [] and gw.disagg.pending() == 0
         assert gw.disagg.pool.endpoints[prefill.url].in_flight == 0
-    finally:
-        await client.close()
-        await gw.close()
 
 
 async def test_tenants_see_one_request_and_its_decode_usage(stubs, tmp_path):
@@ -286,9 +265,8 @@ async def test_tenants_see_one_request_and_its_decode_usage(stubs, tmp_path):
     tenants.write_text("classes:\n  - {name: interactive, priority: 3}\n"
                        "defaultClass: interactive\n"
                        "tenants:\n  - name: acme\n    apiKeys: [k-acme]\n")
-    gw, client = await gateway_client(decode, [prefill.url], tenants_file=str(tenants),
-                                      max_in_flight=4)
-    try:
+    async with gateway_client(decode, [prefill.url], tenants_file=str(tenants),
+                              max_in_flight=4) as (gw, client):
         r = await client.post("/v1/completions", json={"prompt": LONG, "max_tokens": 2},
                               headers={"Authorization": "Bearer k-acme"})
         assert r.status == 200
@@ -298,9 +276,6 @@ async def test_tenants_see_one_request_and_its_decode_usage(stubs, tmp_path):
         requests = gw.metrics.requests.labels("/v1/completions", "200", "acme", "interactive",
                                               "ok")._value.get()
         assert requests == 1
-    finally:
-        await client.close()
-        await gw.close()
 
 
 # --- real engines behind a real gateway ----------------------------------------------
