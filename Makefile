@@ -31,8 +31,13 @@ controlplane:
 
 # Unit and integration tests, then the end-to-end tests on a real control plane (a
 # pytest process of their own: they run the cluster and the pod runner in-process).
+# The unit tests run in TEST_WORKERS pytest-xdist workers, a test file per worker at a
+# time (module fixtures stay shared), each pinned to its share of the cores
+# (tests/conftest.py): many tests wait on processes and sockets, so two workers on
+# two cores halve the wall time.
+TEST_WORKERS ?= 2
 test: lint controlplane
-	$(VENV)/bin/python -m pytest -q -ra --durations=25 tests
+	$(VENV)/bin/python -m pytest -q -ra --durations=25 -n $(TEST_WORKERS) --dist loadfile tests
 	$(VENV)/bin/python -m pytest -q -ra --durations=10 e2e/tests
 
 e2e: $(STAMP) controlplane

@@ -124,9 +124,12 @@ json.dump(env, open(sys.argv[1], "w"))
 # --- 2. Random-weight models, written once for every step ------------------------------
 MODELS="$SCRATCH/models"
 SMALL=smollm2-135m BIG=llama-1b
-[ "$MODE" = dry-run ] && SMALL=tiny BIG=tiny
+WRITE_BIG="\"$PY\" ${RUN[*]} benchmarks/random_llama.py $BIG '$MODELS/big'"
+if [ "$MODE" = dry-run ]; then  # one tiny model serves as both
+    SMALL=tiny WRITE_BIG="cp -r '$MODELS/small' '$MODELS/big'"
+fi
 step models 60 300 bash -c "\"$PY\" ${RUN[*]} benchmarks/random_llama.py $SMALL '$MODELS/small' \
-    && \"$PY\" ${RUN[*]} benchmarks/random_llama.py $BIG '$MODELS/big'"
+    && $WRITE_BIG"
 
 # --- 3. Kernel tests on the GPU (bf16 cases run only there). The test of the engine on
 # the built-in model needs its package, which this machine lacks: engine_bf16 covers it.

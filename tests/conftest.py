@@ -6,7 +6,25 @@ import os
 import shutil
 from pathlib import Path
 
-import torch
+
+def _pin_this_xdist_worker() -> None:
+    """Under ``pytest -n N`` each worker gets its own share of the cores, set before
+    torch starts its thread pool: N workers each spinning one OpenMP thread per core
+    would oversubscribe the machine. Engines and servers the tests start inherit the
+    mask (their thread count defaults to it)."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    cores = sorted(os.sched_getaffinity(0))
+    if not worker.startswith("gw") or count < 2 or len(cores) < 2:
+        return
+    index = int(worker[2:])
+    share = cores[index::count] or [cores[index % len(cores)]]
+    os.sched_setaffinity(0, share)
+
+
+_pin_this_xdist_worker()
+
+import torch  # noqa: E402
 
 if not torch.cuda.is_available():
     # Without a GPU, Triton kernels run in Triton's interpreter (fp32/fp16 only).
