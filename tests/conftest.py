@@ -77,6 +77,22 @@ def write_tiny_checkpoint(out: Path, builtin: Path, kind: str = "llama", seed: i
                 for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj,
                              layer.self_attn.v_proj):
                     proj.bias.normal_(0, 0.5)
+    elif kind == "qwen3":  # per-head q/k norms; head_dim 32, so q_proj is wider than hidden
+        from transformers import Qwen3Config, Qwen3ForCausalLM
+        model = Qwen3ForCausalLM(Qwen3Config(**dict(common, head_dim=32), rope_theta=1000000.0))
+        _randomise_norms(model)
+    elif kind == "qwen3_moe":  # 8 experts of 32 rows, top-2 (overrides: norm_topk_prob, ...)
+        from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+        cfg = dict(dict(common, head_dim=32), num_experts=8, num_experts_per_tok=2,
+                   moe_intermediate_size=32, norm_topk_prob=True)
+        cfg.update(overrides)
+        model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**cfg, rope_theta=1000000.0))
+        _randomise_norms(model)
+    elif kind == "mixtral":  # 4 experts of 64 rows, top-2
+        from transformers import MixtralConfig, MixtralForCausalLM
+        model = MixtralForCausalLM(MixtralConfig(**dict(common, intermediate_size=64),
+                                                 num_local_experts=4, num_experts_per_tok=2,
+                                                 rope_theta=1000000.0))
     elif kind == "mistral":  # overrides usually set sliding_window
         from transformers import MistralConfig, MistralForCausalLM
         model = MistralForCausalLM(MistralConfig(**common, rope_theta=10000.0))
@@ -89,6 +105,14 @@ def write_tiny_checkpoint(out: Path, builtin: Path, kind: str = "llama", seed: i
     return out
 
 
+def _randomise_norms(model) -> None:
+    """Norm weights are ones at initialisation: random ones make a q/k norm matter."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+
+
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory, builtin_path) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("tiny")
@@ -99,3 +123,17 @@ def tiny_models(tmp_path_factory, builtin_path) -> dict[str, Path]:
 @pytest.fixture(scope="session")
 def tiny_llama(tiny_models) -> Path:
     return tiny_models["llama"]
+
+
+# The files that take longest (`make test`'s --durations), collected first: xdist's
+# --dist loadfile hands files to its workers in collection order, so a long file
+# started last would leave one worker running alone at the end.
+LONGEST_FIRST = ("test_kernels.py", "test_gpu_check.py", "test_gpu_fast_path.py",
+                 "test_differential_fuzz.py", "test_async_scheduling.py",
+                 "test_tensor_parallel.py", "test_model_families.py",
+                 "test_structured_outputs.py", "test_beam_search.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(LONGEST_FIRST)))  # stable

@@ -143,8 +143,11 @@ def quantize_model(model: torch.nn.Module, mode: str) -> int:
     bits = 8 if mode == "int8" else 4
     count = 0
     for layer in model.model.layers:
+        # A mixture-of-experts block's experts are MLPs; its router stays dense (small).
+        mlps = getattr(layer.mlp, "experts", [layer.mlp])
         for parent, name in ((layer.self_attn, "qkv_proj"), (layer.self_attn, "o_proj"),
-                             (layer.mlp, "gate_up_proj"), (layer.mlp, "down_proj")):
+                             *((mlp, proj) for mlp in mlps
+                               for proj in ("gate_up_proj", "down_proj"))):
             linear = getattr(parent, name)
             if quantizable(linear, bits):
                 setattr(parent, name, QuantizedLinear(linear, bits))

@@ -8,18 +8,23 @@ import torch
 from llmserve.distributed.shapes import RankShape
 
 
-def read_shard(handle, name: str, shape: RankShape, head_dim: int) -> torch.Tensor:
-    """This rank's part of checkpoint tensor ``name``, reading only that part from the
-    safetensors file (``get_slice``):
+def read_shard(handle, name: str, shape: RankShape, head_dim: int,
+               param: str | None = None) -> torch.Tensor:
+    """This rank's part of checkpoint tensor ``name`` (which fills parameter ``param``,
+    by default the same name), reading only that part from the safetensors file
+    (``get_slice``):
 
     - column-parallel (output rows split): q/k/v (weights and biases, by head),
-      gate/up (by MLP row), embedding and LM head (by vocabulary row, padded);
+      gate/up (by MLP row; an expert's by its own rows), embedding and LM head (by
+      vocabulary row, padded);
     - row-parallel (input columns split): o_proj, down_proj; their bias (if any) is
       added once, on rank 0, since the ranks' outputs are summed;
-    - everything else (norms) whole."""
+    - everything else (norms, a MoE router) whole."""
     sl = handle.get_slice(name)
-    leaf = name.split(".")[-2]  # the module: q_proj, o_proj, embed_tokens, lm_head, ...
-    is_bias = name.endswith(".bias")
+    param = param or name
+    leaf = param.split(".")[-2]  # the module: q_proj, o_proj, embed_tokens, lm_head, ...
+    is_bias = param.endswith(".bias")
+    rows = shape.moe_intermediate if ".experts." in param else shape.intermediate
     if leaf in ("embed_tokens", "lm_head"):
         rows = sl[shape.vocab_start:shape.vocab_end]
         pad = shape.vocab_per_rank - rows.shape[0]
@@ -31,13 +36,12 @@ def read_shard(handle, name: str, shape: RankShape, head_dim: int) -> torch.Tens
         a = shape.kv_head_start * head_dim
         return sl[a:a + shape.num_kv_heads * head_dim]
     if leaf in ("gate_proj", "up_proj"):
-        a = shape.rank * shape.intermediate
-        return sl[a:a + shape.intermediate]
+        return sl[shape.rank * rows:(shape.rank + 1) * rows]
     if leaf in ("o_proj", "down_proj"):
         if is_bias:
             full = sl[:]
             return full if shape.rank == 0 else torch.zeros_like(full)
-        width = shape.num_heads * head_dim if leaf == "o_proj" else shape.intermediate
+        width = shape.num_heads * head_dim if leaf == "o_proj" else rows
         a = shape.rank * width
         return sl[:, a:a + width]
     return sl[:]

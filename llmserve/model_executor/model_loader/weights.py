@@ -11,6 +11,10 @@ import torch
 from tqdm import tqdm
 
 from llmserve.errors import ModelLoadError
+from llmserve.model_executor.model_loader.fused_experts import (
+    is_fused_experts,
+    split_fused_experts,
+)
 from llmserve.model_executor.model_loader.shards import read_shard
 
 # transformers' index of a sharded checkpoint. Only the shards it names are weights of
@@ -90,7 +94,15 @@ def load_weights(model: torch.nn.Module, path: Path, dtype: torch.dtype, device:
     except Exception as e:  # noqa: BLE001
         raise ModelLoadError(f"cannot read safetensors in {path}: {e}") from e
     handle_of = dict((n, h) for h, n in names)
-    for handle, name in tqdm(names, desc="loading weights", unit="tensor", leave=False):
+    for handle, checkpoint_name in tqdm(names, desc="loading weights", unit="tensor",
+                                        leave=False):
+        name = model.param_name(checkpoint_name)
+        if name not in params and is_fused_experts(name):
+            parts = split_fused_experts(name, handle.get_tensor(checkpoint_name), shard)
+            for part_name, tensor in parts:
+                _fill(params, part_name, tensor, dtype)
+                loaded.add(part_name)
+            continue
         if name not in params:
             if tied and name == "lm_head.weight":
                 _check_tied_head(handle_of, path)
@@ -98,17 +110,13 @@ def load_weights(model: torch.nn.Module, path: Path, dtype: torch.dtype, device:
             if name.endswith("rotary_emb.inv_freq"):  # derived from the config
                 continue
             raise ModelLoadError(
-                f"unexpected tensor {name!r} in {path}: {type(model).__name__}, as its "
-                f"config.json configures it, has no such parameter, and serving without "
-                f"it would give wrong answers (does the config match the weights?)")
-        tensor = (read_shard(handle, name, shard, model.config.head_dim) if sharded
-                  else handle.get_tensor(name))
-        param = params[name]
-        if tuple(tensor.shape) != tuple(param.shape):
-            raise ModelLoadError(f"tensor {name!r} has shape {tuple(tensor.shape)}, "
-                                 f"config says {tuple(param.shape)}")
-        with torch.no_grad():
-            param.copy_(tensor.to(dtype))
+                f"unexpected tensor {checkpoint_name!r} in {path}: "
+                f"{type(model).__name__}, as its config.json configures it, has no such "
+                f"parameter, and serving without it would give wrong answers (does the "
+                f"config match the weights?)")
+        tensor = (read_shard(handle, checkpoint_name, shard, model.config.head_dim, name)
+                  if sharded else handle.get_tensor(checkpoint_name))
+        _fill(params, name, tensor, dtype)
         loaded.add(name)
     missing = set(params) - loaded - ({"lm_head.weight"} if tied else set())
     if missing == {"lm_head.weight"}:
@@ -119,6 +127,18 @@ def load_weights(model: torch.nn.Module, path: Path, dtype: torch.dtype, device:
         raise ModelLoadError(f"checkpoint {path} lacks tensors: {sorted(missing)[:4]}")
     model.to(device=device, dtype=dtype)
 
+
+
+def _fill(params: dict, name: str, tensor: torch.Tensor, dtype: torch.dtype) -> None:
+    param = params.get(name)
+    if param is None:
+        raise ModelLoadError(f"unexpected tensor {name!r}: the model has no such parameter "
+                             f"(does the config match the weights?)")
+    if tuple(tensor.shape) != tuple(param.shape):
+        raise ModelLoadError(f"tensor {name!r} has shape {tuple(tensor.shape)}, "
+                             f"config says {tuple(param.shape)}")
+    with torch.no_grad():
+        param.copy_(tensor.to(dtype))
 
 
 def _check_tied_head(handle_of: dict, path: Path) -> None:

@@ -1,4 +1,6 @@
-"""Llama-family decoder (Llama 2/3, Qwen2, Mistral, SmolLM) over a paged KV cache.
+"""Llama-family decoder (Llama 2/3, Qwen2, Qwen3, Mistral, SmolLM) over a paged KV cache.
+Families that differ only in their MLP (mixture-of-experts: ``qwen3_moe.py``,
+``mixtral.py``) reuse it with their own ``mlp_for_layer``.
 
 The batch is flat: ``input_ids`` and ``positions`` hold the new tokens of every
 scheduled sequence back to back; attention finds each sequence's past through
@@ -110,6 +112,11 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
 
 
+def has_qk_norm(config) -> bool:
+    """Qwen3's RMSNorm of each query and key head (over head_dim) before the rotary."""
+    return config.model_type in ("qwen3", "qwen3_moe")
+
+
 class Attention(nn.Module):
     """This rank's query heads and the KV heads they read; with several ranks the
     o_proj outputs (row-parallel) are summed over them."""
@@ -131,6 +138,11 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden,
                                 bias=bool(getattr(config, "attention_bias", False)))
         self.scale = self.head_dim ** -0.5
+        # Per-head norms (one weight shared by every head, so replicated across ranks).
+        self.q_norm = self.k_norm = None
+        if has_qk_norm(config):
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.kv_cache: torch.Tensor | None = None  # [2, blocks, block_size, kv_heads, d]
         self.fused = False  # Triton rotary + KV write (enable_fused_kernels)
 
@@ -141,6 +153,8 @@ class Attention(nn.Module):
     def forward(self, x, cos, sin):
         t = x.shape[0]
         qkv = self.qkv_proj(x).view(t, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            qkv = self._norm_heads(qkv)
         if self.fused:
             o = fused_rope_attention(qkv, cos, sin, self.kv_cache, self.scale, self.num_heads)
             return self._output(o, t)
@@ -152,18 +166,26 @@ class Attention(nn.Module):
             o = paged_attention(q, k, v, self.kv_cache, self.scale)
         return self._output(o, t)
 
+    def _norm_heads(self, qkv: torch.Tensor) -> torch.Tensor:
+        """qkv with its query and key heads normalised (the paths below take it whole)."""
+        q, k, v = qkv.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
+        return torch.cat([self.q_norm(q), self.k_norm(k), v], dim=1)
+
     def _output(self, o: torch.Tensor, t: int) -> torch.Tensor:
         out = self.o_proj(o.view(t, -1))
         return comm.all_reduce(out) if self.tp_size > 1 else out
 
 
 class MLP(nn.Module):
-    """gate/up column-parallel, down row-parallel: this rank's MLP rows."""
+    """gate/up column-parallel, down row-parallel: this rank's MLP rows. An expert of a
+    mixture-of-experts block is one too (``intermediate``: its rows on this rank;
+    ``reduce=False``: the block sums its experts' outputs over the ranks once)."""
 
-    def __init__(self, config, shard: RankShape):
+    def __init__(self, config, shard: RankShape, intermediate: int | None = None,
+                 reduce: bool = True):
         super().__init__()
-        h, i = config.hidden_size, shard.intermediate
-        self.tp_size = shard.size
+        h, i = config.hidden_size, intermediate or shard.intermediate
+        self.tp_size = shard.size if reduce else 1
         self.intermediate = i
         self.gate_proj = nn.Linear(h, i, bias=False)
         self.up_proj = nn.Linear(h, i, bias=False)
@@ -218,11 +240,15 @@ class VocabParallelEmbedding(nn.Embedding):
         return comm.all_reduce(x)
 
 
+def dense_mlp(config, layer_idx: int, shard: RankShape) -> nn.Module:
+    return MLP(config, shard)
+
+
 class DecoderLayer(nn.Module):
-    def __init__(self, config, layer_idx: int, shard: RankShape):
+    def __init__(self, config, layer_idx: int, shard: RankShape, mlp_for_layer=dense_mlp):
         super().__init__()
         self.self_attn = Attention(config, layer_idx, shard)
-        self.mlp = MLP(config, shard)
+        self.mlp = mlp_for_layer(config, layer_idx, shard)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -241,11 +267,11 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config, max_positions: int, shard: RankShape):
+    def __init__(self, config, max_positions: int, shard: RankShape, mlp_for_layer=dense_mlp):
         super().__init__()
         self.embed_tokens = (VocabParallelEmbedding(shard, config.hidden_size) if shard.size > 1
                              else nn.Embedding(config.vocab_size, config.hidden_size))
-        self.layers = nn.ModuleList(DecoderLayer(config, i, shard)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, shard, mlp_for_layer)
                                     for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config, max_positions)
@@ -277,7 +303,11 @@ def _run_layer(layer: DecoderLayer, x, residual, cos, sin):
 
 
 class LlamaForCausalLM(nn.Module):
-    """``shard``: the part of the model this tensor-parallel rank holds (None: all)."""
+    """``shard``: the part of the model this tensor-parallel rank holds (None: all).
+    A family whose layers differ only in their MLP overrides ``mlp_for_layer``, and
+    ``param_name`` where its checkpoint names tensors otherwise."""
+
+    mlp_for_layer = staticmethod(dense_mlp)
 
     def __init__(self, config, max_positions: int, shard: RankShape | None = None):
         super().__init__()
@@ -285,12 +315,17 @@ class LlamaForCausalLM(nn.Module):
             config.head_dim = config.hidden_size // config.num_attention_heads
         self.config = config
         self.shard = shard = shard or rank_shape(config, 0, 1)
-        self.model = LlamaModel(config, max_positions, shard)
+        self.model = LlamaModel(config, max_positions, shard, self.mlp_for_layer)
         # Vocabulary-parallel with several ranks: this rank's rows of the vocabulary.
         self.lm_head = nn.Linear(config.hidden_size,
                                  shard.vocab_per_rank if shard.size > 1 else config.vocab_size,
                                  bias=False)
         self.tie_weights()
+
+    @staticmethod
+    def param_name(checkpoint_name: str) -> str:
+        """The parameter a checkpoint tensor fills (its own name here)."""
+        return checkpoint_name
 
     def tie_weights(self) -> None:
         if getattr(self.config, "tie_word_embeddings", False):

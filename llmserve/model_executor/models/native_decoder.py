@@ -115,6 +115,10 @@ def unsupported(model) -> str | None:
     if model.shard.size > 1:
         return "tensor parallelism"
     layers = model.model.layers
+    if any(layer.self_attn.q_norm is not None for layer in layers):
+        return "per-head q/k norms (Qwen3)"
+    if any(not hasattr(layer.mlp, "gate_up_proj") for layer in layers):
+        return "a mixture-of-experts MLP"
     cache = layers[0].self_attn.kv_cache
     if cache is None or cache.dtype != torch.bfloat16 or cache.device.type != "cpu":
         return "no bf16 CPU KV cache bound"

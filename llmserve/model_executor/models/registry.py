@@ -5,9 +5,14 @@ whose arithmetic it computes (``supported.py`` refuses the config variants it do
 from __future__ import annotations
 
 from llmserve.model_executor.models.llama import LlamaForCausalLM
+from llmserve.model_executor.models.mixtral import MixtralForCausalLM
+from llmserve.model_executor.models.qwen3_moe import Qwen3MoeForCausalLM
 
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
+    "Qwen3ForCausalLM": LlamaForCausalLM,  # with per-head q/k norms (llama.has_qk_norm)
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
 }

@@ -1,0 +1,58 @@
+"""A sparse mixture-of-experts MLP block: a router picks ``top_k`` of ``num_experts``
+expert MLPs per token, and the block's output is their weighted sum.
+
+Each expert runs on the tokens routed to it only, as one batched call per expert:
+the tokens are sorted by expert (a stable argsort of the flat routing table), each
+expert's contiguous run is gathered, computed, weighted and scattered back with
+``index_add_``. The work follows the active parameters (top_k experts a token), never
+the total, and an expert no token chose is skipped. Experts are ordinary ``MLP``
+modules, so they are fused, quantised (bf16/int8/int4) and sharded like the dense
+layers: with tensor parallelism each rank holds every expert's rows
+``[r * I/N, (r + 1) * I/N)`` (vLLM's layout without expert parallelism), the router
+is replicated, and the block's summed output is reduced over the ranks once.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from llmserve.distributed import comm
+from llmserve.model_executor.layers.fused_moe.routing import softmax_top_k
+
+
+class SparseMoeBlock(nn.Module):
+    """``gate``: the router (a Linear to one logit per expert); ``experts``: a
+    ModuleList of MLPs built by ``make_expert()`` (whose outputs are not reduced)."""
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, renormalize: bool,
+                 make_expert, tp_size: int = 1):
+        super().__init__()
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"num_experts_per_tok={top_k} must be in [1, {num_experts}]")
+        self.gate = nn.Linear(hidden_size, num_experts, bias=False)
+        self.experts = nn.ModuleList(make_expert() for _ in range(num_experts))
+        self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
+        self.tp_size = tp_size
+
+    def fuse(self) -> None:
+        for expert in self.experts:
+            expert.fuse()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, chosen = softmax_top_k(self.gate(x), self.top_k, self.renormalize)
+        out = torch.zeros_like(x)
+        flat = chosen.flatten()
+        order = flat.argsort(stable=True)
+        token_of = order // self.top_k  # row of x for each (token, choice), by expert
+        weight_of = weights.flatten()[order].unsqueeze(-1)
+        # One host sync a layer for the per-expert counts: the loop needs them.
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        start = 0
+        for expert, count in zip(self.experts, counts):
+            if count:
+                rows = token_of[start:start + count]
+                y = expert(x[rows]) * weight_of[start:start + count]
+                out.index_add_(0, rows, y)
+                start += count
+        return comm.all_reduce(out) if self.tp_size > 1 else out
