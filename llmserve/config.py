@@ -99,6 +99,11 @@ class EngineConfig:
     max_queue_delay: float | None = flag(
         None, "overload: a request not scheduled within this many seconds leaves the "
         "queue with 503 server_overloaded (default: waits forever)", metavar="S")
+    # OpenTelemetry (llmserve/tracing.py): the server's spans per request, built from the
+    # timestamps the engine records anyway. Off: a no-op tracer.
+    otlp_traces_endpoint: str | None = flag(
+        None, "export OpenTelemetry traces of requests to this OTLP/HTTP collector, e.g. "
+        "http://localhost:4318 (serve, up; default: off)", metavar="URL")
     # Raises KVIntegrityError on a mismatch; costs a hash of every moved block.
     check_kv_integrity: bool = flag(False, "debug: hash KV blocks across swaps and "
                                     "copy-on-write, fail loudly on a mismatch (slow)")
@@ -193,6 +198,9 @@ class EngineConfig:
             raise ValueError("max_waiting must be >= 1")
         if self.max_queue_delay is not None and not self.max_queue_delay > 0:
             raise ValueError("max_queue_delay must be a positive number of seconds")
+        if self.otlp_traces_endpoint:
+            from llmserve.tracing import traces_url
+            traces_url(self.otlp_traces_endpoint)  # ValueError unless an http(s) URL
         if self.num_threads is None:
             self.num_threads = len(os.sched_getaffinity(0))
         self._check_tensor_parallel()

@@ -210,7 +210,8 @@ def gateway_config(args, backends: list[str]):
                          prefill_backends=getattr(args, "prefill_backend", None) or [],
                          prefill_k8s_service=getattr(args, "prefill_k8s_service", None),
                          pd_min_prompt_tokens=args.pd_min_prompt_tokens,
-                         pd_prefill_timeout=args.pd_prefill_timeout)
+                         pd_prefill_timeout=args.pd_prefill_timeout,
+                         otlp_traces_endpoint=args.otlp_traces_endpoint)
 
 
 def cmd_gateway(args) -> int:
@@ -252,6 +253,9 @@ def check_up_args(args) -> None:
                                                 os.environ.get("LLMSERVE_API_KEYS")))
     if (args.peer or args.peer_service) and not args.tenants:
         raise ValueError("--peer / --peer-service share tenants' limits: give --tenants")
+    if args.otlp_traces_endpoint:  # the engines' own refusal would go to /dev/null
+        from llmserve.tracing import traces_url
+        traces_url(args.otlp_traces_endpoint)
 
 
 def cmd_up(args) -> int:
@@ -339,6 +343,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="follow the EndpointSlices of this Service as the prefill pool")
     add_server_args(gw, 8080)
     add_gateway_args(gw)
+    # Under `up` the engines' flag of the same name serves the gateway too.
+    gw.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
+                    help="export OpenTelemetry traces of requests to this OTLP/HTTP "
+                         "collector, e.g. http://localhost:4318 (default: off)")
     gw.set_defaults(func=cmd_gateway)
     op = sub.add_parser("operator", help="the kopf operator for LLMDeployment resources")
     op.add_argument("--namespace", action="append",

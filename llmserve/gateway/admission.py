@@ -17,6 +17,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 from aiohttp import web
+from opentelemetry.trace import NoOpTracer, Tracer
 
 from llmserve.errors import APIError
 from llmserve.gateway.fairness import FairQueue, Waiter
@@ -26,6 +27,7 @@ from llmserve.gateway.ratelimits import RateLimiter
 from llmserve.gateway.response_affinity import RESPONSES_PATH
 from llmserve.gateway.tenants import CLASS_HEADER, Tenant, TenantsFile, TrafficClass
 from llmserve.gateway.usage import UsageTap, ask_for_usage
+from llmserve.tracing import current_span
 from llmserve.utils import cdiv
 
 # Headers the gateway sets for the engines (and removes from what clients send).
@@ -114,8 +116,9 @@ class Turn:
 
 class TenantAdmission:
     def __init__(self, path: str, free_slots, metrics: GatewayMetrics,
-                 peer_interval: float = 1.0):
+                 peer_interval: float = 1.0, tracer: Tracer | None = None):
         self.file = TenantsFile(path)
+        self.tracer = tracer or NoOpTracer()  # the queue span
         self.metrics = metrics
         self.limiter = RateLimiter()
         self.fair = FairQueue(self.file.config.classes_by_urgency, free_slots)
@@ -150,9 +153,12 @@ class TenantAdmission:
         waiter = Waiter(tenant.name, tenant.weight, cls, est)
         turn: Turn | None = None
         try:
-            self.fair.submit(waiter)
-            await self.fair.wait(waiter)
-            self.fair.started(waiter)
+            with current_span(self.tracer, "queue", attributes={
+                    "llmserve.queue": "tenants", "llmserve.tenant": tenant.name,
+                    "llmserve.class": cls.name}):
+                self.fair.submit(waiter)
+                await self.fair.wait(waiter)
+                self.fair.started(waiter)
             self.metrics.queue_wait.labels(cls.name, tenant.name).observe(
                 time.monotonic() - arrived)
             payload["priority"] = cls.priority

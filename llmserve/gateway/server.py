@@ -30,6 +30,8 @@ from pathlib import Path
 
 import aiohttp
 from aiohttp import web
+from opentelemetry import trace
+from opentelemetry.trace import SpanKind
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from llmserve.errors import APIError
@@ -42,6 +44,7 @@ from llmserve.gateway.peers import USAGE_PATH
 from llmserve.gateway.prefix import prefix_key
 from llmserve.gateway.response_affinity import RESPONSES_PATH, ResponseAffinity, responses_key
 from llmserve.gateway.routing import Decision, make_policy
+from llmserve.gateway.spans import server_span_middleware
 from llmserve.gateway.upstream_watch import HangWatch, UpstreamHung
 from llmserve.http_serving import (
     BODY_TIMEOUT,
@@ -50,6 +53,7 @@ from llmserve.http_serving import (
     read_body_middleware,
     serve_until_signal,
 )
+from llmserve.tracing import SpanAttributes, Tracing, current_span, inject_context
 
 log = logging.getLogger("llmserve.gateway")
 
@@ -109,6 +113,8 @@ class GatewayConfig:
     prefill_k8s_service: str | None = None  # "namespace/name"
     pd_min_prompt_tokens: int = 256
     pd_prefill_timeout: float = 60.0
+    # OpenTelemetry (spans.py): where to export spans; None = off (a no-op tracer).
+    otlp_traces_endpoint: str | None = None
 
 
 def check_tenant_keys(tenants_file: str | None, keys: ApiKeys) -> None:
@@ -150,6 +156,8 @@ class ApiKeys:
 class Gateway:
     def __init__(self, config: GatewayConfig):
         self.config = config
+        self.tracing = Tracing("llmserve-gateway", config.otlp_traces_endpoint)
+        self.tracer = self.tracing.tracer
         cap = config.max_in_flight
         if cap is None and not config.tenants_file:
             cap = 0
@@ -163,7 +171,7 @@ class Gateway:
         self.tenants = None
         if config.tenants_file:
             self.tenants = TenantAdmission(config.tenants_file, self.free_slots,
-                                           self.metrics, config.peer_interval)
+                                           self.metrics, config.peer_interval, self.tracer)
         self.waiting_for_endpoint = 0
         self.metrics.queued.set_function(lambda: self.waiting_for_endpoint + (
             self.tenants.fair.size if self.tenants else 0))
@@ -234,12 +242,19 @@ class Gateway:
         await asyncio.gather(*tasks, return_exceptions=True)
         if self.session:
             await self.session.close()
+        self.tracing.shutdown()  # exports the spans still batched
 
     # --- proxying --------------------------------------------
     async def serve(self, request: web.Request, body: bytes, payload: dict, key: str,
                     pinned: str | None = None) -> web.StreamResponse:
         """Proxy the request, first through a prefill engine when a prefill pool can
-        take its prompt (``payload`` is what ``body`` says)."""
+        take its prompt (``payload`` is what ``body`` says). Both legs are in the
+        ``route`` span, which the engines' spans are children of."""
+        with current_span(self.tracer, "route", kind=SpanKind.CLIENT):
+            return await self._serve(request, body, payload, key, pinned)
+
+    async def _serve(self, request: web.Request, body: bytes, payload: dict, key: str,
+                     pinned: str | None) -> web.StreamResponse:
         if self.disagg.enabled and request.path in PD_PATHS:
             turn: Turn | None = request.get("turn")
             params = await self.disagg.kv_params(
@@ -256,6 +271,8 @@ class Gateway:
         turn: Turn | None = request.get("turn")
         if turn is not None:
             headers.update(turn.headers)
+        if self.tracing.enabled:  # off, a client's traceparent passes through as it is
+            inject_context(headers)
         return headers
 
     async def wait_for_endpoint(self) -> None:
@@ -265,9 +282,10 @@ class Gateway:
             return
         self.waiting_for_endpoint += 1
         try:
-            deadline = time.monotonic() + self.config.no_endpoint_wait
-            while not self.pool.candidates() and time.monotonic() < deadline:
-                await asyncio.sleep(0.25)
+            with current_span(self.tracer, "queue", attributes={"llmserve.queue": "endpoint"}):
+                deadline = time.monotonic() + self.config.no_endpoint_wait
+                while not self.pool.candidates() and time.monotonic() < deadline:
+                    await asyncio.sleep(0.25)
         finally:
             self.waiting_for_endpoint -= 1
 
@@ -291,9 +309,13 @@ class Gateway:
             if attempt:
                 self.metrics.retries.inc()
             self.metrics.decisions.labels(url, decision.reason).inc()
+            span = trace.get_current_span()  # the route span (a no-op one when off)
+            span.set_attributes({"llmserve.endpoint": url, "llmserve.route.reason":
+                                 decision.reason, "llmserve.route.attempts": attempt + 1})
             result = await self._forward(request, body, url)
             if isinstance(result, web.StreamResponse):
                 return result
+            span.add_event("upstream_failed", {"llmserve.endpoint": url, "reason": result})
             last_error = result
         if OVERLOADED in request:  # engines were overloaded: say so, and when to retry
             return overloaded_response(request[OVERLOADED], last_error)
@@ -537,6 +559,9 @@ async def generate(request: web.Request) -> web.StreamResponse:
         raise APIError(400, "the request body must be a JSON object")
     if strip_client_params(payload):  # only the gateway names a KV lease
         body = json.dumps(payload).encode()
+    if isinstance(payload.get("model"), str):  # the server span's (no-op when off)
+        trace.get_current_span().set_attribute(SpanAttributes.GEN_AI_REQUEST_MODEL,
+                                               payload["model"])
     key, pinned = prefix_key(payload, gw.config.prefix_chars), None
     if request.path == RESPONSES_PATH:
         key = responses_key(payload, gw.config.prefix_chars)
@@ -589,8 +614,10 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 def build_app(gw: Gateway) -> web.Application:
-    app = web.Application(client_max_size=gw.config.max_body_bytes, middlewares=[
-        middleware, read_body_middleware(gw.config.body_timeout)])
+    middlewares = [middleware, read_body_middleware(gw.config.body_timeout)]
+    if gw.tracing.enabled:
+        middlewares.insert(0, server_span_middleware(gw.tracer))
+    app = web.Application(client_max_size=gw.config.max_body_bytes, middlewares=middlewares)
     app[GATEWAY] = gw
     app.router.add_post("/v1/completions", generate)
     app.router.add_post("/v1/chat/completions", generate)

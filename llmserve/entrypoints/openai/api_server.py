@@ -22,6 +22,7 @@ from llmserve.core.sched.overload import OverloadedError
 from llmserve.engine.async_llm import AsyncLLMEngine, EngineDeadError
 from llmserve.entrypoints.openai.openapi import openapi_document
 from llmserve.entrypoints.openai.protocol import APIError
+from llmserve.entrypoints.openai.request_spans import TRACING
 from llmserve.entrypoints.openai.serving_chat import chat_completions
 from llmserve.entrypoints.openai.serving_completion import completions
 from llmserve.entrypoints.openai.serving_engine import ENGINE, STATE
@@ -34,6 +35,7 @@ from llmserve.http_serving import (
     read_body_middleware,
     serve_until_signal,
 )
+from llmserve.tracing import Tracing
 
 log = logging.getLogger("llmserve.server")
 
@@ -105,12 +107,14 @@ async def openapi(request: web.Request) -> web.Response:
 # --- app --------------------------------------------
 def build_app(engine: AsyncLLMEngine, api_key: str | None = None,
               max_body_bytes: int = 4 << 20,
-              body_timeout: float = BODY_TIMEOUT) -> web.Application:
+              body_timeout: float = BODY_TIMEOUT,
+              tracing: Tracing | None = None) -> web.Application:
     app = web.Application(client_max_size=max_body_bytes,
                           middlewares=[errors_middleware, auth_middleware(api_key),
                                        read_body_middleware(body_timeout)])
     app[ENGINE] = engine
     app[STATE] = {"draining": False, "started": int(time.time())}
+    app[TRACING] = tracing or Tracing("llmserve-engine")  # off unless given one
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     add_responses_routes(app)  # POST /v1/responses and its store
@@ -132,7 +136,8 @@ async def serve(config: EngineConfig, host: str, port: int, api_key: str | None 
     in-flight ones finish up to ``drain_timeout`` seconds, and return."""
     front = AsyncLLMEngine(config)
     await front.start()
-    app = build_app(front, api_key, body_timeout=body_timeout)
+    tracing = Tracing("llmserve-engine", config.otlp_traces_endpoint)
+    app = build_app(front, api_key, body_timeout=body_timeout, tracing=tracing)
     log.info("serving %s on http://%s:%d", front.model_name, host, port)
     stop = asyncio.Event()
     watcher = asyncio.create_task(_stop_when_dead(front, stop))
@@ -144,6 +149,7 @@ async def serve(config: EngineConfig, host: str, port: int, api_key: str | None 
     finally:
         watcher.cancel()
         front.shutdown()
+        tracing.shutdown()  # exports the spans still batched
     if front.error is not None:
         raise EngineDeadError(f"the engine died: {front.error}")
 

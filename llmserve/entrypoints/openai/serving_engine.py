@@ -17,6 +17,7 @@ from llmserve.distributed.kv_transfer.params import RemoteDecode
 from llmserve.engine.async_llm import AsyncLLMEngine
 from llmserve.entrypoints.openai.prompt_echo import hide_generated
 from llmserve.entrypoints.openai.protocol import APIError, ParsedRequest, bad_request
+from llmserve.entrypoints.openai.request_spans import RequestTrace, request_trace, traced
 from llmserve.entrypoints.openai.responses import full_response
 from llmserve.entrypoints.openai.streaming import stream_response
 
@@ -97,7 +98,8 @@ async def respond(request: web.Request, model: str, parsed: ParsedRequest, promp
                   prompt_ids: list[list[int]], chat: bool) -> web.StreamResponse:
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
     created = int(time.time())
-    gens = start_requests(request.app[ENGINE], prompt_ids, prompts, parsed)
+    gens = start_requests(request.app[ENGINE], prompt_ids, prompts, parsed,
+                          request_trace(request, model))
     outputs = interleave(gens)
     if parsed.echo_only:
         outputs = hide_generated(outputs)
@@ -109,20 +111,22 @@ async def respond(request: web.Request, model: str, parsed: ParsedRequest, promp
 
 
 def start_requests(engine: AsyncLLMEngine, prompt_ids: list[list[int]], prompts,
-                   parsed: ParsedRequest) -> list:
+                   parsed: ParsedRequest, rt: RequestTrace | None = None) -> list:
     """One engine request per prompt, each checked before any is started (a bad second
-    prompt is a 400, not a half-answered request)."""
+    prompt is a 400, not a half-answered request); each traced when ``rt`` is given."""
     base = uuid.uuid4().hex[:16]
     gens = []
     for i, ids in enumerate(prompt_ids):
+        request_id = f"{base}-{i}"
         try:
-            gens.append(engine.generate(ids, parsed.params.copy(), f"{base}-{i}",
-                                        prompts[i] if isinstance(prompts[i], str) else None,
-                                        parsed.priority, parsed.cache_salt, parsed.tenant,
-                                        kv_leg(parsed)))
+            gen = engine.generate(ids, parsed.params.copy(), request_id,
+                                  prompts[i] if isinstance(prompts[i], str) else None,
+                                  parsed.priority, parsed.cache_salt, parsed.tenant,
+                                  kv_leg(parsed))
         except ValueError as e:  # a ParamError names its field (e.g. logit_bias)
             raise bad_request(str(e), getattr(e, "param", None) or (
                 "messages" if parsed.logprobs_style == "chat" else "prompt")) from e
+        gens.append(gen if rt is None else traced(gen, rt, request_id, parsed.params))
     return gens
 
 

@@ -38,6 +38,7 @@ from llmserve.entrypoints.openai.protocol_responses import (
     responses_names,
     usage_body,
 )
+from llmserve.entrypoints.openai.request_spans import RequestTrace, request_trace
 from llmserve.entrypoints.openai.response_store import ResponseStore
 from llmserve.entrypoints.openai.serving_chat import parse_tools, render
 from llmserve.entrypoints.openai.serving_engine import (
@@ -73,7 +74,8 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     messages = conversation(request.app[STORE], req, tenant)
     tools = function_tools(req)
     with responses_names():
-        parsed, prompt_len, gens = await start(engine, req, tools, messages, tenant)
+        parsed, prompt_len, gens = await start(engine, req, tools, messages, tenant,
+                                               request_trace(request, model))
     answer = Answer(new_id("resp"), model, req, tools, prompt_len, messages)
     store = request.app[STORE] if req.store is not False else None
     headers = {RESPONSE_ID_HEADER: answer.rid} if store is not None else {}
@@ -101,7 +103,7 @@ def conversation(store: ResponseStore, req: ResponsesRequest,
 
 
 async def start(engine: AsyncLLMEngine, req: ResponsesRequest, tools: list[FunctionTool],
-                messages: list[dict], tenant: Tenancy | None):
+                messages: list[dict], tenant: Tenancy | None, rt: RequestTrace | None = None):
     """The chat path up to a running engine request: (ParsedRequest, prompt tokens,
     the engine's generators)."""
     chat_req, parsed = parse_chat(chat_body(req, tools, messages))
@@ -113,7 +115,7 @@ async def start(engine: AsyncLLMEngine, req: ResponsesRequest, tools: list[Funct
     ids = engine.tokenizer.encode(text, add_special_tokens=False)
     await compile_constraint(engine, parsed, "tools" if choice and choice.constrained
                              else "text")
-    return parsed, len(ids), start_requests(engine, [ids], [text], parsed)
+    return parsed, len(ids), start_requests(engine, [ids], [text], parsed, rt)
 
 
 async def last_output(outputs) -> CompletionOutput:
