@@ -93,6 +93,10 @@ def write_tiny_checkpoint(out: Path, builtin: Path, kind: str = "llama", seed: i
         model = MixtralForCausalLM(MixtralConfig(**dict(common, intermediate_size=64),
                                                  num_local_experts=4, num_experts_per_tok=2,
                                                  rope_theta=1000000.0))
+    elif kind == "phi3":  # fused qkv_proj / gate_up_proj; overrides may set longrope
+        from transformers import Phi3Config, Phi3ForCausalLM
+        model = Phi3ForCausalLM(Phi3Config(**dict({"sliding_window": None}, **common),
+                                           rope_theta=10000.0))
     elif kind == "mistral":  # overrides usually set sliding_window
         from transformers import MistralConfig, MistralForCausalLM
         model = MistralForCausalLM(MistralConfig(**common, rope_theta=10000.0))

@@ -12,7 +12,13 @@ def read_shard(handle, name: str, shape: RankShape, head_dim: int,
                param: str | None = None) -> torch.Tensor:
     """This rank's part of checkpoint tensor ``name`` (which fills parameter ``param``,
     by default the same name), reading only that part from the safetensors file
-    (``get_slice``):
+    (``get_slice``)."""
+    return shard_of(handle.get_slice(name), shape, head_dim, param or name)
+
+
+def shard_of(sl, shape: RankShape, head_dim: int, param: str) -> torch.Tensor:
+    """This rank's part of ``sl``, everything that fills parameter ``param`` on one
+    rank (a safetensors slice, or a tensor: both index alike):
 
     - column-parallel (output rows split): q/k/v (weights and biases, by head),
       gate/up (by MLP row; an expert's by its own rows), embedding and LM head (by
@@ -20,8 +26,6 @@ def read_shard(handle, name: str, shape: RankShape, head_dim: int,
     - row-parallel (input columns split): o_proj, down_proj; their bias (if any) is
       added once, on rank 0, since the ranks' outputs are summed;
     - everything else (norms, a MoE router) whole."""
-    sl = handle.get_slice(name)
-    param = param or name
     leaf = param.split(".")[-2]  # the module: q_proj, o_proj, embed_tokens, lm_head, ...
     is_bias = param.endswith(".bias")
     rows = shape.moe_intermediate if ".experts." in param else shape.intermediate

@@ -15,7 +15,7 @@ from llmserve.model_executor.model_loader.fused_experts import (
     is_fused_experts,
     split_fused_experts,
 )
-from llmserve.model_executor.model_loader.shards import read_shard
+from llmserve.model_executor.model_loader.shards import read_shard, shard_of
 
 # transformers' index of a sharded checkpoint. Only the shards it names are weights of
 # the model: other *.safetensors beside them (Mistral's consolidated.safetensors) are
@@ -76,8 +76,9 @@ def empty_model_init():
 
 
 def load_weights(model: torch.nn.Module, path: Path, dtype: torch.dtype, device: str) -> None:
-    """Copy every safetensors tensor into the parameter of the same name. A
-    tensor-parallel rank's model (``model.shard``) reads only its shard of each."""
+    """Copy every safetensors tensor into the parameter of the same name (a fused one,
+    split, into the parameters it stacks: ``fused_parts``). A tensor-parallel rank's
+    model (``model.shard``) reads only its shard of each."""
     from safetensors import safe_open
 
     shard = getattr(model, "shard", None)
@@ -97,6 +98,14 @@ def load_weights(model: torch.nn.Module, path: Path, dtype: torch.dtype, device:
     for handle, checkpoint_name in tqdm(names, desc="loading weights", unit="tensor",
                                         leave=False):
         name = model.param_name(checkpoint_name)
+        parts = fused_parts(model, name)
+        if parts:
+            tensor = handle.get_tensor(checkpoint_name)
+            for part_name, part in split_fused(name, tensor, parts, shard,
+                                               model.config.head_dim):
+                _fill(params, part_name, part, dtype)
+                loaded.add(part_name)
+            continue
         if name not in params and is_fused_experts(name):
             parts = split_fused_experts(name, handle.get_tensor(checkpoint_name), shard)
             for part_name, tensor in parts:
@@ -127,6 +136,29 @@ def load_weights(model: torch.nn.Module, path: Path, dtype: torch.dtype, device:
         raise ModelLoadError(f"checkpoint {path} lacks tensors: {sorted(missing)[:4]}")
     model.to(device=device, dtype=dtype)
 
+
+
+def fused_parts(model: torch.nn.Module, name: str) -> list[tuple[str, int]] | None:
+    """The parameters that checkpoint tensor ``name`` stacks by rows, each with its row
+    count, in order (Phi-3's ``qkv_proj``: q, k, v), from the model's optional
+    ``fused_parts`` hook; None for a tensor that fills one parameter."""
+    hook = getattr(model, "fused_parts", None)
+    return hook(name) if hook is not None else None
+
+
+def split_fused(name: str, tensor: torch.Tensor, parts: list[tuple[str, int]],
+                shard, head_dim: int) -> list[tuple[str, torch.Tensor]]:
+    """(parameter, this rank's rows of it) for each part stacked in ``tensor``: a part is
+    sharded as the tensor of its own name would be (q/k/v by head, gate/up by row)."""
+    rows = [n for _, n in parts]
+    if tensor.shape[0] != sum(rows):
+        layout = " + ".join(f"{n} ({part.split('.')[-2]})" for part, n in parts)
+        raise ModelLoadError(f"fused tensor {name!r} has shape {tuple(tensor.shape)}: its "
+                             f"config says {sum(rows)} rows = {layout} (does the config "
+                             f"match the weights?)")
+    sharded = shard is not None and shard.size > 1
+    return [(part, shard_of(block, shard, head_dim, part) if sharded else block)
+            for (part, _), block in zip(parts, tensor.split(rows))]
 
 
 def _fill(params: dict, name: str, tensor: torch.Tensor, dtype: torch.dtype) -> None:

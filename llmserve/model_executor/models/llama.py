@@ -63,7 +63,8 @@ class RMSNorm(nn.Module):
 
 
 def rope_inv_freq(config) -> torch.Tensor:
-    """Inverse frequencies, with Llama 3's long-context scaling when configured."""
+    """Inverse frequencies, with Llama 3's long-context scaling or LongRoPE's short
+    factors (Phi-3) when configured."""
     dim = config.head_dim
     base = getattr(config, "rope_theta", None) or rope_params(config).get("rope_theta", 10000.0)
     # float32 throughout, as transformers computes it, so positions agree bit for bit.
@@ -86,9 +87,30 @@ def rope_inv_freq(config) -> torch.Tensor:
         inv_freq = torch.where(is_mid, mid, scaled)
     elif kind == "linear":
         inv_freq = inv_freq / scaling["factor"]
+    elif kind == "longrope":
+        # transformers switches to the long factors once a sequence passes
+        # original_max_position_embeddings; supported._rope caps max_model_len there.
+        short = torch.tensor(scaling["short_factor"], dtype=torch.float32, device="cpu")
+        inv_freq = 1.0 / (short * base ** (arange.float() / dim))  # its rounding order
     elif kind != "default":  # supported.check_model_config refuses it at start-up
         raise ValueError(f"unsupported rope scaling {kind!r}")
     return inv_freq.float()
+
+
+def rope_attention_factor(config) -> float:
+    """The factor LongRoPE multiplies cos and sin by (so every attention logit by its
+    square), transformers' ``_compute_longrope_parameters``; 1 for the other types."""
+    if rope_type(config) != "longrope":
+        return 1.0
+    scaling = rope_params(config)
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    # The pretraining context; transformers prefers Phi-3's top-level copy of it.
+    original = (getattr(config, "original_max_position_embeddings", None)
+                or scaling["original_max_position_embeddings"])
+    # Phi-3 states no factor: the context it was extended to over the one it was trained on.
+    factor = scaling.get("factor") or config.max_position_embeddings / original
+    return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
 
 
 class RotaryEmbedding(nn.Module):
@@ -98,8 +120,9 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         t = torch.arange(max_positions, dtype=torch.float32, device="cpu")
         freqs = torch.outer(t, rope_inv_freq(config))
-        self.register_buffer("cos", freqs.cos(), persistent=False)
-        self.register_buffer("sin", freqs.sin(), persistent=False)
+        factor = rope_attention_factor(config)
+        self.register_buffer("cos", freqs.cos() * factor, persistent=False)
+        self.register_buffer("sin", freqs.sin() * factor, persistent=False)
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)  # [T,1,d/2]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from llmserve.model_executor.models.llama import LlamaForCausalLM
 from llmserve.model_executor.models.mixtral import MixtralForCausalLM
+from llmserve.model_executor.models.phi3 import Phi3ForCausalLM
 from llmserve.model_executor.models.qwen3_moe import Qwen3MoeForCausalLM
 
 SUPPORTED_ARCHITECTURES = {
@@ -15,4 +16,5 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3ForCausalLM": LlamaForCausalLM,  # with per-head q/k norms (llama.has_qk_norm)
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
+    "Phi3ForCausalLM": Phi3ForCausalLM,  # fused qkv/gate_up split at load; LongRoPE
 }

@@ -16,7 +16,7 @@ from __future__ import annotations
 from llmserve.errors import ModelLoadError
 
 # Rope variants ``llama.rope_inv_freq`` computes.
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 # The MLP's gate activation: SiLU (transformers also calls it swish).
 SUPPORTED_ACTIVATIONS = ("silu", "swish")
 # Fields of other families that change the arithmetic where set; none is computed here.
@@ -96,6 +96,17 @@ def _rope(config, max_model_len: int) -> str | None:
     if kind not in SUPPORTED_ROPE_TYPES:
         return (f"rope type {kind!r} (rope_scaling / rope_parameters) is not implemented "
                 f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
+    if kind == "longrope":
+        # transformers rotates by the short factors up to the pretraining context and by
+        # the long ones past it, every position again once a sequence crosses it: a
+        # paged cache keeps the keys it rotated, so only the short side is served.
+        original = (getattr(config, "original_max_position_embeddings", None)
+                    or rope_params(config)["original_max_position_embeddings"])
+        if max_model_len > original:
+            return (f"rope type 'longrope' with original_max_position_embeddings="
+                    f"{original}: its long factors (contexts past {original} tokens) "
+                    f"are not implemented; serve it with --max-model-len {original} (or "
+                    f"less), where the short factors apply")
     return None
 
 
