@@ -1,9 +1,10 @@
 """Phi-3 (issue 31): a checkpoint whose q/k/v and gate/up projections are stacked in
-one tensor each (``qkv_proj``, ``gate_up_proj``), split at load, and LongRoPE served up
-to the pretraining context. Each random tiny checkpoint's greedy tokens equal
-transformers' in float32 (a divergence only at a near-tie, ``tests/oracle.py``): chunked
-and unchunked, with the Triton attention in the interpreter, and on two tensor-parallel
-ranks (each splitting its own heads' and MLP rows out of the stacked tensors).
+one tensor each (``qkv_proj``, ``gate_up_proj``), split at load; LongRoPE served up to
+the pretraining context; Phi-4-mini's partial rotary. Each random tiny checkpoint's
+greedy tokens equal transformers' in float32 (a divergence only at a near-tie,
+``tests/oracle.py``): chunked and unchunked, with the Triton attention in the
+interpreter, and on two tensor-parallel ranks (each splitting its own heads' and MLP
+rows out of the stacked tensors).
 """
 
 from __future__ import annotations
@@ -30,13 +31,13 @@ HEAD_DIM = 16  # hidden 64 over 4 heads
 ORIGINAL_LEN = 64  # the longrope checkpoint's original_max_position_embeddings
 
 
-def longrope_scaling(seed: int) -> dict:
+def longrope_scaling(seed: int, rotated: int = HEAD_DIM) -> dict:
     """Random LongRoPE factors, one per rotary frequency; the long ones larger, as in
     Phi-3.5 (they must never be used below the original context)."""
     rng = random.Random(seed)
     return {"rope_type": "longrope",
-            "short_factor": [rng.uniform(1.0, 3.0) for _ in range(HEAD_DIM // 2)],
-            "long_factor": [rng.uniform(4.0, 40.0) for _ in range(HEAD_DIM // 2)]}
+            "short_factor": [rng.uniform(1.0, 3.0) for _ in range(rotated // 2)],
+            "long_factor": [rng.uniform(4.0, 40.0) for _ in range(rotated // 2)]}
 
 
 @pytest.fixture(scope="module")
@@ -49,6 +50,17 @@ def phi3_longrope(tmp_path_factory, builtin_path) -> Path:
     # Extended 64x past its pretraining context: attention factor sqrt(2).
     return write_tiny_checkpoint(tmp_path_factory.mktemp("phi3_longrope"), builtin_path,
                                  "phi3", seed=8, rope_scaling=longrope_scaling(8),
+                                 original_max_position_embeddings=ORIGINAL_LEN,
+                                 max_position_embeddings=4096)
+
+
+@pytest.fixture(scope="module")
+def phi4_mini(tmp_path_factory, builtin_path) -> Path:
+    """Phi-4-mini's shape: half of each head turned (it turns 3/4), LongRoPE, a tied
+    head."""
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("phi4_mini"), builtin_path, "phi3",
+                                 seed=9, partial_rotary_factor=0.5, tie_word_embeddings=True,
+                                 rope_scaling=longrope_scaling(9, rotated=HEAD_DIM // 2),
                                  original_max_position_embeddings=ORIGINAL_LEN,
                                  max_position_embeddings=4096)
 
@@ -167,10 +179,33 @@ def test_longrope_past_the_original_context_is_refused(phi3_longrope, max_model_
         LLM(str(phi3_longrope), max_model_len=max_model_len, kv_cache_memory=16 << 20)
 
 
-def test_partial_rotary_is_refused():
-    """Phi-4-mini rotates 3/4 of each head: not computed, so refused by name."""
-    from transformers import Phi3Config
-    config = Phi3Config(hidden_size=64, num_attention_heads=4, num_hidden_layers=1,
-                        partial_rotary_factor=0.75, architectures=["Phi3ForCausalLM"])
+# --- Partial rotary (Phi-4-mini) --------------------------------------------------------
+
+@pytest.mark.parametrize("budget, chunked", [(16, True), (2048, False)])
+def test_partial_rotary_greedy_tokens_equal_transformers(phi4_mini, budget, chunked):
+    llm = LLM(str(phi4_mini), max_model_len=ORIGINAL_LEN, max_num_batched_tokens=budget,
+              enable_chunked_prefill=chunked, kv_cache_memory=16 << 20)
+    assert_matches(llm, phi4_mini, prompts_of(6, lengths=(1, 9, 30, 56)))
+
+
+def test_partial_rotary_with_triton_and_two_ranks(phi4_mini):
+    """Each rank reorders the dims of its own q/k heads; the Triton kernels take the
+    same tables."""
+    prompts = prompts_of(7, lengths=(5, 21, 50))
+    llm = LLM(str(phi4_mini), max_model_len=ORIGINAL_LEN, attention_backend="triton",
+              kv_cache_memory=16 << 20, max_num_batched_tokens=32)
+    assert_matches(llm, phi4_mini, prompts)
+    llm = LLM(str(phi4_mini), max_model_len=ORIGINAL_LEN, tensor_parallel_size=2,
+              kv_cache_memory=16 << 20, max_num_batched_tokens=32)
+    try:
+        assert_matches(llm, phi4_mini, prompts)
+    finally:
+        llm.shutdown()
+
+
+def test_partial_rotary_stays_refused_where_the_model_does_not_reorder_heads():
+    from transformers import LlamaConfig
+    config = LlamaConfig(hidden_size=64, num_attention_heads=4, num_hidden_layers=1,
+                         partial_rotary_factor=0.75, architectures=["LlamaForCausalLM"])
     with pytest.raises(ModelLoadError, match="partial_rotary_factor=0.75"):
         check_model_config(config, 2048)

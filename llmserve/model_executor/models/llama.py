@@ -62,10 +62,19 @@ class RMSNorm(nn.Module):
         return x, self(x)
 
 
+def rotary_dim(config) -> int:
+    """How many of each head's dims the rotary turns: all, or the first
+    ``partial_rotary_factor`` of them (Phi-4-mini: 3/4; transformers 5 keeps the
+    factor in ``rope_parameters``)."""
+    factor = (getattr(config, "partial_rotary_factor", None)
+              or rope_params(config).get("partial_rotary_factor") or 1.0)
+    return int(config.head_dim * factor)
+
+
 def rope_inv_freq(config) -> torch.Tensor:
-    """Inverse frequencies, with Llama 3's long-context scaling or LongRoPE's short
-    factors (Phi-3) when configured."""
-    dim = config.head_dim
+    """Inverse frequencies of the rotated dims' pairs, with Llama 3's long-context
+    scaling or LongRoPE's short factors (Phi-3) when configured."""
+    dim = rotary_dim(config)
     base = getattr(config, "rope_theta", None) or rope_params(config).get("rope_theta", 10000.0)
     # float32 throughout, as transformers computes it, so positions agree bit for bit.
     # On the CPU explicitly: the model is built on the meta device, where this
@@ -121,8 +130,14 @@ class RotaryEmbedding(nn.Module):
         t = torch.arange(max_positions, dtype=torch.float32, device="cpu")
         freqs = torch.outer(t, rope_inv_freq(config))
         factor = rope_attention_factor(config)
-        self.register_buffer("cos", freqs.cos() * factor, persistent=False)
-        self.register_buffer("sin", freqs.sin() * factor, persistent=False)
+        cos, sin = freqs.cos() * factor, freqs.sin() * factor
+        # Partial rotary: the model orders each q/k head so that the rotated pairs come
+        # first in each half (phi3.partial_rotary_order); the rest turn by nothing.
+        still = config.head_dim // 2 - freqs.shape[1]
+        if still:
+            cos, sin = F.pad(cos, (0, still), value=1.0), F.pad(sin, (0, still))
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)  # [T,1,d/2]

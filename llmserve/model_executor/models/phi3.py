@@ -4,11 +4,31 @@ pretraining context, ``supported._rope``). The checkpoint stacks the projections
 keeps apart: ``self_attn.qkv_proj`` is q's rows, then k's, then v's, and
 ``mlp.gate_up_proj`` gate's rows, then up's. ``fused_parts`` tells the loader so: it
 splits them into the modules' q/k/v and gate/up (each rank taking its heads' and its MLP
-rows), which ``fuse()`` joins again after loading, as for every Llama."""
+rows), which ``fuse()`` joins again after loading, as for every Llama.
+
+Phi-4-mini turns only the first 3/4 of each head (``partial_rotary_factor``). The
+engine's rotary (every path: C, Triton, torch) pairs dim i with dim i + head_dim/2;
+rather than teach each kernel another pairing, ``fuse()`` reorders the dims of every
+q and k head so that the pairs transformers turns sit there, and the cos/sin tables
+turn the other dims by nothing (``llama.RotaryEmbedding``)."""
 
 from __future__ import annotations
 
-from llmserve.model_executor.models.llama import LlamaForCausalLM
+import torch
+
+from llmserve.model_executor.models.llama import LlamaForCausalLM, rotary_dim
+
+
+def partial_rotary_order(head_dim: int, rot: int) -> torch.Tensor:
+    """A head's dims in the order that puts transformers' rotary pairs (i, i + rot/2),
+    i < rot/2, at the engine's (i, i + head_dim/2): the first half holds the pairs'
+    first dims, then half of the dims left unturned; the second half the partners,
+    then the other unturned ones. q and k in the same order keep every q.k product
+    (so the attention) as it was; v keeps its order."""
+    half, rot_half = head_dim // 2, rot // 2
+    unturned = torch.arange(rot, head_dim)
+    return torch.cat([torch.arange(rot_half), unturned[:half - rot_half],
+                      torch.arange(rot_half, rot), unturned[half - rot_half:]])
 
 
 class Phi3ForCausalLM(LlamaForCausalLM):
@@ -25,3 +45,16 @@ class Phi3ForCausalLM(LlamaForCausalLM):
             rows = c.intermediate_size
             return [(prefix + "gate_proj.weight", rows), (prefix + "up_proj.weight", rows)]
         return None
+
+    def fuse(self) -> None:
+        head_dim = self.config.head_dim
+        rot = rotary_dim(self.config)
+        if rot < head_dim:  # after loading, before q/k/v are joined (and quantised)
+            order = partial_rotary_order(head_dim, rot)
+            for layer in self.model.layers:
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj):
+                    w = proj.weight
+                    heads = w.view(-1, head_dim, w.shape[1])  # a rank holds whole heads
+                    with torch.no_grad():
+                        w.copy_(heads[:, order.to(w.device)].reshape(w.shape))
+        super().fuse()

@@ -30,6 +30,8 @@ UNSUPPORTED_FIELDS = {
 }
 # The value of each of those fields that means "off".
 _OFF = {"partial_rotary_factor": 1.0}
+# Whose model orders its q/k heads for a partial rotary (``models/phi3.py``).
+PARTIAL_ROTARY_ARCHITECTURES = ("Phi3ForCausalLM",)
 
 
 def check_model_config(config, max_model_len: int) -> None:
@@ -74,7 +76,10 @@ def rope_type(config) -> str:
 
 
 def _unsupported_fields(config, max_model_len: int) -> str | None:
+    archs = getattr(config, "architectures", None) or ["?"]
     for field, what in UNSUPPORTED_FIELDS.items():
+        if field == "partial_rotary_factor" and set(archs) <= set(PARTIAL_ROTARY_ARCHITECTURES):
+            continue
         value = getattr(config, field, None)
         if value is None and field == "partial_rotary_factor":
             value = rope_params(config).get(field)  # transformers 5 keeps it there
