@@ -340,10 +340,15 @@ def test_the_torch_path_plans_and_attends_on_the_cache_device():
     plan = make_cpu_plan(s["query_start"], s["seq_lens"], s["block_tables"], 16, 11,
                          device=META)
     tensors = plan_tensors(plan)
-    assert len(tensors) == 6 and {t.device for t in tensors} == {META}
+    assert len(tensors) == 7 and {t.device for t in tensors} == {META}
     q = torch.empty(19, 4, 16, device=META)
     out = paged_attention_cpu(q, torch.empty(2, 11, 16, 2, 16, device=META), plan, 0.25)
     assert out.device == META and out.shape == q.shape
+    # a sliding-window layer's masks, derived from the plan, land there too
+    out = paged_attention_cpu(q, torch.empty(2, 11, 16, 2, 16, device=META), plan, 0.25,
+                              window=8)
+    _, decode_mask, prefill_masks = plan.windowed(8)
+    assert out.device == META and {m.device for m in [decode_mask, *prefill_masks]} == {META}
     with pytest.raises(ValueError, match="CPU caches only"):
         make_cpu_plan(s["query_start"], s["seq_lens"], s["block_tables"], 16, 11,
                       native=True, device=META)

@@ -1,9 +1,10 @@
 """Config fields and tensors the engine does not compute are refused at start-up, by
 name; those it does compute still load and match transformers.
 
-The bug this guards: a Mistral checkpoint with ``sliding_window: 48`` was served
+The bug this guarded first: a Mistral checkpoint with ``sliding_window: 48`` was served
 with full attention, and its greedy tokens past 48 tokens differed from
-transformers' with no warning.
+transformers' with no warning. Sliding windows are computed now
+(tests/test_sliding_window.py); here, windowed configs serve transformers' tokens.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from llmserve import LLM, SamplingParams
 from llmserve.errors import ModelLoadError
 from llmserve.model_executor.model_loader.gguf import _gguf_config
 from llmserve.model_executor.model_loader.sources import load_config
-from llmserve.model_executor.models.supported import check_model_config
+from llmserve.model_executor.models.supported import check_model_config, layer_sliding_window
 from tests.conftest import write_tiny_checkpoint
 from tests.oracle import compare_greedy, hf_greedy, load_hf
 
@@ -56,11 +57,6 @@ REFUSED = {
                        r"partial_rotary_factor=0.5: partial rotary"),
     "quantized": ("llama", dict(quantization_config={"quant_method": "gptq", "bits": 4}),
                   r"quantization_config=.*gptq.*pre-quantised checkpoints"),
-    "mistral_window": ("mistral", dict(sliding_window=48),
-                       r"sliding_window=48: sliding-window attention is not implemented"),
-    "qwen2_window": ("qwen2", dict(use_sliding_window=True, sliding_window=48,
-                                   max_window_layers=1),
-                     r"sliding_window=48"),
 }
 
 
@@ -72,35 +68,29 @@ def test_an_unimplemented_config_field_is_refused_by_name(tmp_path_factory, buil
     refused(path, match)
 
 
-def test_a_window_refusal_says_which_max_model_len_works(tmp_path_factory, builtin_path):
-    path = tiny(tmp_path_factory, builtin_path, "mistral", sliding_window=48)
-    message = refused(path, "sliding_window=48")
-    assert "--max-model-len 48" in message and "MistralForCausalLM" in message
-    # Past the window by one token is still refused: the first masked key is at 48.
-    refused(path, "sliding_window=48", max_model_len=49)
-
-
 def test_the_cli_prints_the_refusal_and_exits_nonzero(tmp_path_factory, builtin_path):
-    path = tiny(tmp_path_factory, builtin_path, "mistral", sliding_window=48)
+    path = tiny(tmp_path_factory, builtin_path, "llama", partial_rotary_factor=0.5)
     run = subprocess.run([sys.executable, "-m", "llmserve", "generate", "--model",
                           str(path), "--prompt", "hi", "--max-tokens", "2"],
                          capture_output=True, text=True, timeout=300)
     assert run.returncode != 0
-    assert "sliding_window=48" in run.stderr and "Traceback" not in run.stderr
+    assert "partial_rotary_factor=0.5" in run.stderr and "Traceback" not in run.stderr
 
 
-def test_a_window_that_masks_nothing_is_allowed():
-    """The check itself, over configs as transformers builds them: a window at or
-    above the longest context, Qwen2's switch off, or no windowed layer."""
+def test_which_layers_are_windowed():
+    """transformers' rules, over configs as it builds them: Mistral windows every layer;
+    Qwen2 the layers from max_window_layers on, and none with its switch off; a
+    window-less config none."""
     from transformers import MistralConfig, Qwen2Config
-    check_model_config(MistralConfig(sliding_window=4096, architectures=["M"]), 4096)
-    check_model_config(MistralConfig(sliding_window=None), 32768)
-    check_model_config(Qwen2Config(use_sliding_window=False, sliding_window=48), 32768)
-    check_model_config(Qwen2Config(use_sliding_window=True, sliding_window=48,
-                                   num_hidden_layers=2, max_window_layers=2), 32768)
-    with pytest.raises(ModelLoadError, match="sliding_window=48"):
-        check_model_config(Qwen2Config(use_sliding_window=True, sliding_window=48,
-                                       num_hidden_layers=2, max_window_layers=1), 32768)
+    mistral = MistralConfig(sliding_window=48, num_hidden_layers=2)
+    assert [layer_sliding_window(mistral, i) for i in range(2)] == [48, 48]
+    assert layer_sliding_window(MistralConfig(sliding_window=None), 0) is None
+    off = Qwen2Config(use_sliding_window=False, sliding_window=48, num_hidden_layers=2)
+    assert [layer_sliding_window(off, i) for i in range(2)] == [None, None]
+    mixed = Qwen2Config(use_sliding_window=True, sliding_window=48, num_hidden_layers=2,
+                        max_window_layers=1)
+    assert [layer_sliding_window(mixed, i) for i in range(2)] == [None, 48]
+    check_model_config(mixed, 32768)  # served, not refused
 
 
 # --- tensors the model would not apply ----------------------------------------------
@@ -152,7 +142,6 @@ GGUF_META = {"llama.embedding_length": 64, "llama.attention.head_count": 4,
 
 @pytest.mark.parametrize("meta, match", [
     ({"llama.rope.scaling.type": "yarn", "llama.rope.scaling.factor": 4.0}, "rope type 'yarn'"),
-    ({"llama.attention.sliding_window": 48}, "sliding_window=48"),
     ({"llama.rope.dimension_count": 8}, "partial_rotary_factor=0.5"),
 ])
 def test_gguf_attention_variants_reach_the_check(tmp_path, meta, match):
@@ -162,6 +151,13 @@ def test_gguf_attention_variants_reach_the_check(tmp_path, meta, match):
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ModelLoadError, match=match):
         check_model_config(load_config(tmp_path), 2048)
+
+
+def test_a_gguf_window_reaches_the_model(tmp_path):
+    config = _gguf_config({**GGUF_META, "llama.attention.sliding_window": 48}, "llama",
+                          has_output=True)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert layer_sliding_window(load_config(tmp_path), 1) == 48
 
 
 def test_the_builtin_gguf_passes_the_check(builtin_path):
@@ -182,6 +178,9 @@ SUPPORTED = {
     "attention_bias": ("llama", dict(attention_bias=True)),
     "rope_linear": ("llama", dict(rope_scaling={"rope_type": "linear", "factor": 2.0})),
     "mistral_wide_window": ("mistral", dict(sliding_window=4096)),
+    "mistral_window": ("mistral", dict(sliding_window=48)),  # prompts of 70, 130 tokens
+    "qwen2_window": ("qwen2", dict(use_sliding_window=True, sliding_window=48,
+                                   max_window_layers=1)),  # layer 0 full, layer 1 windowed
 }
 
 

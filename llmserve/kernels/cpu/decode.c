@@ -49,7 +49,7 @@ static void exp_inplace(float *x, int n) {
  * dtype, so that the compiler unrolls and vectorises the head_dim loops fully. */
 static inline __attribute__((always_inline)) void attend_one(
         const void *q, int64_t q_stride, void *out, const void *kv, int64_t q_row,
-        const int32_t *table, int seq_len, int64_t v_offset, int block_size,
+        const int32_t *table, int first, int seq_len, int64_t v_offset, int block_size,
         int num_heads, int kv_heads, const int head_dim, int kv_head, float scale,
         const int dtype, float *scratch) {
     const int group = num_heads / kv_heads;
@@ -64,12 +64,13 @@ static inline __attribute__((always_inline)) void attend_one(
         load_row(q, off, dtype, head_dim, qf + g * head_dim);
         for (int d = 0; d < head_dim; d++) qf[g * head_dim + d] *= scale;
     }
-    /* Scores: each K row read once for the whole group. */
-    for (int b = 0; b < num_blocks; b++) {
+    /* Scores: each K row read once for the whole group (keys [first, seq_len): a
+     * sliding window's; scores indexed by position). */
+    for (int b = first / block_size; b < num_blocks; b++) {
         int64_t base = (int64_t)table[b] * block_size * token_stride
                        + (int64_t)kv_head * head_dim;
         int n = seq_len - b * block_size < block_size ? seq_len - b * block_size : block_size;
-        for (int j = 0; j < n; j++) {
+        for (int j = b == first / block_size ? first % block_size : 0; j < n; j++) {
             load_row(kv, base + j * token_stride, dtype, head_dim, row);
             for (int g = 0; g < group; g++) {
                 const float *qg = qf + g * head_dim;
@@ -81,23 +82,24 @@ static inline __attribute__((always_inline)) void attend_one(
     }
     /* Softmax per query head. */
     for (int g = 0; g < group; g++) {
-        float *sg = scores + (int64_t)g * seq_len;
+        float *sg = scores + (int64_t)g * seq_len + first;
+        const int n = seq_len - first;
         float m = sg[0];
-        for (int t = 1; t < seq_len; t++) m = sg[t] > m ? sg[t] : m;
-        for (int t = 0; t < seq_len; t++) sg[t] -= m;
-        exp_inplace(sg, seq_len);
+        for (int t = 1; t < n; t++) m = sg[t] > m ? sg[t] : m;
+        for (int t = 0; t < n; t++) sg[t] -= m;
+        exp_inplace(sg, n);
         float sum = 0.0f;
-        for (int t = 0; t < seq_len; t++) sum += sg[t];
+        for (int t = 0; t < n; t++) sum += sg[t];
         float inv = 1.0f / sum;
-        for (int t = 0; t < seq_len; t++) sg[t] *= inv;
+        for (int t = 0; t < n; t++) sg[t] *= inv;
     }
     /* Weighted sum of V rows, each read once for the group. */
     memset(acc, 0, sizeof(float) * group * head_dim);
-    for (int b = 0; b < num_blocks; b++) {
+    for (int b = first / block_size; b < num_blocks; b++) {
         int64_t base = v_offset + (int64_t)table[b] * block_size * token_stride
                        + (int64_t)kv_head * head_dim;
         int n = seq_len - b * block_size < block_size ? seq_len - b * block_size : block_size;
-        for (int j = 0; j < n; j++) {
+        for (int j = b == first / block_size ? first % block_size : 0; j < n; j++) {
             load_row(kv, base + j * token_stride, dtype, head_dim, row);
             for (int g = 0; g < group; g++) {
                 float p = scores[(int64_t)g * seq_len + b * block_size + j];
@@ -198,18 +200,17 @@ static inline __attribute__((always_inline)) v16f tile_scores(
     return sum_lanes16(dots);
 }
 
-/* Row offsets of the context's K rows, in token order, padded to whole tiles with
- * the last one (so tiles never branch on their length): block lookups done once, for
- * both the K and the V pass. */
-static int64_t *key_offsets(int64_t *off, const int32_t *table, int seq_len, int block_size,
-                            int64_t token_stride, int64_t head_off) {
-    int t = 0;
-    for (int b = 0; t < seq_len; b++) {
-        int64_t base = (int64_t)table[b] * block_size * token_stride + head_off;
-        for (int j = 0; j < block_size && t < seq_len; j++, t++)
-            off[t] = base + j * token_stride;
-    }
-    for (; t % TILE; t++) off[t] = off[seq_len - 1];
+/* Row offsets of the K rows of keys [first, seq_len) (all of the context, or a sliding
+ * window's end of it), in token order from off[0], padded to whole tiles with the last
+ * one (so tiles never branch on their length): block lookups done once, for both the
+ * K and the V pass. */
+static int64_t *key_offsets(int64_t *off, const int32_t *table, int first, int seq_len,
+                            int block_size, int64_t token_stride, int64_t head_off) {
+    int i = 0;
+    for (int t = first; t < seq_len; t++, i++)
+        off[i] = ((int64_t)table[t / block_size] * block_size + t % block_size) * token_stride
+                 + head_off;
+    for (const int n = i; i % TILE; i++) off[i] = off[n - 1];
     return off;
 }
 
@@ -451,13 +452,14 @@ static __attribute__((noinline)) void value_pass(
  * at most MAX_GROUP: two passes over the context (scores, then values), each
  * specialised where it pays. Scratch: key offsets, scores, accumulators. */
 static void attend_tiled(const void *q, int64_t q_stride, void *out, const void *kv,
-                         int64_t q_row, const int32_t *table, int seq_len, int64_t v_offset,
-                         int block_size, int num_heads, int kv_heads, int head_dim,
-                         int kv_head, float scale, int dtype, int whole_rows,
+                         int64_t q_row, const int32_t *table, int first, int seq_len,
+                         int64_t v_offset, int block_size, int num_heads, int kv_heads,
+                         int head_dim, int kv_head, float scale, int dtype, int whole_rows,
                          struct lookahead *la, void *scratch) {
     const int group = num_heads / kv_heads;
-    const int padded = (seq_len + TILE - 1) / TILE * TILE;
-    int64_t *off = key_offsets(scratch, table, seq_len, block_size,
+    const int n = seq_len - first;  /* the keys this row sees */
+    const int padded = (n + TILE - 1) / TILE * TILE;
+    int64_t *off = key_offsets(scratch, table, first, seq_len, block_size,
                                (int64_t)kv_heads * head_dim, (int64_t)kv_head * head_dim);
     float *scores = (float *)(off + padded);          /* [group, padded] */
     float *acc = scores + (int64_t)group * padded;    /* [group, head_dim] */
@@ -467,8 +469,8 @@ static void attend_tiled(const void *q, int64_t q_stride, void *out, const void 
                           ? kv_heads * head_dim * (dtype == DTYPE_BF16 ? 2 : 4) : 0;
     score_tiles(q, q_off, kv, off, padded, v_offset, row_bytes, head_dim, group, scale, dtype,
                 scores);
-    softmax_rows(scores, group, padded, seq_len);
-    value_pass(kv, off, seq_len, v_offset, scores, padded, head_dim, group, dtype, la, acc);
+    softmax_rows(scores, group, padded, n);
+    value_pass(kv, off, n, v_offset, scores, padded, head_dim, group, dtype, la, acc);
     for (int g = 0; g < group; g++) {
         const float *a = acc + g * head_dim;
         int64_t o = (q_row * num_heads + (int64_t)kv_head * group + g) * head_dim;
@@ -482,16 +484,17 @@ static void attend_tiled(const void *q, int64_t q_stride, void *out, const void 
 
 /* attend_one specialised for the common head sizes and each dtype, where
  * attend_tiled does not apply. */
-#define ATTEND(HD, DT) attend_one(q, q_stride, out, kv, q_row, table, seq_len, v_offset, \
+#define ATTEND(HD, DT) attend_one(q, q_stride, out, kv, q_row, table, first, seq_len, v_offset, \
                                   block_size, num_heads, kv_heads, HD, kv_head, scale, DT, \
                                   scratch)
 static void attend(const void *q, int64_t q_stride, void *out, const void *kv,
-                   int64_t q_row, const int32_t *table, int seq_len, int64_t v_offset,
+                   int64_t q_row, const int32_t *table, int first, int seq_len,
+                   int64_t v_offset,
                    int block_size, int num_heads, int kv_heads, int head_dim, int kv_head,
                    float scale, int dtype, int whole_rows, struct lookahead *la,
                    float *scratch) {
     if ((head_dim == 64 || head_dim == 128) && num_heads / kv_heads <= MAX_GROUP) {
-        attend_tiled(q, q_stride, out, kv, q_row, table, seq_len, v_offset, block_size,
+        attend_tiled(q, q_stride, out, kv, q_row, table, first, seq_len, v_offset, block_size,
                      num_heads, kv_heads, head_dim, kv_head, scale, dtype, whole_rows, la,
                      scratch);
     } else if (dtype == DTYPE_BF16) {
@@ -521,7 +524,8 @@ static void zero_heads(void *out, int64_t q_row, int num_heads, int first, int c
  * measured 15-30% less time a layer once the cache is past L3). */
 static void attend_claimed(const void *q, int64_t q_stride, void *out, const void *kv,
                            const int32_t *q_rows, const int32_t *tables, int table_stride,
-                           const int32_t *seq_lens, int num_seqs, int64_t v_offset,
+                           const int32_t *first_keys, const int32_t *seq_lens, int num_seqs,
+                           int64_t v_offset,
                            int block_size, int num_heads, int kv_heads, int head_dim,
                            float scale, int dtype, int *claimed, float *scratch) {
     const int elem = dtype == DTYPE_BF16 ? 2 : 4;
@@ -534,6 +538,7 @@ static void attend_claimed(const void *q, int64_t q_stride, void *out, const voi
         if (next < num_seqs) {
             ahead.table = tables + (int64_t)next * table_stride;
             ahead.len = seq_lens[next];
+            ahead.next = first_keys != NULL ? first_keys[next] : 0;
         }
         for (int h = 0; h < kv_heads; h++) {
             if (seq_lens[cur] <= 0) {
@@ -541,8 +546,9 @@ static void attend_claimed(const void *q, int64_t q_stride, void *out, const voi
                 continue;
             }
             attend(q, q_stride, out, kv, q_rows[cur], tables + (int64_t)cur * table_stride,
-                   seq_lens[cur], v_offset, block_size, num_heads, kv_heads, head_dim, h,
-                   scale, dtype, 1, ahead.len > 0 ? &ahead : NULL, scratch);
+                   first_keys != NULL ? first_keys[cur] : 0, seq_lens[cur], v_offset,
+                   block_size, num_heads, kv_heads, head_dim, h, scale, dtype, 1,
+                   ahead.len > 0 ? &ahead : NULL, scratch);
         }
         cur = next;
     }
@@ -551,9 +557,12 @@ static void attend_claimed(const void *q, int64_t q_stride, void *out, const voi
 /* q: rows q_stride elements apart, heads head_dim apart; out: [rows, num_heads,
  * head_dim] contiguous; q_rows[i]: the row of sequence i; tables:
  * [num_seqs, table_stride] block ids; seq_lens[i]: tokens in sequence i's context
- * (its new token's K/V already written). Returns 0, or -1 when out of memory. */
-int paged_decode(int num_threads, const void *q, int64_t q_stride, void *out, const void *kv, const int32_t *q_rows,
-                 const int32_t *tables, int table_stride, const int32_t *seq_lens,
+ * (its new token's K/V already written); first_keys[i]: the first of them it attends
+ * to (a sliding window: seq_len - window where that is positive), or NULL: every one.
+ * Returns 0, or -1 when out of memory. */
+int paged_decode(int num_threads, const void *q, int64_t q_stride, void *out, const void *kv,
+                 const int32_t *q_rows, const int32_t *tables, int table_stride,
+                 const int32_t *first_keys, const int32_t *seq_lens,
                  int num_seqs, int64_t num_cache_blocks, int block_size, int num_heads,
                  int kv_heads, int head_dim, float scale, int dtype) {
     int max_len = 0;
@@ -579,8 +588,8 @@ int paged_decode(int num_threads, const void *q, int64_t q_stride, void *out, co
         failed = scratch == NULL;
         if (whole_rows) {
             if (scratch != NULL)
-                attend_claimed(q, q_stride, out, kv, q_rows, tables, table_stride, seq_lens,
-                               num_seqs, v_offset, block_size, num_heads, kv_heads, head_dim,
+                attend_claimed(q, q_stride, out, kv, q_rows, tables, table_stride, first_keys,
+                               seq_lens, num_seqs, v_offset, block_size, num_heads, kv_heads, head_dim,
                                scale, dtype, &claimed, scratch);
         } else {
             /* Every thread takes part in the loop (a work-sharing construct), even one
@@ -594,7 +603,7 @@ int paged_decode(int num_threads, const void *q, int64_t q_stride, void *out, co
                     continue;
                 }
                 attend(q, q_stride, out, kv, q_rows[i], tables + (int64_t)i * table_stride,
-                       seq_lens[i], v_offset, block_size, num_heads, kv_heads, head_dim, h,
+                       first_keys != NULL ? first_keys[i] : 0, seq_lens[i], v_offset, block_size, num_heads, kv_heads, head_dim, h,
                        scale, dtype, 0, NULL, scratch);
             }
         }

@@ -178,7 +178,7 @@ int q4_decode_layers(int num_threads, const q4_dims *d, const q4_layer *layers, 
                             d->head_dim, DTYPE_BF16);
         if (rc == 0)
             rc = paged_decode(num_threads, q, qdim, attn, L->kv_cache, rows, tables,
-                              table_stride, seq_lens, M, d->num_cache_blocks, d->block_size,
+                              table_stride, NULL, seq_lens, M, d->num_cache_blocks, d->block_size,
                               d->num_heads, d->kv_heads, d->head_dim, d->scale, DTYPE_BF16);
         if (rc != 0) break;
         q4_matmul(num_threads, &L->o, d->block_n, attn, M, o, xf, xsum);

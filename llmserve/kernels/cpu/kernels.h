@@ -82,7 +82,8 @@ typedef struct {
 /* decode.c: attention, rotary + K/V store, and the bf16 ops between the GEMMs. */
 int paged_decode(int num_threads, const void *q, int64_t q_stride, void *out, const void *kv,
                  const int32_t *q_rows, const int32_t *tables, int table_stride,
-                 const int32_t *seq_lens, int num_seqs, int64_t num_cache_blocks,
+                 const int32_t *first_keys, const int32_t *seq_lens, int num_seqs,
+                 int64_t num_cache_blocks,
                  int block_size, int num_heads, int kv_heads, int head_dim, float scale,
                  int dtype);
 int rope_and_cache(int num_threads, const void *qkv, int64_t qkv_stride, void *q_out,

@@ -61,8 +61,8 @@ _I32, _I64, _F32, _PTR = ctypes.c_int, ctypes.c_int64, ctypes.c_float, ctypes.c_
 # header against the definitions.
 SIGNATURES: dict[str, list[type]] = {
     # decode.c
-    "paged_decode": [_I32, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _I32, _PTR, _I32, _I64, _I32,
-                     _I32, _I32, _I32, _F32, _I32],
+    "paged_decode": [_I32, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _I32, _PTR, _PTR, _I32, _I64,
+                     _I32, _I32, _I32, _I32, _F32, _I32],
     "rope_and_cache": [_I32, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _I32, _I64, _I32, _I32,
                        _I32, _I32, _I32],
     "add_rms_norm_bf16": [_I32, _PTR, _PTR, _PTR, _PTR, _PTR, _I32, _I32, _F32],
@@ -270,8 +270,9 @@ def rope_and_cache(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
 
 def paged_decode(q: torch.Tensor, out: torch.Tensor, kv_cache: torch.Tensor,
                  q_rows: torch.Tensor, tables: torch.Tensor, seq_lens: torch.Tensor,
-                 scale: float) -> None:
-    """``out[q_rows[i]]`` = sequence i's new token attending over its cached context.
+                 scale: float, first_keys: torch.Tensor | None = None) -> None:
+    """``out[q_rows[i]]`` = sequence i's new token attending over its cached context,
+    from key ``first_keys[i]`` on (int32; a sliding window's start) or all of it.
     ``q`` may be a view whose token rows are strided (the split of a fused QKV), but
     each head's ``head_dim`` values contiguous; ``out``, ``kv_cache`` (one layer:
     ``[2, blocks, block_size, kv_heads, head_dim]``), and the int32 ``q_rows``,
@@ -289,7 +290,8 @@ def paged_decode(q: torch.Tensor, out: torch.Tensor, kv_cache: torch.Tensor,
     rc = decode_kernel().paged_decode(
         torch.get_num_threads(), q.data_ptr(), q.stride(0), out.data_ptr(),
         kv_cache.data_ptr(), q_rows.data_ptr(), tables.data_ptr(), tables.shape[1],
-        seq_lens.data_ptr(), seq_lens.shape[0], num_blocks, block_size, num_heads, kv_heads,
+        None if first_keys is None else first_keys.data_ptr(), seq_lens.data_ptr(),
+        seq_lens.shape[0], num_blocks, block_size, num_heads, kv_heads,
         head_dim, scale, DTYPE_CODES[q.dtype])
     if rc != 0:
         raise MemoryError("paged_decode: out of memory for its scratch buffers")

@@ -17,6 +17,10 @@ several splits each program attends a disjoint share of the keys and a second ke
 merges the partial results by log-sum-exp; the split count is chosen from the GPU's
 occupancy (``choose_splits``), so long contexts fill the SMs at any batch size.
 
+A sliding window of W keys (``window``; 0: none) limits the query at position p to the
+keys in (p - W, p]: masked in the online softmax, and the cache blocks wholly before a
+tile's window are never visited.
+
 Shapes the kernels support are checked by ``check_supported`` (a ValueError
 that names the violated limit); ``unified_attention`` calls it on every call.
 
@@ -90,13 +94,15 @@ def _find_seq(query_start_loc_ptr, q_block, num_seqs, BLOCK_Q: tl.constexpr):
 @triton.jit
 def _attend_blocks(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, block_table_ptr,
                    kv_head, first_block, last_block, seq_len, context_len, query_pos,
-                   stride_kb, stride_ks, stride_kh, scale,
+                   stride_kb, stride_ks, stride_kh, scale, window,
                    BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
                    HEAD_DIM_P: tl.constexpr):
     """Online softmax over cache blocks [first_block, last_block)."""
     offs_s = tl.arange(0, BLOCK_SIZE)
     offs_d = tl.arange(0, HEAD_DIM_P)
     d_mask = offs_d < HEAD_DIM
+    # Keys at or below this position are outside each row's sliding window (-1: none).
+    below = tl.where(window > 0, context_len + query_pos - window, -1)
     for j in range(first_block, last_block):
         block = tl.load(block_table_ptr + j).to(tl.int64)  # int64: large pools
         key_pos = j * BLOCK_SIZE + offs_s
@@ -107,7 +113,8 @@ def _attend_blocks(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, block_table_ptr,
         v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
         s = tl.dot(q, tl.trans(k)) * scale  # [BLOCK_M, BLOCK_SIZE], fp32
         visible = (key_pos[None, :] < seq_len) & \
-                  (key_pos[None, :] <= context_len + query_pos[:, None])
+                  (key_pos[None, :] <= context_len + query_pos[:, None]) & \
+                  (key_pos[None, :] > below[:, None])
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         # A row with nothing visible yet has m_new = -inf: subtract 0 instead.
@@ -125,10 +132,10 @@ def _attend_blocks(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, block_table_ptr,
 # (the step's longest table) change with every batch, so specialising on them would
 # make early requests of a new shape wait for a compile the warm-up never saw; they are
 # plain runtime integers instead (tests/test_kernels.py checks every integer argument).
-@triton.jit(do_not_specialize=["num_seqs", "stride_bt"])
+@triton.jit(do_not_specialize=["num_seqs", "stride_bt", "window"])
 def _unified_attention_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, query_start_loc_ptr, seq_lens_ptr,
-        block_tables_ptr, num_seqs, scale,
+        block_tables_ptr, num_seqs, scale, window,
         stride_qt, stride_qh, stride_ot, stride_oh,
         stride_kb, stride_ks, stride_kh, stride_bt,
         NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_P: tl.constexpr,
@@ -159,23 +166,26 @@ def _unified_attention_kernel(
     # Keys this tile can see: up to the causal limit of its last query row.
     last_query = tl.minimum(local * BLOCK_Q + BLOCK_Q, q_len) - 1
     num_blocks = tl.cdiv(context_len + last_query + 1, BLOCK_SIZE)
+    # ... and from the first key the window of its first query row reaches.
+    first_block = tl.where(window > 0, tl.maximum(context_len + local * BLOCK_Q - window + 1,
+                                                  0) // BLOCK_SIZE, 0)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_P], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc, m_i, l_i = _attend_blocks(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr,
                                    block_tables_ptr + seq.to(tl.int64) * stride_bt, kv_head,
-                                   0, num_blocks, seq_len, context_len, query_pos,
-                                   stride_kb, stride_ks, stride_kh, scale,
+                                   first_block, num_blocks, seq_len, context_len, query_pos,
+                                   stride_kb, stride_ks, stride_kh, scale, window,
                                    BLOCK_SIZE, HEAD_DIM, HEAD_DIM_P)
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     o_off = token[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
     tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty), mask=io_mask)
 
 
-@triton.jit(do_not_specialize=["stride_bt"])
+@triton.jit(do_not_specialize=["stride_bt", "window"])
 def _split_decode_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
-        query_start_loc_ptr, seq_lens_ptr, block_tables_ptr, scale,
+        query_start_loc_ptr, seq_lens_ptr, block_tables_ptr, scale, window,
         stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_ks, stride_kh, stride_bt,
         NUM_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr, GROUP: tl.constexpr,
         GROUP_P: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr,
@@ -200,8 +210,10 @@ def _split_decode_kernel(
     q = tl.load(q_ptr + token * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
                 mask=row_mask[:, None] & d_mask[None, :], other=0.0)
     total_blocks = tl.cdiv(seq_len, BLOCK_SIZE)
-    per_split = tl.cdiv(total_blocks, NUM_SPLITS)
-    first = split * per_split
+    # A sliding window's decode sees keys [seq_len - window, seq_len): split those blocks.
+    window_start = tl.where(window > 0, tl.maximum(seq_len - window, 0) // BLOCK_SIZE, 0)
+    per_split = tl.cdiv(total_blocks - window_start, NUM_SPLITS)
+    first = window_start + split * per_split
     last = tl.minimum(first + per_split, total_blocks)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_P], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -210,7 +222,7 @@ def _split_decode_kernel(
     acc, m_i, l_i = _attend_blocks(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr,
                                    block_tables_ptr + seq.to(tl.int64) * stride_bt, kv_head,
                                    first, last, seq_len, seq_len - 1, query_pos,
-                                   stride_kb, stride_ks, stride_kh, scale,
+                                   stride_kb, stride_ks, stride_kh, scale, window,
                                    BLOCK_SIZE, HEAD_DIM, HEAD_DIM_P)
     if NUM_SPLITS == 1:  # the whole context: no partials, no reduce launch
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
@@ -440,9 +452,10 @@ def unified_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
                       out: torch.Tensor, *, query_start_loc: torch.Tensor,
                       seq_lens: torch.Tensor, block_tables: torch.Tensor, max_query_len: int,
                       max_seq_len: int, scale: float, num_splits: int | None = None,
-                      split_rule: str = "occupancy", decode_tile: str = "fit"
-                      ) -> torch.Tensor:
-    """Causal paged attention of each sequence's new tokens over its cached keys.
+                      split_rule: str = "occupancy", decode_tile: str = "fit",
+                      window: int | None = None) -> torch.Tensor:
+    """Causal paged attention of each sequence's new tokens over its cached keys
+    (``window``: the last that many of them, a sliding window; None: all).
 
     ``num_splits`` forces the split-KV path (decode-only batches) with that many
     splits (a power of two <= MAX_SPLITS); by default it is chosen from the batch
@@ -466,13 +479,14 @@ def unified_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     head_dim_p = triton.next_power_of_2(head_dim)
     assert k_cache.stride(3) == 1 and q.stride(2) == 1 and out.stride(2) == 1
     decode = max_query_len == 1
+    window = window or 0
     if num_splits is None:
         num_splits = (_choose_splits(num_seqs, num_kv_heads, max_seq_len, block_size,
                                      num_sms(q.device), split_rule) if decode else 1)
     if decode and (num_splits > 1 or decode_tile == "fit"):
         _decode(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables, scale,
                 num_splits, group, group_p, head_dim, head_dim_p,
-                _decode_rows(group_p, decode_tile))
+                _decode_rows(group_p, decode_tile), window)
         return out
     # Prefill chunks and mixed batches: BLOCK_Q query tokens x the group per tile. A
     # decode inside a mixed batch still fills one BLOCK_Q row of its tile; choosing the
@@ -482,7 +496,7 @@ def unified_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     grid = (num_tokens // block_q + num_seqs, num_kv_heads)
     _unified_attention_kernel[grid](
         q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables, num_seqs, scale,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        window, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         NUM_HEADS=num_heads, GROUP=group, GROUP_P=group_p, HEAD_DIM=head_dim,
         HEAD_DIM_P=head_dim_p, BLOCK_SIZE=block_size, BLOCK_Q=block_q, BLOCK_M=block_m)
@@ -490,7 +504,7 @@ def unified_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
 
 
 def _decode(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables, scale,
-            num_splits, group, group_p, head_dim, head_dim_p, block_m):
+            num_splits, group, group_p, head_dim, head_dim_p, block_m, window):
     num_heads = q.shape[1]
     num_seqs = seq_lens.shape[0]
     num_kv_heads = k_cache.shape[2]
@@ -504,7 +518,7 @@ def _decode(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables, s
         part_l = torch.empty_like(part_m)
     _split_decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, out, part_acc, part_m, part_l, query_start_loc, seq_lens,
-        block_tables, scale, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        block_tables, scale, window, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         NUM_HEADS=num_heads, NUM_SPLITS=num_splits, GROUP=group, GROUP_P=group_p,
         HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p, BLOCK_SIZE=k_cache.shape[1], BLOCK_M=block_m)

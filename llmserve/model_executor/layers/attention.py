@@ -59,8 +59,8 @@ def step_metadata() -> AttentionMetadata | None:
 
 
 def native_rope_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                          kv_cache: torch.Tensor, scale: float,
-                          num_heads: int) -> torch.Tensor | None:
+                          kv_cache: torch.Tensor, scale: float, num_heads: int,
+                          window: int | None = None) -> torch.Tensor | None:
     """Eager CPU steps with decodes, where the C kernels are built: rotary embedding and
     the K/V store in one call (``cpu_native.rope_and_cache``), then the attention of
     ``paged_attention_cpu`` (decodes in C, any prefill chunks in SDPA). None where this
@@ -72,11 +72,12 @@ def native_rope_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
     if meta is None or meta.plan is None or not meta.plan.native:
         return None
     q = rope_and_cache(qkv, cos, sin, kv_cache, meta.slot_mapping, num_heads)
-    return paged_attention_cpu(q, kv_cache, meta.plan, scale)
+    return paged_attention_cpu(q, kv_cache, meta.plan, scale, window)
 
 
 def fused_rope_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                         kv_cache: torch.Tensor, scale: float, num_heads: int) -> torch.Tensor:
+                         kv_cache: torch.Tensor, scale: float, num_heads: int,
+                         window: int | None = None) -> torch.Tensor:
     """``--fused-kernels``: one Triton kernel rotates q and k and stores k and v at the
     step's slots (``kernels/triton/fused.py``), then the attention reads the cache
     without writing it again. Eager only: the config refuses --fused-kernels with
@@ -86,27 +87,29 @@ def fused_rope_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     assert meta is not None, "attention runs inside forward_context()"
     q = rope_and_write_kv(qkv, cos, sin, kv_cache[0], kv_cache[1], meta.slot_mapping,
                           num_heads)
-    return paged_attention(q, None, None, kv_cache, scale, kv_written=True)
+    return paged_attention(q, None, None, kv_cache, scale, kv_written=True, window=window)
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
-                    kv_cache: torch.Tensor, scale: float,
-                    kv_written: bool = False) -> torch.Tensor:
+                    kv_cache: torch.Tensor, scale: float, kv_written: bool = False,
+                    window: int | None = None) -> torch.Tensor:
     """Write this step's ``k``/``v`` into the layer's cache and attend ``q`` over it;
-    ``kv_written``: a fused kernel has stored them already (``k``, ``v`` unused).
+    ``kv_written``: a fused kernel has stored them already (``k``, ``v`` unused);
+    ``window``: the layer's sliding window (None: the whole context).
     Under torch.compile this is the opaque op; eagerly its body is called directly (a
     custom op's dispatch costs ~100 us a call, 3 ms a step of the built-in model)."""
     if kv_written:
         meta = _current
         assert meta is not None, "paged_attention runs inside forward_context()"
-        return _attend(q, kv_cache, scale, meta)
+        return _attend(q, kv_cache, scale, meta, window)
     if torch.compiler.is_compiling():
-        return torch.ops.llmserve.paged_attention(q, k, v, kv_cache, scale)
-    return _paged_attention_kernel(q, k, v, kv_cache, scale)
+        return torch.ops.llmserve.paged_attention(q, k, v, kv_cache, scale, window or 0)
+    return _paged_attention_kernel(q, k, v, kv_cache, scale, window or 0)
 
 
 def _paged_attention_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                            kv_cache: torch.Tensor, scale: float) -> torch.Tensor:
+                            kv_cache: torch.Tensor, scale: float,
+                            window: int = 0) -> torch.Tensor:
     meta = _current
     assert meta is not None, "paged_attention runs inside forward_context()"
     if not meta.use_triton:
@@ -114,21 +117,21 @@ def _paged_attention_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     else:
         from llmserve.kernels.triton.attention import write_kv_cache
         write_kv_cache(k, v, kv_cache[0], kv_cache[1], meta.slot_mapping)
-    return _attend(q, kv_cache, scale, meta)
+    return _attend(q, kv_cache, scale, meta, window or None)
 
 
 def _attend(q: torch.Tensor, kv_cache: torch.Tensor, scale: float,
-            meta: AttentionMetadata) -> torch.Tensor:
+            meta: AttentionMetadata, window: int | None = None) -> torch.Tensor:
     """Attention of ``q`` over the layer's cache, which holds this step's K/V already."""
     if not meta.use_triton:
-        return paged_attention_cpu(q, kv_cache, meta.plan, scale)
+        return paged_attention_cpu(q, kv_cache, meta.plan, scale, window)
     from llmserve.kernels.triton.attention import unified_attention
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     out = torch.empty_like(q)
     unified_attention(q, k_cache, v_cache, out, query_start_loc=meta.query_start_loc,
                       seq_lens=meta.seq_lens, block_tables=meta.block_tables,
                       max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len,
-                      scale=scale, num_splits=meta.num_splits)
+                      scale=scale, num_splits=meta.num_splits, window=window)
     return out
 
 
@@ -139,5 +142,5 @@ _paged_attention = torch.library.custom_op("llmserve::paged_attention", _paged_a
 
 
 @_paged_attention.register_fake
-def _(q, k, v, kv_cache, scale):
+def _(q, k, v, kv_cache, scale, window=0):
     return torch.empty_like(q)

@@ -30,7 +30,11 @@ from llmserve.model_executor.layers.attention import (
     paged_attention,
     step_metadata,
 )
-from llmserve.model_executor.models.supported import rope_params, rope_type
+from llmserve.model_executor.models.supported import (
+    layer_sliding_window,
+    rope_params,
+    rope_type,
+)
 
 
 class RMSNorm(nn.Module):
@@ -176,6 +180,7 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden,
                                 bias=bool(getattr(config, "attention_bias", False)))
         self.scale = self.head_dim ** -0.5
+        self.sliding_window = layer_sliding_window(config, layer_idx)  # None: all keys
         # Per-head norms (one weight shared by every head, so replicated across ranks).
         self.q_norm = self.k_norm = None
         if has_qk_norm(config):
@@ -193,15 +198,18 @@ class Attention(nn.Module):
         qkv = self.qkv_proj(x).view(t, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             qkv = self._norm_heads(qkv)
+        window = self.sliding_window
         if self.fused:
-            o = fused_rope_attention(qkv, cos, sin, self.kv_cache, self.scale, self.num_heads)
+            o = fused_rope_attention(qkv, cos, sin, self.kv_cache, self.scale, self.num_heads,
+                                     window)
             return self._output(o, t)
-        o = native_rope_attention(qkv, cos, sin, self.kv_cache, self.scale, self.num_heads)
+        o = native_rope_attention(qkv, cos, sin, self.kv_cache, self.scale, self.num_heads,
+                                  window)
         if o is None:
             qk = apply_rotary(qkv[:, :self.num_heads + self.num_kv_heads], cos, sin)
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
             v = qkv[:, self.num_heads + self.num_kv_heads:]
-            o = paged_attention(q, k, v, self.kv_cache, self.scale)
+            o = paged_attention(q, k, v, self.kv_cache, self.scale, window=window)
         return self._output(o, t)
 
     def _norm_heads(self, qkv: torch.Tensor) -> torch.Tensor:

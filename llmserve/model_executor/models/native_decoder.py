@@ -117,6 +117,8 @@ def unsupported(model) -> str | None:
     layers = model.model.layers
     if any(layer.self_attn.q_norm is not None for layer in layers):
         return "per-head q/k norms (Qwen3)"
+    if any(layer.self_attn.sliding_window for layer in layers):
+        return "sliding-window layers"
     if any(not hasattr(layer.mlp, "gate_up_proj") for layer in layers):
         return "a mixture-of-experts MLP"
     cache = layers[0].self_attn.kv_cache

@@ -6,6 +6,7 @@ MLP bias, soft-capping. Left unread, they would make the engine serve wrong toke
 with no warning (a Mistral checkpoint with ``sliding_window: 4096`` answered every
 conversation past 4,096 tokens wrongly). So each such field is checked here, and a
 value the engine does not implement is refused by name, with what would work.
+(Sliding windows are computed, per layer: ``layer_sliding_window``.)
 
 The checkpoint's tensors are checked as they load (``weights.load_weights``): a tensor
 the model has no parameter for is refused the same way, never dropped.
@@ -37,7 +38,7 @@ PARTIAL_ROTARY_ARCHITECTURES = ("Phi3ForCausalLM",)
 def check_model_config(config, max_model_len: int) -> None:
     """Refuse ``config`` if serving it up to ``max_model_len`` tokens needs arithmetic
     the engine does not implement; the error names the field and its value."""
-    for check in (_unsupported_fields, _activation, _rope, _sliding_window):
+    for check in (_unsupported_fields, _activation, _rope):
         problem = check(config, max_model_len)
         if problem:
             archs = ", ".join(getattr(config, "architectures", None) or ["?"])
@@ -45,20 +46,21 @@ def check_model_config(config, max_model_len: int) -> None:
                                  f"{problem}")
 
 
-def sliding_window(config) -> int | None:
-    """The attention window of the checkpoint's windowed layers, or None where every
-    layer attends to the whole context (transformers' rules: ``layer_types`` where
-    the config has it; Qwen2's ``use_sliding_window`` switch; else ``sliding_window``)."""
+def layer_sliding_window(config, layer_idx: int) -> int | None:
+    """The attention window of layer ``layer_idx`` (it sees the last that many keys), or
+    None where it attends to the whole context. transformers' rules: ``layer_types``
+    where the config has it; Qwen2's ``use_sliding_window`` switch, windowing the
+    layers from ``max_window_layers`` on; else ``sliding_window`` for every layer
+    (Mistral, Mixtral)."""
     window = getattr(config, "sliding_window", None)
     if not window:
         return None
     layer_types = getattr(config, "layer_types", None)
     if layer_types is not None:
-        return window if "sliding_attention" in layer_types else None
+        return int(window) if layer_types[layer_idx] == "sliding_attention" else None
     if getattr(config, "use_sliding_window", True) is False:
         return None
-    # Qwen2 before layer_types: only the layers from max_window_layers on are windowed.
-    if (getattr(config, "max_window_layers", None) or 0) >= config.num_hidden_layers:
+    if layer_idx < (getattr(config, "max_window_layers", None) or 0):
         return None
     return int(window)
 
@@ -113,13 +115,3 @@ def _rope(config, max_model_len: int) -> str | None:
                     f"are not implemented; serve it with --max-model-len {original} (or "
                     f"less), where the short factors apply")
     return None
-
-
-def _sliding_window(config, max_model_len: int) -> str | None:
-    """A window at or above the longest context never masks anything: harmless."""
-    window = sliding_window(config)
-    if window is None or window >= max_model_len:
-        return None
-    return (f"sliding_window={window}: sliding-window attention is not implemented, so "
-            f"contexts past {window} tokens would be answered wrongly; serve it with "
-            f"--max-model-len {window} (or less), where the window never applies")

@@ -1,0 +1,176 @@
+"""Sliding-window attention (issue 31): a layer with a window of W keys attends, from the
+query at position p, to the keys in (p - W, p].
+
+Each attention path against a dense reference with the window mask, over mixed batches
+whose contexts are shorter than, equal to and far past the window (the C kernel on
+CPUs, its torch fallback, and the Triton kernels in the interpreter); then whole
+models against transformers, prompts past the window: Mistral (every layer windowed)
+and Qwen2 with ``max_window_layers`` (full and windowed layers mixed), with chunked
+prefill, prefix caching and recompute preemption.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from llmserve import LLM, SamplingParams
+from llmserve.kernels.cpu.attention import make_cpu_plan, paged_attention_cpu
+from llmserve.kernels.cpu.native import decode_kernel
+from llmserve.kernels.triton.attention import unified_attention
+from tests.conftest import write_tiny_checkpoint
+from tests.differential import reconfigure
+from tests.oracle import compare_greedy, hf_greedy, load_hf
+
+BLOCK = 16
+
+
+def reference(q, k, v, query_lens, seq_lens, window, scale):
+    """Dense attention of each sequence's new tokens with the window's mask."""
+    out, row = torch.empty_like(q), 0
+    for seq, (n, length) in enumerate(zip(query_lens, seq_lens)):
+        pos = torch.arange(length - n, length).unsqueeze(1)
+        keys = torch.arange(length).unsqueeze(0)
+        visible = (keys <= pos) & (keys > pos - window)
+        qs = q[row:row + n].transpose(0, 1)
+        group = q.shape[1] // k[seq].shape[1]
+        ks = k[seq].repeat_interleave(group, 1).transpose(0, 1)
+        vs = v[seq].repeat_interleave(group, 1).transpose(0, 1)
+        scores = (qs @ ks.transpose(1, 2)) * scale
+        probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
+        out[row:row + n] = (probs @ vs).transpose(0, 1)
+        row += n
+    return out
+
+
+def paged_batch(query_lens, seq_lens, heads=4, kv_heads=2, head_dim=32, seed=0):
+    """q, the paged cache holding every context (blocks shuffled), and the dense K/V."""
+    gen = torch.Generator().manual_seed(seed)
+    blocks_per_seq = [-(-n // BLOCK) for n in seq_lens]
+    num_blocks = sum(blocks_per_seq) + 3
+    order = torch.randperm(num_blocks, generator=gen).tolist()
+    cache = torch.zeros(2, num_blocks, BLOCK, kv_heads, head_dim)
+    tables, ks, vs = [], [], []
+    for length, nb in zip(seq_lens, blocks_per_seq):
+        table = [order.pop() for _ in range(nb)]
+        k = torch.randn(length, kv_heads, head_dim, generator=gen)
+        v = torch.randn(length, kv_heads, head_dim, generator=gen)
+        for t in range(length):
+            cache[0, table[t // BLOCK], t % BLOCK] = k[t]
+            cache[1, table[t // BLOCK], t % BLOCK] = v[t]
+        tables.append(table)
+        ks.append(k)
+        vs.append(v)
+    q = torch.randn(sum(query_lens), heads, head_dim, generator=gen)
+    return q, cache, tables, ks, vs
+
+
+# (query lengths, context lengths): decodes and prefill chunks, before, at and past the
+# window, with and without a cached prefix.
+BATCHES = {
+    "decodes": ([1, 1, 1, 1], [5, 24, 25, 300]),
+    "mixed": ([1, 40, 1, 7], [90, 40, 3, 130]),
+    "chunk_after_prefix": ([33], [200]),
+}
+
+
+@pytest.mark.parametrize("window", [1, 5, 24, 64])
+@pytest.mark.parametrize("batch", list(BATCHES))
+@pytest.mark.parametrize("path", ["native", "torch", "triton"])
+def test_each_path_equals_the_windowed_reference(path, batch, window):
+    if path == "native" and decode_kernel() is None:
+        pytest.skip("the C kernels are not built here (no compiler)")
+    query_lens, seq_lens = BATCHES[batch]
+    q, cache, tables, ks, vs = paged_batch(query_lens, seq_lens)
+    scale = 32 ** -0.5
+    starts = [0]
+    for n in query_lens:
+        starts.append(starts[-1] + n)
+    if path == "triton":
+        width = max(map(len, tables))
+        table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+        got = torch.empty_like(q)
+        unified_attention(q, cache[0], cache[1], got,
+                          query_start_loc=torch.tensor(starts, dtype=torch.int32),
+                          seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+                          block_tables=table, max_query_len=max(query_lens),
+                          max_seq_len=max(seq_lens), scale=scale, window=window)
+    else:
+        plan = make_cpu_plan(starts, seq_lens, tables, BLOCK, cache.shape[1],
+                             native=path == "native")
+        got = paged_attention_cpu(q, cache, plan, scale, window)
+        # the plan's full-context masks are unchanged by a windowed layer's use of it
+        full = paged_attention_cpu(q, cache, plan, scale)
+        torch.testing.assert_close(full, reference(q, ks, vs, query_lens, seq_lens, 10**6,
+                                                   scale), rtol=1e-4, atol=1e-5)
+    want = reference(q, ks, vs, query_lens, seq_lens, window, scale)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+# --- whole models against transformers ---------------------------------------------------
+WINDOW = 24
+MODELS = {
+    "mistral": ("mistral", dict(sliding_window=WINDOW)),
+    # layer 0 full, layer 1 windowed
+    "qwen2_mixed": ("qwen2", dict(use_sliding_window=True, sliding_window=WINDOW,
+                                  max_window_layers=1)),
+}
+NEW_TOKENS = 8
+GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def windowed_models(tmp_path_factory, builtin_path):
+    root = tmp_path_factory.mktemp("windowed")
+    return {name: write_tiny_checkpoint(root / name, builtin_path, kind, seed=2, **over)
+            for name, (kind, over) in MODELS.items()}
+
+
+_oracle: dict = {}
+
+
+def assert_matches(llm, path, prompts):
+    key = (str(path), tuple(map(tuple, prompts)))
+    if key not in _oracle:
+        hf = load_hf(path)
+        _oracle[key] = [hf_greedy(hf, p, NEW_TOKENS) for p in prompts]
+    outs = llm.generate(prompts, GREEDY)
+    verdicts = [compare_greedy(o.outputs[0].token_ids, r) for o, r in zip(outs, _oracle[key])]
+    assert verdicts.count("tie") <= 1, verdicts
+
+
+def prompts_of(seed, lengths=(3, 23, 24, 25, 60, 150)):
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 49152) for _ in range(n)] for n in lengths]
+
+
+@pytest.mark.parametrize("model", list(MODELS))
+@pytest.mark.parametrize("path", ["native", "torch"])
+@pytest.mark.parametrize("budget", [16, 2048])
+def test_models_past_their_window_equal_transformers(windowed_models, model, path, budget):
+    llm = LLM(str(windowed_models[model]), kv_cache_memory=16 << 20,
+              max_num_batched_tokens=budget, enable_chunked_prefill=budget < 2048)
+    llm.engine.runner.native_decode = path == "native"
+    assert_matches(llm, windowed_models[model], prompts_of(1))
+    llm.engine.block_manager.check_all_free()
+
+
+@pytest.mark.parametrize("model", list(MODELS))
+def test_triton_in_the_interpreter(windowed_models, model):
+    llm = LLM(str(windowed_models[model]), attention_backend="triton",
+              kv_cache_memory=16 << 20, max_num_batched_tokens=32)
+    assert_matches(llm, windowed_models[model], prompts_of(2, lengths=(20, 40, 70)))
+
+
+def test_prefix_hits_and_preemption_keep_the_window(windowed_models):
+    path = windowed_models["mistral"]
+    rng = random.Random(5)
+    shared = [rng.randrange(3, 49152) for _ in range(48)]
+    prompts = [shared + [rng.randrange(3, 49152) for _ in range(n)] for n in (5, 30, 50, 70)]
+    llm = LLM(str(path), kv_cache_memory=16 << 20, max_num_batched_tokens=32)
+    reconfigure(llm.engine, 12, 0, preemption_mode="recompute", watermark=0.0)
+    assert_matches(llm, path, prompts)
+    assert llm.engine.scheduler.num_preemptions > 0 and llm.engine.block_manager.prefix_hits
+    llm.engine.block_manager.check_all_free()
