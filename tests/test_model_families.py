@@ -99,6 +99,10 @@ def test_triton_attention_in_the_interpreter(family_models, family):
     path = family_models[family]
     llm = LLM(str(path), attention_backend="triton", kv_cache_memory=16 << 20,
               max_num_batched_tokens=32)
+    # with the Triton backend, a MoE layer's experts run in the grouped Triton kernel
+    blocks = [m for m in llm.engine.runner.model.modules() if isinstance(m, SparseMoeBlock)]
+    assert all(b.w13 is not None and not b.experts for b in blocks)
+    assert bool(blocks) == (family != "qwen3")
     assert_matches(llm, path, prompts_of(3, lengths=(5, 21, 40)))
 
 

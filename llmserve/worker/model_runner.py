@@ -16,6 +16,7 @@ from llmserve.kernels.cpu.gemm import packing_applies
 from llmserve.kernels.cpu.native import DTYPE_CODES, decode_kernel
 from llmserve.model_executor.layers.attention import AttentionMetadata, forward_context
 from llmserve.model_executor.layers.cpu_linear import pack_linears
+from llmserve.model_executor.layers.fused_moe.layer import SparseMoeBlock
 from llmserve.model_executor.layers.prompt_logprobs import (
     ROWS_PER_SLICE,
     PromptScores,
@@ -79,6 +80,10 @@ class ModelRunner:
         self.hf_config = hf_config
         self.block_size = config.block_size
         self.use_triton = self._want_triton()
+        if self.use_triton:  # a MoE layer's experts in one grouped launch, as attention
+            for module in self.model.modules():
+                if isinstance(module, SparseMoeBlock):
+                    module.use_triton_kernel()
         self.native_decode = self._want_native_decode()
         self.num_blocks = self._num_kv_blocks()
         c = hf_config

@@ -10,6 +10,10 @@ modules, so they are fused, quantised (bf16/int8/int4) and sharded like the dens
 layers: with tensor parallelism each rank holds every expert's rows
 ``[r * I/N, (r + 1) * I/N)`` (vLLM's layout without expert parallelism), the router
 is replicated, and the block's summed output is reduced over the ranks once.
+
+With the Triton backend (``use_triton_kernel``, on CUDA) the experts' dense weights
+are stacked and every expert runs in one grouped GEMM launch instead
+(``kernels/triton/fused_moe.py``): no per-expert launches, no host sync.
 """
 
 from __future__ import annotations
@@ -34,13 +38,32 @@ class SparseMoeBlock(nn.Module):
         self.experts = nn.ModuleList(make_expert() for _ in range(num_experts))
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
         self.tp_size = tp_size
+        self.w13: torch.Tensor | None = None  # stacked [experts, 2I, H] (Triton path)
+        self.w2: torch.Tensor | None = None  # stacked [experts, H, I]
 
     def fuse(self) -> None:
         for expert in self.experts:
             expert.fuse()
 
+    def use_triton_kernel(self) -> bool:
+        """Stack the (fused, dense) experts' weights for the grouped Triton kernel and
+        drop the per-expert modules. False, changing nothing, where an expert is not a
+        plain Linear (quantised or packed for a CPU)."""
+        projections = [p for e in self.experts for p in (e.gate_up_proj, e.down_proj)]
+        if any(type(p) is not nn.Linear or p.bias is not None for p in projections):
+            return False
+        with torch.no_grad():
+            self.w13 = torch.stack([e.gate_up_proj.weight for e in self.experts])
+            self.w2 = torch.stack([e.down_proj.weight for e in self.experts])
+        self.experts = nn.ModuleList()
+        return True
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, chosen = softmax_top_k(self.gate(x), self.top_k, self.renormalize)
+        if self.w13 is not None:
+            from llmserve.kernels.triton.fused_moe import fused_moe
+            out = fused_moe(x, self.w13, self.w2, weights, chosen)
+            return comm.all_reduce(out) if self.tp_size > 1 else out
         out = torch.zeros_like(x)
         flat = chosen.flatten()
         order = flat.argsort(stable=True)
