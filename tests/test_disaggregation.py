@@ -344,14 +344,16 @@ def test_malformed_params_are_a_400_naming_the_field(engines):
 def test_an_unread_lease_expires_and_frees_its_blocks(tiny_models):
     """A decode engine that dies (or a client that leaves) after leg 1: the lease
     expires, its blocks come back, and a late leg 2 still succeeds by prefilling."""
+    # A 5 s lease: long enough that the scrapes just after leg 1 still see it held on a
+    # loaded CI core (with 1 s, the lease had once expired before the first scrape).
     prefill = ServerProcess(str(tiny_models["llama"]), "127.0.0.5", COMMON + [
-        "--kv-role", "prefill", "--kv-transfer-port", "0", "--kv-lease-ttl", "1"])
+        "--kv-role", "prefill", "--kv-transfer-port", "0", "--kv-lease-ttl", "5"])
     try:
         params = leg1(prefill.url, prompt=LONG)
         assert metric(prefill.url, "llmserve:kv_transfer_blocks_held") == len(
             params["remote_block_ids"])
         assert metric(prefill.url, "vllm:kv_cache_usage_perc") > 0
-        deadline = time.monotonic() + 15
+        deadline = time.monotonic() + 30
         while metric(prefill.url, "llmserve:kv_transfer_blocks_held") and \
                 time.monotonic() < deadline:
             time.sleep(0.2)
