@@ -66,7 +66,8 @@ def reconfigure(engine: LLMEngine, num_blocks: int, num_cpu_blocks: int = 0, **o
         cfg.max_num_batched_tokens = max(cfg.max_num_batched_tokens, engine.max_model_len)
     engine.config = cfg
     engine.block_manager = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching,
-                                        cfg.watermark, num_cpu_blocks)
+                                        cfg.watermark, num_cpu_blocks,
+                                        sliding_window=engine.block_manager.sliding_window)
     engine.scheduler = Scheduler(cfg, engine.block_manager)
     engine.beam_stepper.scheduler = engine.scheduler
 

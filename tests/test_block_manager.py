@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from llmserve.core.block_manager import BlockManager, hash_block
+from llmserve.core.block_manager import DROPPED, BlockManager, hash_block
 from tests.sim import make_request
 
 
@@ -99,3 +99,37 @@ def test_prefix_caching_off_never_hits():
     seq.num_computed_tokens = 5
     bm.cache_full_blocks(seq)
     assert bm.match_prefix(make_request(0, 1, prompt=[5, 6, 7, 8, 9]).sequences[0]) == []
+
+
+def test_a_window_frees_blocks_behind_it_and_hits_need_only_its_blocks():
+    """Window of 6 keys, blocks of 4: after computing 16 tokens the next query (position
+    16) sees keys 11..16, so blocks 0 and 1 are released and dropped from the table.
+    Once they are evicted, a prompt with the same 16-token prefix still hits all 16:
+    chained keys make blocks 2 and 3, which its window sees, vouch for the rest."""
+    bm = BlockManager(num_blocks=8, block_size=4, sliding_window=6)
+    prompt = list(range(3, 19))  # 16 tokens
+    first = make_request(0, 4, prompt=prompt).sequences[0]
+    bm.allocate(first, 16)
+    first.num_computed_tokens = 16
+    bm.cache_full_blocks(first)
+    table = list(first.block_table)
+    bm.free_outside_window(first)
+    assert first.block_table == [DROPPED, DROPPED] + table[2:]
+    assert bm.num_held(first.block_table) == 2 and bm.num_free_blocks == 6
+    evictor = make_request(0, 4, prompt=[99] * 24).sequences[0]
+    bm.allocate(evictor, 24)  # every free block, so blocks 0 and 1 lose their keys
+    bm.free(evictor)
+    second = make_request(0, 4, prompt=prompt + [7]).sequences[0]
+    hits = bm.match_prefix(second)
+    assert hits == [DROPPED, DROPPED] + table[2:]
+    bm.take_prefix(second, hits)
+    assert second.num_computed_tokens == 16 and bm.blocks[table[2]].ref_count == 2
+    bm.free(first)
+    bm.free(second)
+    bm.check_all_free()
+
+
+def test_blocks_at_once_bounds_a_windowed_sequence():
+    assert BlockManager(8, 4, sliding_window=6).blocks_at_once(1000, chunk=8) == 5
+    assert BlockManager(8, 4, sliding_window=6).blocks_at_once(10, chunk=8) == 3
+    assert BlockManager(8, 4).blocks_at_once(1000, chunk=8) == 250

@@ -174,3 +174,59 @@ def test_prefix_hits_and_preemption_keep_the_window(windowed_models):
     assert_matches(llm, path, prompts)
     assert llm.engine.scheduler.num_preemptions > 0 and llm.engine.block_manager.prefix_hits
     llm.engine.block_manager.check_all_free()
+
+
+# --- memory: blocks outside the window are freed (every layer windowed) ------------------
+def held_blocks(llm) -> list[int]:
+    bm = llm.engine.block_manager
+    return [bm.num_held(s.block_table) for s in llm.engine.scheduler.running]
+
+
+def test_a_sequence_at_4x_its_window_holds_window_over_block_plus_2(windowed_models):
+    """Must-show 3: prefill in chunks of a block and decode to 4x the window; after every
+    step no sequence holds more than W/bs + 2 blocks, and the output still equals
+    transformers'."""
+    path = windowed_models["mistral"]
+    llm = LLM(str(path), kv_cache_memory=16 << 20, max_num_batched_tokens=BLOCK,
+              enable_chunked_prefill=True)
+    assert llm.engine.block_manager.sliding_window == WINDOW
+    prompt = prompts_of(7, lengths=(WINDOW * 4 - NEW_TOKENS,))[0]
+    llm.engine.add_request(None, GREEDY, prompt_token_ids=prompt)
+    peak = 0
+    while llm.engine.has_unfinished():
+        outs = llm.engine.step()
+        peak = max([peak, *held_blocks(llm)])
+    assert len(prompt) + NEW_TOKENS == 4 * WINDOW
+    assert peak <= WINDOW / BLOCK + 2, peak
+    hf = load_hf(path)
+    assert compare_greedy(outs[0].outputs[0].token_ids, hf_greedy(hf, prompt, NEW_TOKENS)) \
+        in ("match", "tie")
+    llm.engine.block_manager.check_all_free()
+
+
+def test_a_mixed_model_keeps_every_block(windowed_models):
+    """A full-attention layer sees the whole context: nothing may be freed."""
+    llm = LLM(str(windowed_models["qwen2_mixed"]), kv_cache_memory=16 << 20)
+    assert llm.engine.block_manager.sliding_window is None
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_sequences_longer_than_the_pool_run_in_a_window(windowed_models, mode):
+    """Six blocks (96 slots) serve 150-token prompts, under preemption of either kind,
+    with prefix hits and parallel samples sharing blocks: equal to transformers, and
+    every block free at the end."""
+    path = windowed_models["mistral"]
+    llm = LLM(str(path), kv_cache_memory=16 << 20, max_num_batched_tokens=BLOCK,
+              swap_space=16 << 20, preemption_mode="swap")
+    reconfigure(llm.engine, 6, 8, preemption_mode=mode, watermark=0.0)
+    rng = random.Random(9)
+    shared = [rng.randrange(3, 49152) for _ in range(120)]
+    prompts = [shared + [rng.randrange(3, 49152) for _ in range(n)] for n in (30, 31)]
+    prompts.append(prompts_of(3, lengths=(150,))[0])
+    assert_matches(llm, path, prompts)
+    pair = llm.generate([prompts[0]], SamplingParams(n=2, temperature=0.0, max_tokens=4,
+                                                     ignore_eos=True))
+    assert pair[0].outputs[0].token_ids == pair[0].outputs[1].token_ids
+    bm = llm.engine.block_manager
+    assert bm.prefix_hits and llm.engine.scheduler.num_preemptions > 0
+    bm.check_all_free()

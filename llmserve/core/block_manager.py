@@ -15,6 +15,13 @@ Holds (prefill/decode disaggregation): ``hold`` keeps blocks referenced past the
 sequence (a prefill engine's lease, a decode engine's imported prefix until its request
 is scheduled); every hold is undone by exactly one ``unhold``.
 
+Sliding windows (``sliding_window``, set only when every layer is windowed): a block
+whose every token is before the window of the sequence's next query can never be read
+again, so it is released (``free_outside_window``) and its block-table entry becomes
+``DROPPED``. Entries stay in place, so index i is still tokens [i*bs, (i+1)*bs). Dropped
+entries are always a prefix of the table; they hold no reference, are skipped by every
+release, fork and swap, and the model runner reads them as block 0 (never attended).
+
 Block operations (swap-out, swap-in, copy-on-write copy) are not performed here:
 they are appended to ``ops``, the step's log, in the order the decisions were
 taken, and the KV cache applies them in that order before the forward (see
@@ -33,6 +40,7 @@ from llmserve.core.request import Sequence
 from llmserve.utils import cdiv
 
 NO_HASH = b""
+DROPPED = -1  # block-table entry of a block that fell out of the sliding window
 _ROOT_HASH = hashlib.blake2b(b"llmserve-prefix-root", digest_size=16).digest()
 
 
@@ -77,9 +85,11 @@ class Block:
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 watermark: float = 0.01, num_cpu_blocks: int = 0):
+                 watermark: float = 0.01, num_cpu_blocks: int = 0,
+                 sliding_window: int | None = None):
         if num_blocks < 1:
             raise ValueError("the KV cache needs at least one block")
+        self.sliding_window = sliding_window
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.enable_prefix_caching = enable_prefix_caching
@@ -144,22 +154,38 @@ class BlockManager:
         if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:
             return []
         num_full = (seq.num_tokens - 1) // self.block_size
+        hashes = self._hashes(seq, num_full)[:num_full]
+        if self.sliding_window is not None:
+            return self._window_hits(hashes)
         hits = []
-        for h in self._hashes(seq, num_full)[:num_full]:
+        for h in hashes:
             block_id = self.cached.get(h)
             if block_id is None:
                 break
             hits.append(block_id)
         return hits
 
+    def _window_hits(self, hashes: list[bytes]) -> list[int]:
+        """The longest prefix whose window is cached: a key is chained over every token
+        before it, so the blocks the next query sees vouch for the whole prefix. The
+        blocks before that window are not needed (``DROPPED``)."""
+        end = len(hashes)  # candidate prefix: blocks [0, end)
+        for i in range(len(hashes) - 1, -1, -1):
+            if hashes[i] not in self.cached:
+                end = i
+            elif i <= max(0, end * self.block_size - self.sliding_window + 1) // self.block_size:
+                return [DROPPED] * i + [self.cached[h] for h in hashes[i:end]]
+        return []
+
     def num_free_among(self, block_ids: list[int]) -> int:
-        return sum(1 for b in block_ids if self.blocks[b].ref_count == 0)
+        return sum(1 for b in block_ids if b != DROPPED and self.blocks[b].ref_count == 0)
 
     def take_prefix(self, seq: Sequence, block_ids: list[int]) -> None:
         """Give a new sequence the cached blocks ``match_prefix`` found."""
         assert not seq.block_table and seq.num_computed_tokens == 0
         for block_id in block_ids:
-            self._acquire(block_id)
+            if block_id != DROPPED:
+                self._acquire(block_id)
         seq.block_table = list(block_ids)
         seq.num_computed_tokens = len(block_ids) * self.block_size
         seq.num_cached_blocks = len(block_ids)
@@ -177,11 +203,40 @@ class BlockManager:
             return
         hashes = self._hashes(seq, num_full)
         for i in range(seq.num_cached_blocks, num_full):
+            if seq.block_table[i] == DROPPED:  # re-registering after a swap-in
+                continue
             block = self.blocks[seq.block_table[i]]
             if not block.block_hash and hashes[i] not in self.cached:
                 block.block_hash = hashes[i]
                 self.cached[hashes[i]] = block.block_id
         seq.num_cached_blocks = num_full
+
+    def free_outside_window(self, seq: Sequence) -> None:
+        """Release the blocks no later query of ``seq`` can see: the next one, at
+        position ``num_computed_tokens``, sees keys from ``num_computed_tokens -
+        sliding_window + 1`` on. Call after ``cache_full_blocks``, so they stay
+        hittable in the prefix cache."""
+        if self.sliding_window is None:
+            return
+        first_seen = seq.num_computed_tokens - self.sliding_window + 1
+        table = seq.block_table
+        for i in range(min(max(0, first_seen) // self.block_size, len(table))):
+            if table[i] != DROPPED:
+                self._release(table[i])
+                table[i] = DROPPED
+
+    def blocks_at_once(self, num_tokens: int, chunk: int) -> int:
+        """The most blocks a sequence of ``num_tokens`` holds at one time, computing at
+        most ``chunk`` tokens a step: all of them, or in a window, the window's blocks
+        plus a chunk's (and one more where the window straddles a block boundary)."""
+        every = cdiv(num_tokens, self.block_size)
+        if self.sliding_window is None:
+            return every
+        return min(every, cdiv(self.sliding_window + chunk, self.block_size) + 1)
+
+    def num_held(self, table: list[int]) -> int:
+        """Blocks a (device or CPU) block table really holds."""
+        return sum(1 for b in table if b != DROPPED)
 
     # --- holds and imported prefixes (P/D) -----------------------------------
     def hold(self, block_ids: list[int]) -> None:
@@ -246,7 +301,8 @@ class BlockManager:
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """``child`` starts as a copy of ``parent`` sharing every block (n > 1)."""
         for block_id in parent.block_table:
-            self._acquire(block_id)
+            if block_id != DROPPED:
+                self._acquire(block_id)
         child.block_table = list(parent.block_table)
         child.num_computed_tokens = parent.num_computed_tokens
         child.block_hashes = list(parent.block_hashes)
@@ -254,33 +310,36 @@ class BlockManager:
 
     # --- swap ----------------------------------------------------------------
     def can_swap_out(self, seq: Sequence) -> bool:
-        return len(self.free_cpu_blocks) >= len(seq.block_table)
+        return len(self.free_cpu_blocks) >= self.num_held(seq.block_table)
 
     def swap_out(self, seq: Sequence) -> None:
         """Move ``seq``'s blocks to CPU (each block gets its own CPU copy, even one
         shared with a sibling sample)."""
-        seq.cpu_block_table = [self.free_cpu_blocks.pop() for _ in seq.block_table]
+        seq.cpu_block_table = [b if b == DROPPED else self.free_cpu_blocks.pop()
+                               for b in seq.block_table]
         self.ops += [BlockOp("swap_out", b, c)
-                     for b, c in zip(seq.block_table, seq.cpu_block_table)]
+                     for b, c in zip(seq.block_table, seq.cpu_block_table) if b != DROPPED]
         self.free(seq)
 
     def swap_in(self, seq: Sequence) -> None:
         """Bring ``seq``'s blocks back into new device blocks."""
-        seq.block_table = [self._take_free_block() for _ in seq.cpu_block_table]
+        seq.block_table = [c if c == DROPPED else self._take_free_block()
+                           for c in seq.cpu_block_table]
         self.ops += [BlockOp("swap_in", c, b)
-                     for c, b in zip(seq.cpu_block_table, seq.block_table)]
+                     for c, b in zip(seq.cpu_block_table, seq.block_table) if c != DROPPED]
         self.free_swapped(seq)
         seq.num_cached_blocks = 0  # new block ids: register them again as they qualify
 
     def free_swapped(self, seq: Sequence) -> None:
         """Give back the CPU blocks of a swapped-out sequence."""
-        self.free_cpu_blocks.extend(reversed(seq.cpu_block_table))
+        self.free_cpu_blocks.extend(c for c in reversed(seq.cpu_block_table) if c != DROPPED)
         seq.cpu_block_table = []
 
     def free(self, seq: Sequence) -> None:
         """Release every block of ``seq``, tail first (see the module docstring)."""
         for block_id in reversed(seq.block_table):
-            self._release(block_id)
+            if block_id != DROPPED:
+                self._release(block_id)
         seq.block_table = []
         seq.num_cached_blocks = 0
 

@@ -35,9 +35,8 @@ from llmserve.model_executor.model_loader.sources import (
     load_tokenizer,
     resolve_model,
 )
-from llmserve.model_executor.models.supported import check_model_config
+from llmserve.model_executor.models.supported import check_model_config, model_sliding_window
 from llmserve.structured_output.grammar import StructuredOutputs
-from llmserve.utils import cdiv
 from llmserve.worker.kv_integrity import SequenceKVCheck
 from llmserve.worker.model_runner import ModelRunner
 
@@ -67,9 +66,12 @@ class LLMEngine:
             # Workers stop with the engine, or at exit if it is never shut down.
             self._stop_workers = weakref.finalize(self, self.tp_group.shutdown)
         self.runner = self._build_runner()
+        # A prefill engine keeps a windowed prompt's every block: its decode peer
+        # imports the whole prefix.
+        window = model_sliding_window(self.hf_config) if config.kv_role != "prefill" else None
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size,
                                           config.enable_prefix_caching, config.watermark,
-                                          self.runner.num_cpu_blocks)
+                                          self.runner.num_cpu_blocks, sliding_window=window)
         self.scheduler = Scheduler(config, self.block_manager)
         self.kv_check = (SequenceKVCheck(self.runner.kv_cache, config.block_size)
                          if config.check_kv_integrity else None)
@@ -216,7 +218,9 @@ class LLMEngine:
             raise ValueError(
                 f"this model's maximum context length is {self.max_model_len} tokens; the "
                 f"prompt has {len(ids)} and max_tokens asks for {params.max_tokens or 0} more")
-        blocks = cdiv(total, self.config.block_size)
+        chunk = (self.config.max_num_batched_tokens if self.config.enable_chunked_prefill
+                 else total)  # unchunked, a recompute prefills everything at once
+        blocks = self.block_manager.blocks_at_once(total, chunk)
         if blocks > self.block_manager.num_blocks:
             raise ValueError(f"the prompt plus max_tokens needs {blocks} KV blocks; the "
                              f"cache has {self.block_manager.num_blocks}")
@@ -340,10 +344,12 @@ class LLMEngine:
 
     def _cache_full_blocks(self, seqs) -> None:
         """Offer the blocks the step filled to the prefix cache (their tokens must be
-        known: under async scheduling, once the pending ones are resolved)."""
+        known: under async scheduling, once the pending ones are resolved), then free
+        those that fell out of a sliding window."""
         for seq in seqs:
             if not seq.finished:
                 self.block_manager.cache_full_blocks(seq)
+                self.block_manager.free_outside_window(seq)
 
     def _sample(self, due_seqs: list[Sequence], logits, pending_masks, touched: dict,
                 on_device: bool = False):

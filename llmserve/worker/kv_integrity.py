@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import weakref
 
+from llmserve.core.block_manager import DROPPED
 from llmserve.core.request import Sequence, SequenceStatus
 from llmserve.core.sched.output import ScheduledBatch
 from llmserve.utils import cdiv
@@ -34,7 +35,8 @@ class SequenceKVCheck:
         for seq in batch.seqs:
             known = self.digests.get(seq, [])
             for i, want in enumerate(known[:self._num_blocks(seq.num_computed_tokens)]):
-                if want is not None and self._digest(seq, i) != want:
+                if want is not None and seq.block_table[i] != DROPPED and \
+                        self._digest(seq, i) != want:
                     raise KVIntegrityError(
                         f"{seq}: block {i} (physical {seq.block_table[i]}) changed since "
                         f"the sequence last wrote it (preemptions: {seq.num_preemptions})")
@@ -55,6 +57,8 @@ class SequenceKVCheck:
     def _num_blocks(self, num_tokens: int) -> int:
         return cdiv(num_tokens, self.block_size)
 
-    def _digest(self, seq: Sequence, i: int) -> bytes:
+    def _digest(self, seq: Sequence, i: int) -> bytes | None:
+        if seq.block_table[i] == DROPPED:  # out of the sliding window: never read again
+            return None
         slots = min(self.block_size, seq.num_computed_tokens - i * self.block_size)
         return self.kv.block_digest(seq.block_table[i], slots)

@@ -9,6 +9,7 @@ import logging
 import torch
 
 from llmserve.config import EngineConfig
+from llmserve.core.block_manager import DROPPED
 from llmserve.core.sched.output import ScheduledBatch
 from llmserve.distributed.shapes import rank_shape
 from llmserve.kernels.cpu.attention import make_cpu_plan
@@ -206,6 +207,8 @@ class ModelRunner:
             input_ids += seq.token_ids[start:end]
             positions += range(start, end)
             table = seq.block_table
+            if table[0] == DROPPED:  # out of the sliding window: never attended
+                table = [0 if b == DROPPED else b for b in table]
             slots += [table[p // bs] * bs + p % bs for p in range(start, end)]
             query_start.append(query_start[-1] + n)
             seq_lens.append(end)

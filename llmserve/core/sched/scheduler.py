@@ -315,7 +315,9 @@ class Scheduler:
             num_new = min(seq.num_uncomputed_tokens, step.chunk_limit(seq.num_computed_tokens))
             if num_new == 0:
                 return None
-            need = max(len(seq.cpu_block_table), cdiv(seq.num_computed_tokens + num_new, bs))
+            table = seq.cpu_block_table  # its blocks come back, then it grows
+            grow = max(0, cdiv(seq.num_computed_tokens + num_new, bs) - len(table))
+            need = self.bm.num_held(table) + grow
             return num_new, need, []
         if not self._has_seq_slots(seq):
             return None

@@ -15,9 +15,10 @@ the model has no parameter for is refused the same way, never dropped.
 from __future__ import annotations
 
 from llmserve.errors import ModelLoadError
+from llmserve.model_executor.model_loader.mxfp4 import is_mxfp4
 
 # Rope variants ``llama.rope_inv_freq`` computes.
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope", "yarn")
 # The MLP's gate activation: SiLU (transformers also calls it swish).
 SUPPORTED_ACTIVATIONS = ("silu", "swish")
 # Fields of other families that change the arithmetic where set; none is computed here.
@@ -33,6 +34,8 @@ UNSUPPORTED_FIELDS = {
 _OFF = {"partial_rotary_factor": 1.0}
 # Whose model orders its q/k heads for a partial rotary (``models/phi3.py``).
 PARTIAL_ROTARY_ARCHITECTURES = ("Phi3ForCausalLM",)
+# Whose MXFP4 experts are dequantised at load (``models/gpt_oss.py``).
+MXFP4_ARCHITECTURES = ("GptOssForCausalLM",)
 
 
 def check_model_config(config, max_model_len: int) -> None:
@@ -65,6 +68,13 @@ def layer_sliding_window(config, layer_idx: int) -> int | None:
     return int(window)
 
 
+def model_sliding_window(config) -> int | None:
+    """The window every layer shares, or None when any layer sees the whole context
+    (then no block can ever be freed for being outside a window)."""
+    windows = {layer_sliding_window(config, i) for i in range(config.num_hidden_layers)}
+    return windows.pop() if len(windows) == 1 else None
+
+
 def rope_params(config) -> dict:
     """The rope scaling parameters: transformers 5 keeps them in ``rope_parameters``,
     4.x in ``rope_scaling`` (None: no scaling)."""
@@ -81,6 +91,9 @@ def _unsupported_fields(config, max_model_len: int) -> str | None:
     archs = getattr(config, "architectures", None) or ["?"]
     for field, what in UNSUPPORTED_FIELDS.items():
         if field == "partial_rotary_factor" and set(archs) <= set(PARTIAL_ROTARY_ARCHITECTURES):
+            continue
+        if (field == "quantization_config" and set(archs) <= set(MXFP4_ARCHITECTURES)
+                and is_mxfp4(config)):
             continue
         value = getattr(config, field, None)
         if value is None and field == "partial_rotary_factor":
