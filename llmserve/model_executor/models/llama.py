@@ -77,7 +77,7 @@ def rotary_dim(config) -> int:
 
 def rope_inv_freq(config) -> torch.Tensor:
     """Inverse frequencies of the rotated dims' pairs, with Llama 3's long-context
-    scaling or LongRoPE's short factors (Phi-3) when configured."""
+    scaling, LongRoPE's short factors (Phi-3) or YaRN (gpt-oss) when configured."""
     dim = rotary_dim(config)
     base = getattr(config, "rope_theta", None) or rope_params(config).get("rope_theta", 10000.0)
     # float32 throughout, as transformers computes it, so positions agree bit for bit.
@@ -105,14 +105,26 @@ def rope_inv_freq(config) -> torch.Tensor:
         # original_max_position_embeddings; supported._rope caps max_model_len there.
         short = torch.tensor(scaling["short_factor"], dtype=torch.float32, device="cpu")
         inv_freq = 1.0 / (short * base ** (arange.float() / dim))  # its rounding order
+    elif kind == "yarn":
+        # transformers' own function: its ramp between beta_fast and beta_slow,
+        # ``truncate`` and mscale variants are many details to get bit for bit. On the
+        # CPU (it makes its tensors on the default device: meta while the model builds).
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+        with torch.device("cpu"):
+            inv_freq = ROPE_INIT_FUNCTIONS["yarn"](config, "cpu")[0]
     elif kind != "default":  # supported.check_model_config refuses it at start-up
         raise ValueError(f"unsupported rope scaling {kind!r}")
     return inv_freq.float()
 
 
 def rope_attention_factor(config) -> float:
-    """The factor LongRoPE multiplies cos and sin by (so every attention logit by its
-    square), transformers' ``_compute_longrope_parameters``; 1 for the other types."""
+    """The factor LongRoPE and YaRN multiply cos and sin by (so every attention logit
+    by its square), transformers' ``_compute_longrope_parameters`` /
+    ``_compute_yarn_parameters``; 1 for the other types."""
+    if rope_type(config) == "yarn":
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+        with torch.device("cpu"):
+            return float(ROPE_INIT_FUNCTIONS["yarn"](config, "cpu")[1])
     if rope_type(config) != "longrope":
         return 1.0
     scaling = rope_params(config)

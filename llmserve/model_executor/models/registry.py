@@ -4,6 +4,7 @@ whose arithmetic it computes (``supported.py`` refuses the config variants it do
 
 from __future__ import annotations
 
+from llmserve.model_executor.models.gpt_oss import GptOssForCausalLM
 from llmserve.model_executor.models.llama import LlamaForCausalLM
 from llmserve.model_executor.models.mixtral import MixtralForCausalLM
 from llmserve.model_executor.models.phi3 import Phi3ForCausalLM
@@ -17,4 +18,5 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
     "Phi3ForCausalLM": Phi3ForCausalLM,  # fused qkv/gate_up split at load; LongRoPE
+    "GptOssForCausalLM": GptOssForCausalLM,  # sinks, YaRN, biased experts; MXFP4 dequantised
 }

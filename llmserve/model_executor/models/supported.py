@@ -15,9 +15,10 @@ the model has no parameter for is refused the same way, never dropped.
 from __future__ import annotations
 
 from llmserve.errors import ModelLoadError
+from llmserve.model_executor.model_loader.mxfp4 import is_mxfp4
 
 # Rope variants ``llama.rope_inv_freq`` computes.
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope", "yarn")
 # The MLP's gate activation: SiLU (transformers also calls it swish).
 SUPPORTED_ACTIVATIONS = ("silu", "swish")
 # Fields of other families that change the arithmetic where set; none is computed here.
@@ -33,6 +34,8 @@ UNSUPPORTED_FIELDS = {
 _OFF = {"partial_rotary_factor": 1.0}
 # Whose model orders its q/k heads for a partial rotary (``models/phi3.py``).
 PARTIAL_ROTARY_ARCHITECTURES = ("Phi3ForCausalLM",)
+# Whose MXFP4 experts are dequantised at load (``models/gpt_oss.py``).
+MXFP4_ARCHITECTURES = ("GptOssForCausalLM",)
 
 
 def check_model_config(config, max_model_len: int) -> None:
@@ -88,6 +91,9 @@ def _unsupported_fields(config, max_model_len: int) -> str | None:
     archs = getattr(config, "architectures", None) or ["?"]
     for field, what in UNSUPPORTED_FIELDS.items():
         if field == "partial_rotary_factor" and set(archs) <= set(PARTIAL_ROTARY_ARCHITECTURES):
+            continue
+        if (field == "quantization_config" and set(archs) <= set(MXFP4_ARCHITECTURES)
+                and is_mxfp4(config)):
             continue
         value = getattr(config, field, None)
         if value is None and field == "partial_rotary_factor":

@@ -14,6 +14,10 @@ is replicated, and the block's summed output is reduced over the ranks once.
 With the Triton backend (``use_triton_kernel``, on CUDA) the experts' dense weights
 are stacked and every expert runs in one grouped GEMM launch instead
 (``kernels/triton/fused_moe.py``): no per-expert launches, no host sync.
+
+gpt-oss (``models/gpt_oss.py``) routes with a biased router and softmax after top-k
+(``route``), and its experts have biases and ``clamped_swiglu``: they stay on the
+per-expert path, since the grouped kernel computes neither.
 """
 
 from __future__ import annotations
@@ -25,17 +29,30 @@ from llmserve.distributed import comm
 from llmserve.model_executor.layers.fused_moe.routing import softmax_top_k
 
 
+def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, alpha: float,
+                   limit: float) -> torch.Tensor:
+    """gpt-oss's expert activation, as transformers computes it: the gate clamped
+    above at ``limit``, the up projection to [-limit, limit], then
+    ``(up + 1) * gate * sigmoid(alpha * gate)``."""
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
 class SparseMoeBlock(nn.Module):
-    """``gate``: the router (a Linear to one logit per expert); ``experts``: a
-    ModuleList of MLPs built by ``make_expert()`` (whose outputs are not reduced)."""
+    """``gate``: the router (a Linear to one logit per expert, with a bias where
+    ``router_bias``); ``experts``: a ModuleList of MLPs built by ``make_expert()``
+    (whose outputs are not reduced), or, with ``make_expert=None``, filled by the family
+    after loading (gpt-oss builds them from its checkpoint's fused tensors)."""
 
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, renormalize: bool,
-                 make_expert, tp_size: int = 1):
+                 make_expert, tp_size: int = 1, router_bias: bool = False):
         super().__init__()
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"num_experts_per_tok={top_k} must be in [1, {num_experts}]")
-        self.gate = nn.Linear(hidden_size, num_experts, bias=False)
-        self.experts = nn.ModuleList(make_expert() for _ in range(num_experts))
+        self.gate = nn.Linear(hidden_size, num_experts, bias=router_bias)
+        self.experts = nn.ModuleList(make_expert() for _ in range(num_experts)
+                                     if make_expert is not None)
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
         self.tp_size = tp_size
         self.w13: torch.Tensor | None = None  # stacked [experts, 2I, H] (Triton path)
@@ -58,8 +75,12 @@ class SparseMoeBlock(nn.Module):
         self.experts = nn.ModuleList()
         return True
 
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights [tokens, k], expert ids [tokens, k]) of ``x``'s rows."""
+        return softmax_top_k(self.gate(x), self.top_k, self.renormalize)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, chosen = softmax_top_k(self.gate(x), self.top_k, self.renormalize)
+        weights, chosen = self.route(x)
         if self.w13 is not None:
             from llmserve.kernels.triton.fused_moe import fused_moe
             out = fused_moe(x, self.w13, self.w2, weights, chosen)
