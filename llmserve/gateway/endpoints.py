@@ -32,6 +32,10 @@ log = logging.getLogger(__name__)
 WAITING = "vllm:num_requests_waiting"
 KV_USAGE = "vllm:kv_cache_usage_perc"
 MAX_NUM_SEQS = "llmserve:max_num_seqs"
+# Only the dashboard reads these (dashboard.py); routing does not.
+RUNNING = "vllm:num_requests_running"
+PREFIX_HITS = "vllm:prefix_cache_hits_total"
+PREFIX_QUERIES = "vllm:prefix_cache_queries_total"
 
 
 @dataclass
@@ -42,6 +46,9 @@ class Endpoint:
     kv_usage: float | None = None
     max_num_seqs: float | None = None  # scraped; None where the engine does not say
     scraped: bool = False  # its /metrics has answered at least once
+    running: float | None = None  # scraped, for the dashboard
+    prefix_hits: float | None = None  # scraped counters (prompt tokens), for the dashboard
+    prefix_queries: float | None = None
     ejected_until: float = 0.0
     consecutive_failures: int = 0
     # In-flight requests per class priority (tenants only): a class's room counts
@@ -62,7 +69,8 @@ class Endpoint:
 def parse_engine_metrics(text: str) -> dict[str, float]:
     """Queue depth, KV usage and sequence capacity from Prometheus text, summed
     over label sets (a pod may export several engines)."""
-    return sum_by_name(text, names=(WAITING, KV_USAGE, MAX_NUM_SEQS))
+    return sum_by_name(text, names=(WAITING, KV_USAGE, MAX_NUM_SEQS, RUNNING, PREFIX_HITS,
+                                    PREFIX_QUERIES))
 
 
 class EndpointPool:
@@ -155,7 +163,11 @@ class EndpointPool:
             ep.waiting = values.get(WAITING)
             ep.kv_usage = values.get(KV_USAGE)
             ep.max_num_seqs = values.get(MAX_NUM_SEQS)
+            ep.running = values.get(RUNNING)
+            ep.prefix_hits = values.get(PREFIX_HITS)
+            ep.prefix_queries = values.get(PREFIX_QUERIES)
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
             if ep.ejected_until:
                 ep.ejected_until = time.monotonic() + self.eject_seconds
             ep.waiting = ep.kv_usage = None  # unknown: never treat a dead scrape as load
+            ep.running = None

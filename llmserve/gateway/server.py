@@ -35,6 +35,7 @@ from opentelemetry.trace import SpanKind
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from llmserve.errors import APIError
+from llmserve.gateway import dashboard
 from llmserve.gateway.admission import INTERNAL_HEADERS, TenantAdmission, Turn
 from llmserve.gateway.disagg import PD_PATHS, Disaggregation, leg2_body, strip_client_params
 from llmserve.gateway.endpoints import EndpointPool
@@ -182,6 +183,7 @@ class Gateway:
         self.hangs = HangWatch(self.metrics, self._failed)  # hung engines
         self.openapi = UpstreamOpenAPI()
         self.affinity = ResponseAffinity()  # stored responses -> the engine that has them
+        self.dashboard = dashboard.Dashboard(self)
 
     def free_slots(self, priority: int | None = None) -> float:
         """Room in the (decode) pool for a class, less the requests of that class or
@@ -204,6 +206,7 @@ class Gateway:
         self._tasks.append(asyncio.create_task(
             self.pool.scrape_forever(self.session, self.config.scrape_interval)))
         self._tasks += self.disagg.start(self.session)
+        self._tasks.append(asyncio.create_task(self.dashboard.sample_forever()))
         timeouts = [t for t in (self.config.upstream_first_byte_timeout,
                                 self.config.upstream_idle_timeout) if t > 0]
         if timeouts:  # a hang is seen within a quarter of the timeout (1 s at most)
@@ -408,6 +411,7 @@ class Gateway:
         events = SSEFramer() if is_sse(upstream) else None
         turn: Turn | None = request.get("turn")
         tap = (lambda chunk: chunk) if turn is None else turn.tap.feed  # usage, tenants
+        timer = request.get(TIMER)
         while True:
             try:  # only reading the upstream is guarded: a client that left is not
                 chunk = await watch.read(upstream.content,  # the engine's failure
@@ -422,6 +426,8 @@ class Gateway:
             chunk = tap(chunk) if chunk else chunk
             if chunk:
                 await resp.write(chunk)
+                if timer is not None:
+                    timer.wrote(events is not None)
         rest = events.pending if events is not None else b""
         if turn is not None:
             rest = (tap(rest) if rest else b"") + turn.tap.finish()
@@ -457,6 +463,7 @@ class Gateway:
 # --- reliability helpers --------------------------------------------
 OVERLOADED = web.RequestKey("overloaded", str)  # Retry-After of an overloaded engine
 HUNG = web.RequestKey("hung", str)  # an engine tried for this request hung
+TIMER = web.RequestKey("timer", dashboard.RequestTimer)  # a generation request's timings
 
 
 async def overloaded(upstream: aiohttp.ClientResponse) -> bool:
@@ -531,6 +538,9 @@ async def middleware(request: web.Request, handler):
         raise
     finally:
         tenant = request.get("tenant")
+        turn = request.get("turn")
+        gw.dashboard.finished(request.get(TIMER), status, tenant.name if tenant else "",
+                              turn.tap.total_tokens if turn is not None else None)
         gw.metrics.requests.labels(
             request.path if request.path.startswith("/v1/") else "other", str(status),
             tenant.name if tenant else "", request.get("class", ""), outcome_of(status)).inc()
@@ -548,6 +558,7 @@ def authenticate(gw: Gateway, request: web.Request) -> None:
 
 async def generate(request: web.Request) -> web.StreamResponse:
     gw: Gateway = request.app[GATEWAY]
+    request[TIMER] = dashboard.RequestTimer()
     if gw.draining:
         raise APIError(503, "the gateway is shutting down", "service_unavailable")
     body = await request.read()
@@ -627,6 +638,8 @@ def build_app(gw: Gateway) -> web.Application:
     app.router.add_get("/metrics", metrics)
     app.router.add_get(USAGE_PATH, tenant_usage)
     app.router.add_get("/openapi.json", openapi)
+    dashboard.add_routes(app, lambda request: request.app[GATEWAY].dashboard,
+                         lambda request: authenticate(request.app[GATEWAY], request))
     return app
 
 
