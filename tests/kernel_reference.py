@@ -104,3 +104,55 @@ def _decode_attention(q, k_cache, v_cache, out, plan: AttentionPlan, scale: floa
     o = F.scaled_dot_product_attention(qd, k, v, attn_mask=plan.decode_keep[:, None, None, :],
                                        scale=scale, enable_gqa=True)
     out[plan.decode_rows] = o.squeeze(2)
+
+
+# --- dense references over explicit K/V, for the attention variants --------------------------
+def dense_reference(q, k, v, query_lens, seq_lens, window, scale, sinks=None, softcap=None):
+    """Dense attention of each sequence's new tokens (``q`` back to back) over its own
+    ``k[seq]``, ``v[seq]`` ``[length, kv_heads, d]``, in transformers' arithmetic:
+    scores scaled, soft-capped (``softcap``: ``cap * tanh(s / cap)``), masked to the
+    causal ``window`` (None: the whole context), and softmaxed with each head's sink
+    logit (``sinks [heads]``) as one more column that owns no value row."""
+    out, row = torch.empty_like(q), 0
+    for seq, (n, length) in enumerate(zip(query_lens, seq_lens)):
+        pos = torch.arange(length - n, length).unsqueeze(1)
+        keys = torch.arange(length).unsqueeze(0)
+        visible = (keys <= pos) & (keys > pos - (window or length))
+        qs = q[row:row + n].transpose(0, 1)
+        group = q.shape[1] // k[seq].shape[1]
+        ks = k[seq].repeat_interleave(group, 1).transpose(0, 1)
+        vs = v[seq].repeat_interleave(group, 1).transpose(0, 1)
+        scores = (qs @ ks.transpose(1, 2)) * scale
+        if softcap:
+            scores = softcap * torch.tanh(scores / softcap)
+        scores = scores.masked_fill(~visible, float("-inf"))
+        if sinks is not None:
+            scores = torch.cat([scores, sinks.view(-1, 1, 1).expand(-1, n, 1)], dim=-1)
+        probs = scores.softmax(-1)[..., :length]
+        out[row:row + n] = (probs @ vs).transpose(0, 1)
+        row += n
+    return out
+
+
+def paged_batch(query_lens, seq_lens, heads=4, kv_heads=2, head_dim=32, seed=0,
+                block_size=16):
+    """q, the paged cache ``[2, blocks, block_size, kv_heads, d]`` holding every context
+    (blocks shuffled), each sequence's block table, and the dense K/V."""
+    gen = torch.Generator().manual_seed(seed)
+    blocks_per_seq = [-(-n // block_size) for n in seq_lens]
+    num_blocks = sum(blocks_per_seq) + 3
+    order = torch.randperm(num_blocks, generator=gen).tolist()
+    cache = torch.zeros(2, num_blocks, block_size, kv_heads, head_dim)
+    tables, ks, vs = [], [], []
+    for length, nb in zip(seq_lens, blocks_per_seq):
+        table = [order.pop() for _ in range(nb)]
+        k = torch.randn(length, kv_heads, head_dim, generator=gen)
+        v = torch.randn(length, kv_heads, head_dim, generator=gen)
+        for t in range(length):
+            cache[0, table[t // block_size], t % block_size] = k[t]
+            cache[1, table[t // block_size], t % block_size] = v[t]
+        tables.append(table)
+        ks.append(k)
+        vs.append(v)
+    q = torch.randn(sum(query_lens), heads, head_dim, generator=gen)
+    return q, cache, tables, ks, vs

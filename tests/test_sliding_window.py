@@ -22,49 +22,11 @@ from llmserve.kernels.cpu.native import decode_kernel
 from llmserve.kernels.triton.attention import unified_attention
 from tests.conftest import write_tiny_checkpoint
 from tests.differential import reconfigure
+from tests.kernel_reference import dense_reference as reference
+from tests.kernel_reference import paged_batch
 from tests.oracle import compare_greedy, hf_greedy, load_hf
 
 BLOCK = 16
-
-
-def reference(q, k, v, query_lens, seq_lens, window, scale):
-    """Dense attention of each sequence's new tokens with the window's mask."""
-    out, row = torch.empty_like(q), 0
-    for seq, (n, length) in enumerate(zip(query_lens, seq_lens)):
-        pos = torch.arange(length - n, length).unsqueeze(1)
-        keys = torch.arange(length).unsqueeze(0)
-        visible = (keys <= pos) & (keys > pos - window)
-        qs = q[row:row + n].transpose(0, 1)
-        group = q.shape[1] // k[seq].shape[1]
-        ks = k[seq].repeat_interleave(group, 1).transpose(0, 1)
-        vs = v[seq].repeat_interleave(group, 1).transpose(0, 1)
-        scores = (qs @ ks.transpose(1, 2)) * scale
-        probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
-        out[row:row + n] = (probs @ vs).transpose(0, 1)
-        row += n
-    return out
-
-
-def paged_batch(query_lens, seq_lens, heads=4, kv_heads=2, head_dim=32, seed=0):
-    """q, the paged cache holding every context (blocks shuffled), and the dense K/V."""
-    gen = torch.Generator().manual_seed(seed)
-    blocks_per_seq = [-(-n // BLOCK) for n in seq_lens]
-    num_blocks = sum(blocks_per_seq) + 3
-    order = torch.randperm(num_blocks, generator=gen).tolist()
-    cache = torch.zeros(2, num_blocks, BLOCK, kv_heads, head_dim)
-    tables, ks, vs = [], [], []
-    for length, nb in zip(seq_lens, blocks_per_seq):
-        table = [order.pop() for _ in range(nb)]
-        k = torch.randn(length, kv_heads, head_dim, generator=gen)
-        v = torch.randn(length, kv_heads, head_dim, generator=gen)
-        for t in range(length):
-            cache[0, table[t // BLOCK], t % BLOCK] = k[t]
-            cache[1, table[t // BLOCK], t % BLOCK] = v[t]
-        tables.append(table)
-        ks.append(k)
-        vs.append(v)
-    q = torch.randn(sum(query_lens), heads, head_dim, generator=gen)
-    return q, cache, tables, ks, vs
 
 
 # (query lengths, context lengths): decodes and prefill chunks, before, at and past the

@@ -25,6 +25,13 @@ the query at position p, the keys in (p - W, p]. The plan is the step's, shared 
 every layer; what a window changes (the C kernel's first key per row, the torch paths'
 masks) is derived from it on first use by a windowed layer and kept for the others.
 
+Two extras change the softmax itself: logit soft-capping (Gemma 2: each scaled score s
+becomes ``softcap * tanh(s / softcap)`` before masking) and attention sinks (gpt-oss:
+a learned logit per query head that joins the softmax's maximum and denominator and
+owns no value row). The C kernel takes both; on the torch paths a layer with either
+runs ``_attention_with_extras`` (the arithmetic SDPA does, written out, since SDPA
+has neither) and a layer with neither keeps SDPA.
+
 Softmax and accumulation are in float32 whatever the cache dtype: CPU SDPA in bf16 with
 a mask is several times slower than in fp32 (measured: 32 decodes of ~200 tokens, 9.0
 vs 0.6 ms per layer), and converting the gathered K/V costs less than that.
@@ -185,41 +192,77 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
 
 
 def paged_attention_cpu(q: torch.Tensor, kv_cache: torch.Tensor, plan: CPUAttentionPlan,
-                        scale: float, window: int | None = None) -> torch.Tensor:
+                        scale: float, window: int | None = None,
+                        sinks: torch.Tensor | None = None,
+                        softcap: float | None = None) -> torch.Tensor:
     """``q [T, heads, d]`` over the layer's paged cache
     ``[2, blocks, block_size, kv_heads, d]``; returns ``[T, heads, d]`` in q's dtype.
-    ``window``: the layer's sliding window (None: the whole context)."""
+    ``window``: the layer's sliding window (None: the whole context); ``sinks``:
+    ``[heads]`` logits joining each head's softmax denominator (None: none);
+    ``softcap``: scores become ``softcap * tanh(scores / softcap)`` (None: as they are)."""
     first_keys, decode_mask, prefill_masks = (plan.windowed(window) if window
                                               else (None, plan.decode_mask, None))
+    extras = (None if sinks is None else sinks.detach().float(), softcap or None)
     if plan.native:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         paged_decode(q, out, kv_cache, plan.decode_q_rows, plan.decode_tables,
-                     plan.decode_seq_lens, scale, first_keys)
-        _prefill(q, kv_cache, plan, scale, out, prefill_masks)
+                     plan.decode_seq_lens, scale, first_keys, *extras)
+        _prefill(q, kv_cache, plan, scale, out, prefill_masks, extras)
         return out
     if plan.decode_only:
-        return _decode(q, kv_cache, plan, scale, decode_mask).to(q.dtype)
+        return _decode(q, kv_cache, plan, scale, decode_mask, extras).to(q.dtype)
     out = torch.empty_like(q)
     if plan.num_decodes:
         out[plan.decode_rows] = _decode(q[plan.decode_rows], kv_cache, plan, scale,
-                                        decode_mask).to(q.dtype)
-    _prefill(q, kv_cache, plan, scale, out, prefill_masks)
+                                        decode_mask, extras).to(q.dtype)
+    _prefill(q, kv_cache, plan, scale, out, prefill_masks, extras)
     return out
 
 
 def _prefill(q, kv_cache, plan: CPUAttentionPlan, scale: float, out: torch.Tensor,
-             window_masks: list | None = None) -> None:
+             window_masks: list | None = None, extras: tuple = (None, None)) -> None:
     """Each prefill chunk: one SDPA over its gathered context, into ``out``'s rows
-    (``window_masks``: each chunk's sliding-window mask instead of its causal one)."""
+    (``window_masks``: each chunk's sliding-window mask instead of its causal one;
+    ``extras``: (sinks, softcap), either of which makes it ``_attention_with_extras``)."""
+    sinks, softcap = extras
     for i, (start, end, seq_len, blocks, mask) in enumerate(plan.prefills):
         if window_masks is not None:
             mask = window_masks[i]
         kv = _gather(kv_cache, blocks)[:, :seq_len].transpose(1, 2)  # [2, kv_heads, L, d]
         qs = q[start:end].float().transpose(0, 1)  # [heads, n, d]
-        o = F.scaled_dot_product_attention(qs, kv[0], kv[1], attn_mask=mask,
-                                           is_causal=mask is None, scale=scale,
-                                           enable_gqa=True)
+        if sinks is None and softcap is None:
+            o = F.scaled_dot_product_attention(qs, kv[0], kv[1], attn_mask=mask,
+                                               is_causal=mask is None, scale=scale,
+                                               enable_gqa=True)
+        else:
+            if mask is None:  # a whole prompt: causal from its first token
+                mask = torch.ones(end - start, seq_len, dtype=torch.bool,
+                                  device=q.device).tril()
+            group = qs.shape[0] // kv.shape[1]
+            o = _attention_with_extras(qs, kv[0].repeat_interleave(group, 0),
+                                       kv[1].repeat_interleave(group, 0), mask, scale,
+                                       None if sinks is None else sinks[:, None, None],
+                                       softcap)
         out[start:end] = o.transpose(0, 1)
+
+
+def _attention_with_extras(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                           mask: torch.Tensor, scale: float, sinks: torch.Tensor | None,
+                           softcap: float | None) -> torch.Tensor:
+    """softmax(cap(q k^T scale) masked, sink) v in float32, batch dimensions broadcast:
+    ``q [..., n, d]``, ``k``, ``v [..., L, d]``, ``mask`` True where a key is seen,
+    ``sinks`` shaped to broadcast against the scores' ``[..., n, 1]`` (or None). The
+    sink is a last column of the scores that the value product leaves out."""
+    scores = (q @ k.transpose(-1, -2)) * scale
+    if softcap:
+        scores = softcap * torch.tanh(scores / softcap)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    if sinks is not None:
+        scores = torch.cat([scores, sinks.expand(*scores.shape[:-1], 1)], dim=-1)
+    probs = torch.softmax(scores, dim=-1)
+    if sinks is not None:
+        probs = probs[..., :-1]
+    return probs @ v
 
 
 def _gather(kv_cache: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
@@ -231,13 +274,19 @@ def _gather(kv_cache: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
 
 
 def _decode(q, kv_cache, plan: CPUAttentionPlan, scale: float,
-            mask: torch.Tensor) -> torch.Tensor:
+            mask: torch.Tensor, extras: tuple = (None, None)) -> torch.Tensor:
     num, heads, head_dim = q.shape
     kv_heads = kv_cache.shape[3]
     group = heads // kv_heads
     length = mask.shape[-1]
     kv = _gather(kv_cache, plan.decode_rows_kv).view(2, num, length, kv_heads, head_dim)
     qg = q.float().view(num, kv_heads, group, head_dim)  # the group is the query length
-    o = F.scaled_dot_product_attention(qg, kv[0].transpose(1, 2), kv[1].transpose(1, 2),
-                                       attn_mask=mask, scale=scale)
+    k, v = kv[0].transpose(1, 2), kv[1].transpose(1, 2)
+    sinks, softcap = extras
+    if sinks is None and softcap is None:
+        o = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale)
+    else:  # query head kv_head * group + g is row g of its KV head's "query"
+        o = _attention_with_extras(qg, k, v, mask, scale,
+                                   None if sinks is None else sinks.view(kv_heads, group, 1),
+                                   softcap)
     return o.reshape(num, heads, head_dim)

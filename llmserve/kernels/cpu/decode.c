@@ -45,13 +45,35 @@ static void exp_inplace(float *x, int n) {
     }
 }
 
+/* Gemma 2's logit soft-capping of n scores in place: cap * tanh(s / cap) (cap <= 0:
+ * none). Before the maximum is taken: the cap bounds what the softmax sees. */
+static void softcap_scores(float *s, int n, float cap) {
+    if (cap <= 0.0f) return;
+    const float inv = 1.0f / cap;
+    for (int t = 0; t < n; t++) s[t] = cap * tanhf(s[t] * inv);
+}
+
+/* One head's softmax in place over n scores whose maximum is m. sink (NULL: none):
+ * gpt-oss's learned logit, which joins the maximum and the denominator but owns no
+ * value row, so the weights sum to less than one. */
+static void normalise(float *sg, int n, float m, const float *sink) {
+    if (sink != NULL && *sink > m) m = *sink;
+    for (int t = 0; t < n; t++) sg[t] -= m;
+    exp_inplace(sg, n);
+    float sum = 0.0f;
+    for (int t = 0; t < n; t++) sum += sg[t];
+    if (sink != NULL) sum += expf(*sink - m);
+    float inv = 1.0f / sum;
+    for (int t = 0; t < n; t++) sg[t] *= inv;
+}
+
 /* One (sequence, KV head) task. Inlined into callers with a constant head_dim and
  * dtype, so that the compiler unrolls and vectorises the head_dim loops fully. */
 static inline __attribute__((always_inline)) void attend_one(
         const void *q, int64_t q_stride, void *out, const void *kv, int64_t q_row,
         const int32_t *table, int first, int seq_len, int64_t v_offset, int block_size,
         int num_heads, int kv_heads, const int head_dim, int kv_head, float scale,
-        const int dtype, float *scratch) {
+        const float *sinks, float softcap, const int dtype, float *scratch) {
     const int group = num_heads / kv_heads;
     float *qf = scratch;                                 /* [group, head_dim] */
     float *acc = qf + group * head_dim;                  /* [group, head_dim] */
@@ -84,14 +106,10 @@ static inline __attribute__((always_inline)) void attend_one(
     for (int g = 0; g < group; g++) {
         float *sg = scores + (int64_t)g * seq_len + first;
         const int n = seq_len - first;
+        softcap_scores(sg, n, softcap);
         float m = sg[0];
         for (int t = 1; t < n; t++) m = sg[t] > m ? sg[t] : m;
-        for (int t = 0; t < n; t++) sg[t] -= m;
-        exp_inplace(sg, n);
-        float sum = 0.0f;
-        for (int t = 0; t < n; t++) sum += sg[t];
-        float inv = 1.0f / sum;
-        for (int t = 0; t < n; t++) sg[t] *= inv;
+        normalise(sg, n, m, sinks != NULL ? sinks + kv_head * group + g : NULL);
     }
     /* Weighted sum of V rows, each read once for the group. */
     memset(acc, 0, sizeof(float) * group * head_dim);
@@ -264,17 +282,15 @@ static float max16(const float *x, int n) {
 }
 
 /* softmax of each head's scores, in place (rows `stride` apart, n scores each, then
- * repeats of the last one up to a multiple of 16, which the maximum may include). */
-static void softmax_rows(float *scores, int rows, int64_t stride, int n) {
+ * repeats of the last one up to a multiple of 16, which the maximum may include, so
+ * they are capped too); sinks: one per row, or NULL. */
+static void softmax_rows(float *scores, int rows, int64_t stride, int n, const float *sinks,
+                         float softcap) {
+    const int padded = (n + 15) / 16 * 16;
     for (int g = 0; g < rows; g++) {
         float *sg = scores + g * stride;
-        float m = max16(sg, (n + 15) / 16 * 16);
-        for (int t = 0; t < n; t++) sg[t] -= m;
-        exp_inplace(sg, n);
-        float sum = 0.0f;
-        for (int t = 0; t < n; t++) sum += sg[t];
-        float inv = 1.0f / sum;
-        for (int t = 0; t < n; t++) sg[t] *= inv;
+        softcap_scores(sg, padded, softcap);
+        normalise(sg, n, max16(sg, padded), sinks != NULL ? sinks + g : NULL);
     }
 }
 
@@ -454,8 +470,9 @@ static __attribute__((noinline)) void value_pass(
 static void attend_tiled(const void *q, int64_t q_stride, void *out, const void *kv,
                          int64_t q_row, const int32_t *table, int first, int seq_len,
                          int64_t v_offset, int block_size, int num_heads, int kv_heads,
-                         int head_dim, int kv_head, float scale, int dtype, int whole_rows,
-                         struct lookahead *la, void *scratch) {
+                         int head_dim, int kv_head, float scale, const float *sinks,
+                         float softcap, int dtype, int whole_rows, struct lookahead *la,
+                         void *scratch) {
     const int group = num_heads / kv_heads;
     const int n = seq_len - first;  /* the keys this row sees */
     const int padded = (n + TILE - 1) / TILE * TILE;
@@ -469,7 +486,8 @@ static void attend_tiled(const void *q, int64_t q_stride, void *out, const void 
                           ? kv_heads * head_dim * (dtype == DTYPE_BF16 ? 2 : 4) : 0;
     score_tiles(q, q_off, kv, off, padded, v_offset, row_bytes, head_dim, group, scale, dtype,
                 scores);
-    softmax_rows(scores, group, padded, n);
+    softmax_rows(scores, group, padded, n, sinks != NULL ? sinks + kv_head * group : NULL,
+                 softcap);
     value_pass(kv, off, n, v_offset, scores, padded, head_dim, group, dtype, la, acc);
     for (int g = 0; g < group; g++) {
         const float *a = acc + g * head_dim;
@@ -485,18 +503,18 @@ static void attend_tiled(const void *q, int64_t q_stride, void *out, const void 
 /* attend_one specialised for the common head sizes and each dtype, where
  * attend_tiled does not apply. */
 #define ATTEND(HD, DT) attend_one(q, q_stride, out, kv, q_row, table, first, seq_len, v_offset, \
-                                  block_size, num_heads, kv_heads, HD, kv_head, scale, DT, \
-                                  scratch)
+                                  block_size, num_heads, kv_heads, HD, kv_head, scale, sinks, \
+                                  softcap, DT, scratch)
 static void attend(const void *q, int64_t q_stride, void *out, const void *kv,
                    int64_t q_row, const int32_t *table, int first, int seq_len,
                    int64_t v_offset,
                    int block_size, int num_heads, int kv_heads, int head_dim, int kv_head,
-                   float scale, int dtype, int whole_rows, struct lookahead *la,
-                   float *scratch) {
+                   float scale, const float *sinks, float softcap, int dtype, int whole_rows,
+                   struct lookahead *la, float *scratch) {
     if ((head_dim == 64 || head_dim == 128) && num_heads / kv_heads <= MAX_GROUP) {
         attend_tiled(q, q_stride, out, kv, q_row, table, first, seq_len, v_offset, block_size,
-                     num_heads, kv_heads, head_dim, kv_head, scale, dtype, whole_rows, la,
-                     scratch);
+                     num_heads, kv_heads, head_dim, kv_head, scale, sinks, softcap, dtype,
+                     whole_rows, la, scratch);
     } else if (dtype == DTYPE_BF16) {
         if (head_dim == 64) ATTEND(64, DTYPE_BF16);
         else if (head_dim == 128) ATTEND(128, DTYPE_BF16);
@@ -527,7 +545,8 @@ static void attend_claimed(const void *q, int64_t q_stride, void *out, const voi
                            const int32_t *first_keys, const int32_t *seq_lens, int num_seqs,
                            int64_t v_offset,
                            int block_size, int num_heads, int kv_heads, int head_dim,
-                           float scale, int dtype, int *claimed, float *scratch) {
+                           float scale, const float *sinks, float softcap, int dtype,
+                           int *claimed, float *scratch) {
     const int elem = dtype == DTYPE_BF16 ? 2 : 4;
     const int group = num_heads / kv_heads;
     int cur = __atomic_fetch_add(claimed, 1, __ATOMIC_RELAXED);
@@ -547,8 +566,8 @@ static void attend_claimed(const void *q, int64_t q_stride, void *out, const voi
             }
             attend(q, q_stride, out, kv, q_rows[cur], tables + (int64_t)cur * table_stride,
                    first_keys != NULL ? first_keys[cur] : 0, seq_lens[cur], v_offset,
-                   block_size, num_heads, kv_heads, head_dim, h, scale, dtype, 1,
-                   ahead.len > 0 ? &ahead : NULL, scratch);
+                   block_size, num_heads, kv_heads, head_dim, h, scale, sinks, softcap, dtype,
+                   1, ahead.len > 0 ? &ahead : NULL, scratch);
         }
         cur = next;
     }
@@ -559,12 +578,16 @@ static void attend_claimed(const void *q, int64_t q_stride, void *out, const voi
  * [num_seqs, table_stride] block ids; seq_lens[i]: tokens in sequence i's context
  * (its new token's K/V already written); first_keys[i]: the first of them it attends
  * to (a sliding window: seq_len - window where that is positive), or NULL: every one.
+ * sinks: [num_heads] float32 logits that join each head's softmax denominator only
+ * (gpt-oss's attention sinks), or NULL; softcap > 0: scores become
+ * softcap * tanh(scores / softcap) before the softmax (Gemma 2), 0: left as they are.
  * Returns 0, or -1 when out of memory. */
 int paged_decode(int num_threads, const void *q, int64_t q_stride, void *out, const void *kv,
                  const int32_t *q_rows, const int32_t *tables, int table_stride,
                  const int32_t *first_keys, const int32_t *seq_lens,
                  int num_seqs, int64_t num_cache_blocks, int block_size, int num_heads,
-                 int kv_heads, int head_dim, float scale, int dtype) {
+                 int kv_heads, int head_dim, float scale, const float *sinks, float softcap,
+                 int dtype) {
     int max_len = 0;
     for (int i = 0; i < num_seqs; i++) max_len = seq_lens[i] > max_len ? seq_lens[i] : max_len;
     const int group = num_heads / kv_heads;
@@ -590,7 +613,7 @@ int paged_decode(int num_threads, const void *q, int64_t q_stride, void *out, co
             if (scratch != NULL)
                 attend_claimed(q, q_stride, out, kv, q_rows, tables, table_stride, first_keys,
                                seq_lens, num_seqs, v_offset, block_size, num_heads, kv_heads, head_dim,
-                               scale, dtype, &claimed, scratch);
+                               scale, sinks, softcap, dtype, &claimed, scratch);
         } else {
             /* Every thread takes part in the loop (a work-sharing construct), even one
              * whose allocation failed: it then skips its tasks and the call reports it. */
@@ -604,7 +627,7 @@ int paged_decode(int num_threads, const void *q, int64_t q_stride, void *out, co
                 }
                 attend(q, q_stride, out, kv, q_rows[i], tables + (int64_t)i * table_stride,
                        first_keys != NULL ? first_keys[i] : 0, seq_lens[i], v_offset, block_size, num_heads, kv_heads, head_dim, h,
-                       scale, dtype, 0, NULL, scratch);
+                       scale, sinks, softcap, dtype, 0, NULL, scratch);
             }
         }
         free(scratch);

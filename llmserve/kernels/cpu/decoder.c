@@ -179,7 +179,8 @@ int q4_decode_layers(int num_threads, const q4_dims *d, const q4_layer *layers, 
         if (rc == 0)
             rc = paged_decode(num_threads, q, qdim, attn, L->kv_cache, rows, tables,
                               table_stride, NULL, seq_lens, M, d->num_cache_blocks, d->block_size,
-                              d->num_heads, d->kv_heads, d->head_dim, d->scale, DTYPE_BF16);
+                              d->num_heads, d->kv_heads, d->head_dim, d->scale, NULL, 0.0f,
+                              DTYPE_BF16);
         if (rc != 0) break;
         q4_matmul(num_threads, &L->o, d->block_n, attn, M, o, xf, xsum);
         rc = add_rms_norm_bf16(num_threads, x, o, L->post_norm, h, x, M, (int)hidden, d->eps);

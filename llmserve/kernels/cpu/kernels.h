@@ -85,7 +85,7 @@ int paged_decode(int num_threads, const void *q, int64_t q_stride, void *out, co
                  const int32_t *first_keys, const int32_t *seq_lens, int num_seqs,
                  int64_t num_cache_blocks,
                  int block_size, int num_heads, int kv_heads, int head_dim, float scale,
-                 int dtype);
+                 const float *sinks, float softcap, int dtype);
 int rope_and_cache(int num_threads, const void *qkv, int64_t qkv_stride, void *q_out,
                    void *kv, const float *cos, const float *sin, const int64_t *slots,
                    int num_tokens, int64_t num_cache_blocks, int block_size, int num_heads,

@@ -62,7 +62,7 @@ _I32, _I64, _F32, _PTR = ctypes.c_int, ctypes.c_int64, ctypes.c_float, ctypes.c_
 SIGNATURES: dict[str, list[type]] = {
     # decode.c
     "paged_decode": [_I32, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _I32, _PTR, _PTR, _I32, _I64,
-                     _I32, _I32, _I32, _I32, _F32, _I32],
+                     _I32, _I32, _I32, _I32, _F32, _PTR, _F32, _I32],
     "rope_and_cache": [_I32, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _I32, _I64, _I32, _I32,
                        _I32, _I32, _I32],
     "add_rms_norm_bf16": [_I32, _PTR, _PTR, _PTR, _PTR, _PTR, _I32, _I32, _F32],
@@ -270,9 +270,12 @@ def rope_and_cache(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
 
 def paged_decode(q: torch.Tensor, out: torch.Tensor, kv_cache: torch.Tensor,
                  q_rows: torch.Tensor, tables: torch.Tensor, seq_lens: torch.Tensor,
-                 scale: float, first_keys: torch.Tensor | None = None) -> None:
+                 scale: float, first_keys: torch.Tensor | None = None,
+                 sinks: torch.Tensor | None = None, softcap: float | None = None) -> None:
     """``out[q_rows[i]]`` = sequence i's new token attending over its cached context,
     from key ``first_keys[i]`` on (int32; a sliding window's start) or all of it.
+    ``sinks``: ``[num_heads]`` logits joining each head's softmax denominator only
+    (attention sinks); ``softcap``: scores become ``softcap * tanh(scores / softcap)``.
     ``q`` may be a view whose token rows are strided (the split of a fused QKV), but
     each head's ``head_dim`` values contiguous; ``out``, ``kv_cache`` (one layer:
     ``[2, blocks, block_size, kv_heads, head_dim]``), and the int32 ``q_rows``,
@@ -287,11 +290,17 @@ def paged_decode(q: torch.Tensor, out: torch.Tensor, kv_cache: torch.Tensor,
                          f"{kv_heads} KV heads of {head_dim}")
     if q.stride(2) != 1 or q.stride(1) != head_dim:
         q = q.contiguous()  # the kernel steps over token rows only
+    if sinks is not None:
+        if sinks.shape != (num_heads,):
+            raise ValueError(f"paged_decode: sinks of shape {tuple(sinks.shape)}, "
+                             f"not ({num_heads},)")
+        sinks = sinks.detach().float().contiguous()  # kept alive until the call returns
     rc = decode_kernel().paged_decode(
         torch.get_num_threads(), q.data_ptr(), q.stride(0), out.data_ptr(),
         kv_cache.data_ptr(), q_rows.data_ptr(), tables.data_ptr(), tables.shape[1],
         None if first_keys is None else first_keys.data_ptr(), seq_lens.data_ptr(),
         seq_lens.shape[0], num_blocks, block_size, num_heads, kv_heads,
-        head_dim, scale, DTYPE_CODES[q.dtype])
+        head_dim, scale, None if sinks is None else sinks.data_ptr(), softcap or 0.0,
+        DTYPE_CODES[q.dtype])
     if rc != 0:
         raise MemoryError("paged_decode: out of memory for its scratch buffers")

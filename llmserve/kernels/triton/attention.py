@@ -21,6 +21,13 @@ A sliding window of W keys (``window``; 0: none) limits the query at position p 
 keys in (p - W, p]: masked in the online softmax, and the cache blocks wholly before a
 tile's window are never visited.
 
+Two extras, each a compile-time switch so that models without them pay nothing:
+logit soft-capping (Gemma 2: each scaled score s becomes ``softcap * tanh(s /
+softcap)`` before masking) and attention sinks (gpt-oss: a learned logit per query head
+that joins the softmax's maximum and denominator but owns no value row). A sink is
+added where a row's softmax is finished: by the kernel that writes the output, so in
+split-KV decode by the reduce, once, never per split.
+
 Shapes the kernels support are checked by ``check_supported`` (a ValueError
 that names the violated limit); ``unified_attention`` calls it on every call.
 
@@ -94,9 +101,9 @@ def _find_seq(query_start_loc_ptr, q_block, num_seqs, BLOCK_Q: tl.constexpr):
 @triton.jit
 def _attend_blocks(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, block_table_ptr,
                    kv_head, first_block, last_block, seq_len, context_len, query_pos,
-                   stride_kb, stride_ks, stride_kh, scale, window,
+                   stride_kb, stride_ks, stride_kh, scale, window, softcap,
                    BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
-                   HEAD_DIM_P: tl.constexpr):
+                   HEAD_DIM_P: tl.constexpr, USE_SOFTCAP: tl.constexpr):
     """Online softmax over cache blocks [first_block, last_block)."""
     offs_s = tl.arange(0, BLOCK_SIZE)
     offs_d = tl.arange(0, HEAD_DIM_P)
@@ -112,6 +119,8 @@ def _attend_blocks(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, block_table_ptr,
         k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)
         v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
         s = tl.dot(q, tl.trans(k)) * scale  # [BLOCK_M, BLOCK_SIZE], fp32
+        if USE_SOFTCAP:  # cap * tanh(s / cap), tanh(x) = 1 - 2 / (e^2x + 1): exact at +-inf
+            s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * s / softcap) + 1.0))
         visible = (key_pos[None, :] < seq_len) & \
                   (key_pos[None, :] <= context_len + query_pos[:, None]) & \
                   (key_pos[None, :] > below[:, None])
@@ -127,6 +136,19 @@ def _attend_blocks(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, block_table_ptr,
     return acc, m_i, l_i
 
 
+@triton.jit
+def _finish(acc, m_i, l_i, sinks_ptr, head, row_mask, HAS_SINKS: tl.constexpr):
+    """Each row's output: acc / l, with the row's head's sink joining l (rescaled to
+    the larger of the two maxima); a row with nothing visible stays zero."""
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + head, mask=row_mask, other=0.0)
+        m = tl.maximum(m_i, sink)
+        alpha = tl.exp(m_i - m)
+        acc = acc * alpha[:, None]
+        l_i = l_i * alpha + tl.exp(sink - m)
+    return acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+
+
 # Triton compiles one variant of a kernel per "specialisation" of its integer arguments
 # (equal to 1, divisible by 16, other). ``num_seqs`` and the block tables' row stride
 # (the step's longest table) change with every batch, so specialising on them would
@@ -135,12 +157,13 @@ def _attend_blocks(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, block_table_ptr,
 @triton.jit(do_not_specialize=["num_seqs", "stride_bt", "window"])
 def _unified_attention_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, query_start_loc_ptr, seq_lens_ptr,
-        block_tables_ptr, num_seqs, scale, window,
+        block_tables_ptr, sinks_ptr, num_seqs, scale, window, softcap,
         stride_qt, stride_qh, stride_ot, stride_oh,
         stride_kb, stride_ks, stride_kh, stride_bt,
         NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_P: tl.constexpr,
         HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-        BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr):
+        BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, USE_SOFTCAP: tl.constexpr,
+        HAS_SINKS: tl.constexpr):
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
     seq = _find_seq(query_start_loc_ptr, q_block, num_seqs, BLOCK_Q)
@@ -175,9 +198,9 @@ def _unified_attention_kernel(
     acc, m_i, l_i = _attend_blocks(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr,
                                    block_tables_ptr + seq.to(tl.int64) * stride_bt, kv_head,
                                    first_block, num_blocks, seq_len, context_len, query_pos,
-                                   stride_kb, stride_ks, stride_kh, scale, window,
-                                   BLOCK_SIZE, HEAD_DIM, HEAD_DIM_P)
-    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+                                   stride_kb, stride_ks, stride_kh, scale, window, softcap,
+                                   BLOCK_SIZE, HEAD_DIM, HEAD_DIM_P, USE_SOFTCAP)
+    out = _finish(acc, m_i, l_i, sinks_ptr, head, row_mask, HAS_SINKS)
     o_off = token[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
     tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty), mask=io_mask)
 
@@ -185,13 +208,15 @@ def _unified_attention_kernel(
 @triton.jit(do_not_specialize=["stride_bt", "window"])
 def _split_decode_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
-        query_start_loc_ptr, seq_lens_ptr, block_tables_ptr, scale, window,
+        query_start_loc_ptr, seq_lens_ptr, block_tables_ptr, sinks_ptr, scale, window, softcap,
         stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_ks, stride_kh, stride_bt,
         NUM_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr, GROUP: tl.constexpr,
         GROUP_P: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr,
-        BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr):
+        BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, USE_SOFTCAP: tl.constexpr,
+        HAS_SINKS: tl.constexpr):
     """Decode-only: program (seq, kv head, split) attends one share of the keys. With one
-    split it writes the output itself; otherwise its partial result, for the reduce."""
+    split it writes the output itself (sinks included); otherwise its partial result,
+    without the sink, which the reduce adds once."""
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -222,10 +247,10 @@ def _split_decode_kernel(
     acc, m_i, l_i = _attend_blocks(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr,
                                    block_tables_ptr + seq.to(tl.int64) * stride_bt, kv_head,
                                    first, last, seq_len, seq_len - 1, query_pos,
-                                   stride_kb, stride_ks, stride_kh, scale, window,
-                                   BLOCK_SIZE, HEAD_DIM, HEAD_DIM_P)
+                                   stride_kb, stride_ks, stride_kh, scale, window, softcap,
+                                   BLOCK_SIZE, HEAD_DIM, HEAD_DIM_P, USE_SOFTCAP)
     if NUM_SPLITS == 1:  # the whole context: no partials, no reduce launch
-        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        out = _finish(acc, m_i, l_i, sinks_ptr, head, row_mask, HAS_SINKS)
         tl.store(out_ptr + token * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & d_mask[None, :])
     else:
@@ -238,10 +263,11 @@ def _split_decode_kernel(
 
 @triton.jit
 def _split_reduce_kernel(part_acc_ptr, part_m_ptr, part_l_ptr, out_ptr, query_start_loc_ptr,
-                         stride_ot, stride_oh, NUM_HEADS: tl.constexpr,
+                         sinks_ptr, stride_ot, stride_oh, NUM_HEADS: tl.constexpr,
                          NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                         HEAD_DIM_P: tl.constexpr):
-    """Merge the splits of one (sequence, head) by log-sum-exp."""
+                         HEAD_DIM_P: tl.constexpr, HAS_SINKS: tl.constexpr):
+    """Merge the splits of one (sequence, head) by log-sum-exp; the head's sink joins
+    the merged denominator once."""
     seq = tl.program_id(0)
     head = tl.program_id(1)
     token = tl.load(query_start_loc_ptr + seq).to(tl.int64)
@@ -253,11 +279,16 @@ def _split_reduce_kernel(part_acc_ptr, part_m_ptr, part_l_ptr, out_ptr, query_st
     m = tl.load(part_m_ptr + part)
     l = tl.load(part_l_ptr + part)  # noqa: E741
     m_max = tl.max(m, axis=0)
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + head)
+        m_max = tl.maximum(m_max, sink)
     m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
     w = tl.exp(m - m_max)  # empty splits have m = -inf: weight 0
     acc = tl.load(part_acc_ptr + part[:, None] * HEAD_DIM_P + offs_d[None, :])
     total = tl.sum(acc * w[:, None], axis=0)
     denom = tl.sum(l * w, axis=0)
+    if HAS_SINKS:
+        denom += tl.exp(sink - m_max)
     out = total / tl.where(denom == 0.0, 1.0, denom)
     tl.store(out_ptr + token * stride_ot + head * stride_oh + offs_d,
              out.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
@@ -453,9 +484,13 @@ def unified_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
                       seq_lens: torch.Tensor, block_tables: torch.Tensor, max_query_len: int,
                       max_seq_len: int, scale: float, num_splits: int | None = None,
                       split_rule: str = "occupancy", decode_tile: str = "fit",
-                      window: int | None = None) -> torch.Tensor:
+                      window: int | None = None, sinks: torch.Tensor | None = None,
+                      softcap: float | None = None) -> torch.Tensor:
     """Causal paged attention of each sequence's new tokens over its cached keys
     (``window``: the last that many of them, a sliding window; None: all).
+    ``sinks``: ``[num_heads]`` float32 logits joining each head's softmax denominator
+    (attention sinks; None: none); ``softcap``: scores become
+    ``softcap * tanh(scores / softcap)`` (None or 0: left as they are).
 
     ``num_splits`` forces the split-KV path (decode-only batches) with that many
     splits (a power of two <= MAX_SPLITS); by default it is chosen from the batch
@@ -480,13 +515,14 @@ def unified_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     assert k_cache.stride(3) == 1 and q.stride(2) == 1 and out.stride(2) == 1
     decode = max_query_len == 1
     window = window or 0
+    extras = _Extras(sinks, softcap, num_heads)
     if num_splits is None:
         num_splits = (_choose_splits(num_seqs, num_kv_heads, max_seq_len, block_size,
                                      num_sms(q.device), split_rule) if decode else 1)
     if decode and (num_splits > 1 or decode_tile == "fit"):
         _decode(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables, scale,
                 num_splits, group, group_p, head_dim, head_dim_p,
-                _decode_rows(group_p, decode_tile), window)
+                _decode_rows(group_p, decode_tile), window, extras)
         return out
     # Prefill chunks and mixed batches: BLOCK_Q query tokens x the group per tile. A
     # decode inside a mixed batch still fills one BLOCK_Q row of its tile; choosing the
@@ -495,16 +531,35 @@ def unified_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     block_q = block_m // group_p
     grid = (num_tokens // block_q + num_seqs, num_kv_heads)
     _unified_attention_kernel[grid](
-        q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables, num_seqs, scale,
-        window, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables,
+        extras.sinks_arg(q), num_seqs, scale, window, extras.softcap,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         NUM_HEADS=num_heads, GROUP=group, GROUP_P=group_p, HEAD_DIM=head_dim,
-        HEAD_DIM_P=head_dim_p, BLOCK_SIZE=block_size, BLOCK_Q=block_q, BLOCK_M=block_m)
+        HEAD_DIM_P=head_dim_p, BLOCK_SIZE=block_size, BLOCK_Q=block_q, BLOCK_M=block_m,
+        USE_SOFTCAP=extras.use_softcap, HAS_SINKS=extras.has_sinks)
     return out
 
 
+class _Extras:
+    """Sinks and soft-capping as kernel arguments: the compile-time switches, the cap
+    (1.0 when unused, never divided by then) and the sinks (q itself when none: a valid
+    pointer the kernels never read)."""
+
+    def __init__(self, sinks: torch.Tensor | None, softcap: float | None, num_heads: int):
+        if sinks is not None and sinks.shape != (num_heads,):
+            raise ValueError(f"sinks must have shape ({num_heads},), got {tuple(sinks.shape)}")
+        self.sinks = None if sinks is None else sinks.detach().float().contiguous()
+        self.has_sinks = sinks is not None
+        self.use_softcap = bool(softcap)
+        self.softcap = float(softcap) if softcap else 1.0
+
+    def sinks_arg(self, q: torch.Tensor) -> torch.Tensor:
+        return self.sinks if self.has_sinks else q
+
+
 def _decode(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables, scale,
-            num_splits, group, group_p, head_dim, head_dim_p, block_m, window):
+            num_splits, group, group_p, head_dim, head_dim_p, block_m, window, extras):
     num_heads = q.shape[1]
     num_seqs = seq_lens.shape[0]
     num_kv_heads = k_cache.shape[2]
@@ -518,15 +573,17 @@ def _decode(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables, s
         part_l = torch.empty_like(part_m)
     _split_decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, out, part_acc, part_m, part_l, query_start_loc, seq_lens,
-        block_tables, scale, window, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        block_tables, extras.sinks_arg(q), scale, window, extras.softcap,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         NUM_HEADS=num_heads, NUM_SPLITS=num_splits, GROUP=group, GROUP_P=group_p,
-        HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p, BLOCK_SIZE=k_cache.shape[1], BLOCK_M=block_m)
+        HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p, BLOCK_SIZE=k_cache.shape[1], BLOCK_M=block_m,
+        USE_SOFTCAP=extras.use_softcap, HAS_SINKS=extras.has_sinks)
     if num_splits > 1:
         _split_reduce_kernel[(num_seqs, num_heads)](
-            part_acc, part_m, part_l, out, query_start_loc, out.stride(0), out.stride(1),
-            NUM_HEADS=num_heads, NUM_SPLITS=num_splits, HEAD_DIM=head_dim,
-            HEAD_DIM_P=head_dim_p)
+            part_acc, part_m, part_l, out, query_start_loc, extras.sinks_arg(q),
+            out.stride(0), out.stride(1), NUM_HEADS=num_heads, NUM_SPLITS=num_splits,
+            HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p, HAS_SINKS=extras.has_sinks)
 
 
 # True when this module's kernels were built for Triton's CPU interpreter

@@ -11,6 +11,11 @@ tables, prefill chunks) outside the graph.
 Each layer's cache is one tensor ``[2 (K, V), blocks, block_size, kv_heads, head_dim]``
 (a view of the KV storage): a single mutated argument, which the compiler updates in
 place (two views of one storage would make it copy the cache on every call).
+
+Every entry point takes a layer's three attention variants alike: ``window`` (its
+sliding window, None: the whole context), ``sinks`` (``[heads of this rank]`` float32
+logits joining each head's softmax denominator, gpt-oss; None: none) and ``softcap``
+(scores become ``softcap * tanh(scores / softcap)``, Gemma 2; None: as they are).
 """
 
 from __future__ import annotations
@@ -60,7 +65,8 @@ def step_metadata() -> AttentionMetadata | None:
 
 def native_rope_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                           kv_cache: torch.Tensor, scale: float, num_heads: int,
-                          window: int | None = None) -> torch.Tensor | None:
+                          window: int | None = None, sinks: torch.Tensor | None = None,
+                          softcap: float | None = None) -> torch.Tensor | None:
     """Eager CPU steps with decodes, where the C kernels are built: rotary embedding and
     the K/V store in one call (``cpu_native.rope_and_cache``), then the attention of
     ``paged_attention_cpu`` (decodes in C, any prefill chunks in SDPA). None where this
@@ -72,12 +78,13 @@ def native_rope_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
     if meta is None or meta.plan is None or not meta.plan.native:
         return None
     q = rope_and_cache(qkv, cos, sin, kv_cache, meta.slot_mapping, num_heads)
-    return paged_attention_cpu(q, kv_cache, meta.plan, scale, window)
+    return paged_attention_cpu(q, kv_cache, meta.plan, scale, window, sinks, softcap)
 
 
 def fused_rope_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                          kv_cache: torch.Tensor, scale: float, num_heads: int,
-                         window: int | None = None) -> torch.Tensor:
+                         window: int | None = None, sinks: torch.Tensor | None = None,
+                         softcap: float | None = None) -> torch.Tensor:
     """``--fused-kernels``: one Triton kernel rotates q and k and stores k and v at the
     step's slots (``kernels/triton/fused.py``), then the attention reads the cache
     without writing it again. Eager only: the config refuses --fused-kernels with
@@ -87,29 +94,34 @@ def fused_rope_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     assert meta is not None, "attention runs inside forward_context()"
     q = rope_and_write_kv(qkv, cos, sin, kv_cache[0], kv_cache[1], meta.slot_mapping,
                           num_heads)
-    return paged_attention(q, None, None, kv_cache, scale, kv_written=True, window=window)
+    return paged_attention(q, None, None, kv_cache, scale, kv_written=True, window=window,
+                           sinks=sinks, softcap=softcap)
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
                     kv_cache: torch.Tensor, scale: float, kv_written: bool = False,
-                    window: int | None = None) -> torch.Tensor:
+                    window: int | None = None, sinks: torch.Tensor | None = None,
+                    softcap: float | None = None) -> torch.Tensor:
     """Write this step's ``k``/``v`` into the layer's cache and attend ``q`` over it;
     ``kv_written``: a fused kernel has stored them already (``k``, ``v`` unused);
-    ``window``: the layer's sliding window (None: the whole context).
+    ``window``, ``sinks``, ``softcap``: the layer's variants (module docstring).
     Under torch.compile this is the opaque op; eagerly its body is called directly (a
     custom op's dispatch costs ~100 us a call, 3 ms a step of the built-in model)."""
     if kv_written:
         meta = _current
         assert meta is not None, "paged_attention runs inside forward_context()"
-        return _attend(q, kv_cache, scale, meta, window)
+        return _attend(q, kv_cache, scale, meta, window, sinks, softcap)
     if torch.compiler.is_compiling():
-        return torch.ops.llmserve.paged_attention(q, k, v, kv_cache, scale, window or 0)
-    return _paged_attention_kernel(q, k, v, kv_cache, scale, window or 0)
+        return torch.ops.llmserve.paged_attention(q, k, v, kv_cache, scale, window or 0,
+                                                  sinks, softcap or 0.0)
+    return _paged_attention_kernel(q, k, v, kv_cache, scale, window or 0, sinks,
+                                   softcap or 0.0)
 
 
 def _paged_attention_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                            kv_cache: torch.Tensor, scale: float,
-                            window: int = 0) -> torch.Tensor:
+                            kv_cache: torch.Tensor, scale: float, window: int = 0,
+                            sinks: torch.Tensor | None = None,
+                            softcap: float = 0.0) -> torch.Tensor:
     meta = _current
     assert meta is not None, "paged_attention runs inside forward_context()"
     if not meta.use_triton:
@@ -117,21 +129,23 @@ def _paged_attention_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     else:
         from llmserve.kernels.triton.attention import write_kv_cache
         write_kv_cache(k, v, kv_cache[0], kv_cache[1], meta.slot_mapping)
-    return _attend(q, kv_cache, scale, meta, window or None)
+    return _attend(q, kv_cache, scale, meta, window or None, sinks, softcap or None)
 
 
 def _attend(q: torch.Tensor, kv_cache: torch.Tensor, scale: float,
-            meta: AttentionMetadata, window: int | None = None) -> torch.Tensor:
+            meta: AttentionMetadata, window: int | None = None,
+            sinks: torch.Tensor | None = None, softcap: float | None = None) -> torch.Tensor:
     """Attention of ``q`` over the layer's cache, which holds this step's K/V already."""
     if not meta.use_triton:
-        return paged_attention_cpu(q, kv_cache, meta.plan, scale, window)
+        return paged_attention_cpu(q, kv_cache, meta.plan, scale, window, sinks, softcap)
     from llmserve.kernels.triton.attention import unified_attention
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     out = torch.empty_like(q)
     unified_attention(q, k_cache, v_cache, out, query_start_loc=meta.query_start_loc,
                       seq_lens=meta.seq_lens, block_tables=meta.block_tables,
                       max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len,
-                      scale=scale, num_splits=meta.num_splits, window=window)
+                      scale=scale, num_splits=meta.num_splits, window=window, sinks=sinks,
+                      softcap=softcap)
     return out
 
 
@@ -142,5 +156,5 @@ _paged_attention = torch.library.custom_op("llmserve::paged_attention", _paged_a
 
 
 @_paged_attention.register_fake
-def _(q, k, v, kv_cache, scale, window=0):
+def _(q, k, v, kv_cache, scale, window=0, sinks=None, softcap=0.0):
     return torch.empty_like(q)

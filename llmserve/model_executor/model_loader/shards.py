@@ -25,7 +25,10 @@ def shard_of(sl, shape: RankShape, head_dim: int, param: str) -> torch.Tensor:
       vocabulary row, padded);
     - row-parallel (input columns split): o_proj, down_proj; their bias (if any) is
       added once, on rank 0, since the ranks' outputs are summed;
+    - attention sinks (one per query head) by head;
     - everything else (norms, a MoE router) whole."""
+    if param.endswith("self_attn.sinks"):
+        return sl[shape.head_start:shape.head_start + shape.num_heads]
     leaf = param.split(".")[-2]  # the module: q_proj, o_proj, embed_tokens, lm_head, ...
     is_bias = param.endswith(".bias")
     rows = shape.moe_intermediate if ".experts." in param else shape.intermediate

@@ -171,6 +171,12 @@ def has_qk_norm(config) -> bool:
     return config.model_type in ("qwen3", "qwen3_moe")
 
 
+def has_attention_sinks(config) -> bool:
+    """gpt-oss's learned logit per query head (``self_attn.sinks``), which joins the
+    softmax's denominator and owns no value row."""
+    return config.model_type == "gpt_oss"
+
+
 class Attention(nn.Module):
     """This rank's query heads and the KV heads they read; with several ranks the
     o_proj outputs (row-parallel) are summed over them."""
@@ -193,6 +199,13 @@ class Attention(nn.Module):
                                 bias=bool(getattr(config, "attention_bias", False)))
         self.scale = self.head_dim ** -0.5
         self.sliding_window = layer_sliding_window(config, layer_idx)  # None: all keys
+        # Gemma 2's cap on the scaled scores, cap * tanh(s / cap) (None: uncapped).
+        self.softcap = getattr(config, "attn_logit_softcapping", None) or None
+        # This rank's heads' sinks (the loader shards the checkpoint's by head). The
+        # loader casts them to the model's dtype, as transformers keeps them; the
+        # kernels compute with them in float32.
+        self.sinks = (nn.Parameter(torch.zeros(self.num_heads, dtype=torch.float32))
+                      if has_attention_sinks(config) else None)
         # Per-head norms (one weight shared by every head, so replicated across ranks).
         self.q_norm = self.k_norm = None
         if has_qk_norm(config):
@@ -210,18 +223,18 @@ class Attention(nn.Module):
         qkv = self.qkv_proj(x).view(t, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             qkv = self._norm_heads(qkv)
-        window = self.sliding_window
+        variants = dict(window=self.sliding_window, sinks=self.sinks, softcap=self.softcap)
         if self.fused:
             o = fused_rope_attention(qkv, cos, sin, self.kv_cache, self.scale, self.num_heads,
-                                     window)
+                                     **variants)
             return self._output(o, t)
         o = native_rope_attention(qkv, cos, sin, self.kv_cache, self.scale, self.num_heads,
-                                  window)
+                                  **variants)
         if o is None:
             qk = apply_rotary(qkv[:, :self.num_heads + self.num_kv_heads], cos, sin)
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
             v = qkv[:, self.num_heads + self.num_kv_heads:]
-            o = paged_attention(q, k, v, self.kv_cache, self.scale, window=window)
+            o = paged_attention(q, k, v, self.kv_cache, self.scale, **variants)
         return self._output(o, t)
 
     def _norm_heads(self, qkv: torch.Tensor) -> torch.Tensor:

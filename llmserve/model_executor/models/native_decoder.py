@@ -119,6 +119,10 @@ def unsupported(model) -> str | None:
         return "per-head q/k norms (Qwen3)"
     if any(layer.self_attn.sliding_window for layer in layers):
         return "sliding-window layers"
+    if any(layer.self_attn.sinks is not None for layer in layers):
+        return "attention sinks"
+    if any(layer.self_attn.softcap for layer in layers):
+        return "attention logit soft-capping"
     if any(not hasattr(layer.mlp, "gate_up_proj") for layer in layers):
         return "a mixture-of-experts MLP"
     cache = layers[0].self_attn.kv_cache
