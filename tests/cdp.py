@@ -142,6 +142,9 @@ class Chromium:
         return result["result"].get("value")
 
     async def screenshot(self) -> bytes:
-        """The viewport as a PNG."""
-        return base64.b64decode((await self.send("Page.captureScreenshot", format="png"))
-                                ["data"])
+        """The whole page (beyond the viewport too) as a PNG."""
+        size = (await self.send("Page.getLayoutMetrics"))["cssContentSize"]
+        clip = {"x": 0, "y": 0, "width": size["width"], "height": size["height"], "scale": 1}
+        shot = await self.send("Page.captureScreenshot", format="png", clip=clip,
+                               captureBeyondViewport=True)
+        return base64.b64decode(shot["data"])

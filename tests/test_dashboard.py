@@ -2,8 +2,8 @@
 the page itself in a real headless Chromium while real traffic, sent with the
 official openai client through a real gateway to a real engine, runs.
 
-Set LLMSERVE_DASHBOARD_SCREENSHOT=path to save the page under load (docs/dashboard.png
-comes from here)."""
+Set LLMSERVE_DASHBOARD_SCREENSHOT=path to save the page after a minute under load
+(docs/dashboard.png comes from here)."""
 
 from __future__ import annotations
 
@@ -267,7 +267,8 @@ async def test_the_page_fills_its_charts_under_load_without_console_errors(gatew
             assert set(tenants) == {"acme", "beta"}
             assert tenants["acme"][2] == "75.0 %"  # weight 3 of 4
             assert all(row[3] != "–" for row in tenants.values())  # both were served
-            if os.environ.get("LLMSERVE_DASHBOARD_SCREENSHOT"):
+            if os.environ.get("LLMSERVE_DASHBOARD_SCREENSHOT"):  # a minute of history
+                await asyncio.sleep(60)
                 Path(os.environ["LLMSERVE_DASHBOARD_SCREENSHOT"]).write_bytes(
                     await page.screenshot())
             assert page.problems == []

@@ -6,7 +6,7 @@
 
 (function () {
   const POLL_MS = 1500;
-  const DATA_URL = "dashboard/data";
+  const DATA_URL = "dashboard/data?step=5";  // 5-second points: steadier rates and percentiles
   const state = { charts: {}, last: null, polls: 0, failures: 0 };
   window.llmserveDashboard = state;  // for tests and for poking at in the console
 
