@@ -22,15 +22,11 @@ from safetensors.torch import load_file, save_file
 from llmserve import LLM, SamplingParams
 from llmserve.model_executor.layers.fused_moe.routing import top_k_softmax
 from llmserve.model_executor.layers.quantization import QuantizedLinear
-from llmserve.model_executor.models import llama
 from llmserve.model_executor.models.gpt_oss import GptOssMoeBlock
 from tests.conftest import TOKENIZER_FILES, write_tiny_checkpoint
 from tests.differential import reconfigure
 from tests.oracle import compare_greedy, hf_greedy, load_hf
 
-# Until llama.Attention computes sinks, a gpt-oss checkpoint is refused at load.
-needs_sinks = pytest.mark.xfail(not hasattr(llama, "has_attention_sinks"), strict=True,
-                                reason="attention sinks are not wired into llama.Attention yet")
 NEW_TOKENS = 8
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
 WINDOW = 24  # layer 0's; layer 1 sees the whole context
@@ -99,7 +95,6 @@ def assert_matches(llm: LLM, path: Path, prompts: list[list[int]]) -> None:
     assert len({t for o in outs for t in o}) > 3, outs  # not a degenerate model
 
 
-@needs_sinks
 @pytest.mark.parametrize("budget, chunked", [(16, True), (2048, False)])
 def test_greedy_tokens_equal_transformers(gpt_oss, budget, chunked):
     """Prompts up to 8x the window; chunks of 16 tokens cross it."""
@@ -109,7 +104,6 @@ def test_greedy_tokens_equal_transformers(gpt_oss, budget, chunked):
     llm.engine.block_manager.check_all_free()
 
 
-@needs_sinks
 def test_prefix_hits_and_recompute_preemption_keep_the_tokens(gpt_oss):
     rng = random.Random(9)
     shared = [rng.randrange(3, 49152) for _ in range(64)]
@@ -122,7 +116,6 @@ def test_prefix_hits_and_recompute_preemption_keep_the_tokens(gpt_oss):
     blocks.check_all_free()
 
 
-@needs_sinks
 def test_triton_attention_in_the_interpreter(gpt_oss):
     """Sinks and the window in the Triton kernels; the experts stay on the per-expert
     path (the grouped kernel computes neither their biases nor their clamp)."""
@@ -133,7 +126,6 @@ def test_triton_attention_in_the_interpreter(gpt_oss):
     assert_matches(llm, gpt_oss, prompts_of(3, lengths=(5, 40)))
 
 
-@needs_sinks
 def test_two_tensor_parallel_ranks(gpt_oss):
     """Heads (with their sinks and biases) and every expert's rows split over two
     ranks; the router replicated; the row-parallel biases added once."""
@@ -168,7 +160,6 @@ def test_router_takes_the_softmax_after_the_top_k():
     assert torch.equal(top_k_softmax(lowered, 2)[0], weights)
 
 
-@needs_sinks
 def test_experts_equal_transformers_and_reach_the_clamp(gpt_oss):
     """The loaded MoE block (router bias, interleaved gate/up de-interleaved, biases,
     clamped SwiGLU) equals transformers' GptOssMLP, on activations past the limit."""
@@ -187,7 +178,6 @@ def test_experts_equal_transformers_and_reach_the_clamp(gpt_oss):
 _reference: dict[str, torch.Tensor] = {}
 
 
-@needs_sinks
 @pytest.mark.parametrize("quantization", ["int8", "int4"])
 def test_experts_quantise_with_their_biases(gpt_oss, quantization):
     params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
@@ -227,7 +217,6 @@ def random_mxfp4(experts: int, rows: int, cols: int, gen: torch.Generator):
     return blocks, exps.to(torch.uint8), values.reshape(experts, rows, cols).transpose(1, 2)
 
 
-@needs_sinks
 def test_mxfp4_checkpoint_is_dequantised_at_load(gpt_oss, tmp_path):
     """The same model with its experts in MXFP4 (``*_blocks``/``*_scales`` and
     ``quantization_config``) loads the weights the codes stand for, and serves
@@ -264,24 +253,28 @@ def test_mxfp4_checkpoint_is_dequantised_at_load(gpt_oss, tmp_path):
 
 
 # --- YaRN ----------------------------------------------------------------------------
-def test_yarn_rotary_equals_transformers_on_llama(tmp_path, builtin_path):
-    """A YaRN-scaled Llama: the cos/sin tables equal transformers' bit for bit, with
-    its attention factor, and greedy tokens equal past the original context."""
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_yarn_rotary_equals_transformers_on_other_families(tmp_path, builtin_path, kind):
+    """A YaRN-scaled Llama or Qwen2: the cos/sin tables equal transformers' bit for
+    bit, with its attention factor, and greedy tokens equal past the original context."""
     from transformers import AutoConfig
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2RotaryEmbedding
 
     from llmserve.model_executor.models.llama import RotaryEmbedding
 
     yarn = dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=64,
                 beta_fast=32.0, beta_slow=1.0)
-    path = write_tiny_checkpoint(tmp_path / "llama_yarn", builtin_path, "llama", seed=2,
+    path = write_tiny_checkpoint(tmp_path / kind, builtin_path, kind, seed=2,
                                  rope_scaling=yarn, max_position_embeddings=256)
     config = AutoConfig.from_pretrained(path)
     assert config.rope_parameters["rope_type"] == "yarn"
+    if getattr(config, "head_dim", None) is None:  # Qwen2's (the engine sets it so too)
+        config.head_dim = config.hidden_size // config.num_attention_heads
     ours = RotaryEmbedding(config, 300)
     positions = torch.arange(300)
-    cos, sin = LlamaRotaryEmbedding(config)(torch.zeros(1, dtype=torch.float32),
-                                            positions[None])
+    rotary = LlamaRotaryEmbedding if kind == "llama" else Qwen2RotaryEmbedding
+    cos, sin = rotary(config)(torch.zeros(1, dtype=torch.float32), positions[None])
     half = cos.shape[-1] // 2
     assert torch.equal(ours.cos, cos[0, :, :half]) and torch.equal(ours.sin, sin[0, :, :half])
     factor = 0.1 * math.log(4.0) + 1  # YaRN's default attention factor: not 1
