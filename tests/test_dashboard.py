@@ -11,6 +11,7 @@ import asyncio
 import json
 import os
 import threading
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -19,6 +20,8 @@ import openai
 import pytest
 
 from llmserve.entrypoints.launcher import ServerProcess
+from llmserve.gateway.dashboard import Dashboard
+from llmserve.gateway.server import Gateway, GatewayConfig
 from llmserve.gateway.timeseries import EngineSample, SecondBuckets, percentile
 from tests.cdp import Chromium, find_chromium
 from tests.server_proc import ServerProcess as EngineProcess
@@ -102,6 +105,35 @@ def test_tenant_tallies_add_up_over_the_window():
     assert (tallies["acme"].requests, tallies["acme"].throttled, tallies["acme"].tokens) == \
         (2, 1, 30)
     assert tallies["beta"].tokens == 10 and set(tallies) == {"acme", "beta"}
+
+
+def test_the_prefix_cache_counts_growth_and_a_restarted_engine_from_zero():
+    """Engines' counters are cumulative: the history takes their growth between samples,
+    starts counting at an engine's first sample, and counts a counter that fell (the
+    engine restarted) from zero."""
+    gw = Gateway(GatewayConfig(backends=[]))
+    clock = iter(range(T0, T0 + 100))
+    board = Dashboard(gw, clock=lambda: next(clock))
+    gw.pool.set_urls(["http://a", "http://b"])
+    a, b = gw.pool.endpoints["http://a"], gw.pool.endpoints["http://b"]
+    for ep in (a, b):
+        ep.scraped, ep.running, ep.waiting, ep.kv_usage = True, 2.0, 1.0, 0.5
+    steps = [((10, 20), (0, 0)),  # first samples: nothing counted yet
+             ((15, 30), (5, 5)),  # +5/+10 and +5/+5
+             ((2, 4), (6, 10))]   # a restarted (2/4 from zero), b +1/+5
+    for (a_hits, a_queries), (b_hits, b_queries) in steps:
+        a.prefix_hits, a.prefix_queries = a_hits, a_queries
+        b.prefix_hits, b.prefix_queries = b_hits, b_queries
+        board.sample()
+    b.ejected_until = time.monotonic() + 60  # an ejected engine's load is not counted
+    board.sample()
+    series = board.history.series(T0 + 3, 60, 1)
+    assert series["prefix_cache_hit_rate"] == [None, 10 / 15, 3 / 9, None]
+    assert series["running"] == [4.0, 4.0, 4.0, 2.0] and series["kv_usage"][-1] == 0.5
+    data = board.data(60, 1)
+    assert data["tenants"] is None and data["summary"]["prefix_cache_hit_rate"] == 13 / 24
+    assert [(e["url"], e["state"]) for e in data["engines"]] == [("http://a", "ready"),
+                                                                 ("http://b", "ejected")]
 
 
 # --- a real engine and gateways ---------------------------------------------------------

@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from importlib.resources import files
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 from aiohttp import web
 
 from llmserve.errors import APIError
-from llmserve.gateway.endpoints import Endpoint
+from llmserve.gateway.endpoints import Endpoint, EndpointPool
 from llmserve.gateway.timeseries import EngineSample, SecondBuckets
 
 if TYPE_CHECKING:  # the dashboard reads the gateway; the gateway builds the dashboard
@@ -118,10 +118,7 @@ class Dashboard:
 
     # --- reading ------------------------------------------------------------------------
     def engines(self) -> list[Endpoint]:
-        eps = list(self.gw.pool.endpoints.values())
-        if self.gw.disagg.enabled:
-            eps += self.gw.disagg.pool.endpoints.values()
-        return eps
+        return [ep for _, pool in self.pools() for ep in pool.endpoints.values()]
 
     def data(self, seconds: int = WINDOW_S, step: int = DEFAULT_STEP_S) -> dict:
         now = self.clock()
@@ -133,14 +130,15 @@ class Dashboard:
                         "queued": self.gw.waiting_for_endpoint + (
                             self.gw.tenants.fair.size if self.gw.tenants else 0),
                         "draining": self.gw.draining},
-            "engines": [self.engine_row(ep, role) for role, pool in self.pools()
-                        for ep in pool.endpoints.values()],
+            "engines": [self.engine_row(pool.endpoints[url], role)
+                        for role, pool in self.pools() for url in sorted(pool.endpoints)],
             "summary": self.history.summary(now, min(SUMMARY_S, seconds)),
             "series": self.history.series(now, seconds, step),
             "tenants": self.tenants(now, seconds),
         }
 
-    def pools(self):
+    def pools(self) -> Iterator[tuple[str, EndpointPool]]:
+        """(role, pool): the decode pool, and the prefill pool with disaggregation."""
         yield "decode" if self.gw.disagg.enabled else "engine", self.gw.pool
         if self.gw.disagg.enabled:
             yield "prefill", self.gw.disagg.pool
