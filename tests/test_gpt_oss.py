@@ -302,3 +302,65 @@ def test_only_gpt_oss_mxfp4_passes_the_quantization_check(gpt_oss):
     config.architectures = ["LlamaForCausalLM"]
     with pytest.raises(ModelLoadError, match="quantization_config"):
         check_model_config(config, 2048)
+
+
+# gpt-oss-20b's config.json as released (transformers 4.55's format: rope_scaling).
+GPT_OSS_20B = {
+    "architectures": ["GptOssForCausalLM"], "attention_bias": True, "attention_dropout": 0.0,
+    "eos_token_id": 200002, "experts_per_token": 4, "head_dim": 64, "hidden_act": "silu",
+    "hidden_size": 2880, "initial_context_length": 4096, "initializer_range": 0.02,
+    "intermediate_size": 2880, "layer_types": ["sliding_attention", "full_attention"] * 12,
+    "max_position_embeddings": 131072, "model_type": "gpt_oss", "num_attention_heads": 64,
+    "num_experts_per_tok": 4, "num_hidden_layers": 24, "num_key_value_heads": 8,
+    "num_local_experts": 32, "output_router_logits": False, "pad_token_id": 199999,
+    "quantization_config": {"modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens",
+        "lm_head"], "quant_method": "mxfp4"},
+    "rms_norm_eps": 1e-05, "rope_scaling": {
+        "beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0,
+        "original_max_position_embeddings": 4096, "rope_type": "yarn", "truncate": False},
+    "rope_theta": 150000, "router_aux_loss_coef": 0.9, "sliding_window": 128,
+    "swiglu_limit": 7.0, "tie_word_embeddings": False, "use_cache": True, "vocab_size": 201088,
+}
+
+
+def test_the_released_config_passes_and_names_the_released_tensors(tmp_path):
+    """gpt-oss-20b's config passes the start-up checks, and the model it builds (on the
+    meta device) has a parameter of the released checkpoint's name, shape and dtype for
+    each of a layer's tensors (MXFP4 blocks [experts, rows, cols/32, 16] uint8)."""
+    from transformers import AutoConfig
+
+    from llmserve.model_executor.model_loader.weights import empty_model_init
+    from llmserve.model_executor.models.gpt_oss import GptOssForCausalLM
+    from llmserve.model_executor.models.supported import check_model_config
+
+    (tmp_path / "config.json").write_text(json.dumps(GPT_OSS_20B))
+    config = AutoConfig.from_pretrained(tmp_path)
+    check_model_config(config, 131072)
+    with empty_model_init():
+        model = GptOssForCausalLM(config, 4096)
+    params = {model.param_name(name): name for name in (
+        "model.layers.0.mlp.experts.gate_up_proj_blocks",
+        "model.layers.0.mlp.experts.gate_up_proj_scales",
+        "model.layers.0.mlp.experts.gate_up_proj_bias",
+        "model.layers.0.mlp.experts.down_proj_blocks",
+        "model.layers.0.mlp.experts.down_proj_scales",
+        "model.layers.0.mlp.experts.down_proj_bias",
+        "model.layers.0.mlp.router.weight", "model.layers.0.mlp.router.bias",
+        "model.layers.0.self_attn.sinks", "model.layers.0.self_attn.q_proj.bias")}
+    shapes = {name: (tuple(p.shape), p.dtype) for name, p in model.named_parameters()
+              if name in params}
+    released = {
+        "gate_up_proj_blocks": ((32, 5760, 90, 16), torch.uint8),
+        "gate_up_proj_scales": ((32, 5760, 90), torch.uint8),
+        "gate_up_proj_bias": ((32, 5760), torch.float32),
+        "down_proj_blocks": ((32, 2880, 90, 16), torch.uint8),
+        "down_proj_scales": ((32, 2880, 90), torch.uint8),
+        "down_proj_bias": ((32, 2880), torch.float32),
+        "router.weight": ((32, 2880), torch.float32), "router.bias": ((32,), torch.float32),
+        "sinks": ((64,), torch.float32), "q_proj.bias": ((4096,), torch.float32)}
+    for ours, theirs in params.items():
+        want = next(v for k, v in released.items() if theirs.endswith(k))
+        assert shapes.get(ours) == want, (theirs, ours, shapes.get(ours))
+    assert [layer.self_attn.sliding_window for layer in model.model.layers[:2]] == [128, None]
+    assert model.model.rotary.cos.shape == (4096, 32)
