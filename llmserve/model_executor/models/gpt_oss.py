@@ -29,6 +29,7 @@ from llmserve.model_executor.layers.fused_moe.layer import SparseMoeBlock, clamp
 from llmserve.model_executor.layers.fused_moe.routing import top_k_softmax
 from llmserve.model_executor.model_loader import mxfp4
 from llmserve.model_executor.model_loader.fused_experts import split_interleaved_experts
+from llmserve.model_executor.model_loader.weights import empty_model_init
 from llmserve.model_executor.models.llama import LlamaForCausalLM
 
 SWIGLU_ALPHA = 1.702  # configs before transformers 5 do not state it
@@ -51,11 +52,12 @@ class GptOssExpert(nn.Module):
 
 
 def _linear(weight: torch.Tensor, bias: torch.Tensor) -> nn.Linear:
-    linear = nn.Linear(weight.shape[1], weight.shape[0], device=weight.device,
-                       dtype=bias.dtype)
-    with torch.no_grad():
-        linear.weight.copy_(weight)
-        linear.bias.copy_(bias)
+    """A Linear holding copies of ``weight`` and ``bias`` (never views: they would keep
+    the checkpoint's whole fused tensors alive), with no random initialisation first."""
+    with empty_model_init():
+        linear = nn.Linear(weight.shape[1], weight.shape[0])
+    linear.weight = nn.Parameter(weight.to(bias.dtype).clone(memory_format=torch.contiguous_format))
+    linear.bias = nn.Parameter(bias.clone(memory_format=torch.contiguous_format))
     return linear
 
 
@@ -93,6 +95,9 @@ def _codes(shape: tuple) -> nn.Parameter:
 
 
 class GptOssMoeBlock(SparseMoeBlock):
+    """A ``SparseMoeBlock`` with gpt-oss's router (biased, softmax after the top k) whose
+    experts are built by ``fuse()`` from the checkpoint's tensors (``packed``)."""
+
     def __init__(self, config, shard: RankShape):
         super().__init__(config.hidden_size, config.num_local_experts,
                          config.num_experts_per_tok, renormalize=False, make_expert=None,
