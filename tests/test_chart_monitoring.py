@@ -1,6 +1,8 @@
 """The chart's monitoring toggles (ServiceMonitor, PodMonitor, PrometheusRule, Grafana
 dashboards) through the real helm binary, and every metric name their PromQL uses
-against what a real engine and a real gateway export after serving traffic."""
+against what a real engine and a real gateway export after serving traffic, and what
+the operator's metrics server serves after autoscaler decisions (a whole operator
+needs a control plane: e2e/tests/test_operator_api.py scrapes one)."""
 
 from __future__ import annotations
 
@@ -13,10 +15,13 @@ from pathlib import Path
 import openai
 import pytest
 import yaml
+from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from e2e.cluster import BIN_DIR
 from llmserve.entrypoints.launcher import ServerProcess
+from llmserve.operator import metrics as operator_metrics
+from llmserve.operator.autoscaler import History, Observation, Policy, decide
 from llmserve.operator.builders import Owner, children, names
 from tests.server_proc import ServerProcess as EngineProcess
 
@@ -107,8 +112,8 @@ def test_toggles_off_render_no_monitoring_objects():
 @needs_helm
 def test_service_monitor_selects_the_operators_services_but_not_the_peers():
     docs = render("serviceMonitor.enabled=true", "serviceMonitor.labels.release=prom")
-    assert [d["kind"] for d in docs if "monitoring" in d["apiVersion"]] == ["ServiceMonitor"]
-    sm = of_kind(docs, "ServiceMonitor")[0]
+    assert [d["kind"] for d in docs if "monitoring" in d["apiVersion"]] == ["ServiceMonitor"] * 2
+    sm = named(of_kind(docs, "ServiceMonitor"), "rel-llmserve-workloads")
     assert sm["apiVersion"] == "monitoring.coreos.com/v1"
     assert sm["metadata"]["labels"]["release"] == "prom"
     (ep,) = sm["spec"]["endpoints"]
@@ -126,10 +131,42 @@ def test_service_monitor_selects_the_operators_services_but_not_the_peers():
 
 
 @needs_helm
+def test_service_monitor_scrapes_the_operators_metrics_port():
+    docs = render("serviceMonitor.enabled=true", "serviceMonitor.labels.release=prom")
+    sm = named(of_kind(docs, "ServiceMonitor"), "rel-llmserve-operator")
+    assert sm["metadata"]["labels"]["release"] == "prom"
+    assert sm["spec"]["namespaceSelector"] == {"matchNames": ["ops"]}
+    (service,) = [s for s in of_kind(docs, "Service")
+                  if matches(sm["spec"]["selector"], s["metadata"]["labels"])]
+    (ep,) = sm["spec"]["endpoints"]
+    assert ep["path"] == "/metrics" and ep["honorLabels"] is True
+    (port,) = [p for p in service["spec"]["ports"] if p["name"] == ep["port"]]
+    pod = of_kind(docs, "Deployment")[0]["spec"]["template"]
+    assert matches({"matchLabels": service["spec"]["selector"]}, pod["metadata"]["labels"])
+    check_operator_port(pod, port["targetPort"])
+
+
+def named(docs: list[dict], name: str) -> dict:
+    (doc,) = [d for d in docs if d["metadata"]["name"] == name]
+    return doc
+
+
+def matches(selector: dict, labels: dict) -> bool:
+    return all(labels.get(k) == v for k, v in selector["matchLabels"].items())
+
+
+def check_operator_port(pod: dict, port_name: str) -> None:
+    """The operator container serves --metrics-port on the named container port."""
+    (container,) = pod["spec"]["containers"]
+    (port,) = [p for p in container["ports"] if p["name"] == port_name]
+    assert f"--metrics-port={port['containerPort']}" in container["args"]
+
+
+@needs_helm
 def test_pod_monitor_selects_the_operators_engine_and_gateway_pods():
     docs = render("podMonitor.enabled=true", "podMonitor.interval=30s")
-    pm = of_kind(docs, "PodMonitor")[0]
-    assert [d["kind"] for d in docs if "monitoring" in d["apiVersion"]] == ["PodMonitor"]
+    pm = named(of_kind(docs, "PodMonitor"), "rel-llmserve-workloads")
+    assert [d["kind"] for d in docs if "monitoring" in d["apiVersion"]] == ["PodMonitor"] * 2
     (ep,) = pm["spec"]["podMetricsEndpoints"]
     assert ep["interval"] == "30s"
     owner = Owner("chat", "team-a", "uid", SPEC)
@@ -141,9 +178,14 @@ def test_pod_monitor_selects_the_operators_engine_and_gateway_pods():
         ports = {p["name"] for c in pod["spec"]["containers"] for p in c["ports"]}
         assert ep["port"] in ports
     check_endpoint(ep, pod_labels=pods[names(owner)["engine"]]["metadata"]["labels"])
-    # The chart's own operator pod is not a scrape target (it serves no /metrics).
-    operator = of_kind(docs, "Deployment")[0]["spec"]["template"]["metadata"]["labels"]
-    assert not selects(pm["spec"]["selector"], operator)
+    # The chart's operator pod is scraped by its own monitor, with its own labels kept.
+    operator = of_kind(docs, "Deployment")[0]["spec"]["template"]
+    assert not selects(pm["spec"]["selector"], operator["metadata"]["labels"])
+    own = named(of_kind(docs, "PodMonitor"), "rel-llmserve-operator")
+    assert matches(own["spec"]["selector"], operator["metadata"]["labels"])
+    (ep,) = own["spec"]["podMetricsEndpoints"]
+    assert ep["honorLabels"] is True and ep["interval"] == "30s"
+    check_operator_port(operator, ep["port"])
 
 
 def selects(selector: dict, labels: dict) -> bool:
@@ -269,6 +311,63 @@ def exported_names(text: str) -> set[str]:
     return names_
 
 
+def operator_decisions() -> None:
+    """Real autoscaler decisions of a main and a prefill pool, recorded as the operator's
+    handlers record them (queue past target at maxReplicas; a clamped proposal)."""
+    spec = {"autoscaling": {"enabled": True, "minReplicas": 1, "maxReplicas": 2},
+            "prefill": {"maxReplicas": 3}}
+    for pool, policy in (("engine", Policy.from_spec(spec)),
+                         ("prefill", Policy.for_prefill(spec))):
+        obs = Observation(waiting=40, running=8, kv_usage=0.9, ready_replicas=2,
+                          waiting_prompt_tokens=20000)
+        decision = decide(2, obs, policy, History(), now=100.0)
+        assert decision.replicas == policy.max_replicas, decision
+        operator_metrics.record_decision("team-a", "chat", pool, 2, policy, obs, decision)
+        operator_metrics.record_replicas("team-a", "chat", pool, decision.replicas, 2)
+    operator_metrics.record_reconcile_error("team-a", "chat", "InvalidSpec")
+
+
+@pytest.fixture(scope="module")
+def operator_exported() -> str:
+    """The operator's metrics server (``llmserve operator --metrics-port``) on a free port."""
+    operator_decisions()
+    port = free_port()
+    operator_metrics.serve(port, host="127.0.0.53")
+    return scrape(f"http://127.0.0.53:{port}")
+
+
+def free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.53", 0))
+        return s.getsockname()[1]
+
+
+def test_operator_metrics_carry_the_decision(operator_exported):
+    pool = 'llmdeployment="chat",namespace="team-a",pool="engine"'
+    for line in (f"llmserve_operator_autoscaler_desired_replicas{{{pool}}} 2.0",
+                 f"llmserve_operator_autoscaler_max_replicas{{{pool}}} 2.0",
+                 f"llmserve_operator_autoscaler_queue_depth_per_engine{{{pool}}} 20.0",
+                 f"llmserve_operator_autoscaler_target_queue_depth{{{pool}}} 4.0",
+                 f'llmserve_operator_autoscaler_decision{{{pool},reason="queue_depth_clamped"}} '
+                 "1.0",
+                 'llmserve_operator_reconcile_errors_total{llmdeployment="chat",'
+                 'namespace="team-a",reason="InvalidSpec"} 1.0'):
+        assert line in operator_exported.splitlines(), line
+    prefill = 'llmdeployment="chat",namespace="team-a",pool="prefill"'
+    assert (f"llmserve_operator_autoscaler_target_waiting_prompt_tokens{{{prefill}}} 4096.0"
+            in operator_exported)
+    assert f"llmserve_operator_autoscaler_target_kv_cache_usage{{{prefill}}}" not in \
+        operator_exported  # KV is no signal of a prefill pool
+
+
+def test_forget_drops_a_deleted_deployments_series():
+    operator_decisions()
+    operator_metrics.forget("team-a", "chat")
+    text = generate_latest(operator_metrics.REGISTRY).decode()
+    assert 'llmdeployment="chat"' not in text and "# TYPE" in text
+
+
 @pytest.fixture(scope="module")
 def exported(tiny_llama, tmp_path_factory):
     engine = EngineProcess(str(tiny_llama), host="127.0.0.51",
@@ -296,11 +395,12 @@ def exported(tiny_llama, tmp_path_factory):
 
 
 @needs_helm
-def test_every_metric_name_in_dashboards_and_rules_is_exported(exported):
+def test_every_metric_name_in_dashboards_and_rules_is_exported(exported, operator_exported):
     used = {n for e in [*dashboard_exprs(), *rule_exprs(render(*ALL_ON)).values()]
             for n in metric_names(e)}
     assert len(used) > 30
-    served = exported_names(exported["engine"]) | exported_names(exported["gateway"])
+    served = (exported_names(exported["engine"]) | exported_names(exported["gateway"])
+              | exported_names(operator_exported))
     assert used - served == EXTERNAL, sorted(used - served - EXTERNAL)
     # The traffic reached both: the tenants' tokens at the engine, the 429 at the gateway.
     assert 'llmserve:tenant_tokens_total{model_name="tiny",tenant="beta"}' in exported["engine"]

@@ -310,6 +310,9 @@ def cmd_operator(args) -> int:
     configure_logging(args.log_level)
     namespaces = args.namespace or []
     liveness = f"http://0.0.0.0:{args.health_port}/healthz" if args.health_port else None
+    if args.metrics_port:
+        from llmserve.operator.metrics import serve
+        serve(args.metrics_port)
     kopf.run(standalone=True, clusterwide=not namespaces, namespaces=namespaces,
              liveness_endpoint=liveness)
     return 0
@@ -352,6 +355,9 @@ def main(argv: list[str] | None = None) -> int:
     op.add_argument("--namespace", action="append",
                     help="watch only this namespace (repeatable; default: all)")
     op.add_argument("--health-port", type=int, default=8081, help="0 disables /healthz")
+    op.add_argument("--metrics-port", type=int, default=0,
+                    help="serve the operator's Prometheus /metrics (the autoscaler's "
+                         "signals and decisions) on this port; 0 (default): off")
     op.add_argument("--log-level", default="INFO")
     op.set_defaults(func=cmd_operator)
     args = parser.parse_args(argv)

@@ -24,7 +24,7 @@ from kubernetes_asyncio import client
 from llmserve.gateway.endpoints import KV_USAGE, WAITING
 from llmserve.gateway.tenants import TenantsError, parse_tenants_file
 from llmserve.metrics_scrape import sum_by_name
-from llmserve.operator import kube
+from llmserve.operator import kube, metrics
 from llmserve.operator.autoscaler import History, Observation, Policy, decide
 from llmserve.operator.builders import (
     Owner,
@@ -145,8 +145,10 @@ async def reconcile(body, patch, logger) -> None:
                     raise
                 tenants_problem = str(e)
                 kopf.warn(body, reason="InvalidTenants", message=tenants_problem)
+                metrics.record_reconcile_error(o.namespace, o.name, "InvalidTenants")
         except SpecError as e:
             kopf.warn(body, reason="InvalidSpec", message=str(e))
+            metrics.record_reconcile_error(o.namespace, o.name, "InvalidSpec")
             conditions = [condition("Degraded", True, "InvalidSpec", str(e), o.generation),
                           condition("Ready", False, "InvalidSpec", str(e), o.generation),
                           condition("Progressing", False, "InvalidSpec", str(e), o.generation)]
@@ -163,6 +165,7 @@ async def reconcile(body, patch, logger) -> None:
         except ConvergeError as e:
             message = str(e)
             kopf.warn(body, reason="ApplyFailed", message=message)
+            metrics.record_reconcile_error(o.namespace, o.name, "ApplyFailed")
             patch.status["conditions"] = merge_conditions(status.get("conditions"), [
                 condition("Degraded", True, "ApplyFailed", message, o.generation)])
             raise kopf.TemporaryError(message, delay=10) from e
@@ -173,6 +176,7 @@ async def reconcile(body, patch, logger) -> None:
     ready = int((engine.get("status") or {}).get("readyReplicas") or 0)
     gw_ready = int((gateway.get("status") or {}).get("readyReplicas") or 0)
     current = int((engine.get("status") or {}).get("replicas") or 0)
+    metrics.record_replicas(o.namespace, o.name, "engine", replicas, current)
     # Serving needs the main pool and a gateway; without prefill engines the decode
     # engines prefill themselves, so the prefill pool shows in Progressing only.
     is_ready = (ready >= 1 or replicas == 0) and gw_ready >= 1
@@ -180,6 +184,8 @@ async def reconcile(body, patch, logger) -> None:
     message = f"{ready}/{replicas} engine replicas ready, {gw_ready} gateway ready"
     if pool is not None:
         p_ready = int((pool.get("status") or {}).get("readyReplicas") or 0)
+        metrics.record_replicas(o.namespace, o.name, "prefill", prefill_n,
+                                int((pool.get("status") or {}).get("replicas") or 0))
         progressing = progressing or p_ready < prefill_n
         message += f", {p_ready}/{prefill_n} prefill replicas ready"
         update_prefill_status(patch, {
@@ -291,6 +297,7 @@ async def on_change(body, patch, logger, **_) -> None:
 @kopf.on.delete(GROUP, VERSION, PLURAL, optional=True)
 async def on_delete(body, **_) -> None:
     uid = body["metadata"]["uid"]
+    metrics.forget(body["metadata"]["namespace"], body["metadata"]["name"])
     _histories.pop(uid, None)  # children go by garbage collection
     _histories.pop(f"{uid}/prefill", None)
 
@@ -353,11 +360,13 @@ def prefill_load(obs: Observation) -> dict:
 
 async def observe_only(body, patch, o: Owner) -> None:
     obs = await observe(o)
+    metrics.record_observation(o.namespace, o.name, "engine", obs)
     if obs is not None and obs.ready_replicas:
         patch.status["queueDepth"] = obs.waiting
         patch.status["kvCacheUtilization"] = f"{100 * obs.kv_usage:.0f}%"
     if has_prefill(o.spec):
         pool = await observe(o, "prefill")
+        metrics.record_observation(o.namespace, o.name, "prefill", pool)
         if pool is not None and pool.ready_replicas:
             update_prefill_status(patch, prefill_load(pool))
 
@@ -367,7 +376,9 @@ async def autoscale(body, patch, o: Owner, auto: dict) -> None:
     current = int(status.get("desiredReplicas", status.get("replicas", 0)) or 0)
     obs = await observe(o)
     history = _histories.setdefault(o.uid, History())
-    decision = decide(current, obs, Policy.from_spec(o.spec), history, time.monotonic())
+    policy = Policy.from_spec(o.spec)
+    decision = decide(current, obs, policy, history, time.monotonic())
+    metrics.record_decision(o.namespace, o.name, "engine", current, policy, obs, decision)
     if obs is not None and obs.ready_replicas:
         patch.status["queueDepth"] = obs.waiting
         patch.status["kvCacheUtilization"] = f"{100 * obs.kv_usage:.0f}%"
@@ -389,7 +400,9 @@ async def autoscale_prefill(body, patch, o: Owner) -> None:
         return
     obs = await observe(o, "prefill")
     history = _histories.setdefault(f"{o.uid}/prefill", History())
-    decision = decide(current, obs, Policy.for_prefill(o.spec), history, time.monotonic())
+    policy = Policy.for_prefill(o.spec)
+    decision = decide(current, obs, policy, history, time.monotonic())
+    metrics.record_decision(o.namespace, o.name, "prefill", current, policy, obs, decision)
     fields = {"desiredReplicas": decision.replicas}
     if obs is not None and obs.ready_replicas:
         fields.update(prefill_load(obs))
