@@ -46,9 +46,11 @@ REFUSED = {
     "hidden_act": ("llama", dict(hidden_act="gelu"), r"hidden_act='gelu' is not implemented"),
     "rope_dynamic": ("llama", dict(rope_scaling={"rope_type": "dynamic", "factor": 2.0}),
                      r"rope type 'dynamic'"),
+    # YaRN is served (test_gpt_oss.py), but a key transformers' YaRN does not read is not
     "rope_yarn": ("llama", dict(rope_scaling={"rope_type": "yarn", "factor": 4.0,
-                                              "original_max_position_embeddings": 512}),
-                  r"rope type 'yarn'"),
+                                              "original_max_position_embeddings": 512,
+                                              "rope.scaling.attn_factor": 0.5}),
+                  r"rope type 'yarn' with rope.scaling.attn_factor"),
     "final_softcap": ("llama", dict(final_logit_softcapping=30.0),
                       r"final_logit_softcapping=30.0: final logit soft-capping"),
     "attn_softcap": ("llama", dict(attn_logit_softcapping=50.0),
@@ -141,7 +143,10 @@ GGUF_META = {"llama.embedding_length": 64, "llama.attention.head_count": 4,
 
 
 @pytest.mark.parametrize("meta, match", [
-    ({"llama.rope.scaling.type": "yarn", "llama.rope.scaling.factor": 4.0}, "rope type 'yarn'"),
+    ({"llama.rope.scaling.type": "yarn", "llama.rope.scaling.factor": 4.0,
+      "llama.rope.scaling.attn_factor": 0.5}, "rope type 'yarn' with rope.scaling.attn_factor"),
+    ({"llama.rope.scaling.type": "dynamic", "llama.rope.scaling.factor": 4.0},
+     "rope type 'dynamic'"),
     ({"llama.rope.dimension_count": 8}, "partial_rotary_factor=0.5"),
 ])
 def test_gguf_attention_variants_reach_the_check(tmp_path, meta, match):
@@ -151,6 +156,21 @@ def test_gguf_attention_variants_reach_the_check(tmp_path, meta, match):
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ModelLoadError, match=match):
         check_model_config(load_config(tmp_path), 2048)
+
+
+def test_a_gguf_yarn_keeps_its_original_context(tmp_path):
+    """llama.cpp's YaRN keys reach transformers' names (the pretraining context above
+    all: without it transformers would take the extended one)."""
+    config = _gguf_config({**GGUF_META, "llama.rope.scaling.type": "yarn",
+                           "llama.rope.scaling.factor": 4.0,
+                           "llama.rope.scaling.original_context_length": 512,
+                           "llama.rope.scaling.yarn_beta_fast": 16.0}, "llama",
+                          has_output=True)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    loaded = load_config(tmp_path)
+    check_model_config(loaded, 2048)
+    assert loaded.rope_parameters["original_max_position_embeddings"] == 512
+    assert loaded.rope_parameters["beta_fast"] == 16.0
 
 
 def test_a_gguf_window_reaches_the_model(tmp_path):

@@ -191,6 +191,8 @@ def _gguf_attention_variants(meta: dict, p: str, head_dim: int) -> dict:
     if scaling and scaling != "none":
         out["rope_scaling"] = {"rope_type": scaling,
                                "factor": float(meta.get(p + "rope.scaling.factor") or 1.0)}
+        if scaling == "yarn":
+            out["rope_scaling"].update(_gguf_yarn(meta, p))
     rotary_dim = meta.get(p + "rope.dimension_count")
     if rotary_dim and int(rotary_dim) != head_dim:
         out["partial_rotary_factor"] = int(rotary_dim) / head_dim
@@ -198,6 +200,25 @@ def _gguf_attention_variants(meta: dict, p: str, head_dim: int) -> dict:
         out["sliding_window"] = int(meta[p + "attention.sliding_window"])
     return out
 
+
+
+# llama.cpp's YaRN keys with transformers' names (its formula is transformers' with
+# truncate, the default), and those transformers has no equivalent for, with their
+# neutral values: carried under their GGUF names where set otherwise, so that
+# ``supported.check_model_config`` refuses them by name.
+_YARN_KEYS = {"rope.scaling.original_context_length": "original_max_position_embeddings",
+              "rope.scaling.yarn_beta_fast": "beta_fast",
+              "rope.scaling.yarn_beta_slow": "beta_slow"}
+_YARN_LLAMA_CPP_ONLY = {"rope.scaling.attn_factor": (1.0,),
+                        "rope.scaling.yarn_ext_factor": (-1.0, 1.0),
+                        "rope.scaling.yarn_log_multiplier": (0.0,)}
+
+
+def _gguf_yarn(meta: dict, p: str) -> dict:
+    out = {name: meta[p + key] for key, name in _YARN_KEYS.items() if p + key in meta}
+    out.update({key: meta[p + key] for key, neutral in _YARN_LLAMA_CPP_ONLY.items()
+                if p + key in meta and float(meta[p + key]) not in neutral})
+    return out
 
 
 def _convert_tokenizer(gguf_path: Path, out: Path, meta: dict) -> None:

@@ -19,6 +19,12 @@ from llmserve.model_executor.model_loader.mxfp4 import is_mxfp4
 
 # Rope variants ``llama.rope_inv_freq`` computes.
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope", "yarn")
+# What transformers' YaRN reads (``llama.rope_inv_freq`` calls it); any other key (a
+# GGUF's llama.cpp-only factors) would be dropped.
+YARN_PARAMETERS = {"rope_type", "type", "rope_theta", "factor",
+                   "original_max_position_embeddings", "beta_fast", "beta_slow",
+                   "attention_factor", "mscale", "mscale_all_dim", "truncate",
+                   "partial_rotary_factor"}
 # The MLP's gate activation: SiLU (transformers also calls it swish).
 SUPPORTED_ACTIVATIONS = ("silu", "swish")
 # Fields of other families that change the arithmetic where set; none is computed here.
@@ -116,6 +122,9 @@ def _rope(config, max_model_len: int) -> str | None:
     if kind not in SUPPORTED_ROPE_TYPES:
         return (f"rope type {kind!r} (rope_scaling / rope_parameters) is not implemented "
                 f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
+    unknown = sorted(set(rope_params(config)) - YARN_PARAMETERS) if kind == "yarn" else []
+    if unknown:
+        return f"rope type 'yarn' with {', '.join(unknown)}: not implemented"
     if kind == "longrope":
         # transformers rotates by the short factors up to the pretraining context and by
         # the long ones past it, every position again once a sequence crosses it: a
