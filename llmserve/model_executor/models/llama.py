@@ -316,12 +316,16 @@ def dense_mlp(config, layer_idx: int, shard: RankShape) -> nn.Module:
 
 
 class DecoderLayer(nn.Module):
+    # A family whose attention or norms compute otherwise names its own (gemma2.py).
+    attention_class = Attention
+    norm_class = RMSNorm
+
     def __init__(self, config, layer_idx: int, shard: RankShape, mlp_for_layer=dense_mlp):
         super().__init__()
-        self.self_attn = Attention(config, layer_idx, shard)
+        self.self_attn = self.attention_class(config, layer_idx, shard)
         self.mlp = mlp_for_layer(config, layer_idx, shard)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.input_layernorm = self.norm_class(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = self.norm_class(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, x, residual, cos, sin):
         """``x``: the previous layer's MLP output, still to be added to the residual
@@ -338,21 +342,27 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
+    layer_class = DecoderLayer  # a family's own layer (gemma2.py)
+
     def __init__(self, config, max_positions: int, shard: RankShape, mlp_for_layer=dense_mlp):
         super().__init__()
         self.embed_tokens = (VocabParallelEmbedding(shard, config.hidden_size) if shard.size > 1
                              else nn.Embedding(config.vocab_size, config.hidden_size))
-        self.layers = nn.ModuleList(DecoderLayer(config, i, shard, mlp_for_layer)
+        self.layers = nn.ModuleList(self.layer_class(config, i, shard, mlp_for_layer)
                                     for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = self.layer_class.norm_class(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config, max_positions)
         self.run_layer = _run_layer  # or its torch.compile'd version (compile_layers)
         # Small decode steps of an int4 model on a CPU: every layer in one C call
         # (engine/models/native_decoder.py), set by the model runner where it applies.
         self.native_decoder = None
 
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The token embeddings (a family that scales them overrides this)."""
+        return self.embed_tokens(input_ids)
+
     def forward(self, input_ids, positions):
-        x = self.embed_tokens(input_ids)
+        x = self.embed(input_ids)
         cos, sin = self.rotary(positions)
         meta = step_metadata()
         if self.native_decoder is not None and self.native_decoder.applies(x.shape[0], meta):
@@ -379,6 +389,7 @@ class LlamaForCausalLM(nn.Module):
     ``param_name`` where its checkpoint names tensors otherwise."""
 
     mlp_for_layer = staticmethod(dense_mlp)
+    model_class = LlamaModel  # a family's own stack (gemma2.py)
 
     def __init__(self, config, max_positions: int, shard: RankShape | None = None):
         super().__init__()
@@ -386,7 +397,7 @@ class LlamaForCausalLM(nn.Module):
             config.head_dim = config.hidden_size // config.num_attention_heads
         self.config = config
         self.shard = shard = shard or rank_shape(config, 0, 1)
-        self.model = LlamaModel(config, max_positions, shard, self.mlp_for_layer)
+        self.model = self.model_class(config, max_positions, shard, self.mlp_for_layer)
         # Vocabulary-parallel with several ranks: this rank's rows of the vocabulary.
         self.lm_head = nn.Linear(config.hidden_size,
                                  shard.vocab_per_rank if shard.size > 1 else config.vocab_size,

@@ -18,6 +18,7 @@ import torch
 from llmserve.kernels.cpu.decoder import Q4Dims, Q4Layer, int4_pack_block_n, q4_struct
 from llmserve.kernels.cpu.native import decode_kernel
 from llmserve.model_executor.layers.quantization import INT4_GROUP, QuantizedLinear
+from llmserve.model_executor.models.llama import DecoderLayer
 
 log = logging.getLogger(__name__)
 
@@ -115,6 +116,8 @@ def unsupported(model) -> str | None:
     if model.shard.size > 1:
         return "tensor parallelism"
     layers = model.model.layers
+    if any(type(layer) is not DecoderLayer for layer in layers):
+        return "a family's own decoder layer (Gemma's norms and GELU MLP)"
     if any(layer.self_attn.q_norm is not None for layer in layers):
         return "per-head q/k norms (Qwen3)"
     if any(layer.self_attn.sliding_window for layer in layers):

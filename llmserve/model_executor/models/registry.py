@@ -4,6 +4,8 @@ whose arithmetic it computes (``supported.py`` refuses the config variants it do
 
 from __future__ import annotations
 
+from llmserve.model_executor.models.gemma2 import Gemma2ForCausalLM
+from llmserve.model_executor.models.gemma3 import Gemma3ForCausalLM
 from llmserve.model_executor.models.gpt_oss import GptOssForCausalLM
 from llmserve.model_executor.models.llama import LlamaForCausalLM
 from llmserve.model_executor.models.mixtral import MixtralForCausalLM
@@ -19,4 +21,8 @@ SUPPORTED_ARCHITECTURES = {
     "MixtralForCausalLM": MixtralForCausalLM,
     "Phi3ForCausalLM": Phi3ForCausalLM,  # fused qkv/gate_up split at load; LongRoPE
     "GptOssForCausalLM": GptOssForCausalLM,  # sinks, YaRN, biased experts; MXFP4 dequantised
+    "Gemma2ForCausalLM": Gemma2ForCausalLM,  # (1 + w) norms, GELU, soft-capping, tied head
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,  # + q/k norms, local/global ropes
+    # refused at start-up (supported.TEXT_ONLY_CLASSES), naming Gemma3ForCausalLM
+    "Gemma3ForConditionalGeneration": Gemma3ForCausalLM,
 }

@@ -27,6 +27,13 @@ YARN_PARAMETERS = {"rope_type", "type", "rope_theta", "factor",
                    "partial_rotary_factor"}
 # The MLP's gate activation: SiLU (transformers also calls it swish).
 SUPPORTED_ACTIVATIONS = ("silu", "swish")
+# Gemma's MLP (``models/gemma2.py``) gates with GELU's tanh approximation, and
+# transformers reads it from ``hidden_activation``; its attention and final logits
+# are soft-capped where the config says (llama.Attention, gemma2.compute_logits).
+GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+GEMMA_ACTIVATIONS = ("gelu_pytorch_tanh",)
+# Multimodal checkpoints refused, with the text-only class that serves their text.
+TEXT_ONLY_CLASSES = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
 # Fields of other families that change the arithmetic where set; none is computed here.
 UNSUPPORTED_FIELDS = {
     "attn_logit_softcapping": "attention logit soft-capping",
@@ -47,7 +54,7 @@ MXFP4_ARCHITECTURES = ("GptOssForCausalLM",)
 def check_model_config(config, max_model_len: int) -> None:
     """Refuse ``config`` if serving it up to ``max_model_len`` tokens needs arithmetic
     the engine does not implement; the error names the field and its value."""
-    for check in (_unsupported_fields, _activation, _rope):
+    for check in (_text_only, _unsupported_fields, _activation, _rope):
         problem = check(config, max_model_len)
         if problem:
             archs = ", ".join(getattr(config, "architectures", None) or ["?"])
@@ -93,10 +100,28 @@ def rope_type(config) -> str:
     return params.get("rope_type", params.get("type")) or "default"
 
 
+def layer_type_ropes(config) -> dict | None:
+    """Each layer type's rope parameters where transformers 5 nests them under the
+    layer types (Gemma 3: local and global ropes), else None."""
+    params = rope_params(config)
+    types = set(getattr(config, "layer_types", None) or ())
+    return {t: params[t] for t in types if t in params} if types & params.keys() else None
+
+
+def _text_only(config, max_model_len: int) -> str | None:
+    for arch in getattr(config, "architectures", None) or []:
+        if arch in TEXT_ONLY_CLASSES:
+            return (f"{arch} (images and text) is not implemented; its text model is "
+                    f"served as {TEXT_ONLY_CLASSES[arch]} (a text-only checkpoint)")
+    return None
+
+
 def _unsupported_fields(config, max_model_len: int) -> str | None:
     archs = getattr(config, "architectures", None) or ["?"]
     for field, what in UNSUPPORTED_FIELDS.items():
         if field == "partial_rotary_factor" and set(archs) <= set(PARTIAL_ROTARY_ARCHITECTURES):
+            continue
+        if field.endswith("_softcapping") and set(archs) <= set(GEMMA_ARCHITECTURES):
             continue
         if (field == "quantization_config" and set(archs) <= set(MXFP4_ARCHITECTURES)
                 and is_mxfp4(config)):
@@ -110,6 +135,13 @@ def _unsupported_fields(config, max_model_len: int) -> str | None:
 
 
 def _activation(config, max_model_len: int) -> str | None:
+    archs = getattr(config, "architectures", None) or ["?"]
+    if set(archs) <= set(GEMMA_ARCHITECTURES):
+        act = getattr(config, "hidden_activation", None)
+        if act not in GEMMA_ACTIVATIONS:
+            return (f"hidden_activation={act!r} is not implemented (supported: "
+                    f"{', '.join(GEMMA_ACTIVATIONS)})")
+        return None
     act = getattr(config, "hidden_act", "silu")
     if act not in SUPPORTED_ACTIVATIONS:
         return (f"hidden_act={act!r} is not implemented (supported: "
@@ -118,6 +150,12 @@ def _activation(config, max_model_len: int) -> str | None:
 
 
 def _rope(config, max_model_len: int) -> str | None:
+    for layer_type, params in (layer_type_ropes(config) or {}).items():
+        params = params or {}
+        kind = params.get("rope_type", params.get("type")) or "default"
+        if kind not in SUPPORTED_ROPE_TYPES or kind == "longrope":  # Gemma 3's two ropes
+            return (f"rope type {kind!r} of the {layer_type} layers is not implemented "
+                    f"(supported: {', '.join(t for t in SUPPORTED_ROPE_TYPES if t != 'longrope')})")
     kind = rope_type(config)
     if kind not in SUPPORTED_ROPE_TYPES:
         return (f"rope type {kind!r} (rope_scaling / rope_parameters) is not implemented "
