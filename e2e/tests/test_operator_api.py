@@ -4,13 +4,24 @@ from __future__ import annotations
 
 import base64
 import json
+import re
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
 import yaml
 
+from e2e.cluster import free_port
 from e2e.tests.conftest import OperatorProcess, get_json, wait_for
+from tests.test_chart_monitoring import (
+    ALL_ON,
+    dashboard_exprs,
+    exported_names,
+    metric_names,
+    render,
+    rule_exprs,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 NS = "op-test"
@@ -24,7 +35,11 @@ def namespace(kubectl, crd):
 
 @pytest.fixture(scope="module")
 def operator(cluster, namespace):
-    op = OperatorProcess(cluster, namespace).start()
+    op = OperatorProcess(cluster, namespace)
+    port = free_port()
+    op.args += ["--metrics-port", str(port)]
+    op.metrics_url = f"http://127.0.0.1:{port}/metrics"
+    op.start()
     yield op
     op.stop()
 
@@ -131,6 +146,37 @@ def test_deletion_cascades(kubectl, operator):
     kubectl("delete", "llmd", "alpha", "-n", NS, "--wait=true", "--timeout=60s")
     wait_for(lambda: children_of(kubectl, "alpha") == {}, 90,
              what="garbage collection of alpha's children")
+
+
+def test_operator_metrics_serve_every_name_the_alerts_and_dashboards_use(kubectl, operator):
+    """A real operator's /metrics after it autoscaled an LLMDeployment (whose engine
+    asks for a GPU, so no engine process starts) and failed to reconcile another."""
+    kubectl("apply", "-f", "-", input=llmd(
+        "scaled", model={"source": "hf://Qwen/Qwen2.5-7B-Instruct", "name": "q"},
+        resources={"gpus": 1}, autoscaling={"enabled": True, "minReplicas": 1,
+                                            "maxReplicas": 3}))
+    kubectl("apply", "-f", "-", input=llmd("broken", model={"source": "no-such-model"}))
+
+    def scraped():
+        try:
+            with urllib.request.urlopen(operator.metrics_url, timeout=5) as r:
+                text = r.read().decode()
+        except OSError:  # the operator is still starting
+            return None
+        return (re.search(r'autoscaler_max_replicas\{[^}]*llmdeployment="scaled"[^}]*\} 3', text)
+                and 'reason="InvalidSpec"' in text and text)
+    text = wait_for(scraped, 60, what="the autoscaler's and the reconcile errors' series")
+    used = {n for e in [*dashboard_exprs(), *rule_exprs(render(*ALL_ON)).values()]
+            for n in metric_names(e) if n.startswith("llmserve_operator_")}
+    assert "llmserve_operator_autoscaler_desired_replicas" in used
+    samples = {line.split("{")[0] for line in text.splitlines() if not line.startswith("#")}
+    assert used <= exported_names(text), sorted(used - exported_names(text))
+    # with samples, but for the prefill pool's signal (this deployment has no prefill pool)
+    main_pool = {n for n in used if "prompt_tokens" not in n}
+    assert main_pool <= samples, sorted(main_pool - samples)
+    assert re.search(r'autoscaler_desired_replicas\{[^}]*llmdeployment="scaled"[^}]*'
+                     r'namespace="op-test",pool="engine"\} 1', text), "minReplicas at start"
+    kubectl("delete", "llmd", "scaled", "broken", "-n", NS)
 
 
 def test_chart_crd_matches(kubectl, crd):
