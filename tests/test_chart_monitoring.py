@@ -406,3 +406,13 @@ def test_every_metric_name_in_dashboards_and_rules_is_exported(exported, operato
     assert 'llmserve:tenant_tokens_total{model_name="tiny",tenant="beta"}' in exported["engine"]
     assert re.search(r'llmserve_gateway_requests_total\{[^}]*code="429"[^}]*tenant="acme"',
                      exported["gateway"])
+
+
+@needs_helm
+def test_operator_otlp_default_reaches_the_operators_environment():
+    from llmserve.operator.observability import DEFAULT_ENV
+    docs = render("operator.otlpTracesEndpoint=http://otel.monitoring:4318")
+    (container,) = of_kind(docs, "Deployment")[0]["spec"]["template"]["spec"]["containers"]
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert env[DEFAULT_ENV] == "http://otel.monitoring:4318"
+    assert helm_template("operator.otlpTracesEndpoint=otel:4317", check=False).returncode != 0

@@ -508,3 +508,53 @@ async def test_scrape_sums_each_metric_and_gives_none_when_the_page_fails():
             assert await scrape(session, url + "/broken") is None
     finally:
         await runner.cleanup()
+
+
+# --- tracing (spec.observability, issue 34) -------------------------------------------------
+def containers_by_pod(o: Owner) -> dict[str, dict]:
+    return {d["metadata"]["name"]: d["spec"]["template"]["spec"]["containers"][0]
+            for d in by_kind(children(o, 1, 1))["Deployment"]}
+
+
+def flag_value(args: list[str], flag: str) -> str | None:
+    return args[args.index(flag) + 1] if flag in args else None
+
+
+@pytest.mark.parametrize("kind", ["llmserve", "vllm"])
+def test_otlp_endpoint_reaches_every_engine_and_the_gateway(kind):
+    url = "http://otel-collector.monitoring:4318"
+    spec = {"observability": {"otlpTracesEndpoint": url}, "engine": {"kind": kind}}
+    if kind == "llmserve":  # a prefill pool's engines trace too (vLLM has no spec.prefill)
+        spec["prefill"] = {"replicas": 1}
+    pods = containers_by_pod(owner(**spec))
+    assert len(pods) == (3 if kind == "llmserve" else 2)
+    for name, container in pods.items():
+        assert flag_value(container["args"], "--otlp-traces-endpoint") == url, name
+
+
+def test_otlp_endpoint_defaults_to_the_operators_and_an_empty_one_turns_it_off(monkeypatch):
+    assert all("--otlp-traces-endpoint" not in c["args"]
+               for c in containers_by_pod(owner()).values())
+    monkeypatch.setenv("LLMSERVE_OTLP_TRACES_ENDPOINT", "http://collector:4318")
+    for container in containers_by_pod(owner()).values():
+        assert flag_value(container["args"], "--otlp-traces-endpoint") == "http://collector:4318"
+    off = owner(observability={"otlpTracesEndpoint": ""})
+    assert all("--otlp-traces-endpoint" not in c["args"]
+               for c in containers_by_pod(off).values())
+    # the user's own engine.args still come last (they may override any flag)
+    user = owner(engine={"args": ["--otlp-traces-endpoint", "http://mine:4318"]})
+    args = containers_by_pod(user)["chat-engine"]["args"]
+    assert args[-2:] == ["--otlp-traces-endpoint", "http://mine:4318"]
+
+
+def test_crd_declares_the_otlp_endpoint():
+    import re
+    from pathlib import Path
+
+    import yaml
+    crd = yaml.safe_load((Path(__file__).resolve().parent.parent / "crds"
+                          / "llmdeployments.serving.llmserve.io.yaml").read_text())
+    spec = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+    field = spec["properties"]["observability"]["properties"]["otlpTracesEndpoint"]
+    assert re.fullmatch(field["pattern"], "http://c:4318") and re.fullmatch(field["pattern"], "")
+    assert not re.fullmatch(field["pattern"], "grpc://c:4317")

@@ -70,6 +70,7 @@ def test_examples_are_accepted_by_the_api_server(kubectl, namespace):
     ({"prefill": {"minReplicas": 0}}, "should be greater than or equal to 1"),
     ({"prefill": {"resources": {"memory": "lots"}}}, "should match"),
     ({"prefill": {"engine": {"kind": "vllm"}}}, 'unknown field "spec.prefill.engine.kind"'),
+    ({"observability": {"otlpTracesEndpoint": "otel:4317"}}, "should match"),
 ])
 def test_invalid_specs_are_rejected(kubectl, namespace, spec, message):
     r = kubectl("apply", "-f", "-", input=llmd("bad", **spec), check=False)

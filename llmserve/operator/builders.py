@@ -14,6 +14,7 @@ from types import SimpleNamespace
 
 from llmserve.distributed.shapes import check_tensor_parallel
 from llmserve.operator import prefill
+from llmserve.operator.observability import tracing_args
 
 BUILTIN_MODELS = {"smollm2-135m-instruct"}
 # The shapes tensor parallelism depends on, of the models whose shape the operator knows
@@ -246,6 +247,7 @@ def engine_container(owner: Owner, role: str = "both") -> dict:
         # --device cuda the engine refuses to start without CUDA.
         args += ["--device", "cuda"]
     args += prefill.role_args(role)
+    args += tracing_args(spec)
     args += list(engine.get("args", []))
     probe = {"httpGet": {"path": "/health", "port": "http"}}
     return {
@@ -413,6 +415,7 @@ def gateway_deployment(owner: Owner) -> dict:
             "--prefix-chars", str(gw.get("prefixChars", 100))]
     if prefill.has_prefill(owner.spec):  # long prompts go through both pools
         args += ["--prefill-k8s-service", f"{owner.namespace}/{n['prefill']}"]
+    args += tracing_args(owner.spec)
     mounts, volumes = [], []
     secret = gw.get("apiKeySecret")
     if secret:
