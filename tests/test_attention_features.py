@@ -190,3 +190,35 @@ def test_a_rank_loads_the_sinks_of_its_own_heads():
     for rank in (0, 1):
         got = shard_of(sinks, rank_shape(config, rank, 2), 8, "model.layers.3.self_attn.sinks")
         assert got.tolist() == list(range(4 * rank, 4 * rank + 4))
+
+
+def test_the_warm_up_compiles_the_variants_with_sinks_and_softcap():
+    """Both are compile-time switches of the Triton kernels: a model with them (gpt-oss,
+    Gemma 2) warmed up with them launches no variant the warm-up did not compile."""
+    from llmserve.kernels.triton import attention as ta
+    from tests.test_warm_up import _variant
+    kernels = [ta._unified_attention_kernel, ta._split_decode_kernel]
+    seen: dict[str, set] = {"warm_up": set(), "serving": set()}
+    phase = ["warm_up"]
+
+    def recorder(kernel):
+        unspecialised = (set(kernel.kwargs.get("do_not_specialize") or ()) if ta.INTERPRETED
+                         else {p.name for p in kernel.params if p.do_not_specialize})
+        return lambda *a, **kw: seen[phase[0]].add(_variant(kernel, a, kw, unspecialised))
+
+    hooks = [(k, recorder(k)) for k in kernels]
+    for kernel, hook in hooks:
+        kernel.add_pre_run_hook(hook)
+    try:
+        ta.warm_up(num_heads=6, num_kv_heads=2, head_dim=32, block_size=BLOCK,
+                   dtype=torch.float32, device=torch.device("cpu"), max_seq_len=256,
+                   max_num_seqs=2, sinks=True, softcap=True)
+        phase[0] = "serving"
+        for query_lens, seq_lens in BATCHES.values():
+            q, cache, tables, _, _ = paged_batch(query_lens, seq_lens, heads=6, kv_heads=2)
+            run_path("triton", q, cache, tables, query_lens, seq_lens, 0.2, 24, sinks_for(6),
+                     CAP)
+    finally:
+        for kernel, hook in hooks:
+            kernel.pre_run_hooks.remove(hook)
+    assert seen["serving"] and seen["serving"] <= seen["warm_up"], seen

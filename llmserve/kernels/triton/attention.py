@@ -443,12 +443,14 @@ def _decode_rows(group_p: int, decode_tile: str = "fit") -> int:
 
 def warm_up(*, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
             dtype: torch.dtype, device: torch.device, max_seq_len: int,
-            max_num_seqs: int) -> int:
+            max_num_seqs: int, sinks: bool = False, softcap: bool = False) -> int:
     """Compile every kernel variant the engine can launch, on tiny inputs: prefill and
     decode, and each split count of split-KV decode. The kernels do not specialise on
     the batch (``do_not_specialize``); batches of 1, 2 and 16 sequences (the integer
     classes Triton specialises on: 1, multiples of 16, others) still run, so a kernel
-    that did would be compiled here. Returns the number of launches."""
+    that did would be compiled here. ``sinks`` / ``softcap``: the model's layers have
+    them (gpt-oss, Gemma 2), so the variants with those switches are the ones compiled.
+    Returns the number of launches."""
     check_supported(block_size=block_size, head_dim=head_dim, num_heads=num_heads,
                     num_kv_heads=num_kv_heads, dtype=dtype)
     batch_sizes = sorted({n for n in (1, 2, 16) if n <= max_num_seqs})
@@ -456,6 +458,8 @@ def warm_up(*, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int
     cache = torch.zeros((2, num_blocks, block_size, num_kv_heads, head_dim), dtype=dtype,
                         device=device)
     splits = reachable_splits(num_kv_heads, max_seq_len, block_size, num_sms(device))
+    extras = dict(sinks=torch.zeros(num_heads, device=device) if sinks else None,
+                  softcap=1.0 if softcap else None)
     launches = 0
     for num_seqs in batch_sizes:
         for query_len in (1, 2):
@@ -472,7 +476,7 @@ def warm_up(*, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int
                 unified_attention(q, cache[0], cache[1], torch.empty_like(q),
                                   query_start_loc=starts, seq_lens=lens, block_tables=tables,
                                   max_query_len=query_len, max_seq_len=query_len,
-                                  scale=head_dim ** -0.5, num_splits=num_splits)
+                                  scale=head_dim ** -0.5, num_splits=num_splits, **extras)
                 launches += 1
     if device.type == "cuda":
         torch.cuda.synchronize(device)
