@@ -133,6 +133,12 @@ class EngineConfig:
     async_scheduling: bool = flag(
         False, "schedule and launch step N+1 before reading back step N's tokens (pays "
         "off where launches are asynchronous: CUDA)")
+    # Speculative decoding (spec_decode/): vLLM's JSON shape; n-gram (prompt lookup)
+    # proposals only, verified exactly (greedy outputs unchanged, sampling by rejection).
+    speculative_config: str | dict | None = flag(
+        None, 'speculative decoding, e.g. {"method": "ngram", "num_speculative_tokens": 4, '
+        '"prompt_lookup_max": 4, "prompt_lookup_min": 2, "disable_by_batch_size": 8} '
+        "(n-gram only; default: off)", metavar="JSON")
     # Prefill/decode disaggregation (engine/disagg.py, distributed/kv_transfer/): a
     # prefill engine holds a leg-1 request's KV under a lease and serves it through its
     # side channel; a decode engine reads the blocks its prefix cache lacks.
@@ -206,6 +212,23 @@ class EngineConfig:
         self._check_tensor_parallel()
         self._check_gpu_fast_path()
         self._check_kv_transfer()
+        self._check_speculative()
+
+    def _check_speculative(self) -> None:
+        """Parse ``speculative_config`` into ``speculative`` (None: off) and refuse the
+        settings it cannot be combined with yet, all of them named at once."""
+        from llmserve.spec_decode.config import UNSUPPORTED_WITH, SpeculativeConfig
+        self.speculative = SpeculativeConfig.parse(self.speculative_config)
+        if self.speculative is None:
+            return
+        clashes = [UNSUPPORTED_WITH[name] for name, on in (
+            ("async_scheduling", self.async_scheduling),
+            ("tensor_parallel_size", self.tensor_parallel_size > 1),
+            ("kv_role", self.kv_role != "both"),
+            ("check_kv_integrity", self.check_kv_integrity)) if on]
+        if clashes:
+            raise ValueError("--speculative-config is not supported together with "
+                             + "; ".join(clashes) + " yet")
 
     def _check_kv_transfer(self) -> None:
         if not 0 <= self.kv_transfer_port < 65536:

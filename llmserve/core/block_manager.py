@@ -293,6 +293,17 @@ class BlockManager:
         while len(seq.block_table) * self.block_size < num_tokens:
             seq.block_table.append(self._take_free_block())
 
+    def truncate(self, seq: Sequence) -> None:
+        """Speculative decoding's rollback: release the blocks past the ones holding
+        ``seq``'s ``num_computed_tokens`` tokens (a rejected draft's slots), tail first.
+        They were taken in the step that wrote the draft, so none is shared, cached or
+        ``DROPPED`` (those are a prefix)."""
+        keep = cdiv(seq.num_computed_tokens, self.block_size)
+        assert seq.num_cached_blocks <= keep
+        for block_id in reversed(seq.block_table[keep:]):
+            self._release(block_id)
+        del seq.block_table[keep:]
+
     def take_ops(self) -> list[BlockOp]:
         """Hand the step's block moves to the caller, which must apply them in order."""
         ops, self.ops = self.ops, []

@@ -69,6 +69,9 @@ class Sequence:
         # Parser state of a constrained output (structured.py); survives preemption,
         # since it follows the tokens, not the KV cache.
         self.matcher = None
+        # Speculative decoding: this step's draft (spec_decode/), verified and cleared
+        # by the engine once the step ran. Never part of token_ids.
+        self.spec_token_ids: list[int] = []
 
     # --- sizes -------------------------------------------------------------
     @property
@@ -117,6 +120,7 @@ class Sequence:
         so far) is prefilled again when it is rescheduled, so outputs do not change."""
         self.recomputed_until = max(self.recomputed_until, self.num_computed_tokens)
         self.num_computed_tokens = 0
+        self.spec_token_ids = []
 
     def first_time_tokens(self, num_new: int) -> int:
         """Of ``num_new`` tokens about to be computed, those never computed before

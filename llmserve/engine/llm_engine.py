@@ -36,6 +36,8 @@ from llmserve.model_executor.model_loader.sources import (
     resolve_model,
 )
 from llmserve.model_executor.models.supported import check_model_config, model_sliding_window
+from llmserve.spec_decode.rejection_sampler import verify
+from llmserve.spec_decode.speculator import Speculator
 from llmserve.structured_output.grammar import StructuredOutputs
 from llmserve.worker.kv_integrity import SequenceKVCheck
 from llmserve.worker.model_runner import ModelRunner
@@ -90,6 +92,9 @@ class LLMEngine:
         self.overlap = OverlappedSteps(self) if config.async_scheduling else None
         # P/D: leases (prefill role) or imported prefixes (decode role).
         self.kv_transfer = KVTransferSide(self) if config.kv_role != "both" else None
+        # Speculative decoding (n-gram drafts, verified in the step that computes them).
+        self.spec = (Speculator(config.speculative, self.max_model_len)
+                     if getattr(config, "speculative", None) is not None else None)
 
     def _resolve_quantization(self) -> None:
         """``--quantization auto`` becomes a mode, before any rank builds its model."""
@@ -282,6 +287,8 @@ class LLMEngine:
         self.scheduler.num_preemptions = self.scheduler.num_swapped_out = 0
         self.scheduler.cost_model = StepCostModel()  # warm-up steps include compilation
         self.stats = EngineStats()
+        if self.spec is not None:
+            self.spec = Speculator(self.spec.config, self.max_model_len)  # counters at zero
 
     # --- the step ---------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -290,6 +297,8 @@ class LLMEngine:
         if self.overlap is not None:
             return self.overlap.step()
         ts = time.perf_counter()
+        if self.spec is not None:
+            self.spec.propose(self.scheduler.running)
         batch = self._schedule()
         if not batch.seqs:
             return []
@@ -305,12 +314,17 @@ class LLMEngine:
         if self.kv_check:
             self.kv_check.after_forward(batch)
         touched: dict[str, Request] = {}
-        due_seqs, sampled = self._sample([batch.seqs[i] for i in due], logits,
-                                         pending_masks, touched)
+        due_seqs = [batch.seqs[i] for i in due]
+        drafted, draft_logits = [], None
+        if self.spec is not None:
+            due_seqs, logits, drafted, draft_logits = split_drafted(due_seqs, logits)
+        due_seqs, sampled = self._sample(due_seqs, logits, pending_masks, touched)
         if sampled is not None:
             for seq, token, lp in zip(due_seqs, sampled.token_ids, sampled.logprobs):
                 self._append(seq, token, lp)
                 touched[seq.request.request_id] = seq.request
+        if drafted:
+            self._accept_drafts(drafted, draft_logits, touched)
         self._observe_step(batch, kv_tokens, ts, t0, t1)
         return self._outputs(touched)
 
@@ -336,7 +350,8 @@ class LLMEngine:
 
     def _advance_computed(self, batch, now: float) -> None:
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
-            seq.num_computed_tokens += n
+            # A draft's slots count once verified (``_accept_drafts``).
+            seq.num_computed_tokens += n - len(seq.spec_token_ids)
             if seq.request.first_scheduled_time is None:
                 seq.request.first_scheduled_time = now
                 if seq.request.kv_hold:  # its prefix is in its block table now
@@ -350,6 +365,25 @@ class LLMEngine:
             if not seq.finished:
                 self.block_manager.cache_full_blocks(seq)
                 self.block_manager.free_outside_window(seq)
+
+    def _accept_drafts(self, seqs: list[Sequence], logits, touched: dict) -> None:
+        """Verify the drafts (rejection_sampler.py), append the tokens one by one (so
+        stop conditions and max_tokens cut a draft), then roll the KV back to the
+        accepted tokens: their slots count as computed, the blocks past them are freed,
+        and only then are the blocks they filled offered to the prefix cache."""
+        for seq, (tokens, logprobs) in zip(seqs, verify(self.sampler, logits, seqs)):
+            self.spec.record(len(seq.spec_token_ids), len(tokens) - 1)
+            seq.spec_token_ids = []
+            computed = seq.num_computed_tokens + len(tokens) - 1
+            for token, lp in zip(tokens, logprobs):
+                self._append(seq, token, lp)
+                if seq.finished:  # its blocks are freed already
+                    break
+            touched[seq.request.request_id] = seq.request
+            if not seq.finished:
+                seq.num_computed_tokens = computed
+                self.block_manager.truncate(seq)
+                self._cache_full_blocks([seq])
 
     def _sample(self, due_seqs: list[Sequence], logits, pending_masks, touched: dict,
                 on_device: bool = False):
@@ -460,6 +494,24 @@ class LLMEngine:
             if seq.request.remote_decode:  # leg 1: keep the prompt's KV for the decode engine
                 self.kv_transfer.hold_for_decode(seq, status)
             self.scheduler.finish(seq, status)
+
+
+def split_drafted(due_seqs: list[Sequence], logits):
+    """Speculative decoding: (the sequences sampled as usual and their logits rows, the
+    drafted sequences and theirs: 1 + k rows each, in order)."""
+    plain, plain_rows, drafted, draft_rows, row = [], [], [], [], 0
+    for seq in due_seqs:
+        k = len(seq.spec_token_ids)
+        if k:
+            drafted.append(seq)
+            draft_rows += range(row, row + k + 1)
+        else:
+            plain.append(seq)
+            plain_rows.append(row)
+        row += 1 + k
+    if not drafted:
+        return due_seqs, logits, [], None
+    return plain, logits[plain_rows] if plain else None, drafted, logits[draft_rows]
 
 
 class EngineStats:

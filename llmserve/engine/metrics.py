@@ -68,11 +68,18 @@ class EngineMetrics:
             "Requests answered 503 server_overloaded: reason=queue_full (max_waiting) or "
             "queue_delay (max_queue_delay).", ["model_name", "reason"], registry=r)
         self._kv_transfer_metrics(r)
+        # Speculative decoding (spec_decode/); prometheus_client adds the _total suffix.
+        self.spec_drafts = counter("vllm:spec_decode_num_drafts",
+                                   "Sequence steps verified with a draft.")
+        self.spec_draft_tokens = counter("vllm:spec_decode_num_draft_tokens",
+                                         "Draft tokens proposed and verified.")
+        self.spec_accepted_tokens = counter("vllm:spec_decode_num_accepted_tokens",
+                                            "Draft tokens the target model accepted.")
         self.aborted = 0
         self._seen_tokens: dict[str, int] = {}
         self._last_token_at: dict[str, float] = {}
         self._synced = {"queries": 0, "hits": 0, "preemptions": 0, "swap_outs": 0,
-                        "aborted": 0}
+                        "aborted": 0, "drafts": 0, "draft_tokens": 0, "accepted_tokens": 0}
 
     def _kv_transfer_metrics(self, r: CollectorRegistry) -> None:
         """P/D (engine/disagg.py): KV moved between engines, and what a prefill pool's
@@ -126,6 +133,11 @@ class EngineMetrics:
         self._sync(self.prefix_hits, "hits", bm.prefix_hits)
         self._sync(self.preemptions, "preemptions", sched.num_preemptions)
         self._sync(self.swap_outs, "swap_outs", sched.num_swapped_out)
+        spec = getattr(engine, "spec", None)
+        if spec is not None:
+            self._sync(self.spec_drafts, "drafts", spec.num_drafts)
+            self._sync(self.spec_draft_tokens, "draft_tokens", spec.num_draft_tokens)
+            self._sync(self.spec_accepted_tokens, "accepted_tokens", spec.num_accepted_tokens)
         for tenant, total in sched.shares.tokens_served.items():
             done = self._tenant_synced.get(tenant, 0)
             if total > done:

@@ -184,7 +184,8 @@ class ModelRunner:
     def flatten(self, batch: ScheduledBatch, pending_row_of: dict[int, int] | None = None
                 ) -> tuple[StepInputs, list[int]]:
         """The batch as plain lists (what the workers receive), and the indices into
-        ``batch.seqs`` of the sequences due a new token. ``pending_row_of`` (async
+        ``batch.seqs`` of the sequences due a new token (a sequence with a draft of k
+        tokens has k + 1 sample rows, in order; the others one). ``pending_row_of`` (async
         scheduling): seq_id -> row of the previous step's tokens, for the sequences
         whose last token is a placeholder."""
         bs = self.block_size
@@ -205,6 +206,9 @@ class ModelRunner:
                 pending_rows.append(first_row + seq.num_tokens - 1)
                 pending_src.append(src)
             input_ids += seq.token_ids[start:end]
+            # A draft (speculative decoding) is computed after the sequence's own tokens.
+            draft = seq.spec_token_ids
+            input_ids += draft[:max(0, end - seq.num_tokens)]
             positions += range(start, end)
             table = seq.block_table
             if table[0] == DROPPED:  # out of the sliding window: never attended
@@ -213,8 +217,9 @@ class ModelRunner:
             query_start.append(query_start[-1] + n)
             seq_lens.append(end)
             tables.append(table)
-            if end == seq.num_tokens:  # all known tokens computed: due a new one
-                sample_rows.append(query_start[-1] - 1)
+            if end == seq.num_tokens + len(draft):  # all known tokens computed: due a new one
+                # (a drafted sequence: one row per draft token too, to verify it)
+                sample_rows += range(query_start[-1] - 1 - len(draft), query_start[-1])
                 due.append(i)
         return StepInputs(input_ids, positions, slots, query_start, seq_lens, tables,
                           sample_rows, max(batch.num_new_tokens), prompt_rows=prompt_rows,

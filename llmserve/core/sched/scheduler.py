@@ -10,7 +10,9 @@ Each step spends a token budget (``max_num_batched_tokens``) over at most
 
 Running decodes are served first within the budget: a prefill chunk (of a running
 sequence or an admitted one) only gets what is left after one token for every
-running decode. A swapped or waiting candidate needs its blocks to fit above a
+running decode. A decode with a draft (speculative decoding, ``spec_token_ids``) computes
+it too, as a small chunk, in budget and free blocks no other work needs
+(``_fit_draft``). A swapped or waiting candidate needs its blocks to fit above a
 watermark; the first that does not fit stops admission, so a big request is not
 starved by small ones behind it.
 
@@ -245,6 +247,7 @@ class Scheduler:
         decode = seq.num_uncomputed_tokens == 1
         if decode:
             num_new = min(1, step.budget) if step.decode_fits(seq) else 0
+            num_new += self._fit_draft(seq, step) if num_new else 0
         else:
             num_new = min(seq.num_uncomputed_tokens, step.chunk_limit(seq.num_computed_tokens))
         if num_new == 0 and step.cost is not None:
@@ -254,6 +257,18 @@ class Scheduler:
             step.add(seq, num_new)
         if decode and seq.status is SequenceStatus.RUNNING:
             step.decodes_left -= 1  # (preempt() counted it if it had to go)
+
+    def _fit_draft(self, seq: Sequence, step: _Step) -> int:
+        """Speculative decoding: how many of ``seq``'s draft tokens (``spec_token_ids``,
+        shortened to that) its decode computes too. A draft only uses budget no later
+        decode needs and blocks that are free: it never preempts anything."""
+        draft = seq.spec_token_ids
+        if draft:
+            del draft[max(0, step.budget - step.decodes_left):]
+            need = self.bm.blocks_needed(seq, seq.num_computed_tokens + 1 + len(draft))
+            if not self.bm.can_allocate(need, False):
+                draft.clear()
+        return len(draft)
 
     def _make_room(self, seq: Sequence, num_new: int, step: _Step) -> bool:
         """Preempt the least urgent unscheduled running sequences until ``seq`` can
@@ -291,6 +306,7 @@ class Scheduler:
                 break
             if not self._preempt_for(seq, step):
                 return False
+        seq.spec_token_ids = []  # admitted with its own tokens only
         if swapped:
             self.swapped.remove(seq)
             self.bm.swap_in(seq)
@@ -422,6 +438,7 @@ class Scheduler:
         re-prefill mostly hits the cache and the output does not change."""
         assert seq.seq_id not in step.scheduled, "a step never undoes its own decisions"
         self.running.remove(seq)
+        seq.spec_token_ids = []
         if seq.num_uncomputed_tokens == 1:
             step.decodes_left -= 1
         self.num_preemptions += 1

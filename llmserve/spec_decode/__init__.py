@@ -1,0 +1,1 @@
+"""Speculative decoding: n-gram (prompt lookup) proposals and their exact verification."""
