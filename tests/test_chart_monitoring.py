@@ -416,3 +416,18 @@ def test_operator_otlp_default_reaches_the_operators_environment():
     env = {e["name"]: e.get("value") for e in container["env"]}
     assert env[DEFAULT_ENV] == "http://otel.monitoring:4318"
     assert helm_template("operator.otlpTracesEndpoint=otel:4317", check=False).returncode != 0
+
+
+@needs_helm
+def test_request_rates_count_api_requests_only():
+    """The gateway counts every answer, its /metrics scrapes and probes too (path
+    "other"): the panels' rates, 5xx shares and 429s and the alerts must read the API's
+    paths alone (a template variable listing tenants may read all)."""
+    panel_exprs = [t["expr"] for b in dashboards().values() for p in panels(b)
+                   for t in p["targets"]]
+    exprs = [*panel_exprs, *rule_exprs(render(*ALL_ON)).values()]
+    uses = [e for e in exprs if "llmserve_gateway_requests_total" in e]
+    assert len(uses) >= 9
+    for e in uses:
+        selectors = re.findall(r"llmserve_gateway_requests_total(\{[^}]*\})?", e)
+        assert all('path=~"/v1/.*"' in s for s in selectors), e
