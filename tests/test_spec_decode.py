@@ -280,3 +280,26 @@ def test_sampled_tokens_follow_the_target_distribution(tiny_llama, pair):
     expected = num_draws * _exact_joint(tiny_llama, prompt)
     chi2 = float(((counts - expected) ** 2 / expected).sum())
     assert chi2 < CHI2_15_AT_1E_3, (chi2, counts, expected)
+
+
+def test_sliding_window_blocks_are_dropped_and_drafts_rolled_back(tmp_path, builtin_path):
+    """Every layer windowed: blocks out of the window become DROPPED entries (a prefix
+    of the table) while drafts are rolled back at its tail; recompute preemption and
+    prefix hits included. Outputs equal decoding without speculation."""
+    from tests.conftest import write_tiny_checkpoint
+    from tests.differential import reconfigure
+    path = write_tiny_checkpoint(tmp_path / "mistral", builtin_path, "mistral", seed=2,
+                                 sliding_window=24)
+    prompts = [p * 2 for p in _prompts(6, seed=3)]  # long enough to leave the window
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    outputs = []
+    for spec in (None, NGRAM):
+        llm = LLM(str(path), dtype="float32", kv_cache_memory=16 << 20,
+                  max_num_batched_tokens=32, speculative_config=spec)
+        assert llm.engine.block_manager.sliding_window == 24
+        reconfigure(llm.engine, 14, 0, preemption_mode="recompute", watermark=0.0)
+        outputs.append(_tokens(llm.generate(prompts, params)))
+        assert llm.engine.scheduler.num_preemptions > 0
+        llm.engine.block_manager.check_all_free()
+    assert outputs[0] == outputs[1]
+    assert llm.engine.spec.num_accepted_tokens > 0
