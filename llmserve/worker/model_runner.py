@@ -25,7 +25,7 @@ from llmserve.model_executor.layers.prompt_logprobs import (
 )
 from llmserve.model_executor.layers.quantization import quantize_model
 from llmserve.model_executor.model_loader.weights import empty_model_init, load_weights
-from llmserve.model_executor.models.llama import RotaryEmbedding
+from llmserve.model_executor.models.llama import Attention, RotaryEmbedding
 from llmserve.model_executor.models.native_decoder import NativeDecoder
 from llmserve.model_executor.models.registry import SUPPORTED_ARCHITECTURES
 from llmserve.worker.cuda_graphs import DecodeGraphs
@@ -157,9 +157,12 @@ class ModelRunner:
             self.group.send(("warm_up", max_model_len, max_num_seqs))
         from llmserve.kernels.triton.attention import warm_up
         c = self.hf_config
+        attention = [m for m in self.model.modules() if isinstance(m, Attention)]
         warm_up(num_heads=self.shard.num_heads, num_kv_heads=self.shard.num_kv_heads,
                 head_dim=c.head_dim, block_size=self.block_size, dtype=self.dtype,
-                device=self.device, max_seq_len=max_model_len, max_num_seqs=max_num_seqs)
+                device=self.device, max_seq_len=max_model_len, max_num_seqs=max_num_seqs,
+                sinks=any(getattr(a, "sinks", None) is not None for a in attention),
+                softcap=any(getattr(a, "softcap", None) for a in attention))
         if self.graphs is not None:
             self.graphs.capture_all()
 
