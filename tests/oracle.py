@@ -7,6 +7,7 @@ differing position, as vLLM's check_logprobs_close does.
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
 
 import torch
@@ -49,3 +50,37 @@ def compare_greedy(ours: list[int], oracle: OracleRun) -> str:
 def load_hf(path):
     from transformers import AutoModelForCausalLM
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+# --- a checkpoint's greedy tokens against ours (the model-family tests) ---------------
+GREEDY_TOKENS = 8
+_greedy_runs: dict = {}
+
+
+def random_prompts(seed: int, lengths) -> list[list[int]]:
+    """Random token ids of the built-in tokenizer's vocabulary, one prompt per length."""
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 49152) for _ in range(n)] for n in lengths]
+
+
+def cached_greedy(path, prompts: list[list[int]]) -> list[OracleRun]:
+    """transformers' greedy runs of ``prompts`` on the checkpoint at ``path``, computed
+    once per session (several tests compare different engine settings on them)."""
+    key = (str(path), tuple(map(tuple, prompts)))
+    if key not in _greedy_runs:
+        hf = load_hf(path)
+        _greedy_runs[key] = [hf_greedy(hf, p, GREEDY_TOKENS) for p in prompts]
+    return _greedy_runs[key]
+
+
+def assert_greedy_matches(llm, path, prompts: list[list[int]],
+                          min_distinct_tokens: int = 0) -> None:
+    """``llm``'s greedy tokens equal transformers' on the checkpoint at ``path``: at most
+    one prompt diverges, and only at a near-tie (more ties than chance explains is a bug).
+    ``min_distinct_tokens``: the outputs must not be degenerate."""
+    from llmserve import SamplingParams
+    params = SamplingParams(temperature=0.0, max_tokens=GREEDY_TOKENS, ignore_eos=True)
+    outs = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    verdicts = [compare_greedy(o, r) for o, r in zip(outs, cached_greedy(path, prompts))]
+    assert verdicts.count("tie") <= 1, verdicts
+    assert len({t for o in outs for t in o}) >= min_distinct_tokens, outs

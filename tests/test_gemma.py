@@ -28,7 +28,7 @@ from llmserve.errors import ModelLoadError
 from llmserve.model_executor.models.native_decoder import unsupported
 from tests.conftest import TOKENIZER_FILES
 from tests.differential import reconfigure
-from tests.oracle import compare_greedy, hf_greedy, load_hf
+from tests.oracle import assert_greedy_matches, load_hf, random_prompts
 
 NEW_TOKENS = 8
 WINDOW = 24
@@ -76,28 +76,13 @@ def gemma_models(tmp_path_factory, builtin_path) -> dict[str, Path]:
             for family in ("gemma2", "gemma3")}
 
 
-_oracle: dict = {}
-
-
-def oracle(path: Path, prompts: list[list[int]]):
-    key = (str(path), tuple(map(tuple, prompts)))
-    if key not in _oracle:
-        hf = load_hf(path)
-        _oracle[key] = [hf_greedy(hf, p, NEW_TOKENS) for p in prompts]
-    return _oracle[key]
-
-
 def prompts_of(seed: int, lengths=(3, 23, 25, 60, 130)) -> list[list[int]]:
     """Shorter than, at and far past the window."""
-    rng = random.Random(seed)
-    return [[rng.randrange(3, 49152) for _ in range(n)] for n in lengths]
+    return random_prompts(seed, lengths)
 
 
 def assert_matches(llm: LLM, path: Path, prompts: list[list[int]]) -> None:
-    outs = llm.generate(prompts, GREEDY)
-    verdicts = [compare_greedy(o.outputs[0].token_ids, r)
-                for o, r in zip(outs, oracle(path, prompts))]
-    assert verdicts.count("tie") <= 1, verdicts  # more near-ties than chance explains
+    assert_greedy_matches(llm, path, prompts)
 
 
 FAMILIES = ["gemma2", "gemma3"]

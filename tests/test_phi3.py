@@ -23,7 +23,7 @@ from llmserve.model_executor.layers.quantization import QuantizedLinear
 from llmserve.model_executor.models.llama import RotaryEmbedding
 from llmserve.model_executor.models.supported import check_model_config
 from tests.conftest import write_tiny_checkpoint
-from tests.oracle import compare_greedy, hf_greedy, load_hf
+from tests.oracle import assert_greedy_matches, random_prompts
 
 NEW_TOKENS = 8
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
@@ -65,27 +65,12 @@ def phi4_mini(tmp_path_factory, builtin_path) -> Path:
                                  max_position_embeddings=4096)
 
 
-_oracle: dict = {}
-
-
-def oracle(path: Path, prompts: list[list[int]]):
-    key = (str(path), tuple(map(tuple, prompts)))
-    if key not in _oracle:
-        hf = load_hf(path)
-        _oracle[key] = [hf_greedy(hf, p, NEW_TOKENS) for p in prompts]
-    return _oracle[key]
-
-
 def prompts_of(seed: int, lengths=(1, 7, 17, 40, 129, 300)) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(3, 49152) for _ in range(n)] for n in lengths]
+    return random_prompts(seed, lengths)
 
 
 def assert_matches(llm: LLM, path: Path, prompts: list[list[int]]) -> None:
-    outs = llm.generate(prompts, GREEDY)
-    verdicts = [compare_greedy(o.outputs[0].token_ids, r)
-                for o, r in zip(outs, oracle(path, prompts))]
-    assert verdicts.count("tie") <= 1, verdicts  # more near-ties than chance explains
+    assert_greedy_matches(llm, path, prompts)
 
 
 @pytest.mark.parametrize("budget, chunked", [(16, True), (2048, False)])

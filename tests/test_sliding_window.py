@@ -24,7 +24,7 @@ from tests.conftest import write_tiny_checkpoint
 from tests.differential import reconfigure
 from tests.kernel_reference import dense_reference as reference
 from tests.kernel_reference import paged_batch
-from tests.oracle import compare_greedy, hf_greedy, load_hf
+from tests.oracle import assert_greedy_matches, compare_greedy, hf_greedy, load_hf, random_prompts
 
 BLOCK = 16
 
@@ -90,22 +90,8 @@ def windowed_models(tmp_path_factory, builtin_path):
             for name, (kind, over) in MODELS.items()}
 
 
-_oracle: dict = {}
-
-
-def assert_matches(llm, path, prompts):
-    key = (str(path), tuple(map(tuple, prompts)))
-    if key not in _oracle:
-        hf = load_hf(path)
-        _oracle[key] = [hf_greedy(hf, p, NEW_TOKENS) for p in prompts]
-    outs = llm.generate(prompts, GREEDY)
-    verdicts = [compare_greedy(o.outputs[0].token_ids, r) for o, r in zip(outs, _oracle[key])]
-    assert verdicts.count("tie") <= 1, verdicts
-
-
 def prompts_of(seed, lengths=(3, 23, 24, 25, 60, 150)):
-    rng = random.Random(seed)
-    return [[rng.randrange(3, 49152) for _ in range(n)] for n in lengths]
+    return random_prompts(seed, lengths)
 
 
 @pytest.mark.parametrize("model", list(MODELS))
@@ -115,7 +101,7 @@ def test_models_past_their_window_equal_transformers(windowed_models, model, pat
     llm = LLM(str(windowed_models[model]), kv_cache_memory=16 << 20,
               max_num_batched_tokens=budget, enable_chunked_prefill=budget < 2048)
     llm.engine.runner.native_decode = path == "native"
-    assert_matches(llm, windowed_models[model], prompts_of(1))
+    assert_greedy_matches(llm, windowed_models[model], prompts_of(1))
     llm.engine.block_manager.check_all_free()
 
 
@@ -123,7 +109,7 @@ def test_models_past_their_window_equal_transformers(windowed_models, model, pat
 def test_triton_in_the_interpreter(windowed_models, model):
     llm = LLM(str(windowed_models[model]), attention_backend="triton",
               kv_cache_memory=16 << 20, max_num_batched_tokens=32)
-    assert_matches(llm, windowed_models[model], prompts_of(2, lengths=(20, 40, 70)))
+    assert_greedy_matches(llm, windowed_models[model], prompts_of(2, lengths=(20, 40, 70)))
 
 
 def test_prefix_hits_and_preemption_keep_the_window(windowed_models):
@@ -133,7 +119,7 @@ def test_prefix_hits_and_preemption_keep_the_window(windowed_models):
     prompts = [shared + [rng.randrange(3, 49152) for _ in range(n)] for n in (5, 30, 50, 70)]
     llm = LLM(str(path), kv_cache_memory=16 << 20, max_num_batched_tokens=32)
     reconfigure(llm.engine, 12, 0, preemption_mode="recompute", watermark=0.0)
-    assert_matches(llm, path, prompts)
+    assert_greedy_matches(llm, path, prompts)
     assert llm.engine.scheduler.num_preemptions > 0 and llm.engine.block_manager.prefix_hits
     llm.engine.block_manager.check_all_free()
 
@@ -185,7 +171,7 @@ def test_sequences_longer_than_the_pool_run_in_a_window(windowed_models, mode):
     shared = [rng.randrange(3, 49152) for _ in range(120)]
     prompts = [shared + [rng.randrange(3, 49152) for _ in range(n)] for n in (30, 31)]
     prompts.append(prompts_of(3, lengths=(150,))[0])
-    assert_matches(llm, path, prompts)
+    assert_greedy_matches(llm, path, prompts)
     pair = llm.generate([prompts[0]], SamplingParams(n=2, temperature=0.0, max_tokens=4,
                                                      ignore_eos=True))
     assert pair[0].outputs[0].token_ids == pair[0].outputs[1].token_ids
