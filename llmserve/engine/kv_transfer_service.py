@@ -57,6 +57,10 @@ class KVTransferService:
         if self.side.leases is None:
             return
         self.side.leases.on_release = wake
+        # Read at scrape time: the engine thread's loop may sleep right after the step
+        # that created a lease, and a gauge it sets would miss that lease until later.
+        leases = self.side.leases
+        self.metrics.kv_blocks_held.set_function(lambda: leases.blocks_held)
         bs = self.side.block_size
         self.server = SideChannelServer(
             self.transport, self.side.leases, self.side.layout, self.side.engine_id,
@@ -76,7 +80,6 @@ class KVTransferService:
         expired = self.side.collect_leases()
         if expired:
             self.metrics.kv_failure("expired", expired)
-        self.metrics.kv_blocks_held.set(self.side.leases.blocks_held)
 
     # --- decode role ----------------------------------------------------------------
     async def import_prefix(self, token_ids: list[int], cache_salt: bytes,
