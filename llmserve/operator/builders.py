@@ -8,12 +8,13 @@ calls for (``stale_children``) is pruned by the operator.
 
 from __future__ import annotations
 
+import hashlib
 import os
 from dataclasses import dataclass, replace
 from types import SimpleNamespace
 
 from llmserve.distributed.shapes import check_tensor_parallel
-from llmserve.operator import prefill
+from llmserve.operator import lora, prefill
 from llmserve.operator.observability import tracing_args
 
 BUILTIN_MODELS = {"smollm2-135m-instruct"}
@@ -28,6 +29,7 @@ OPERATOR_LABELS = {"app.kubernetes.io/name": "llmserve-operator"}
 MANAGED_BY = {"app.kubernetes.io/managed-by": "llmserve-operator"}
 GATEWAY_PORT = 8080
 MODELS_DIR = "/models"
+ADAPTERS_DIR = "/adapters"  # pvc:// adapters on claims other than the model's
 TENANTS_DIR = "/etc/llmserve/tenants"
 TENANTS_KEY = "tenants.yaml"
 
@@ -132,6 +134,79 @@ def hf_revision(owner: Owner) -> str | None:
     return source.split("@", 1)[1] or None
 
 
+# --- LoRA adapters (spec.adapters) --------------------------------------------
+def model_claim(owner: Owner) -> str | None:
+    """The claim a pvc:// model source is mounted from (at MODELS_DIR)."""
+    source = owner.spec["model"]["source"]
+    return source[len("pvc://"):].partition("/")[0] if source.startswith("pvc://") else None
+
+
+def adapter_claims(owner: Owner) -> list[str]:
+    """The claims of pvc:// adapters that need a mount of their own (not the model's)."""
+    claims = {a["source"][len("pvc://"):].partition("/")[0]
+              for a in owner.spec.get("adapters") or [] if a["source"].startswith("pvc://")}
+    return sorted(claims - {model_claim(owner), ""})
+
+
+def adapter_volumes(owner: Owner) -> tuple[list[dict], list[dict]]:
+    """(volumes, mounts): each claim of a pvc:// adapter, read-only, at
+    ADAPTERS_DIR/CLAIM. A new claim changes the pod template (pods restart); an adapter
+    on a claim already mounted, or from hf:// or file://, does not."""
+    volumes, mounts = [], []
+    for claim in adapter_claims(owner):
+        # Volume names are DNS labels; claim names may be longer or dotted.
+        name = "lora-" + hashlib.sha256(claim.encode()).hexdigest()[:12]
+        volumes.append({"name": name, "persistentVolumeClaim": {"claimName": claim,
+                                                                 "readOnly": True}})
+        mounts.append({"name": name, "mountPath": f"{ADAPTERS_DIR}/{claim}", "readOnly": True})
+    return volumes, mounts
+
+
+def adapter_path(owner: Owner, name: str, source: str) -> str:
+    """What the engine is sent as ``lora_path`` for ``source``: llmserve resolves hf://
+    and file:// itself; vLLM takes a repo id or a path; a pvc:// source becomes the
+    path where its claim is mounted (the model's claim at MODELS_DIR, another at
+    ADAPTERS_DIR/CLAIM)."""
+    vllm = owner.spec.get("engine", {}).get("kind", "llmserve") == "vllm"
+    where = f"adapters[{name}].source {source!r}"
+    if source.startswith("hf://"):
+        if not vllm:
+            return source
+        repo, _, revision = source[len("hf://"):].partition("@")
+        if revision:
+            raise SpecError(f"{where}: vLLM loads an adapter by repo id only, without a "
+                            f"revision; drop @{revision} or use engine.kind llmserve")
+        return repo
+    if source.startswith("file:///"):
+        return source[len("file://"):] if vllm else source
+    if source.startswith("pvc://"):
+        claim, _, path = source[len("pvc://"):].partition("/")
+        if not claim:
+            raise SpecError(f"{where}: pvc:// needs a claim name")
+        root = MODELS_DIR if claim == model_claim(owner) else f"{ADAPTERS_DIR}/{claim}"
+        return f"{root}/{path}".rstrip("/")
+    raise SpecError(f"{where}: a source is hf://ORG/REPO[@REVISION], pvc://CLAIM/PATH "
+                    f"or file:///PATH")
+
+
+def desired_adapters(owner: Owner) -> list[lora.Adapter]:
+    """spec.adapters, checked for what the API server cannot check."""
+    out, seen = [], set()
+    for item in owner.spec.get("adapters") or []:
+        name, source = item.get("name") or "", item.get("source") or ""
+        if not name:
+            raise SpecError("every entry of spec.adapters needs a name")
+        if name in seen:
+            raise SpecError(f"spec.adapters: the name {name!r} is listed twice")
+        if name == owner.model_name:
+            raise SpecError(f"spec.adapters: {name!r} is the base model's served name; "
+                            f"clients pick the base model or an adapter by name, so "
+                            f"name the adapter differently")
+        seen.add(name)
+        out.append(lora.Adapter(name, source, adapter_path(owner, name, source)))
+    return out
+
+
 # Where the engine container keeps what it downloads (huggingface_hub's cache, Triton's
 # kernel cache): the writable `cache` volume, since the root filesystem is read-only.
 CACHE_DIR = "/cache"
@@ -198,8 +273,15 @@ def engine_container(owner: Owner, role: str = "both") -> dict:
     if flag:
         raise SpecError(f"{flag} in engine.args: the operator sets the P/D flags from "
                         f"spec.prefill (add spec.prefill for a prefill pool)")
+    flag = lora.owned_flag_in(engine.get("args", [])) if lora.enabled(spec) else None
+    if flag:
+        raise SpecError(f"{flag} in engine.args: with spec.adapters or engine.lora the "
+                        f"operator sets the LoRA flags and loads the adapters itself "
+                        f"(list them in spec.adapters, sizes in engine.lora)")
+    desired_adapters(owner)  # a spec the engines could not load is refused up front
     port = engine.get("port", 8000)
     model, _, mounts = model_source(owner)
+    _, adapter_mounts = adapter_volumes(owner)
     gpus = spec.get("resources", {}).get("gpus", 0)
     dtype = engine.get("dtype", "auto")
     tp = tensor_parallel_size(owner)
@@ -247,6 +329,7 @@ def engine_container(owner: Owner, role: str = "both") -> dict:
         # --device cuda the engine refuses to start without CUDA.
         args += ["--device", "cuda"]
     args += prefill.role_args(role)
+    args += lora.engine_args(spec)
     args += tracing_args(spec)
     args += list(engine.get("args", []))
     probe = {"httpGet": {"path": "/health", "port": "http"}}
@@ -256,14 +339,15 @@ def engine_container(owner: Owner, role: str = "both") -> dict:
                   *prefill.role_ports(role)],
         # The image bakes the built-in model's converted cache (LLMSERVE_CACHE);
         # anything downloaded at run time (hf:// snapshots) goes to the /cache volume.
-        "env": engine_env(owner) + prefill.role_env(role, names(owner)["kv_secret"]),
+        "env": (engine_env(owner) + prefill.role_env(role, names(owner)["kv_secret"])
+                + ([lora.VLLM_RUNTIME_ENV] if kind == "vllm" and lora.enabled(spec) else [])),
         "resources": resources(spec.get("resources", {})),
         "readinessProbe": {**probe, "periodSeconds": 2, "failureThreshold": 2},
         "startupProbe": {**probe, "periodSeconds": 2, "failureThreshold": 900},
         "livenessProbe": {**probe, "periodSeconds": 10, "failureThreshold": 6},
         "securityContext": CONTAINER_SECURITY,
         "volumeMounts": [{"name": "cache", "mountPath": CACHE_DIR},
-                         {"name": "tmp", "mountPath": "/tmp"}, *mounts,
+                         {"name": "tmp", "mountPath": "/tmp"}, *mounts, *adapter_mounts,
                          *([{"name": "dshm", "mountPath": "/dev/shm"}] if gpus else [])],
     }
 
@@ -314,6 +398,7 @@ def engine_deployment(owner: Owner, replicas: int, role: str = "both",
     if kv_secret and role != "both":
         template_meta["annotations"] = {KV_SECRET_ANNOTATION: kv_secret}
     _, volumes, _ = model_source(owner)
+    volumes = [*volumes, *adapter_volumes(owner)[0]]
     res = spec.get("resources", {})
     pod_spec = {
         "securityContext": POD_SECURITY,
@@ -371,6 +456,11 @@ def prefill_owner(owner: Owner) -> Owner:
     refusal = prefill.refusal(owner.spec)
     if refusal:
         raise SpecError(refusal)
+    if lora.enabled(owner.spec):
+        raise SpecError("spec.adapters (or engine.lora) with spec.prefill is not supported "
+                        "yet: the prefill pool would need every adapter too, and the KV it "
+                        "hands over is computed with the request's adapter; remove "
+                        "spec.prefill to serve adapters")
     pool = replace(owner, spec=prefill.prefill_pool_spec(owner.spec))
     for name, o in (("decode", owner), ("prefill", pool)):
         tp = tensor_parallel_size(o)

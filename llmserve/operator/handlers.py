@@ -24,7 +24,7 @@ from kubernetes_asyncio import client
 from llmserve.gateway.endpoints import KV_USAGE, WAITING
 from llmserve.gateway.tenants import TenantsError, parse_tenants_file
 from llmserve.metrics_scrape import sum_by_name
-from llmserve.operator import kube, metrics
+from llmserve.operator import kube, lora, lora_sync, metrics
 from llmserve.operator.autoscaler import History, Observation, Policy, decide
 from llmserve.operator.builders import (
     Owner,
@@ -43,6 +43,7 @@ from llmserve.operator.prefill import KV_SECRET_KEY, has_prefill, secret_fingerp
 
 GROUP, VERSION, PLURAL = "serving.llmserve.io", "v1alpha1", "llmdeployments"
 RUNNING = "vllm:num_requests_running"
+ADAPTER_FAILED = "AdapterLoadFailed"  # the Degraded reason when an engine refused an adapter
 WAITING_PROMPT_TOKENS = "llmserve:num_waiting_prompt_tokens"
 log = logging.getLogger("llmserve.operator")
 
@@ -173,6 +174,7 @@ async def reconcile(body, patch, logger) -> None:
         gateway = await kube.get_deployment(api, o.namespace, names(o)["gateway"]) or {}
         pool = (await kube.get_deployment(api, o.namespace, names(o)["prefill"]) or {}
                 if has_prefill(o.spec) else None)
+    adapters = await sync_adapters(patch, o, status, body)
     ready = int((engine.get("status") or {}).get("readyReplicas") or 0)
     gw_ready = int((gateway.get("status") or {}).get("readyReplicas") or 0)
     current = int((engine.get("status") or {}).get("replicas") or 0)
@@ -199,15 +201,43 @@ async def reconcile(body, patch, logger) -> None:
                   o.generation),
         condition("Progressing", progressing, "ScalingOrStarting" if progressing else "Stable",
                   message, o.generation),
-        condition("Degraded", tenants_problem is not None,
-                  "InvalidTenants" if tenants_problem else "AsExpected",
-                  tenants_problem or "", o.generation),
+        degraded(tenants_problem, adapters, o, status),
     ]
     patch.status.update({
         "observedGeneration": o.generation, "replicas": current, "readyReplicas": ready,
         "desiredReplicas": replicas, "selector": selector_string(o),
         "endpoint": endpoint_url(o),
         "conditions": merge_conditions(status.get("conditions"), conditions)})
+
+
+async def sync_adapters(patch, o: Owner, status: dict, body) -> lora.Report | None:
+    """Bring every ready engine's adapters to spec.adapters (``lora_sync``) and write
+    status.adapters; None when LoRA is off or the pass could not run."""
+    if not lora.enabled(o.spec):
+        if status.get("adapters") is not None:
+            patch.status["adapters"] = None
+        return None
+    report = await lora_sync.sync(body, o)
+    if report is not None:
+        patch.status["adapters"] = report.adapters
+    return report
+
+
+def degraded(tenants_problem: str | None, adapters: lora.Report | None, o: Owner,
+             status: dict) -> dict:
+    """A bad tenants file first, then adapters the engines refused. A pass that could
+    not list the engines keeps the adapters' last verdict."""
+    if tenants_problem:
+        return condition("Degraded", True, "InvalidTenants", tenants_problem, o.generation)
+    if adapters is None and lora.enabled(o.spec):
+        old = next((c for c in status.get("conditions") or []
+                    if c.get("type") == "Degraded" and c.get("reason") == ADAPTER_FAILED), None)
+        if old is not None:
+            return condition("Degraded", True, ADAPTER_FAILED, old.get("message", ""),
+                             o.generation)
+    if adapters is not None and adapters.problem:
+        return condition("Degraded", True, ADAPTER_FAILED, adapters.problem, o.generation)
+    return condition("Degraded", False, "AsExpected", "", o.generation)
 
 
 class ConvergeError(Exception):
@@ -300,6 +330,7 @@ async def on_delete(body, **_) -> None:
     metrics.forget(body["metadata"]["namespace"], body["metadata"]["name"])
     _histories.pop(uid, None)  # children go by garbage collection
     _histories.pop(f"{uid}/prefill", None)
+    lora_sync.forget(uid)
 
 
 @kopf.timer(GROUP, VERSION, PLURAL, interval=10.0, initial_delay=5.0)

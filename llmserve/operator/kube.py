@@ -138,12 +138,28 @@ async def read_secret_value(api: client.ApiClient, namespace: str, name: str, ke
 
 
 async def ready_pod_ips(api: client.ApiClient, namespace: str, label_selector: str) -> list[str]:
+    return [p.ip for p in await ready_pods(api, namespace, label_selector)]
+
+
+@dataclass(frozen=True)
+class ReadyPod:
+    uid: str
+    name: str
+    ip: str
+    args: tuple[str, ...]  # its first container's, to tell which template it runs
+
+
+async def ready_pods(api: client.ApiClient, namespace: str, label_selector: str
+                     ) -> list[ReadyPod]:
+    """The pods that are Ready, have an IP and are not being deleted."""
     core = client.CoreV1Api(api)
     pods = await core.list_namespaced_pod(namespace, label_selector=label_selector)
-    ips = []
+    out = []
     for pod in pods.items:
         ready = any(c.type == "Ready" and c.status == "True"
                     for c in (pod.status.conditions or []))
         if ready and pod.status.pod_ip and pod.metadata.deletion_timestamp is None:
-            ips.append(pod.status.pod_ip)
-    return ips
+            containers = pod.spec.containers or []
+            args = tuple(containers[0].args or []) if containers else ()
+            out.append(ReadyPod(pod.metadata.uid, pod.metadata.name, pod.status.pod_ip, args))
+    return out
