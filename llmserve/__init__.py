@@ -12,6 +12,7 @@ _LAZY = {
     "SamplingParams": "llmserve.core.sampling_params",
     "StructuredOutputsParams": "llmserve.core.sampling_params",
     "BeamSearchParams": "llmserve.core.beam_search",
+    "LoRARequest": "llmserve.core.lora_request",
     "EngineConfig": "llmserve.config",
     "RequestOutput": "llmserve.engine.output",
     "CompletionOutput": "llmserve.engine.output",

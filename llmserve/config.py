@@ -139,6 +139,21 @@ class EngineConfig:
         None, 'speculative decoding, e.g. {"method": "ngram", "num_speculative_tokens": 4, '
         '"prompt_lookup_max": 4, "prompt_lookup_min": 2, "disable_by_batch_size": 8} '
         "(n-gram only; default: off)", metavar="JSON")
+    # Multi-LoRA (model_executor/lora/): adapters of the base model, several in one batch.
+    enable_lora: bool = flag(False, "serve LoRA adapters of the base model (a request's "
+                             "'model' names one)", group="LoRA adapters")
+    lora_modules: list[str] | None = flag(
+        None, "adapters to load at start-up, NAME=SOURCE each (SOURCE: a PEFT adapter "
+        "directory, file://, pvc:// or hf://ORG/REPO[@REV])", nargs="+", metavar="NAME=SOURCE",
+        group="LoRA adapters")
+    max_loras: int = flag(4, "distinct adapters in one step", group="LoRA adapters")
+    max_lora_rank: int = flag(64, "the largest adapter rank accepted", group="LoRA adapters")
+    max_cpu_loras: int | None = flag(
+        None, "adapters whose weights are kept in host memory, least recently used "
+        "dropped first (default: 2 x --max-loras)", group="LoRA adapters")
+    disable_lora_updates: bool = flag(
+        False, "refuse POST /v1/load_lora_adapter and /v1/unload_lora_adapter (adapters "
+        "then come only from --lora-modules)", group="LoRA adapters")
     # Prefill/decode disaggregation (engine/disagg.py, distributed/kv_transfer/): a
     # prefill engine holds a leg-1 request's KV under a lease and serves it through its
     # side channel; a decode engine reads the blocks its prefix cache lacks.
@@ -213,6 +228,32 @@ class EngineConfig:
         self._check_gpu_fast_path()
         self._check_kv_transfer()
         self._check_speculative()
+        self._check_lora()
+
+    def _check_lora(self) -> None:
+        """Sizes and the settings LoRA cannot be combined with yet, named at once."""
+        if self.lora_modules and not self.enable_lora:
+            raise ValueError("--lora-modules needs --enable-lora")
+        if not self.enable_lora:
+            return
+        if self.max_loras < 1:
+            raise ValueError("max_loras must be >= 1")
+        if not 1 <= self.max_lora_rank <= 512:
+            raise ValueError(f"max_lora_rank must be in [1, 512], got {self.max_lora_rank}")
+        if self.max_cpu_loras is None:
+            self.max_cpu_loras = 2 * self.max_loras
+        if self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras "
+                             f"({self.max_loras})")
+        from llmserve.model_executor.lora.modules import parse_lora_modules
+        parse_lora_modules(self.lora_modules or [])  # ValueError naming the bad entry
+        clashes = [why for on, why in (
+            (self.compile, "--compile (the compiled layers do not apply adapters)"),
+            (self.kv_role != "both", "--kv-role prefill/decode (the KV would cross "
+                                     "engines without its adapter)")) if on]
+        if clashes:
+            raise ValueError("--enable-lora is not supported together with "
+                             + "; ".join(clashes) + " yet")
 
     def _check_speculative(self) -> None:
         """Parse ``speculative_config`` into ``speculative`` (None: off) and refuse the

@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass, field
 
 from llmserve.core.beam_search import BeamSearch
+from llmserve.core.lora_request import LoRARequest
 from llmserve.core.sampling_params import SamplingParams
 
 
@@ -152,6 +153,7 @@ class Request:
     cache_salt: bytes = b""  # isolates prefix-cache entries (e.g. per tenant)
     tenant: str = ""  # fair order among tenants of equal priority (scheduler)
     tenant_weight: float = 1.0
+    lora: LoRARequest | None = None  # the adapter it runs under (None: the base model)
     sequences: list[Sequence] = field(default_factory=list)
     # With params.prompt_logprobs: one entry per prompt token computed so far; the first
     # token has none (nothing precedes it).

@@ -28,6 +28,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from llmserve.config import EngineConfig
+from llmserve.core.lora_request import LoRARequest
 from llmserve.core.request import Tenancy
 from llmserve.core.sampling_params import SamplingParams, StructuredOutputsParams
 from llmserve.core.sched.overload import OverloadedError, queue_full, waiting_requests
@@ -55,6 +56,7 @@ class _Add:
     remote_decode: bool = False  # P/D leg 1 on a prefill engine
     remote: RemotePrefill | None = None  # P/D leg 2 on a decode engine: where the KV is
     kv_hold: list[int] = field(default_factory=list)  # its imported prefix, held
+    lora: LoRARequest | None = None  # the adapter it runs under
 
 
 @dataclass
@@ -157,20 +159,21 @@ class AsyncLLMEngine:
     def generate(self, prompt_token_ids: list[int], params: SamplingParams,
                  request_id: str, prompt: str | None = None, priority: int = 0,
                  cache_salt: str | None = None, tenant: Tenancy | None = None,
-                 kv_transfer: RemoteDecode | RemotePrefill | None = None
+                 kv_transfer: RemoteDecode | RemotePrefill | None = None,
+                 lora_request: LoRARequest | None = None
                  ) -> AsyncIterator[RequestOutput]:
         """The request's outputs as they come; the request is aborted if the consumer
         stops early. Raises at once, before anything is queued, EngineDeadError when the
         engine is not running and ValueError for a request that can never run (the
         engine thread's add_request checks again: the offline API relies on it).
         ``kv_transfer``: a P/D leg, honoured when this engine has that role (ignored
-        otherwise, as vLLM does)."""
+        otherwise, as vLLM does). ``lora_request``: the adapter (``lora(name)``)."""
         if not self.alive:
             raise EngineDeadError("the engine is not running")
         # Reads only what is fixed at start (vocabulary, max_model_len, KV cache size).
         self.engine.validate_prompt(prompt_token_ids, params)
         add = _Add(request_id, prompt_token_ids, prompt, params, priority, cache_salt,
-                   asyncio.Queue(), tenant)
+                   asyncio.Queue(), tenant, lora=lora_request)
         role = self.config.kv_role
         if isinstance(kv_transfer, RemoteDecode) and role == "prefill":
             add.remote_decode = True
@@ -217,6 +220,36 @@ class AsyncLLMEngine:
                 raise queue_full(self._pending_adds + self.num_waiting, limit,
                                  self.config.max_queue_delay)
             self._pending_adds += 1
+
+    # --- LoRA adapters (--enable-lora) -------------------------------------------------
+    def lora(self, name: str) -> LoRARequest | None:
+        """The adapter registered as ``name`` (None: no such adapter, or LoRA off)."""
+        registry = self.engine.loras
+        return registry.lookup(name) if registry is not None else None
+
+    def loras(self) -> list[LoRARequest]:
+        registry = self.engine.loras
+        return registry.adapters() if registry is not None else []
+
+    async def load_lora(self, name: str, source: str) -> tuple[LoRARequest, bool]:
+        """Read and check the adapter off the event loop and the engine thread, then
+        register it between steps. Returns (its request, whether it is new); raises
+        LoRAError (a ValueError) naming what is wrong, changing nothing."""
+        registry = self.engine.loras
+        if registry is None:
+            raise ValueError("this engine serves no LoRA adapters (start it with "
+                             "--enable-lora)")
+        known = registry.lookup(name)
+        if known is not None and known.lora_path == source:
+            return known, False
+        adapter = await asyncio.to_thread(registry.parse, source)
+        return await self.on_engine(lambda e: e.loras.register(name, source, adapter))
+
+    async def unload_lora(self, name: str) -> LoRARequest | None:
+        """Forget ``name``; requests already running under it finish with it."""
+        if self.engine.loras is None:
+            return None
+        return await self.on_engine(lambda e: e.loras.unregister(name))
 
     def abort(self, request_id: str) -> None:
         self._inbox.put(_Abort(request_id))
@@ -313,7 +346,7 @@ class AsyncLLMEngine:
                                               cmd.priority, prompt_token_ids=cmd.prompt_token_ids,
                                               cache_salt=cmd.cache_salt, tenant=cmd.tenant,
                                               remote_decode=cmd.remote_decode,
-                                              kv_hold=cmd.kv_hold)
+                                              kv_hold=cmd.kv_hold, lora_request=cmd.lora)
                 self.metrics.on_arrival(req)
             except (ValueError, OverloadedError) as e:
                 self.engine.block_manager.unhold(cmd.kv_hold)

@@ -14,6 +14,7 @@ from pathlib import Path
 from llmserve.config import EngineConfig
 from llmserve.core.beam_search import BeamSearch
 from llmserve.core.block_manager import BlockManager
+from llmserve.core.lora_request import LoRARequest
 from llmserve.core.request import Logprob, Request, Sequence, SequenceStatus, Tenancy
 from llmserve.core.sampling_params import SamplingParams
 from llmserve.core.sched.cost_model import StepCostModel
@@ -24,11 +25,13 @@ from llmserve.engine.bad_words import bad_words_token_ids
 from llmserve.engine.beam_search import BeamStepper
 from llmserve.engine.detokenizer import Detokenizer
 from llmserve.engine.disagg import KVTransferSide
+from llmserve.engine.lora_registry import LoRARegistry
 from llmserve.engine.output import RequestOutput
 from llmserve.engine.overlap import OverlappedSteps
 from llmserve.executor.tensor_parallel import TensorParallelGroup, WorkerDiedError
 from llmserve.model_executor.layers.quantization import resolve_quantization
 from llmserve.model_executor.layers.sampler import Sampler
+from llmserve.model_executor.lora.modules import parse_lora_modules
 from llmserve.model_executor.model_loader.gguf import gguf_layer_weight_types
 from llmserve.model_executor.model_loader.sources import (
     load_config,
@@ -95,6 +98,11 @@ class LLMEngine:
         # Speculative decoding (n-gram drafts, verified in the step that computes them).
         self.spec = (Speculator(config.speculative, self.max_model_len)
                      if getattr(config, "speculative", None) is not None else None)
+        # Multi-LoRA: the adapters by name; --lora-modules are read and checked now.
+        self.loras = (LoRARegistry(self.hf_config, config.max_lora_rank, self.runner.lora,
+                                   self.model_name) if config.enable_lora else None)
+        for name, source in parse_lora_modules(config.lora_modules or []):
+            self.loras.register(name, source, self.loras.parse(source))
 
     def _resolve_quantization(self) -> None:
         """``--quantization auto`` becomes a mode, before any rank builds its model."""
@@ -169,14 +177,16 @@ class LLMEngine:
                     request_id: str | None = None, priority: int = 0,
                     prompt_token_ids: list[int] | None = None,
                     cache_salt: str | None = None, tenant: Tenancy | None = None,
-                    remote_decode: bool = False, kv_hold: list[int] | None = None
-                    ) -> Request:
+                    remote_decode: bool = False, kv_hold: list[int] | None = None,
+                    lora_request: LoRARequest | None = None) -> Request:
         """Queue a request. Raises ValueError, changing nothing, when it can never run,
         and OverloadedError when the waiting queue is at ``max_waiting``. P/D:
         ``remote_decode`` holds the prompt's KV for a decode engine when the request
         finishes (prefill role); ``kv_hold`` are blocks of an imported prefix the request
-        takes over (decode role; the caller gives them back if this raises)."""
+        takes over (decode role; the caller gives them back if this raises).
+        ``lora_request``: the adapter it runs under (None: the base model)."""
         params = params or SamplingParams()
+        self._check_lora(lora_request)
         ids = prompt_token_ids if prompt_token_ids is not None else self.tokenize(prompt)
         self.validate_prompt(ids, params)
         check_admission(self.config.max_waiting, self.config.max_queue_delay,
@@ -194,7 +204,9 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         text = prompt if isinstance(prompt, str) else None
         req = Request(request_id, text, list(ids), params, priority=priority,
-                      cache_salt=(cache_salt or "").encode(),
+                      cache_salt=(cache_salt or "").encode()
+                      + (lora_request.cache_salt if lora_request else b""),
+                      lora=lora_request,
                       tenant=tenant.name if tenant else "",
                       tenant_weight=tenant.weight if tenant else 1.0,
                       remote_decode=remote_decode and self.kv_transfer is not None,
@@ -210,6 +222,14 @@ class LLMEngine:
         # it samples its first token and share its blocks (copy-on-write).
         self.scheduler.add(req.sequences[0])
         return req
+
+    def _check_lora(self, lora: LoRARequest | None) -> None:
+        if lora is None:
+            return
+        if self.loras is None:
+            raise ValueError("this engine serves no LoRA adapters (start it with "
+                             "--enable-lora)")
+        self.loras.ensure_loaded(lora)  # LoRAError (a ValueError) for a bad adapter
 
     def validate_prompt(self, ids: list[int], params: SamplingParams) -> None:
         if not ids:

@@ -37,8 +37,10 @@ def _flag_name(f: Field) -> str:
 
 def _value_type(hint) -> type:
     """What argparse converts a value to: int | None -> int; str | list[int] | None ->
-    str (EngineConfig parses the list)."""
-    return next(t for t in (int, float, str) if t is hint or t in typing.get_args(hint))
+    str (EngineConfig parses the list); list[str] | None (nargs="+") -> str."""
+    args = typing.get_args(hint)
+    inner = [a for arg in args for a in typing.get_args(arg)]
+    return next(t for t in (int, float, str) if t is hint or t in args or t in inner)
 
 
 def _add_engine_flag(group, f: Field, hint) -> None:
@@ -48,7 +50,7 @@ def _add_engine_flag(group, f: Field, hint) -> None:
         kwargs["action"] = "store_false" if f.default else "store_true"
     else:
         kwargs.update(type=_value_type(hint), choices=meta["choices"],
-                      metavar=meta.get("metavar"))
+                      metavar=meta.get("metavar"), nargs=meta.get("nargs"))
     group.add_argument(_flag_name(f), *meta.get("aliases", ()), **kwargs)
 
 
@@ -76,6 +78,8 @@ def engine_argv(args) -> list[str]:
         value = getattr(args, _dest(f))
         if isinstance(value, bool):  # switches: given when not at their default
             argv += [_flag_name(f)] if value != f.default else []
+        elif isinstance(value, list):  # nargs="+": --lora-modules a=X b=Y
+            argv += [_flag_name(f), *map(str, value)] if value else []
         elif value is not None:
             argv += [_flag_name(f), str(value)]
     return argv

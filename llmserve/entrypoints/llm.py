@@ -9,6 +9,7 @@ from tqdm import tqdm
 
 from llmserve.config import EngineConfig
 from llmserve.core.beam_search import BeamSearchParams
+from llmserve.core.lora_request import LoRARequest
 from llmserve.core.sampling_params import SamplingParams, beam_sampling_params
 from llmserve.engine.llm_engine import LLMEngine
 from llmserve.engine.output import BeamSearchOutput, BeamSearchSequence, RequestOutput
@@ -32,16 +33,19 @@ class LLM:
         self.shutdown()
 
     def generate(self, prompts, sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-                 use_tqdm: bool = False) -> list[RequestOutput]:
+                 use_tqdm: bool = False,
+                 lora_request: LoRARequest | Seq[LoRARequest | None] | None = None
+                 ) -> list[RequestOutput]:
+        """``lora_request``: the adapter every prompt runs under, or one per prompt
+        (None: the base model; needs ``enable_lora=True``)."""
         prompts = _as_prompt_list(prompts)
-        if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            params = [sampling_params or SamplingParams()] * len(prompts)
-        else:
-            params = list(sampling_params)
-            if len(params) != len(prompts):
-                raise ValueError("need one SamplingParams per prompt")
-        ids = [self.engine.add_request(p, sp.copy()).request_id
-               for p, sp in zip(prompts, params)]
+        params = _one_per_prompt(sampling_params, len(prompts), "SamplingParams")
+        params = [sp or SamplingParams() for sp in params]
+        loras = _one_per_prompt(lora_request, len(prompts), "LoRARequest")
+        for lora in {lora for lora in loras if lora is not None}:
+            self.engine._check_lora(lora)  # a bad adapter fails here, nothing queued
+        ids = [self.engine.add_request(p, sp.copy(), lora_request=lora).request_id
+               for p, sp, lora in zip(prompts, params, loras)]
         return self._run(ids, use_tqdm)
 
     def beam_search(self, prompts, params: BeamSearchParams,
@@ -88,6 +92,15 @@ def render_chat(tokenizer, messages: list[dict], **template_args) -> str:
         raise ValueError("this model has no chat template")
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
                                          **template_args)
+
+
+def _one_per_prompt(value, count: int, what: str) -> list:
+    """``value`` for every prompt, or its items when it is a sequence of one per prompt."""
+    if value is None or not isinstance(value, (list, tuple)):
+        return [value] * count
+    if len(value) != count:
+        raise ValueError(f"need one {what} per prompt ({count}), got {len(value)}")
+    return list(value)
 
 
 PROMPT_FORMS = ("a string, a list of token ids, {'prompt': str} or "

@@ -24,6 +24,7 @@ from llmserve.model_executor.layers.prompt_logprobs import (
     score_rows,
 )
 from llmserve.model_executor.layers.quantization import quantize_model
+from llmserve.model_executor.lora.slots import LoRASlots
 from llmserve.model_executor.model_loader.weights import empty_model_init, load_weights
 from llmserve.model_executor.models.llama import Attention, RotaryEmbedding
 from llmserve.model_executor.models.native_decoder import NativeDecoder
@@ -97,6 +98,12 @@ class ModelRunner:
             self.model.model.compile_layers()
         elif self.native_decode:  # after the cache is bound: it keeps pointers into it
             self.model.model.native_decoder = NativeDecoder.try_build(self.model)
+        # Last: the wrapped projections are the packed or quantised ones built above (the
+        # native decoder keeps the plain ones and steps aside when an adapter runs).
+        self.lora = (LoRASlots(self.model, hf_config, self.shard, config, self.use_triton)
+                     if config.enable_lora else None)
+        if self.lora is not None and self.model.model.native_decoder is not None:
+            self.model.model.native_decoder.lora_state = self.lora.state
         # The GPU fast path (each piece behind its flag, all off by default).
         self.step_builder: StepBuilder | None = None
         self.graphs: DecodeGraphs | None = None
@@ -224,10 +231,14 @@ class ModelRunner:
                 # (a drafted sequence: one row per draft token too, to verify it)
                 sample_rows += range(query_start[-1] - 1 - len(draft), query_start[-1])
                 due.append(i)
-        return StepInputs(input_ids, positions, slots, query_start, seq_lens, tables,
-                          sample_rows, max(batch.num_new_tokens), prompt_rows=prompt_rows,
-                          prompt_targets=prompt_targets, prompt_top=prompt_top,
-                          pending_rows=pending_rows, pending_src=pending_src), due
+        inputs = StepInputs(input_ids, positions, slots, query_start, seq_lens, tables,
+                            sample_rows, max(batch.num_new_tokens), prompt_rows=prompt_rows,
+                            prompt_targets=prompt_targets, prompt_top=prompt_top,
+                            pending_rows=pending_rows, pending_src=pending_src)
+        if self.lora is not None:
+            inputs.lora_slots, inputs.lora_loads = self.lora.assign(
+                [seq.request.lora for seq in batch.seqs])
+        return inputs, due
 
     def build(self, inputs: StepInputs):
         """The tensors the model reads, from the flat lists."""
@@ -272,6 +283,17 @@ class ModelRunner:
         such rows). ``seq_ids``: the batch's sequence ids, which the device block
         tables key their rows by. ``prev_tokens``: the previous step's sampled tokens,
         still on the device (async scheduling)."""
+        if self.lora is not None:
+            self.lora.prepare_step(inputs.lora_slots, inputs.lora_loads, inputs.query_start)
+        try:
+            return self._execute(inputs, seq_ids, prev_tokens)
+        finally:
+            if self.lora is not None:
+                self.lora.finish_step()
+
+    def _execute(self, inputs: StepInputs, seq_ids: list[int] | None,
+                 prev_tokens: torch.Tensor | None
+                 ) -> tuple[torch.Tensor | None, PromptScores | None]:
         rows = None
         if self.step_builder is not None:
             ids, pos, meta, rows = self.step_builder.build(inputs, seq_ids, prev_tokens)
@@ -285,8 +307,10 @@ class ModelRunner:
             # Uploaded before the launch: a pageable copy waits for the device's queue,
             # which after the forward would make this call wait for the whole step.
             rows = torch.tensor(inputs.sample_rows, device=self.device)
+        # A step with an adapter runs eagerly: the graphs were captured without one.
+        adapters = self.lora is not None and self.lora.state.step is not None
         bucket = (self.graphs.bucket(len(inputs.seq_lens), inputs.max_query_len)
-                  if self.graphs is not None else None)
+                  if self.graphs is not None and not adapters else None)
         if bucket is not None:
             hidden = self.graphs.run(bucket, ids, pos, meta)
         else:

@@ -26,3 +26,7 @@ class StepInputs:
     # row of the previous step's token tensor that holds each.
     pending_rows: list[int] = field(default_factory=list)
     pending_src: list[int] = field(default_factory=list)
+    # Multi-LoRA: each sequence's adapter slot (-1: the base model), and the adapters
+    # rank 0 placed in slots for this step, (slot, LoRARequest), which every rank loads.
+    lora_slots: list[int] = field(default_factory=list)
+    lora_loads: list = field(default_factory=list)

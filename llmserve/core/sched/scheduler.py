@@ -324,6 +324,8 @@ class Scheduler:
         """(tokens to compute, blocks to take, prefix hits) for admitting ``seq`` now,
         or None if the sequence cap or the budget does not allow it."""
         bs = self.bm.block_size
+        if not self._has_lora_slot(seq):
+            return None
         if swapped:
             # Not len(running): unforked first samples hold places for their siblings.
             if not self._has_seq_slots(seq):
@@ -389,6 +391,16 @@ class Scheduler:
             self.add(child)
             if self.static:
                 self.static_members.add(child.seq_id)
+
+    def _has_lora_slot(self, seq: Sequence) -> bool:
+        """Multi-LoRA: at most ``max_loras`` distinct adapters run at once (a step
+        applies each from a slot of its own); a request for an adapter that is already
+        running, or for the base model, always has one."""
+        lora = seq.request.lora
+        if lora is None or not self.running:
+            return True
+        running = {s.request.lora.lora_int_id for s in self.running if s.request.lora}
+        return lora.lora_int_id in running or len(running) < self.config.max_loras
 
     def _has_seq_slots(self, seq: Sequence) -> bool:
         """Room under max_num_seqs for ``seq`` and, if it is an unforked first

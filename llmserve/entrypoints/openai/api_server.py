@@ -26,6 +26,8 @@ from llmserve.entrypoints.openai.request_spans import TRACING
 from llmserve.entrypoints.openai.serving_chat import chat_completions
 from llmserve.entrypoints.openai.serving_completion import completions
 from llmserve.entrypoints.openai.serving_engine import ENGINE, STATE
+from llmserve.entrypoints.openai.serving_lora import adapter_entries
+from llmserve.entrypoints.openai.serving_lora import add_routes as add_lora_routes
 from llmserve.entrypoints.openai.serving_responses import add_routes as add_responses_routes
 from llmserve.entrypoints.openai.serving_tokenization import detokenize, tokenize
 from llmserve.http_serving import (
@@ -78,7 +80,8 @@ async def models(request: web.Request) -> web.Response:
     return web.json_response({"object": "list", "data": [{
         "id": engine.model_name, "object": "model", "created": request.app[STATE]["started"],
         "owned_by": "llmserve", "root": str(engine.config.model),
-        "max_model_len": engine.max_model_len}]})
+        "max_model_len": engine.max_model_len},
+        *adapter_entries(request, request.app[STATE]["started"])]})
 
 
 async def health(request: web.Request) -> web.Response:
@@ -118,6 +121,7 @@ def build_app(engine: AsyncLLMEngine, api_key: str | None = None,
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     add_responses_routes(app)  # POST /v1/responses and its store
+    add_lora_routes(app, engine)  # POST /v1/load_lora_adapter, /v1/unload_lora_adapter
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)

@@ -400,6 +400,7 @@ class ParsedRequest:
     show_prompt_logprobs: bool = False  # the body asked for vLLM's prompt_logprobs
     tools: object | None = None  # tool_calls.ToolChoice when tools are in play (chat)
     tenant: Tenancy | None = None  # from the gateway's headers, not the body
+    lora: object | None = None  # core.lora_request.LoRARequest: the adapter "model" names
     kv_transfer: RemoteDecode | RemotePrefill | None = None  # a P/D leg
 
 

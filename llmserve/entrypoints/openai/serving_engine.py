@@ -35,16 +35,25 @@ async def read_json(request: web.Request):
 
 
 def check_model(request: web.Request, body) -> str:
-    """The served model's name; 404 for another model (before the body's other fields
-    are looked at, as OpenAI does)."""
-    served = request.app[ENGINE].model_name
+    """The model the request names: the served model (also when it names none) or one
+    of its LoRA adapters, whose LoRARequest it leaves in ``request["lora"]``; 404 for
+    any other model (before the body's other fields are looked at, as OpenAI does)."""
+    engine = request.app[ENGINE]
+    served = engine.model_name
     model = body.get("model") if isinstance(body, dict) else None
     if model is not None and not isinstance(model, str):
         raise bad_request("'model' must be a string", "model")
-    if model and model != served:
+    request["lora"] = None
+    if not model or model == served:
+        return served
+    lora = engine.lora(model)
+    if lora is None:
+        adapters = [a.lora_name for a in engine.loras()]
+        also = f" and the adapters {', '.join(map(repr, adapters))}" if adapters else ""
         raise APIError(404, f"the model '{model}' does not exist; this server serves "
-                            f"'{served}'", "not_found_error", "model", "model_not_found")
-    return served
+                            f"'{served}'{also}", "not_found_error", "model", "model_not_found")
+    request["lora"] = lora
+    return model
 
 
 def check_admitting(request: web.Request) -> None:
@@ -77,6 +86,7 @@ async def accept_generation(request: web.Request, parse):
     model = check_model(request, body)
     req, parsed = parse(body)
     parsed.tenant = tenancy_of(request)
+    parsed.lora = request["lora"]
     return request.app[ENGINE], model, req, parsed
 
 
@@ -122,7 +132,7 @@ def start_requests(engine: AsyncLLMEngine, prompt_ids: list[list[int]], prompts,
             gen = engine.generate(ids, parsed.params.copy(), request_id,
                                   prompts[i] if isinstance(prompts[i], str) else None,
                                   parsed.priority, parsed.cache_salt, parsed.tenant,
-                                  kv_leg(parsed))
+                                  kv_leg(parsed), parsed.lora)
         except ValueError as e:  # a ParamError names its field (e.g. logit_bias)
             raise bad_request(str(e), getattr(e, "param", None) or (
                 "messages" if parsed.logprobs_style == "chat" else "prompt")) from e

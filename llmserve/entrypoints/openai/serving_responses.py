@@ -75,7 +75,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     tools = function_tools(req)
     with responses_names():
         parsed, prompt_len, gens = await start(engine, req, tools, messages, tenant,
-                                               request_trace(request, model))
+                                               request_trace(request, model), request["lora"])
     answer = Answer(new_id("resp"), model, req, tools, prompt_len, messages)
     store = request.app[STORE] if req.store is not False else None
     headers = {RESPONSE_ID_HEADER: answer.rid} if store is not None else {}
@@ -103,11 +103,12 @@ def conversation(store: ResponseStore, req: ResponsesRequest,
 
 
 async def start(engine: AsyncLLMEngine, req: ResponsesRequest, tools: list[FunctionTool],
-                messages: list[dict], tenant: Tenancy | None, rt: RequestTrace | None = None):
+                messages: list[dict], tenant: Tenancy | None, rt: RequestTrace | None = None,
+                lora=None):
     """The chat path up to a running engine request: (ParsedRequest, prompt tokens,
     the engine's generators)."""
     chat_req, parsed = parse_chat(chat_body(req, tools, messages))
-    parsed.tenant = tenant
+    parsed.tenant, parsed.lora = tenant, lora
     choice = parse_tools(chat_req, parsed)
     shown, template_args = messages_for_template(chat_req.template_messages(), choice,
                                                  engine.tokenizer)

@@ -296,3 +296,27 @@ def _stored_token() -> bool:
         return get_token() is not None
     except Exception:  # noqa: BLE001 - only used to word a message
         return False
+
+
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
+
+
+def download_adapter(uri: str) -> Path:
+    """The local snapshot of a PEFT LoRA adapter repo (its config and safetensors only),
+    downloaded if needed; the same cache, token and offline rules as models."""
+    src = parse_uri(uri)
+    s = settings()
+    from huggingface_hub import snapshot_download
+
+    if not s.offline:
+        s = _probe(src, s)
+    with _errors(src, s):
+        folder = Path(snapshot_download(
+            repo_id=src.repo_id, revision=src.revision, cache_dir=s.cache_dir, token=s.token,
+            endpoint=s.endpoint, local_files_only=s.offline or bool(s.unreachable),
+            etag_timeout=s.etag_timeout, allow_patterns=list(ADAPTER_FILES)))
+    missing = [f for f in ADAPTER_FILES if not (folder / f).is_file()]
+    if missing:
+        raise ModelLoadError(f"Hugging Face repo {src.display!r} has no {missing[0]}: it is "
+                             f"not a PEFT LoRA adapter saved as safetensors")
+    return folder

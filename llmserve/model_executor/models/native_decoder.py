@@ -33,6 +33,8 @@ class NativeDecoder:
     Holds raw pointers into the model's weights and KV cache: build it after both are
     in place (``try_build``), and drop it if either is replaced."""
 
+    lora_state = None  # multi-LoRA's LoRAState: set by the model runner when enabled
+
     def __init__(self, model, block_n: int):
         c = model.config
         layers = model.model.layers
@@ -75,6 +77,8 @@ class NativeDecoder:
         """A decode-only step of at most MAX_NATIVE_TOKENS sequences (``decode_only``:
         row i is sequence i's token, which is how the C side reads them)."""
         plan = meta.plan if meta is not None else None
+        if self.lora_state is not None and self.lora_state.step is not None:
+            return False  # an adapter runs in this step: the per-op path applies it
         return (plan is not None and plan.native and plan.decode_only
                 and num_tokens <= MAX_NATIVE_TOKENS)
 
