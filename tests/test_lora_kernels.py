@@ -262,3 +262,56 @@ def test_both_launches_replay_in_a_cuda_graph():
                                 src["seg_slots"], max_seg_len)
         torch.testing.assert_close(xa, want_xa, rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(y.float(), want_y.float(), **tolerance(dtype))
+
+
+# Compiled ahead of time for CUDA targets in a process without the interpreter: catches
+# what only the GPU lowering rejects (tl.dot shapes and dtypes, input_precision, shared
+# memory) on a machine without a GPU. The sizes are the launchers' largest tiles; float32
+# models (IEEE dots) for Hopper only, to keep the compile time down.
+AOT_COMPILE = r"""
+import sys
+import triton
+from llmserve.kernels.triton import lora
+try:
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    ASTSource(fn=lora._shrink_kernel, signature={}, constexprs={})
+except (ImportError, TypeError) as error:
+    print("this triton has another compile API:", error)
+    sys.exit(3)
+
+PTRS = ("seg_starts_ptr", "seg_slots_ptr")
+for dt, ieee, arches in (("fp32", True, (90,)), ("bf16", False, (80, 90))):
+    shrink = dict(IEEE=ieee, BLOCK_M=64, BLOCK_N=lora.SHRINK_BLOCK_N,
+                  BLOCK_K=lora.SHRINK_BLOCK_K)
+    expand = dict(IEEE=ieee, BLOCK_M=64, BLOCK_N=lora.EXPAND_BLOCK_N, BLOCK_R=64)
+    for fn, ptrs, consts in (
+            (lora._shrink_kernel, dict(x_ptr="*" + dt, a_ptr="*" + dt, out_ptr="*fp32"),
+             shrink),
+            (lora._expand_kernel, dict(y_ptr="*" + dt, xa_ptr="*fp32", b_ptr="*" + dt),
+             expand)):
+        sig = {name: ptrs.get(name, "*i32" if name in PTRS else "i32")
+               for name in fn.arg_names}
+        sig.update({name: "constexpr" for name in consts})
+        for arch in arches:
+            src = ASTSource(fn=fn, signature=sig, constexprs=consts)
+            kernel = triton.compile(src, target=GPUTarget("cuda", arch, 32))
+            assert kernel.asm["cubin"], (fn.__name__, dt, arch)
+            print(fn.__name__, dt, arch, "shared", kernel.metadata.shared)
+"""
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="on a GPU the other tests run the real thing")
+def test_kernels_compile_for_ampere_and_hopper():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    done = subprocess.run([sys.executable, "-c", AOT_COMPILE], env=env, capture_output=True,
+                          text=True, timeout=600, cwd=Path(__file__).resolve().parents[1])
+    if done.returncode == 3:
+        pytest.skip(done.stdout.strip())
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.count("shared") == 6
