@@ -331,7 +331,9 @@ def test_sync_loads_unloads_and_reports_on_a_live_engine():
                                                 api_key="k"))
     assert loaded == {"sql": SQL.path, "chat": CHAT.path} == state.loaded
     assert ("unload", "old") in calls and calls[0] == ("models", "Bearer k")
-    assert [r for r, _ in events] == ["AdapterUnloaded", "AdapterLoaded", "AdapterLoaded"]
+    assert events == [("AdaptersUnloaded", "chat-engine-0: unloaded old (no longer in "
+                                           "spec.adapters or moved)"),
+                      ("AdaptersLoaded", "chat-engine-0: loaded sql, chat")]
     assert report([SQL, CHAT], [state], Failures()).adapters[0]["state"] == "Loaded"
 
 

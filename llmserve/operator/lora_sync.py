@@ -111,31 +111,41 @@ async def sync_engine(e: Engine, desired: list[lora.Adapter], failures: lora.Fai
     if loaded is None:
         return lora.EngineState(e.pod.uid, None)
     pending: dict[str, str] = {}
+    done: dict[str, list[str]] = {"load": [], "unload": []}
     by_name = {a.name: a for a in desired}
     for action in lora.plan(desired, loaded, failures, e.pod.uid, time.monotonic()):
         if action.kind == "unload":
-            await unload(e, action.name, loaded)
+            ok = await unload(e, action.name, loaded)
         elif action.name in loaded:  # its unload failed: the engine would refuse the name
             pending[action.name] = (f"{e.pod.name} still holds {action.name} from "
                                     f"{loaded[action.name]}")
+            ok = False
         else:
-            await load(e, by_name[action.name], loaded, pending, failures)
+            ok = await load(e, by_name[action.name], loaded, pending, failures)
+        if ok:
+            done[action.kind].append(action.name)
+    # One event per engine and pass (a new engine may take many adapters at once).
+    if done["unload"]:
+        kopf.info(e.body, reason="AdaptersUnloaded", message=f"{e.pod.name}: unloaded "
+                  f"{', '.join(done['unload'])} (no longer in spec.adapters or moved)")
+    if done["load"]:
+        kopf.info(e.body, reason="AdaptersLoaded",
+                  message=f"{e.pod.name}: loaded {', '.join(done['load'])}")
     return lora.EngineState(e.pod.uid, loaded, pending)
 
 
-async def unload(e: Engine, name: str, loaded: dict[str, str]) -> None:
+async def unload(e: Engine, name: str, loaded: dict[str, str]) -> bool:
     status, message = await e.post("/v1/unload_lora_adapter", {"lora_name": name},
                                    UNLOAD_TIMEOUT)
     if status in (200, 404):  # 404: gone already
         loaded.pop(name, None)
-        kopf.info(e.body, reason="AdapterUnloaded",
-                  message=f"unloaded adapter {name} from {e.pod.name}: not in spec.adapters")
-    else:
-        log.warning("unloading %s from %s: %s %s", name, e.pod.name, status, message)
+        return True
+    log.warning("unloading %s from %s: %s %s", name, e.pod.name, status, message)
+    return False
 
 
 async def load(e: Engine, a: lora.Adapter, loaded: dict[str, str], pending: dict[str, str],
-               failures: lora.Failures) -> None:
+               failures: lora.Failures) -> bool:
     status, message = await e.post("/v1/load_lora_adapter",
                                    {"lora_name": a.name, "lora_path": a.path}, LOAD_TIMEOUT)
     if status is not None and 400 <= status < 500:
@@ -146,11 +156,11 @@ async def load(e: Engine, a: lora.Adapter, loaded: dict[str, str], pending: dict
     if status == 200:
         loaded[a.name] = a.path
         failures.record(e.pod.uid, a, None, time.monotonic())
-        kopf.info(e.body, reason="AdapterLoaded",
-                  message=f"loaded adapter {a.name} ({a.source}) on {e.pod.name}")
-    elif status is not None and 400 <= status < 500:  # the engine's verdict on the adapter
+        return True
+    if status is not None and 400 <= status < 500:  # the engine's verdict on the adapter
         failures.record(e.pod.uid, a, message or f"HTTP {status}", time.monotonic())
         kopf.warn(e.body, reason="AdapterLoadFailed",
                   message=f"adapter {a.name} ({a.source}) on {e.pod.name}: {message}")
     else:  # no verdict (a timeout, a 5xx): tried again next pass
         pending[a.name] = f"loading on {e.pod.name}: {message or f'HTTP {status}'}"
+    return False
