@@ -143,8 +143,8 @@ def model_claim(owner: Owner) -> str | None:
 
 def adapter_claims(owner: Owner) -> list[str]:
     """The claims of pvc:// adapters that need a mount of their own (not the model's)."""
-    claims = {a["source"][len("pvc://"):].partition("/")[0]
-              for a in owner.spec.get("adapters") or [] if a["source"].startswith("pvc://")}
+    sources = [a.get("source") or "" for a in owner.spec.get("adapters") or []]
+    claims = {s[len("pvc://"):].partition("/")[0] for s in sources if s.startswith("pvc://")}
     return sorted(claims - {model_claim(owner), ""})
 
 
