@@ -274,7 +274,7 @@ async def test_tenants_see_one_request_and_its_decode_usage(stubs, tmp_path):
         [leg1], [leg2] = prefill.sent(), decode.sent()
         assert leg1["priority"] == leg2["priority"] == 3  # the class rides both legs
         requests = gw.metrics.requests.labels("/v1/completions", "200", "acme", "interactive",
-                                              "ok")._value.get()
+                                              "ok", "", "")._value.get()  # no model named
         assert requests == 1
 
 

@@ -117,8 +117,9 @@ def test_the_engine_sees_the_gateways_tenant_not_the_clients(gateway, engine):
     assert served("beta") > before[0] and served("acme") == before[1]
     gw_tokens = scrape_metrics(gateway.url)
     assert gw_tokens['llmserve_gateway_tenant_tokens_total{tenant="beta"}'] > 0
-    assert gw_tokens['llmserve_gateway_requests_total{class="interactive",code="200",'
-                     'outcome="ok",path="/v1/completions",tenant="beta"}'] >= 1
+    assert gw_tokens['llmserve_gateway_requests_total{adapter="",class="interactive",'
+                     'code="200",model="tiny",outcome="ok",path="/v1/completions",'
+                     'tenant="beta"}'] >= 1
 
 
 async def _stream(session, gw, key, cls, max_tokens, results, name):

@@ -22,6 +22,7 @@ from opentelemetry.trace import NoOpTracer, Tracer
 from llmserve.errors import APIError
 from llmserve.gateway.fairness import FairQueue, Waiter
 from llmserve.gateway.metrics import GatewayMetrics
+from llmserve.gateway.models import MODEL_LABELS
 from llmserve.gateway.peers import TOKEN_HEADER, PeerCounters
 from llmserve.gateway.ratelimits import RateLimiter
 from llmserve.gateway.response_affinity import RESPONSES_PATH
@@ -176,7 +177,8 @@ class TenantAdmission:
                 if used:
                     self.metrics.tenant_tokens.labels(tenant.name).inc(used)
                 if turn.tap.first_byte_at is not None:
-                    self.metrics.ttft.labels(cls.name).observe(
+                    labels = request.get(MODEL_LABELS, ("", ""))  # set by server.generate
+                    self.metrics.ttft.labels(cls.name, *labels).observe(
                         turn.tap.first_byte_at - arrived)
             self.fair.dispatch()
 

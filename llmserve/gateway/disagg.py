@@ -206,7 +206,7 @@ class Disaggregation:
             reason = "short_prompt"
         if reason is not None:
             return self._counted("direct", reason)
-        candidates = self.pool.candidates()
+        candidates = self.pool.candidates(model=payload.get("model"))  # adapters' holders
         if not candidates:
             return self._counted("fallback", "no_endpoint")
         decision = self.policy.choose(candidates, key)

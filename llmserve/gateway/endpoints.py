@@ -12,6 +12,10 @@ the gateway let through. Left unset with tenants, each endpoint's cap is the
 ``llmserve:max_num_seqs`` it exports (sequences it runs at once): an endpoint is
 held back until its first scrape has told, and one that exports no such gauge
 (vLLM) is not capped.
+
+Each scrape also reads the engine's ``/v1/models`` (models.py): which base model and
+LoRA adapters it serves, kept per endpoint and forgotten with it. A request for an
+adapter is routed only among the endpoints that list it, when any live one does.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
+from llmserve.gateway.models import is_adapter, parse_model_list
 from llmserve.gateway.routing import Candidate
 from llmserve.metrics_scrape import sum_by_name
 
@@ -49,6 +54,9 @@ class Endpoint:
     running: float | None = None  # scraped, for the dashboard
     prefix_hits: float | None = None  # scraped counters (prompt tokens), for the dashboard
     prefix_queries: float | None = None
+    # Its /v1/models as {id: entry} (base model, then adapters); None until it has
+    # answered once. A failed read keeps the last answer (the engine may be busy).
+    models: dict[str, dict] | None = None
     ejected_until: float = 0.0
     consecutive_failures: int = 0
     # In-flight requests per class priority (tenants only): a class's room counts
@@ -75,14 +83,18 @@ def parse_engine_metrics(text: str) -> dict[str, float]:
 
 class EndpointPool:
     def __init__(self, max_waiting: float = 16, max_kv_usage: float = 0.95,
-                 eject_seconds: float = 10.0, max_in_flight: int | None = 0):
+                 eject_seconds: float = 10.0, max_in_flight: int | None = 0,
+                 probe_headers: dict[str, str] | None = None):
         self.endpoints: dict[str, Endpoint] = {}
+        # Sent with the /v1/models probe (the upstream API key, where engines need one).
+        self.probe_headers = probe_headers or {}
         # Per endpoint; 0 = no cap; None = each engine's reported max_num_seqs.
         self.max_in_flight = max_in_flight
         self.max_waiting = max_waiting
         self.max_kv_usage = max_kv_usage
         self.eject_seconds = eject_seconds
         self.changed = asyncio.Event()
+        self._joined = asyncio.Event()  # wakes the scraper: a new endpoint is probed at once
 
     # --- membership (discovery calls this) --------------------------------------------
     def set_urls(self, urls) -> None:
@@ -90,8 +102,9 @@ class EndpointPool:
         for url in list(self.endpoints):
             if url not in urls:
                 del self.endpoints[url]
-        for url in urls:
-            self.endpoints.setdefault(url, Endpoint(url))
+        for url in urls - self.endpoints.keys():
+            self.endpoints[url] = Endpoint(url)
+            self._joined.set()
         self.changed.set()
 
     # --- what routing sees ----------------------------------------------------------------
@@ -120,9 +133,25 @@ class EndpointPool:
             free += max(0, self.cap(ep) - ep.in_flight_at_or_above(priority))
         return free
 
-    def candidates(self, exclude: set[str] = frozenset()) -> list[Candidate]:
+    def candidates(self, exclude: set[str] = frozenset(), model: str | None = None
+                   ) -> list[Candidate]:
+        """Live endpoints not in ``exclude``. For an adapter ``model``: only those
+        that list it, when any of them does; otherwise all (one may have loaded it
+        since its last probe, and an engine that has not answers 404 itself)."""
         live = [e for e in self.endpoints.values() if not e.ejected and e.url not in exclude]
+        live = self.holding(live, model) or live
         return [Candidate(e.url, e.in_flight, self.saturated(e)) for e in live]
+
+    @staticmethod
+    def holding(endpoints: list[Endpoint], model: str | None) -> list[Endpoint]:
+        """The endpoints that list ``model``, if it is an adapter; else none."""
+        if not isinstance(model, str) or not is_adapter(model, (e.models for e in endpoints)):
+            return []
+        return [e for e in endpoints if e.models is not None and model in e.models]
+
+    def catalogues(self) -> list[dict[str, dict] | None]:
+        """Every endpoint's model list (None: not known yet), in URL order."""
+        return [self.endpoints[url].models for url in sorted(self.endpoints)]
 
     # --- outcomes -----------------------------------------------------------------------------
     def failed(self, url: str) -> None:
@@ -140,9 +169,30 @@ class EndpointPool:
     # --- background scraping --------------------------------------------------------------
     async def scrape_forever(self, session: aiohttp.ClientSession, interval: float) -> None:
         while True:
-            await asyncio.gather(*(self.scrape(session, ep) for ep in
+            self._joined.clear()
+            await asyncio.gather(*(self.probe(session, ep) for ep in
                                    list(self.endpoints.values())), return_exceptions=True)
-            await asyncio.sleep(interval)
+            try:  # the next round comes early when an endpoint joins
+                await asyncio.wait_for(self._joined.wait(), interval)
+            except asyncio.TimeoutError:
+                pass
+
+    async def probe(self, session: aiohttp.ClientSession, ep: Endpoint) -> None:
+        """One round for one endpoint: its metrics (and health), and its models."""
+        await asyncio.gather(self.scrape(session, ep), self.read_models(session, ep))
+
+    async def read_models(self, session: aiohttp.ClientSession, ep: Endpoint) -> None:
+        """Learn the endpoint's model list; on any failure keep what was known."""
+        if ep.ejected:
+            return  # its /health decides first; nothing routes to it meanwhile
+        try:
+            async with session.get(ep.url + "/v1/models", headers=self.probe_headers,
+                                   timeout=aiohttp.ClientTimeout(total=2)) as r:
+                if r.status != 200:
+                    return
+                ep.models = parse_model_list(await r.json(content_type=None))
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+            pass
 
     async def scrape(self, session: aiohttp.ClientSession, ep: Endpoint) -> None:
         timeout = aiohttp.ClientTimeout(total=2)

@@ -17,8 +17,12 @@ def outcome_of(status: int) -> str:
 class GatewayMetrics:
     def __init__(self):
         self.registry = r = CollectorRegistry()
-        self.requests = Counter("llmserve_gateway_requests", "Requests answered.",
-                                ["path", "code", "tenant", "class", "outcome"], registry=r)
+        # model / adapter: a request's base model and LoRA adapter ("" for the base
+        # model itself); names no engine lists are "unknown" (models.labels_for).
+        self.requests = Counter("llmserve_gateway_requests",
+                                "Requests answered, by base model and LoRA adapter too.",
+                                ["path", "code", "tenant", "class", "outcome", "model",
+                                 "adapter"], registry=r)
         self.upstream_errors = Counter(
             "llmserve_gateway_upstream_errors",
             "Upstream failures, each of which ejects the endpoint, by reason: connection "
@@ -55,7 +59,8 @@ class GatewayMetrics:
                                ["state"], registry=r)
         self.upstream_latency = Histogram(
             "llmserve_gateway_upstream_latency_seconds",
-            "Time from forwarding a request to the upstream's response headers.",
+            "Time from forwarding a request to the upstream's response headers, by base "
+            "model and LoRA adapter.", ["model", "adapter"],
             buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
             registry=r)
         # --- prefill/decode disaggregation (with a prefill pool; disagg.py) ---
@@ -94,5 +99,6 @@ class GatewayMetrics:
                            "counters are fresh (stale: this replica uses limit / replicas).",
                            ["state"], registry=r)
         self.ttft = Histogram("llmserve_gateway_ttft_seconds",
-                              "Time from arrival to the first byte of the response, per class.",
-                              ["class"], buckets=WAIT_BUCKETS, registry=r)
+                              "Time from arrival to the first byte of the response, per "
+                              "class, base model and LoRA adapter.",
+                              ["class", "model", "adapter"], buckets=WAIT_BUCKETS, registry=r)

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import xxhash
 
 VIRTUAL_NODES = 256
+RING_CACHE_SIZE = 32
 
 
 def hash64(text: str | bytes) -> int:
@@ -79,14 +80,20 @@ class PrefixHashPolicy:
             raise ValueError("load_factor must be >= 1")
         self.load_factor = load_factor
         self.virtual_nodes = virtual_nodes
-        self._ring: HashRing | None = None
-        self._ring_urls: frozenset[str] = frozenset()
+        # Rings by endpoint set: requests for different adapters see different sets
+        # (the engines holding each), and building a ring per request would cost more
+        # than routing it.
+        self._rings: dict[frozenset[str], HashRing] = {}
 
     def ring(self, urls) -> HashRing:
         urls = frozenset(urls)
-        if urls != self._ring_urls:
-            self._ring, self._ring_urls = HashRing(sorted(urls), self.virtual_nodes), urls
-        return self._ring
+        ring = self._rings.pop(urls, None)
+        if ring is None:
+            ring = HashRing(sorted(urls), self.virtual_nodes)
+            if len(self._rings) >= RING_CACHE_SIZE:
+                del self._rings[next(iter(self._rings))]  # the least recently used
+        self._rings[urls] = ring  # (re)inserted last: most recently used
+        return ring
 
     def bound(self, candidates: Sequence[Candidate]) -> float:
         """Most in-flight requests an endpoint may hold to take one more (KubeAI's

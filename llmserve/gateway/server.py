@@ -40,6 +40,7 @@ from llmserve.gateway.admission import INTERNAL_HEADERS, TenantAdmission, Turn
 from llmserve.gateway.disagg import PD_PATHS, Disaggregation, leg2_body, strip_client_params
 from llmserve.gateway.endpoints import EndpointPool
 from llmserve.gateway.metrics import GatewayMetrics, outcome_of
+from llmserve.gateway.models import MODEL_LABELS, labels_for, merge_model_lists, parse_model_list
 from llmserve.gateway.openapi import UpstreamOpenAPI
 from llmserve.gateway.peers import USAGE_PATH
 from llmserve.gateway.prefix import prefix_key
@@ -162,11 +163,14 @@ class Gateway:
         cap = config.max_in_flight
         if cap is None and not config.tenants_file:
             cap = 0
+        probe_headers = ({"Authorization": f"Bearer {config.upstream_api_key}"}
+                         if config.upstream_api_key else {})
         self.pool = EndpointPool(config.max_waiting, config.max_kv_usage, config.eject_seconds,
-                                 cap)
+                                 cap, probe_headers)
         self.policy = make_policy(config.policy, config.load_factor)
         self.metrics = GatewayMetrics()
         self.disagg = Disaggregation(config, self.metrics)
+        self.disagg.pool.probe_headers = probe_headers  # its /v1/models probes, too
         self.keys = ApiKeys(config.api_key_file, os.environ.get("LLMSERVE_API_KEYS"))
         check_tenant_keys(config.tenants_file, self.keys)
         self.tenants = None
@@ -265,7 +269,7 @@ class Gateway:
                 turn.cls.priority if turn is not None else None)
             if params is not None:
                 body = leg2_body(payload, params)
-        return await self.proxy(request, body, key, pinned)
+        return await self.proxy(request, body, key, pinned, payload.get("model"))
 
     def upstream_headers(self, request: web.Request) -> dict:
         headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_HEADERS}
@@ -293,14 +297,15 @@ class Gateway:
             self.waiting_for_endpoint -= 1
 
     async def proxy(self, request: web.Request, body: bytes | None, key: str,
-                    pinned: str | None = None) -> web.StreamResponse:
+                    pinned: str | None = None, model=None) -> web.StreamResponse:
         """``pinned``: the endpoint to try first while it is in the pool (the one that
-        has the state this request needs: a stored response)."""
+        has the state this request needs: a stored response). ``model``: the body's;
+        an adapter's requests go to the engines that hold it (EndpointPool.candidates)."""
         await self.wait_for_endpoint()
         tried: set[str] = set()
         last_error = "no endpoint is available"
         for attempt in range(self.config.max_attempts):
-            candidates = self.pool.candidates(exclude=tried)
+            candidates = self.pool.candidates(exclude=tried, model=model)
             if not candidates:
                 break
             if pinned is not None and any(c.url == pinned for c in candidates):
@@ -357,7 +362,8 @@ class Gateway:
             except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
                 self._failed(url, "connection")
                 return f"{url}: {e!r}"
-            self.metrics.upstream_latency.observe(time.perf_counter() - t0)
+            self.metrics.upstream_latency.labels(*request.get(MODEL_LABELS, ("", ""))).observe(
+                time.perf_counter() - t0)
             if upstream.status == 503 and await overloaded(upstream):
                 # Busy, not broken: try another endpoint, but do not eject this one.
                 self.metrics.upstream_overloaded.labels(url).inc()
@@ -382,6 +388,26 @@ class Gateway:
                 # Reuse the connection only when the response was read to the end; closing
                 # it otherwise also tells the engine to abort (client gone, error).
                 upstream.release() if done else upstream.close()
+
+    async def read_model_lists(self) -> list[dict[str, dict] | None]:
+        """Each live endpoint's /v1/models now (URL order), or its last known list."""
+        live = sorted(c.url for c in self.pool.candidates())
+
+        async def read(url: str) -> dict[str, dict] | None:
+            ep = self.pool.endpoints.get(url)
+            try:
+                async with self.session.get(url + "/v1/models", headers=self.pool.probe_headers,
+                                            timeout=aiohttp.ClientTimeout(total=5)) as r:
+                    if r.status == 200:
+                        models = parse_model_list(await r.json(content_type=None))
+                        if ep is not None:
+                            ep.models = models
+                        return models
+            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+                pass
+            return ep.models if ep is not None else None
+
+        return list(await asyncio.gather(*(read(url) for url in live)))
 
     def _failed(self, url: str, reason: str) -> None:
         self.metrics.upstream_errors.labels(url, reason).inc()
@@ -543,7 +569,8 @@ async def middleware(request: web.Request, handler):
                               turn.tap.total_tokens if turn is not None else None)
         gw.metrics.requests.labels(
             request.path if request.path.startswith("/v1/") else "other", str(status),
-            tenant.name if tenant else "", request.get("class", ""), outcome_of(status)).inc()
+            tenant.name if tenant else "", request.get("class", ""), outcome_of(status),
+            *request.get(MODEL_LABELS, ("", ""))).inc()
 
 
 def authenticate(gw: Gateway, request: web.Request) -> None:
@@ -570,6 +597,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
         raise APIError(400, "the request body must be a JSON object")
     if strip_client_params(payload):  # only the gateway names a KV lease
         body = json.dumps(payload).encode()
+    request[MODEL_LABELS] = labels_for(payload.get("model"), gw.pool.catalogues())
     if isinstance(payload.get("model"), str):  # the server span's (no-op when off)
         trace.get_current_span().set_attribute(SpanAttributes.GEN_AI_REQUEST_MODEL,
                                                payload["model"])
@@ -597,7 +625,15 @@ async def tenant_usage(request: web.Request) -> web.Response:
 
 
 async def models(request: web.Request) -> web.StreamResponse:
-    return await request.app[GATEWAY].proxy(request, None, "")
+    """The union of the live engines' model lists (base models, then each adapter
+    once with its parent), read now so an adapter loaded a moment ago shows. An
+    engine that does not answer counts with what its last probe learned; when no
+    engine's list is known at all, one engine answers (its error, if any)."""
+    gw: Gateway = request.app[GATEWAY]
+    merged = merge_model_lists(await gw.read_model_lists())
+    if not merged:
+        return await gw.proxy(request, None, "")
+    return web.json_response({"object": "list", "data": merged})
 
 
 async def health(request: web.Request) -> web.Response:
