@@ -28,6 +28,8 @@ from llmserve.gateway.models import labels_for, merge_model_lists, parse_model_l
 from llmserve.gateway.prefix import prefix_key
 from llmserve.gateway.routing import HashRing, PrefixHashPolicy
 from llmserve.utils import free_port
+from tests.lora_adapters import write_peft_adapter
+from tests.server_proc import ServerProcess as EngineProcess
 
 FAKE_ENGINE = Path(__file__).with_name("fake_lora_engine.py")
 BASE = "tiny"
@@ -283,3 +285,56 @@ def test_an_adapter_nobody_holds_falls_back_and_a_newly_loaded_one_is_learned(fl
                "the gateway to learn that c moved to E1")
     assert {served_by(client, "c", f"moved {i}") for i in range(30)} == {"E1"}
     assert post(e1.url + "/v1/unload_lora_adapter", {"lora_name": "c"})[0] == 200
+
+
+# --- real engines with different adapters behind the gateway ------------------------------
+@pytest.fixture(scope="module")
+def lora_fleet(tiny_llama, tmp_path_factory):
+    root = tmp_path_factory.mktemp("gateway-adapters")
+    adapters = {name: write_peft_adapter(tiny_llama, root / name, rank=8, seed=seed)
+                for seed, name in enumerate(("a", "b"), start=1)}
+    procs = []
+    try:
+        engines = [EngineProcess(str(tiny_llama), host=f"127.0.0.{36 + i}", extra=[
+            "--served-model-name", BASE, "--enable-lora", "--lora-modules",
+            f"{name}={adapters[name]}"]) for i, name in enumerate(("a", "b"))]
+        procs += engines
+        gateway = start_gateway([e.url for e in engines], "127.0.0.35")
+        procs.append(gateway)
+        yield gateway, dict(zip(("a", "b"), engines)), adapters
+    finally:
+        for p in procs:
+            p.stop()
+
+
+def successes(engine) -> float:
+    return scrape_metrics(engine.url).get("vllm:request_success_total", 0.0)
+
+
+def test_real_engines_serve_their_own_adapters_through_the_gateway(lora_fleet):
+    gateway, engines, adapters = lora_fleet
+    client = openai.OpenAI(base_url=gateway.url + "/v1", api_key="x", max_retries=0)
+    listed = client.models.list().data
+    assert [m.id for m in listed] == [BASE, "a", "b"]
+    assert {m.id: (m.parent, m.root) for m in listed[1:]} == {
+        name: (BASE, str(path)) for name, path in adapters.items()}
+    # Wait for the probes (the listing above read the engines itself): a request the
+    # gateway knows to be for adapter "a" is labelled so.
+    wait_until(lambda: client.completions.create(model="a", prompt="probe", max_tokens=1)
+               and series_sum(gateway.url, "llmserve_gateway_requests_total", adapter="a"),
+               "the gateway to learn the engines' adapters")
+    prompts = [f"request {i} to an adapter" for i in range(8)]
+    for name, holder in engines.items():
+        other = engines["b" if name == "a" else "a"]
+        before = successes(holder), successes(other)
+        for p in prompts:
+            via = client.completions.create(model=name, prompt=p, max_tokens=4, temperature=0)
+            direct = openai.OpenAI(base_url=holder.url + "/v1", api_key="x").completions.create(
+                model=name, prompt=p, max_tokens=4, temperature=0)
+            assert via.model == name and via.choices[0].text == direct.choices[0].text
+        # Every request for the adapter ran on its holder (each twice: via and direct),
+        # none on the engine without it (which would have answered 404).
+        assert (successes(holder) - before[0], successes(other) - before[1]) == \
+            (2 * len(prompts), 0)
+    assert series_sum(gateway.url, "llmserve_gateway_requests_total", model=BASE,
+                      adapter="b", code="200") == len(prompts)
