@@ -397,7 +397,7 @@ class Gateway:
             ep = self.pool.endpoints.get(url)
             try:
                 async with self.session.get(url + "/v1/models", headers=self.pool.probe_headers,
-                                            timeout=aiohttp.ClientTimeout(total=5)) as r:
+                                            timeout=aiohttp.ClientTimeout(total=2)) as r:
                     if r.status == 200:
                         models = parse_model_list(await r.json(content_type=None))
                         if ep is not None:
