@@ -83,15 +83,23 @@ def load_adapter(path: Path, hf_config, max_rank: int, source: str | None = None
     named it, for messages). Raises LoRAError naming what is wrong."""
     where = source or str(path)
     config = _read_config(path, where)
-    tensors = _read_tensors(path, where)
     shapes = module_shapes(hf_config)
+    targets = config.get("target_modules")
+    if isinstance(targets, list):  # (a string is a regular expression: the tensors tell)
+        for target in targets:
+            if target.split(".")[-1] not in shapes:
+                raise LoRAError(f"adapter {where}: target module {target!r} is not "
+                                f"supported; LoRA is applied to the decoder layers' "
+                                f"{', '.join(shapes)}")
+    tensors = _read_tensors(path, where)
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
         match = _TENSOR.search(key)
         if match is None:
-            raise LoRAError(f"adapter {where}: tensor {key!r} is not a LoRA A/B weight of a "
-                            f"decoder projection; LoRA is applied to "
-                            f"{', '.join(shapes)} only")
+            other = re.search(r"(\w+)\.lora_\w+", key)
+            what = f"target module {other[1]!r}" if other else f"tensor {key!r}"
+            raise LoRAError(f"adapter {where}: {what} is not supported; LoRA is applied to "
+                            f"the decoder layers' {', '.join(shapes)}")
         layer, module, which = int(match[1]), match[2], match[3]
         if module not in shapes:
             raise LoRAError(f"adapter {where}: target module {module!r} is not supported for "

@@ -1,0 +1,295 @@
+"""Multi-LoRA serving against transformers+peft: several adapters and the base model in
+one batch, adapters given at start-up and loaded at run time, refused adapters, tensor
+parallelism and the int4 base.
+
+Adapters are random PEFT adapters (tests/lora_adapters.py): their B is not zero, so an
+adapter that was ignored, or another adapter's weights applied to a row, changes the
+greedy tokens and fails the comparison.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+from pathlib import Path
+
+import openai
+import pytest
+
+from llmserve import LLM, LoRARequest, SamplingParams
+from tests.lora_adapters import peft_greedy, write_peft_adapter
+from tests.oracle import GREEDY_TOKENS, compare_greedy, random_prompts
+from tests.server_proc import ServerProcess
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=GREEDY_TOKENS, ignore_eos=True)
+PROMPTS = random_prompts(3, [5, 17, 33, 9, 21, 40])
+
+
+@pytest.fixture(scope="module")
+def adapters(tmp_path_factory, tiny_llama) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("lora")
+    return {
+        "a1": write_peft_adapter(tiny_llama, root / "a1", rank=8, seed=1),
+        "a2": write_peft_adapter(tiny_llama, root / "a2", rank=16, seed=2,
+                                 targets=("q_proj", "v_proj", "down_proj")),
+        # rsLoRA's alpha / sqrt(r), and the modules a2 leaves out
+        "rs": write_peft_adapter(tiny_llama, root / "rs", rank=4, seed=3, use_rslora=True,
+                                 targets=("k_proj", "o_proj", "gate_proj", "up_proj")),
+    }
+
+
+def lora(adapters, name: str | None, int_id: int = 0) -> LoRARequest | None:
+    if name is None:
+        return None
+    return LoRARequest(name, int_id or 1 + sorted(adapters).index(name), str(adapters[name]))
+
+
+def assert_matches_peft(base: Path, adapters, names, prompts, outputs) -> None:
+    """Each output's greedy tokens equal transformers+peft's under its adapter (at most
+    one divergence, at a near-tie)."""
+    verdicts = []
+    for name, prompt, tokens in zip(names, prompts, outputs):
+        ref = peft_greedy(base, adapters[name] if name else None, [prompt])[0]
+        verdicts.append(compare_greedy(tokens, ref))
+    assert verdicts.count("tie") <= 1, verdicts
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama):
+    engine = LLM(str(tiny_llama), dtype="float32", enable_lora=True, max_loras=4,
+                 max_lora_rank=16, kv_cache_memory=8 << 20)
+    yield engine
+    engine.shutdown()
+
+
+def test_a_mixed_batch_of_adapters_and_the_base_model_matches_peft(llm, tiny_llama, adapters):
+    names = [None, "a1", "a2", "rs", "a1", None]
+    outs = llm.generate(PROMPTS, GREEDY, lora_request=[lora(adapters, n) for n in names])
+    tokens = [o.outputs[0].token_ids for o in outs]
+    assert_matches_peft(tiny_llama, adapters, names, PROMPTS, tokens)
+    base = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
+    changed = [t != b for t, b, n in zip(tokens, base, names) if n]
+    assert all(changed), "an adapter left the base model's tokens unchanged"
+    bm = llm.engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_one_slot_chunked_prefill_and_the_prefix_cache_keep_adapters_apart(tiny_llama,
+                                                                          adapters):
+    """One slot for three adapters (they take turns, evicting each other), prompts in
+    16-token chunks, and the same prompt under each adapter and the base model: a prefix
+    hit across adapters would hand one adapter another's KV."""
+    engine = LLM(str(tiny_llama), dtype="float32", enable_lora=True, max_loras=1,
+                 max_lora_rank=16, max_num_batched_tokens=16, kv_cache_memory=8 << 20)
+    try:
+        prompt = PROMPTS[-1]  # 40 tokens: two full blocks to hit
+        names = [None, "a1", "a2", "rs", "a1", None]
+        outs = engine.generate([prompt] * len(names), GREEDY,
+                               lora_request=[lora(adapters, n) for n in names])
+        tokens = [o.outputs[0].token_ids for o in outs]
+        assert_matches_peft(tiny_llama, adapters, names, [prompt] * len(names), tokens)
+        assert tokens[1] == tokens[4] and tokens[0] == tokens[5]
+        again = engine.generate([prompt], GREEDY, lora_request=lora(adapters, "a2"))
+        assert again[0].outputs[0].token_ids == tokens[2]
+        assert engine.engine.block_manager.prefix_hits > 0  # the cache did serve same-adapter hits
+    finally:
+        engine.shutdown()
+
+
+def _edit_config(path: Path, **changes) -> Path:
+    config = json.loads((path / "adapter_config.json").read_text())
+    config.update(changes)
+    (path / "adapter_config.json").write_text(json.dumps(config))
+    return path
+
+
+@pytest.fixture(scope="module")
+def bad_adapters(tmp_path_factory, tiny_llama, tiny_models) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("bad")
+    return {
+        "rank 32 .* exceeds --max-lora-rank 16":
+            write_peft_adapter(tiny_llama, root / "rank", rank=32),
+        "belongs to another base model":
+            write_peft_adapter(tiny_models["llama3"], root / "other", rank=4),
+        "does not exist": root / "missing",
+        "target module 'lm_head' is not supported":
+            write_peft_adapter(tiny_llama, root / "head", rank=4, targets=("lm_head",)),
+        "DoRA": _edit_config(write_peft_adapter(tiny_llama, root / "dora", rank=4),
+                             use_dora=True),
+        "no adapter_config.json": Path(tiny_llama),  # a model, not an adapter
+    }
+
+
+def test_bad_adapters_are_refused_with_the_reason_and_change_nothing(llm, bad_adapters):
+    bm = llm.engine.block_manager
+    for i, (reason, path) in enumerate(bad_adapters.items()):
+        with pytest.raises(ValueError, match=reason):
+            llm.generate(PROMPTS[:2], GREEDY, lora_request=LoRARequest("bad", 90 + i, str(path)))
+        assert not llm.engine.has_unfinished()
+    assert bm.num_free_blocks == bm.num_blocks
+    assert llm.generate(PROMPTS[:1], GREEDY)[0].outputs[0].token_ids
+
+
+def test_lora_settings_are_checked():
+    with pytest.raises(ValueError, match="--lora-modules needs --enable-lora"):
+        LLM("smollm2-135m-instruct", lora_modules=["a=/x"])
+    with pytest.raises(ValueError, match="expected NAME=SOURCE"):
+        LLM("smollm2-135m-instruct", enable_lora=True, lora_modules=["nosource"])
+    with pytest.raises(ValueError, match="max_cpu_loras .* must be >= max_loras"):
+        LLM("smollm2-135m-instruct", enable_lora=True, max_loras=4, max_cpu_loras=2)
+    with pytest.raises(ValueError, match="--compile"):
+        LLM("smollm2-135m-instruct", enable_lora=True, compile=True)
+    with pytest.raises(ValueError, match="serves no LoRA adapters"):
+        with LLM("smollm2-135m-instruct", kv_cache_memory=8 << 20) as plain:
+            plain.generate(["hi"], GREEDY, lora_request=LoRARequest("x", 1, "/nowhere"))
+
+
+# --- over HTTP, with the openai client ---------------------------------------------------
+def _completion(client: openai.OpenAI, model: str, prompt: list[int]) -> list[str]:
+    out = client.completions.create(model=model, prompt=prompt, max_tokens=GREEDY_TOKENS,
+                                    temperature=0, logprobs=1, extra_body={"ignore_eos": True})
+    return out.choices[0].logprobs.tokens
+
+
+def assert_texts_match_peft(tokenizer, base: Path, adapters, names, prompts, texts) -> None:
+    """``texts``: each answer's tokens as the API shows them (one string per token);
+    the position of each that shows peft's token there gets its id, any other -1."""
+    ids = []
+    for name, prompt, shown in zip(names, prompts, texts):
+        ref = peft_greedy(base, adapters[name] if name else None, [prompt])[0]
+        ids.append([t if tokenizer.decode([t]) == s else -1 for t, s in zip(ref.tokens, shown)]
+                   + [-1] * (len(shown) - len(ref.tokens)))
+    assert_matches_peft(base, adapters, names, prompts, ids)
+
+
+def test_http_adapters_from_the_start_and_loaded_at_run_time_serve_concurrently(
+        tiny_llama, adapters, bad_adapters):
+    proc = ServerProcess(str(tiny_llama), host="127.0.0.131", extra=[
+        "--served-model-name", "tiny", "--dtype", "float32", "--enable-lora",
+        "--max-lora-rank", "16", "--lora-modules", f"a1={adapters['a1']}",
+        "--api-key", "k"])
+    try:
+        client = openai.OpenAI(base_url=proc.url + "/v1", api_key="k")
+        listed = {m.id: m for m in client.models.list().data}
+        assert set(listed) == {"tiny", "a1"}
+        assert listed["a1"].parent == "tiny" and listed["a1"].root == str(adapters["a1"])
+
+        # Loaded at run time; again from the same source is fine, from another is not.
+        http = client._client
+        headers = {"Authorization": "Bearer k"}
+        load = {"lora_name": "a2", "lora_path": f"file://{adapters['a2']}"}
+        assert http.post(proc.url + "/v1/load_lora_adapter", json=load, headers=headers
+                         ).status_code == 200
+        assert http.post(proc.url + "/v1/load_lora_adapter", json=load, headers=headers
+                         ).status_code == 200
+        clash = http.post(proc.url + "/v1/load_lora_adapter", headers=headers,
+                          json={"lora_name": "a2", "lora_path": str(adapters["rs"])})
+        assert clash.status_code == 400 and "already loaded" in clash.json()["error"]["message"]
+        assert http.post(proc.url + "/v1/load_lora_adapter", json=load).status_code == 401
+
+        # A bad adapter: a 400 naming the problem, and the engine keeps serving.
+        for reason, path in bad_adapters.items():
+            bad = http.post(proc.url + "/v1/load_lora_adapter", headers=headers,
+                            json={"lora_name": "bad", "lora_path": str(path)})
+            assert bad.status_code == 400, bad.text
+            error = bad.json()["error"]
+            assert error["type"] == "invalid_request_error"
+            assert __import__("re").search(reason, error["message"]), error["message"]
+
+        names = ["tiny", "a1", "a2", "a1", "tiny", "a2"]
+        aclient = openai.AsyncOpenAI(base_url=proc.url + "/v1", api_key="k")
+
+        async def all_at_once():
+            async def one(model, prompt):
+                out = await aclient.completions.create(
+                    model=model, prompt=prompt, max_tokens=GREEDY_TOKENS, temperature=0,
+                    logprobs=1, extra_body={"ignore_eos": True})
+                assert out.model == model
+                return out.choices[0].logprobs.tokens
+            return await asyncio.gather(*(one(m, p) for m, p in zip(names, PROMPTS)))
+        tokens = asyncio.run(all_at_once())
+        from transformers import AutoTokenizer
+        tokenizer = AutoTokenizer.from_pretrained(tiny_llama)
+        assert_texts_match_peft(tokenizer, tiny_llama, adapters,
+                                [None if n == "tiny" else n for n in names], PROMPTS, tokens)
+
+        with pytest.raises(openai.NotFoundError) as missing:
+            client.completions.create(model="nope", prompt="hi", max_tokens=2)
+        assert missing.value.body["code"] == "model_not_found"
+        assert "'a1'" in missing.value.body["message"]  # it names what it does serve
+
+        # Unloaded: gone from /v1/models and a 404; unloading again is a 404 too.
+        assert http.post(proc.url + "/v1/unload_lora_adapter", headers=headers,
+                         json={"lora_name": "a2"}).status_code == 200
+        assert {m.id for m in client.models.list().data} == {"tiny", "a1"}
+        with pytest.raises(openai.NotFoundError):
+            client.completions.create(model="a2", prompt="hi", max_tokens=2)
+        again = http.post(proc.url + "/v1/unload_lora_adapter", headers=headers,
+                          json={"lora_name": "a2"})
+        assert again.status_code == 404 and again.json()["error"]["code"] == "model_not_found"
+        assert _completion(client, "a1", PROMPTS[1]) == tokens[1]
+    finally:
+        assert proc.stop() == 0
+
+
+def test_http_lora_updates_can_be_switched_off(tiny_llama, adapters):
+    proc = ServerProcess(str(tiny_llama), host="127.0.0.132", extra=[
+        "--enable-lora", "--disable-lora-updates", "--lora-modules", f"a1={adapters['a1']}"])
+    try:
+        client = openai.OpenAI(base_url=proc.url + "/v1", api_key="x")
+        res = client._client.post(proc.url + "/v1/load_lora_adapter",
+                                  json={"lora_name": "a2", "lora_path": str(adapters["a2"])})
+        assert res.status_code == 404
+        assert {m.id for m in client.models.list().data} == {str(tiny_llama), "a1"}
+    finally:
+        assert proc.stop() == 0
+
+
+# --- tensor parallelism and the int4 base ------------------------------------------------
+@pytest.mark.slow
+def test_tensor_parallel_adapters_match_peft(tiny_llama, adapters):
+    names = ["a1", None, "a2", "rs"]
+    with LLM(str(tiny_llama), dtype="float32", enable_lora=True, max_lora_rank=16,
+             tensor_parallel_size=2, kv_cache_memory=8 << 20) as engine:
+        outs = engine.generate(PROMPTS[:4], GREEDY,
+                               lora_request=[lora(adapters, n) for n in names])
+    assert_matches_peft(tiny_llama, adapters, names, PROMPTS[:4],
+                        [o.outputs[0].token_ids for o in outs])
+
+
+def _perplexity(outputs) -> float:
+    lps = [lp.logprob for out in outputs for lp in out.prompt_logprobs[1:]]
+    return math.exp(-sum(lps) / len(lps))
+
+
+@pytest.mark.slow
+def test_int4_base_with_an_adapter_stays_within_int4_bounds(builtin_path, tmp_path):
+    """The built-in model served int4 in bf16 (what `llmserve serve` does by default)
+    with an adapter: perplexity and greedy agreement against transformers+peft in
+    float32, within the int4 bounds tests/test_quantization.py holds the base model to."""
+    import torch
+    from peft import PeftModel
+
+    from tests.oracle import load_hf
+    adapter = write_peft_adapter(builtin_path, tmp_path / "a", rank=8, std=0.02, seed=5)
+    text = ("The quick brown fox jumps over the lazy dog. Paged attention stores the "
+            "keys and values of each sequence in fixed-size blocks, found through a table.")
+    hf = PeftModel.from_pretrained(load_hf(builtin_path), str(adapter)).eval()
+    with LLM("smollm2-135m-instruct", quantization="int4", dtype="bfloat16",
+             enable_lora=True, max_lora_rank=8) as engine:
+        ids = engine.tokenizer.encode(text)
+        with torch.inference_mode():
+            logits = hf(input_ids=torch.tensor([ids])).logits[0, :-1].float()
+        ref = math.exp(torch.nn.functional.cross_entropy(logits, torch.tensor(ids[1:])).item())
+        req = LoRARequest("a", 1, str(adapter))
+        scored = engine.generate([ids], SamplingParams(max_tokens=1, prompt_logprobs=0),
+                                 lora_request=req)
+        assert ref * 0.98 < _perplexity(scored) < ref * 1.06, (_perplexity(scored), ref)
+        prompts = random_prompts(7, [12, 30])
+        outs = engine.generate(prompts, GREEDY, lora_request=req)
+    refs = peft_greedy(builtin_path, adapter, prompts)
+    agree = sum(next((i for i, (a, b) in enumerate(zip(o.outputs[0].token_ids, r.tokens))
+                      if a != b), GREEDY_TOKENS) / GREEDY_TOKENS
+                for o, r in zip(outs, refs)) / len(prompts)
+    assert agree >= 0.4, agree
