@@ -75,6 +75,19 @@ def test_a_mixed_batch_of_adapters_and_the_base_model_matches_peft(llm, tiny_lla
     assert bm.num_free_blocks == bm.num_blocks
 
 
+def test_the_triton_lora_kernels_serve_a_mixed_batch_as_peft_does(tiny_llama, adapters):
+    """The CUDA path (Triton attention and the SGMV shrink/expand kernels, under the
+    interpreter here): slots at the fixed rank stride, one launch for every adapter."""
+    names = ["rs", None, "a1", "a2"]
+    with LLM(str(tiny_llama), dtype="float32", enable_lora=True, max_lora_rank=16,
+             attention_backend="triton", kv_cache_memory=8 << 20) as engine:
+        assert engine.engine.runner.lora.state.use_triton
+        outs = engine.generate(PROMPTS[:4], GREEDY,
+                               lora_request=[lora(adapters, n) for n in names])
+    assert_matches_peft(tiny_llama, adapters, names, PROMPTS[:4],
+                        [o.outputs[0].token_ids for o in outs])
+
+
 def test_one_slot_chunked_prefill_and_the_prefix_cache_keep_adapters_apart(tiny_llama,
                                                                           adapters):
     """One slot for three adapters (they take turns, evicting each other), prompts in
