@@ -140,9 +140,13 @@ def test_both_adapters_are_listed_and_served_through_the_gateway(kubectl, deploy
         ids = model_ids(client)
         return ids if {"sql", "poet"} <= set(ids) else None
 
+    t0 = time.monotonic()
     ids = wait_for(listed, 60, 1.0, what="both adapters on the gateway's /v1/models")
+    print(f"[e2e] adapters on the gateway's /v1/models: {time.monotonic() - t0:.1f} s")
     assert ids[0] == MODEL, ids
+    t0 = time.monotonic()
     base, sql, poet = (greedy(client, m) for m in (MODEL, "sql", "poet"))
+    print(f"[e2e] three greedy completions: {time.monotonic() - t0:.1f} s")
     # Random adapters move the greedy answer: served by name, each with its own weights.
     assert len({base, sql, poet}) == 3, (base, sql, poet)
     adapters = {a["name"]: a for a in status(kubectl)["adapters"]}
@@ -153,8 +157,11 @@ def test_both_adapters_are_listed_and_served_through_the_gateway(kubectl, deploy
 def test_removing_an_adapter_unloads_it_without_a_restart(kubectl, deployed):
     before = engine_pod(kubectl)
     client = gateway(kubectl)
+    t0 = time.monotonic()
     set_adapters(kubectl, [{"name": "sql", "source": source(deployed, "sql")}])
     wait_for(lambda: "poet" not in model_ids(client), 60, 1.0, what="poet unloaded")
+    print(f"[e2e] poet removed -> gone from the gateway's /v1/models: "
+          f"{time.monotonic() - t0:.1f} s")
     with pytest.raises(openai.NotFoundError):
         greedy(client, "poet")
     assert greedy(client, "sql")
