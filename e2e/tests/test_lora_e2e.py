@@ -126,11 +126,22 @@ def engine_pod(kubectl) -> tuple[str, int]:
     ([{"name": MODEL, "source": "hf://o/a"}], {}, "must differ from model.name"),
     ([], {"engine": {"lora": {"maxLoras": 8, "maxCpuLoras": 4}}},
      "maxCpuLoras must be at least maxLoras"),
+    ([], {"engine": {"lora": {"maxCpuLoras": 2}}}, "maxCpuLoras must be at least maxLoras"),
 ])
 def test_the_api_server_rejects_bad_adapter_specs(kubectl, operator, adapters, spec, message):
     r = kubectl("apply", "--dry-run=server", "-f", "-", input=llmd(adapters, "bad", **spec),
                 check=False)
     assert r.returncode != 0 and message in r.stderr, r.stderr
+
+
+def test_the_api_server_accepts_every_source_scheme_and_lora_sizes(kubectl, operator):
+    adapters = [{"name": "a", "source": "hf://org/a@v2"}, {"name": "b.v1", "source":
+                "pvc://loras/b"}, {"name": "c_1", "source": "file:///srv/c"}]
+    for spec in ({"engine": {"lora": {"maxLoras": 2, "maxLoraRank": 16, "maxCpuLoras": 2}}},
+                 {"engine": {"kind": "vllm", "lora": {"maxCpuLoras": 2}}}):
+        r = kubectl("apply", "--dry-run=server", "-f", "-", input=llmd(adapters, "ok", **spec),
+                    check=False)
+        assert r.returncode == 0, r.stderr
 
 
 def test_both_adapters_are_listed_and_served_through_the_gateway(kubectl, deployed):
