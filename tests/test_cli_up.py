@@ -40,7 +40,8 @@ def test_engine_flags_round_trip_through_the_engine_command_line():
                       "--no-prefix-caching", "--no-chunked-prefill", "--max-num-seqs", "7",
                       "--dtype", "float32", "--kv-cache-memory", "12345",
                       "--tensor-parallel-size", "3", "--max-waiting", "2",
-                      "--cuda-graphs", "--cuda-graph-sizes", "1,2"]):
+                      "--cuda-graphs", "--cuda-graph-sizes", "1,2"],
+                 ["--enable-lora", "--lora-modules", "a=/x", "b=hf://o/r", "--max-loras", "2"]):
         given = parse(argv)
         again = parse(engine_argv(given))
         assert engine_kwargs(again) == engine_kwargs(given), argv

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import openai
 import pytest
+import torch
 
 from llmserve import LLM, LoRARequest, SamplingParams
 from tests.lora_adapters import peft_greedy, write_peft_adapter
@@ -86,6 +87,50 @@ def test_the_triton_lora_kernels_serve_a_mixed_batch_as_peft_does(tiny_llama, ad
                                lora_request=[lora(adapters, n) for n in names])
     assert_matches_peft(tiny_llama, adapters, names, PROMPTS[:4],
                         [o.outputs[0].token_ids for o in outs])
+
+
+@pytest.mark.parametrize("lengths, slots", [
+    ([1] * 8, [0, 0, 1, 1, 2, 2, 3, 3]),  # decodes laid out by adapter: one block, in place
+    ([1, 3, 1, 2, 1], [2, 0, -1, 2, 1]),  # small groups of unequal size: gathered, padded
+    ([40, 1, 25, 1, 1], [1, 1, -1, 3, 1]),  # a long group whose rows are not contiguous
+    ([20, 20, 20], [3, 0, 2]),  # equal prefill chunks back to back: one block
+])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_cpu_lora_kernel_equals_the_reference(lengths, slots, dtype):
+    """kernels/cpu/lora.py against the segment-by-segment reference (the Triton
+    kernels' own), with three slices of different widths and slots of different ranks."""
+    from llmserve.kernels.cpu.lora import CPULoRAPlan, lora_add
+    from llmserve.kernels.triton.lora import lora_expand_reference, lora_shrink_reference
+    torch.manual_seed(len(lengths))
+    big_r, outs, k, ranks = 8, [24, 8, 8], 32, [8, 4, 2, 6]
+    a = torch.zeros(4, 3 * big_r, k)
+    b = [torch.zeros(4, o, big_r) for o in outs]
+    for slot, r in enumerate(ranks):  # each slot's rank, zero past it (as set_slot does)
+        for i in range(3):
+            a[slot, i * big_r:i * big_r + r] = torch.randn(r, k)
+            b[i][slot, :, :r] = torch.randn(outs[i], r)
+    a, b = a.to(dtype), [bi.to(dtype) for bi in b]
+    starts = [0]
+    for n in lengths:
+        starts.append(starts[-1] + n)
+    x = torch.randn(starts[-1], k).to(dtype)
+    y = torch.randn(starts[-1], sum(outs)).to(dtype)
+    seg_starts, seg_slots = torch.tensor(starts), torch.tensor(slots)
+    want = y.clone()
+    xa = lora_shrink_reference(x, a, seg_starts, seg_slots, max(lengths))
+    for i, (bi, offset) in enumerate(zip(b, [0, 24, 32])):
+        lora_expand_reference(want, xa, bi, seg_starts, seg_slots, max(lengths),
+                              i * big_r, offset)
+    groups: dict[int, list[int]] = {}
+    for i, slot in enumerate(slots):
+        if slot >= 0:
+            groups.setdefault(slot, []).extend(range(starts[i], starts[i + 1]))
+    got = y.clone()
+    lora_add(got, x, a, b, CPULoRAPlan.build(groups, ranks), cache={})
+    base_rows = [r for i, s in enumerate(slots) if s < 0 for r in range(starts[i], starts[i + 1])]
+    assert torch.equal(got[base_rows], y[base_rows])  # the base model's rows untouched
+    tol = 1e-4 if dtype == torch.float32 else 5e-2
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol * 10)
 
 
 def test_one_slot_chunked_prefill_and_the_prefix_cache_keep_adapters_apart(tiny_llama,

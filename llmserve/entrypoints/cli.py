@@ -39,8 +39,11 @@ def _value_type(hint) -> type:
     """What argparse converts a value to: int | None -> int; str | list[int] | None ->
     str (EngineConfig parses the list); list[str] | None (nargs="+") -> str."""
     args = typing.get_args(hint)
+    direct = [t for t in (int, float, str) if t is hint or t in args]
+    if direct:
+        return direct[0]
     inner = [a for arg in args for a in typing.get_args(arg)]
-    return next(t for t in (int, float, str) if t is hint or t in args or t in inner)
+    return next(t for t in (int, float, str) if t in inner)
 
 
 def _add_engine_flag(group, f: Field, hint) -> None:

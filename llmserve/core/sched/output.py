@@ -40,3 +40,17 @@ class ScheduledBatch:
     def add(self, seq: Sequence, num_new: int) -> None:
         self.seqs.append(seq)
         self.num_new_tokens.append(num_new)
+
+    def group_by_adapter(self) -> None:
+        """Multi-LoRA: the sequences of each adapter next to each other (the base
+        model's first, then by adapter id, each group in its scheduled order), so that
+        the flat batch holds each adapter's rows as one block: the CPU's batched LoRA
+        reads and writes them in place instead of gathering them."""
+        order = sorted(range(len(self.seqs)), key=lambda i: _adapter_id(self.seqs[i]))
+        self.seqs = [self.seqs[i] for i in order]
+        self.num_new_tokens = [self.num_new_tokens[i] for i in order]
+
+
+def _adapter_id(seq: Sequence) -> int:
+    lora = seq.request.lora
+    return lora.lora_int_id if lora is not None else 0

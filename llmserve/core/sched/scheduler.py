@@ -190,6 +190,8 @@ class Scheduler:
             else:
                 break
         step.batch.block_ops = self.bm.take_ops()
+        if self.config.enable_lora:
+            step.batch.group_by_adapter()
         for seq, n in zip(step.batch.seqs, step.batch.num_new_tokens):
             self.shares.charge(seq.request, seq.first_time_tokens(n))
         if self.cost_model.ready and step.batch.seqs:

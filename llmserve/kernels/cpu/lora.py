@@ -1,31 +1,143 @@
-"""Batched LoRA on the CPU: the adapters' low-rank products of a mixed batch, one group
-of rows per adapter (punica's SGMV, as grouped matmuls).
+"""Batched LoRA on the CPU: the adapters' low-rank products of a mixed batch (punica's
+SGMV, as batched matmuls).
 
-A group is ``(slot, rank, rows)``: the rows of the flat batch that run under the
-adapter in ``slot``, whose rank is ``rank``. The stacked weights keep each slot's
-slices compactly: slice ``i`` of ``a[slot]`` is rows ``i*rank:(i+1)*rank``, and
-``b[i][slot, :, :rank]`` is slice ``i``'s B (scale folded in). Rows of no group (the
-base model's) are untouched, and each adapter's weights are read once per call, however
-many of its sequences the batch holds.
+Weights are stacked per slot as the Triton kernels take them: ``a [S, n*R, K]`` with
+slice i's A in rows ``i*R : i*R + rank`` (zero past the slot's rank), and one
+``b[i] [S, N_i, R]`` per output slice. A step's ``CPULoRAPlan`` (built once per step,
+for every layer) groups the batch's rows by slot.
+
+The step's adapters' weights are gathered once (``gather_weights``), cut to their
+largest rank r, in float32 (the CPU's small matmuls are ~10x faster in float32 than in
+bf16 at these shapes), with B block-diagonal over the slices so that one matmul expands
+every slice and writes whole rows of y. Decode steps keep the same adapters for many
+steps, so the gathered copy is reused until the set of slots changes. Then:
+
+- groups of few rows (decodes: one row per sequence) run together: their rows form a
+  ``[G, m, K]`` block (read in place when the groups are back to back and of one size,
+  as the scheduler lays a batch out, else gathered and padded) and go through one
+  ``torch.bmm`` shrink and one expand, whatever the number of adapters;
+- a group of many rows (a prefill chunk) runs on its own, so padding never multiplies
+  a long prompt's work (unless every group has the same rows back to back: then all
+  run together with no padding at all).
+
+Rows of no group (the base model's) are untouched.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
+# Groups of more rows than this run alone (no padding to their size).
+BATCHED_MAX_ROWS = 16
 
-def lora_add_grouped(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor,
-                     b: list[torch.Tensor], out_offsets: list[int],
-                     groups: list[tuple[int, int, slice | torch.Tensor]]) -> None:
-    """``y[rows, slice i] += (x[rows] @ A_i.T) @ B_i.T`` for every group and slice, in
-    place (``out_offsets[i]``: slice i's first column of ``y``)."""
-    n = len(b)
-    for slot, rank, rows in groups:
-        xa = x[rows] @ a[slot, :n * rank].T  # [m, n * rank]: one shrink for all slices
-        for i, (bi, offset) in enumerate(zip(b, out_offsets)):
-            delta = xa[:, i * rank:(i + 1) * rank] @ bi[slot, :, :rank].T
-            width = bi.shape[1]
-            if isinstance(rows, slice):
-                y[rows, offset:offset + width] += delta
-            else:
-                y[:, offset:offset + width].index_add_(0, rows, delta)
+
+@dataclass
+class CPULoRAPlan:
+    """A step's rows by slot.
+
+    ``slots``: every group's slot, the small groups first; ``rank``: their largest.
+    Small groups: ``num_small`` of them, ``m`` rows each after padding; ``rows``
+    ``[num_small * m]`` (padding points at row 0) with ``keep`` ``[num_small, m, 1]`` (0 on
+    padding; None without), or ``span``, the one block of rows they fill back to back.
+    ``single``: ``(index into slots, rows)`` of each large group."""
+    slots: list[int] = field(default_factory=list)
+    rank: int = 0
+    num_small: int = 0
+    m: int = 0
+    rows: torch.Tensor | None = None
+    keep: torch.Tensor | None = None
+    span: slice | None = None
+    single: list[tuple[int, slice | torch.Tensor]] = field(default_factory=list)
+
+    @classmethod
+    def build(cls, groups: dict[int, list[int]], rank_of_slot: list[int]) -> CPULoRAPlan:
+        """``groups``: slot -> its rows, in order."""
+        # Groups of one size back to back (a batch the scheduler laid out by adapter)
+        # all run together, however many rows each has: no padding, no gathering.
+        uniform = _span(list(groups.values()), len(next(iter(groups.values()))))
+        small = {s: r for s, r in groups.items()
+                 if uniform is not None or len(r) <= BATCHED_MAX_ROWS}
+        large = {s: r for s, r in groups.items() if s not in small}
+        plan = cls(slots=[*small, *large], rank=max(rank_of_slot[s] for s in groups),
+                   num_small=len(small))
+        for i, rows in enumerate(large.values()):
+            contiguous = rows[-1] - rows[0] + 1 == len(rows)
+            index = slice(rows[0], rows[-1] + 1) if contiguous else torch.tensor(rows)
+            plan.single.append((len(small) + i, index))
+        if small:
+            plan.m = max(len(r) for r in small.values())
+            plan.span = _span(list(small.values()), plan.m)
+            if plan.span is None:
+                padded = [r + [0] * (plan.m - len(r)) for r in small.values()]
+                plan.rows = torch.tensor(padded).view(-1)
+                if any(len(r) < plan.m for r in small.values()):
+                    plan.keep = torch.tensor([[1.0] * len(r) + [0.0] * (plan.m - len(r))
+                                              for r in small.values()]).unsqueeze(-1)
+        return plan
+
+
+def lora_add(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: list[torch.Tensor],
+             plan: CPULoRAPlan, cache: dict | None = None) -> None:
+    """``y[rows, slice i] += (x[rows] @ A_i.T) @ B_i.T`` for every group of ``plan`` and
+    every slice, in place (the slices cover y's columns in order). ``cache``: the
+    caller's, for ``gather_weights``' result (valid until a slot's weights change)."""
+    key = (tuple(plan.slots), plan.rank)
+    weights = cache.get(key) if cache is not None else None
+    if weights is None:
+        weights = gather_weights(a, b, plan)
+        if cache is not None:
+            cache.clear()  # one set of slots at a time
+            cache[key] = weights
+    ag, bg = weights
+    if plan.num_small:
+        _add_small(y, x, ag[:plan.num_small], bg[:plan.num_small], plan)
+    for j, rows in plan.single:
+        delta = (x[rows].float() @ ag[j].T) @ bg[j].T
+        if isinstance(rows, slice):
+            y[rows] += delta.to(y.dtype)
+        else:
+            y.index_add_(0, rows, delta.to(y.dtype))
+
+
+def gather_weights(a: torch.Tensor, b: list[torch.Tensor], plan: CPULoRAPlan
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The plan's slots' A ``[G, n*r, K]`` and block-diagonal B ``[G, N, n*r]``, cut to
+    rank r, in float32."""
+    r, n, stride = plan.rank, len(b), b[0].shape[2]
+    slots = torch.tensor(plan.slots)
+    ranks = (torch.arange(n)[:, None] * stride + torch.arange(r)[None, :]).reshape(-1)
+    ag = a[slots[:, None], ranks[None, :]].float()
+    if n == 1:
+        return ag, b[0][slots, :, :r].float()
+    widths = [bi.shape[1] for bi in b]
+    bg = torch.zeros(len(plan.slots), sum(widths), n * r, dtype=torch.float32)
+    start = 0
+    for i, bi in enumerate(b):
+        bg[:, start:start + widths[i], i * r:(i + 1) * r] = bi[slots, :, :r]
+        start += widths[i]
+    return ag, bg
+
+
+def _add_small(y, x, ag, bg, plan: CPULoRAPlan) -> None:
+    g, m, span = plan.num_small, plan.m, plan.span
+    xg = (x[span] if span is not None else x.index_select(0, plan.rows)).float()
+    xa = torch.bmm(xg.view(g, m, -1), ag.transpose(1, 2))  # [G, m, n*r]
+    if plan.keep is not None:
+        xa *= plan.keep  # padding rows (copies of row 0) add nothing
+    delta = torch.bmm(xa, bg.transpose(1, 2)).view(g * m, -1).to(y.dtype)  # every slice
+    if span is not None:
+        y[span] += delta
+    else:  # whole rows of y (a column slice of y is ~4x slower to scatter into)
+        y.index_add_(0, plan.rows, delta)
+
+
+def _span(groups: list[list[int]], m: int) -> slice | None:
+    """The rows of ``groups`` as one slice, if each is ``m`` consecutive rows and each
+    starts where the one before ends."""
+    start = groups[0][0]
+    for i, rows in enumerate(groups):
+        if len(rows) != m or rows[0] != start + i * m or rows[-1] != rows[0] + m - 1:
+            return None
+    return slice(start, start + len(groups) * m)

@@ -9,30 +9,30 @@ o and down: 1), for ``S`` slots and the largest rank ``R``:
 - ``a`` ``[S, n * R, in]``: slot s's A matrices, slice after slice;
 - ``b[i]`` ``[S, out_i, R]``: slot s's B of slice i (its scale folded in).
 
-A slot of rank r keeps slice i's A in rows ``i * stride : i * stride + r`` with
-``stride = r`` on the CPU (so its product reads only r rows per slice) and ``R`` for the
-Triton kernels (fixed strides, one launch for every slot). Rows and columns past a
-slot's rank are zero.
+A slot of rank r keeps slice i's A in rows ``i * R : i * R + r`` and its B in columns
+``:r``; rows and columns past a slot's rank are zero. The CPU path reads only the ranks
+the step's adapters have; the Triton kernels take the fixed stride (one launch for
+every slot).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from llmserve.kernels.cpu.lora import lora_add_grouped
+from llmserve.kernels.cpu.lora import CPULoRAPlan, lora_add
 
 
 @dataclass
 class LoRAStep:
     """Which rows of this step's flat batch run under which slot.
 
-    ``groups`` (CPU): ``(slot, rank, rows)``, rows a slice when contiguous, else an
-    index tensor. ``seg_starts``/``seg_slots``/``max_seg_len`` (Triton): the batch's
-    sequences as segments and each one's slot (-1: the base model)."""
-    groups: list[tuple[int, int, slice | torch.Tensor]] = field(default_factory=list)
+    ``cpu`` (CPU): the rows grouped by slot. ``seg_starts``/``seg_slots``/``max_seg_len``
+    (Triton): the batch's sequences as segments and each one's slot (-1: the base
+    model)."""
+    cpu: CPULoRAPlan | None = None
     seg_starts: torch.Tensor | None = None
     seg_slots: torch.Tensor | None = None
     max_seg_len: int = 0
@@ -61,6 +61,7 @@ class LoRALinear(nn.Module):
         self.b = [torch.zeros(num_slots, size, max_rank, dtype=dtype, device=device)
                   for size in out_sizes]
         self.out_offsets = [sum(out_sizes[:i]) for i in range(n)]
+        self.gathered: dict = {}  # the CPU path's weights of the slots in use (lora_add)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
@@ -69,9 +70,8 @@ class LoRALinear(nn.Module):
             return y
         if self.state.use_triton:
             self._add_triton(y, x, step)
-        elif step.groups:
-            lora_add_grouped(y, x.to(self.a.dtype), self.a, self.b, self.out_offsets,
-                             step.groups)
+        else:
+            lora_add(y, x, self.a, self.b, step.cpu, self.gathered)
         return y
 
     def _add_triton(self, y: torch.Tensor, x: torch.Tensor, step: LoRAStep) -> None:
@@ -85,7 +85,8 @@ class LoRALinear(nn.Module):
                  rank: int) -> None:
         """Slot ``slot`` holds ``parts`` (per slice: (A ``[r_i, in]``, B ``[out_i, r_i]``)
         or None where the adapter leaves that slice alone), ``rank`` their largest r."""
-        stride = self.max_rank if self.state.use_triton else rank
+        stride = self.max_rank
+        self.gathered.clear()
         self.a[slot].zero_()
         for i, (part, b) in enumerate(zip(parts, self.b)):
             b[slot].zero_()

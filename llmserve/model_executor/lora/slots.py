@@ -17,6 +17,7 @@ import torch
 
 from llmserve.core.lora_request import LoRARequest
 from llmserve.distributed.shapes import RankShape
+from llmserve.kernels.cpu.lora import CPULoRAPlan
 from llmserve.model_executor.lora.adapter import (
     FUSED_SLICES,
     LoRAAdapter,
@@ -149,13 +150,7 @@ class LoRASlots:
         for i, slot in enumerate(slots):
             if slot >= 0:
                 rows.setdefault(slot, []).extend(range(query_start[i], query_start[i + 1]))
-        groups = []
-        for slot, members in rows.items():
-            contiguous = members[-1] - members[0] + 1 == len(members)
-            index = (slice(members[0], members[-1] + 1) if contiguous
-                     else torch.tensor(members, dtype=torch.long))
-            groups.append((slot, self.rank_of_slot[slot], index))
-        return LoRAStep(groups=groups)
+        return LoRAStep(cpu=CPULoRAPlan.build(rows, self.rank_of_slot))
 
 
 def wrap_model(model, shard: RankShape, num_slots: int, max_rank: int,
