@@ -21,7 +21,7 @@ import torch
 from llmserve import LLM, LoRARequest, SamplingParams
 from tests.lora_adapters import peft_greedy, write_peft_adapter
 from tests.oracle import GREEDY_TOKENS, compare_greedy, random_prompts
-from tests.server_proc import ServerProcess
+from tests.server_proc import ServerProcess, scrape
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=GREEDY_TOKENS, ignore_eos=True)
 PROMPTS = random_prompts(3, [5, 17, 33, 9, 21, 40])
@@ -267,6 +267,8 @@ def test_http_adapters_from_the_start_and_loaded_at_run_time_serve_concurrently(
                 return out.choices[0].logprobs.tokens
             return await asyncio.gather(*(one(m, p) for m, p in zip(names, PROMPTS)))
         tokens = asyncio.run(all_at_once())
+        info = [k for k in scrape(proc.url) if k.startswith("vllm:lora_requests_info{")]
+        assert len(info) == 1 and 'max_lora="4"' in info[0], info
         from transformers import AutoTokenizer
         tokenizer = AutoTokenizer.from_pretrained(tiny_llama)
         assert_texts_match_peft(tokenizer, tiny_llama, adapters,

@@ -75,6 +75,13 @@ class EngineMetrics:
                                          "Draft tokens proposed and verified.")
         self.spec_accepted_tokens = counter("vllm:spec_decode_num_accepted_tokens",
                                             "Draft tokens the target model accepted.")
+        # Multi-LoRA, vLLM's shape (the Gateway API Inference Extension's LoRA affinity
+        # reads it): one series, labelled with the adapters running and waiting
+        # (comma-separated names), whose value is when it was set.
+        self.lora_info = Gauge(
+            "vllm:lora_requests_info", "Running and waiting LoRA adapters, by name.",
+            ["max_lora", "running_lora_adapters", "waiting_lora_adapters"], registry=r)
+        self._lora_labels: tuple | None = None
         self.aborted = 0
         self._seen_tokens: dict[str, int] = {}
         self._last_token_at: dict[str, float] = {}
@@ -102,6 +109,16 @@ class EngineMetrics:
         self.waiting_prompt_tokens = Gauge(
             "llmserve:num_waiting_prompt_tokens", "Prompt tokens not computed yet, of "
             "waiting and prefilling requests.", labels, registry=r).labels(self.model_name)
+
+    def _observe_loras(self, max_loras: int, sched) -> None:
+        def names(seqs) -> str:
+            return ",".join(sorted({s.request.lora.lora_name for s in seqs if s.request.lora}))
+
+        labels = (str(max_loras), names(sched.running), names(sched.waiting))
+        if labels != self._lora_labels:  # one series: the old label set goes
+            self.lora_info.clear()
+            self._lora_labels = labels
+        self.lora_info.labels(*labels).set(time.time())
 
     def kv_sent(self, tokens: int) -> None:
         self.kv_tokens.labels(self.model_name, "sent").inc(tokens)
@@ -133,6 +150,8 @@ class EngineMetrics:
         self._sync(self.prefix_hits, "hits", bm.prefix_hits)
         self._sync(self.preemptions, "preemptions", sched.num_preemptions)
         self._sync(self.swap_outs, "swap_outs", sched.num_swapped_out)
+        if getattr(engine, "loras", None) is not None:
+            self._observe_loras(engine.config.max_loras, sched)
         spec = getattr(engine, "spec", None)
         if spec is not None:
             self._sync(self.spec_drafts, "drafts", spec.num_drafts)
