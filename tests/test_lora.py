@@ -155,6 +155,31 @@ def test_one_slot_chunked_prefill_and_the_prefix_cache_keep_adapters_apart(tiny_
         engine.shutdown()
 
 
+def test_an_adapter_unloaded_and_replaced_mid_request_keeps_serving_its_request(llm,
+                                                                               adapters):
+    """The name is unregistered, then registered again from another adapter, while a
+    request under the first one is half way: it finishes as if nothing happened (even
+    with its weights dropped from host memory), and a new request gets the new one."""
+    engine, registry = llm.engine, llm.engine.loras
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    first, _ = registry.register("mid", str(adapters["a2"]), registry.parse(str(adapters["a2"])))
+    want = llm.generate([PROMPTS[2]], params, lora_request=first)[0].outputs[0].token_ids
+    old = engine.add_request(PROMPTS[2], params.copy(), lora_request=first)
+    for _ in range(6):
+        engine.step()
+    assert 0 < old.sequences[0].num_output_tokens < 24
+    assert registry.unregister("mid") == first
+    engine.runner.lora.cache.drop(first.lora_int_id)
+    second, new = registry.register("mid", str(adapters["rs"]), registry.parse(str(adapters["rs"])))
+    assert new and second.lora_int_id != first.lora_int_id
+    fresh = engine.add_request(PROMPTS[2], params.copy(), lora_request=registry.lookup("mid"))
+    while engine.has_unfinished():
+        engine.step()
+    assert old.sequences[0].token_ids[len(PROMPTS[2]):] == want
+    assert fresh.sequences[0].token_ids[len(PROMPTS[2]):] != want
+    registry.unregister("mid")
+
+
 def _edit_config(path: Path, **changes) -> Path:
     config = json.loads((path / "adapter_config.json").read_text())
     config.update(changes)
@@ -278,6 +303,23 @@ def test_http_adapters_from_the_start_and_loaded_at_run_time_serve_concurrently(
             client.completions.create(model="nope", prompt="hi", max_tokens=2)
         assert missing.value.body["code"] == "model_not_found"
         assert "'a1'" in missing.value.body["message"]  # it names what it does serve
+
+        # Unloaded mid-stream, and the name loaded again from another adapter: the
+        # stream finishes with the adapter it started with.
+        def text(**extra):
+            return client.completions.create(model="a2", prompt=PROMPTS[2], max_tokens=40,
+                                             temperature=0, extra_body={"ignore_eos": True},
+                                             **extra)
+        whole = text().choices[0].text
+        stream = text(stream=True)
+        parts = [next(iter(stream)).choices[0].text]
+        assert http.post(proc.url + "/v1/unload_lora_adapter", headers=headers,
+                         json={"lora_name": "a2"}).status_code == 200
+        assert http.post(proc.url + "/v1/load_lora_adapter", headers=headers, json={
+            "lora_name": "a2", "lora_path": str(adapters["rs"])}).status_code == 200
+        parts += [chunk.choices[0].text for chunk in stream]
+        assert "".join(parts) == whole
+        assert text().choices[0].text != whole  # the new "a2" is another adapter
 
         # Unloaded: gone from /v1/models and a 404; unloading again is a 404 too.
         assert http.post(proc.url + "/v1/unload_lora_adapter", headers=headers,
