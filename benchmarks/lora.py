@@ -76,8 +76,9 @@ def main() -> None:
         for i in range(args.adapters):
             path = write_adapter(Path(tmp) / f"a{i}", engine.hf_config, args.rank, seed=i)
             start = time.perf_counter()
-            adapter = engine.loras.parse(str(path))
-            lora, _ = engine.loras.register(f"a{i}", str(path), adapter)
+            parsed = engine.loras.parse(str(path))
+            lora, _ = engine.loras.register(f"a{i}", str(path), parsed)
+            adapter = parsed[0]
             loads.append(time.perf_counter() - start)
             sizes.append(adapter.nbytes)
             loras.append(lora)

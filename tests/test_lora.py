@@ -201,7 +201,18 @@ def bad_adapters(tmp_path_factory, tiny_llama, tiny_models) -> dict[str, Path]:
         "DoRA": _edit_config(write_peft_adapter(tiny_llama, root / "dora", rank=4),
                              use_dora=True),
         "no adapter_config.json": Path(tiny_llama),  # a model, not an adapter
+        "not a JSON object": _write_config(root / "list", []),
+        "lora_alpha must be a positive number": _edit_config(
+            write_peft_adapter(tiny_llama, root / "alpha", rank=4), lora_alpha="16"),
+        "LoRA biases": _edit_config(write_peft_adapter(tiny_llama, root / "bias", rank=4),
+                                    lora_bias=True),
     }
+
+
+def _write_config(path: Path, config) -> Path:
+    path.mkdir()
+    (path / "adapter_config.json").write_text(json.dumps(config))
+    return path
 
 
 def test_bad_adapters_are_refused_with_the_reason_and_change_nothing(llm, bad_adapters):
@@ -212,6 +223,46 @@ def test_bad_adapters_are_refused_with_the_reason_and_change_nothing(llm, bad_ad
         assert not llm.engine.has_unfinished()
     assert bm.num_free_blocks == bm.num_blocks
     assert llm.generate(PROMPTS[:1], GREEDY)[0].outputs[0].token_ids
+
+
+def test_an_adapter_id_names_one_source_and_salts_cannot_be_forged(llm, adapters):
+    with pytest.raises(ValueError, match="already names the adapter"):
+        llm.generate(PROMPTS[:1], GREEDY, lora_request=[
+            LoRARequest("x", 1, str(adapters["a2"]))])  # id 1 is a1's (lora())
+    # A client's own salt cannot be an adapter's: KV under a1 stays a1's.
+    with pytest.raises(ValueError, match="NUL"):
+        llm.engine.add_request(PROMPTS[0], GREEDY, cache_salt="\x00lora:1\x00")
+    assert not llm.engine.has_unfinished()
+
+
+def test_an_adapter_without_a_slot_holds_back_later_adapters_but_not_the_base_model(
+        tiny_llama, adapters):
+    """One slot, held by a long a1 request: an urgent a2 request waits for it, the base
+    model's requests do not wait behind a2, and a later a1 request does not overtake a2
+    (it would keep a1's slot busy for ever)."""
+    with LLM(str(tiny_llama), dtype="float32", enable_lora=True, max_loras=1,
+             max_lora_rank=16, kv_cache_memory=8 << 20,
+             scheduling_policy="priority") as engine:
+        e = engine.engine
+
+        def add(prompt, max_tokens, name, priority):
+            return e.add_request(prompt, SamplingParams(temperature=0, max_tokens=max_tokens,
+                                                        ignore_eos=True),
+                                 lora_request=lora(adapters, name), priority=priority)
+        long = add(PROMPTS[0], 40, "a1", 5)
+        e.step()
+        reqs = {"a2": add(PROMPTS[1], 4, "a2", 0), "base": add(PROMPTS[2], 4, None, 0),
+                "a1 later": add(PROMPTS[3], 4, "a1", 1)}
+        first: dict[str, int] = {}
+        step = 1
+        while e.has_unfinished():
+            e.step()
+            step += 1
+            for name, req in [*reqs.items(), ("a1 long", long)]:
+                if name not in first and req.sequences[0].num_output_tokens:
+                    first[name] = step
+    assert first["base"] == first["a1 long"] == 2, first
+    assert first["a2"] > 30 and first["a1 later"] > first["a2"], first
 
 
 def test_lora_settings_are_checked():
@@ -331,6 +382,28 @@ def test_http_adapters_from_the_start_and_loaded_at_run_time_serve_concurrently(
                           json={"lora_name": "a2"})
         assert again.status_code == 404 and again.json()["error"]["code"] == "model_not_found"
         assert _completion(client, "a1", PROMPTS[1]) == tokens[1]
+    finally:
+        assert proc.stop() == 0
+
+
+def test_http_an_adapter_whose_source_vanished_is_a_400_and_the_engine_lives(
+        tiny_llama, adapters, tmp_path):
+    """Its weights left host memory (one cached adapter, and another was loaded since),
+    then its directory was deleted: its requests get a 400 naming the path, and the
+    engine serves on."""
+    import shutil
+    doomed = shutil.copytree(adapters["a1"], tmp_path / "doomed")
+    proc = ServerProcess(str(tiny_llama), host="127.0.0.133", extra=[
+        "--enable-lora", "--max-loras", "1", "--max-cpu-loras", "1", "--max-lora-rank", "16",
+        "--lora-modules", f"v={doomed}", f"w={adapters['a2']}"])
+    try:
+        client = openai.OpenAI(base_url=proc.url + "/v1", api_key="x")
+        assert client.completions.create(model="w", prompt="hi", max_tokens=2).choices
+        shutil.rmtree(doomed)
+        with pytest.raises(openai.BadRequestError, match="doomed"):
+            client.completions.create(model="v", prompt="hi", max_tokens=2)
+        assert client.completions.create(model="w", prompt="hi", max_tokens=2).choices
+        assert client._client.get(proc.url + "/health").status_code == 200
     finally:
         assert proc.stop() == 0
 

@@ -24,5 +24,8 @@ class LoRARequest:
 
     @property
     def cache_salt(self) -> bytes:
-        """What keeps this adapter's KV apart from the base model's and other adapters'."""
-        return f"\x00lora:{self.lora_int_id}".encode()
+        """What keeps this adapter's KV apart from the base model's and other adapters':
+        prefixed to the request's own salt. It starts with a NUL, which a request's own
+        salt may not contain, and ends with one, so no salt a client can send, with or
+        without an adapter, equals another adapter's."""
+        return f"\x00lora:{self.lora_int_id}\x00".encode()

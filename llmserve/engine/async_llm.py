@@ -34,7 +34,7 @@ from llmserve.core.sampling_params import SamplingParams, StructuredOutputsParam
 from llmserve.core.sched.overload import OverloadedError, queue_full, waiting_requests
 from llmserve.distributed.kv_transfer.params import RemoteDecode, RemotePrefill
 from llmserve.engine.kv_transfer_service import KVTransferService
-from llmserve.engine.llm_engine import LLMEngine
+from llmserve.engine.llm_engine import LLMEngine, check_cache_salt
 from llmserve.engine.metrics import EngineMetrics
 from llmserve.engine.output import RequestOutput
 from llmserve.errors import EngineDeadError, EngineStartError  # noqa: F401 - re-exported
@@ -57,6 +57,7 @@ class _Add:
     remote: RemotePrefill | None = None  # P/D leg 2 on a decode engine: where the KV is
     kv_hold: list[int] = field(default_factory=list)  # its imported prefix, held
     lora: LoRARequest | None = None  # the adapter it runs under
+    lora_parsed: tuple | None = None  # its weights, read off the engine thread if needed
 
 
 @dataclass
@@ -172,6 +173,7 @@ class AsyncLLMEngine:
             raise EngineDeadError("the engine is not running")
         # Reads only what is fixed at start (vocabulary, max_model_len, KV cache size).
         self.engine.validate_prompt(prompt_token_ids, params)
+        check_cache_salt(cache_salt)
         add = _Add(request_id, prompt_token_ids, prompt, params, priority, cache_salt,
                    asyncio.Queue(), tenant, lora=lora_request)
         role = self.config.kv_role
@@ -185,6 +187,8 @@ class AsyncLLMEngine:
         if add.remote is not None:  # P/D leg 2: bring the prompt's KV over first
             add.kv_hold = await self.kv_service.import_prefix(
                 add.prompt_token_ids, (add.cache_salt or "").encode(), add.remote)
+        if add.lora is not None:  # read from its source here, never on the engine thread
+            add.lora_parsed = await asyncio.to_thread(self.engine.loras.prefetch, add.lora)
         try:
             self._admit()
         except BaseException:
@@ -244,6 +248,16 @@ class AsyncLLMEngine:
             return known, False
         adapter = await asyncio.to_thread(registry.parse, source)
         return await self.on_engine(lambda e: e.loras.register(name, source, adapter))
+
+    async def prefetch_lora(self, lora: LoRARequest | None) -> None:
+        """Bring a request's adapter into host memory before the request is started (a
+        source read off the event loop and the engine thread); LoRAError if it cannot
+        be read any more, so the request fails with a 400 before anything is queued."""
+        if lora is None or self.engine.loras is None:
+            return
+        parsed = await asyncio.to_thread(self.engine.loras.prefetch, lora)
+        if parsed is not None:
+            await self.on_engine(lambda e: e.loras.adopt(lora, parsed))
 
     async def unload_lora(self, name: str) -> LoRARequest | None:
         """Forget ``name``; requests already running under it finish with it."""
@@ -342,6 +356,8 @@ class AsyncLLMEngine:
                 self.engine.block_manager.unhold(cmd.kv_hold)
                 continue
             try:
+                if cmd.lora_parsed is not None:
+                    self.engine.loras.adopt(cmd.lora, cmd.lora_parsed)
                 req = self.engine.add_request(cmd.prompt, cmd.params, cmd.request_id,
                                               cmd.priority, prompt_token_ids=cmd.prompt_token_ids,
                                               cache_salt=cmd.cache_salt, tenant=cmd.tenant,

@@ -16,7 +16,7 @@ from llmserve.core.beam_search import BeamSearch
 from llmserve.core.block_manager import BlockManager
 from llmserve.core.lora_request import LoRARequest
 from llmserve.core.request import Logprob, Request, Sequence, SequenceStatus, Tenancy
-from llmserve.core.sampling_params import SamplingParams
+from llmserve.core.sampling_params import ParamError, SamplingParams
 from llmserve.core.sched.cost_model import StepCostModel
 from llmserve.core.sched.overload import check_admission, expired
 from llmserve.core.sched.scheduler import Scheduler
@@ -100,7 +100,8 @@ class LLMEngine:
                      if getattr(config, "speculative", None) is not None else None)
         # Multi-LoRA: the adapters by name; --lora-modules are read and checked now.
         self.loras = (LoRARegistry(self.hf_config, config.max_lora_rank, self.runner.lora,
-                                   self.model_name) if config.enable_lora else None)
+                                   self.model_name, self.requests)
+                      if config.enable_lora else None)
         for name, source in parse_lora_modules(config.lora_modules or []):
             self.loras.register(name, source, self.loras.parse(source))
 
@@ -186,6 +187,7 @@ class LLMEngine:
         takes over (decode role; the caller gives them back if this raises).
         ``lora_request``: the adapter it runs under (None: the base model)."""
         params = params or SamplingParams()
+        check_cache_salt(cache_salt)
         self._check_lora(lora_request)
         ids = prompt_token_ids if prompt_token_ids is not None else self.tokenize(prompt)
         self.validate_prompt(ids, params)
@@ -204,8 +206,8 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         text = prompt if isinstance(prompt, str) else None
         req = Request(request_id, text, list(ids), params, priority=priority,
-                      cache_salt=(cache_salt or "").encode()
-                      + (lora_request.cache_salt if lora_request else b""),
+                      cache_salt=(lora_request.cache_salt if lora_request else b"")
+                      + (cache_salt or "").encode(),
                       lora=lora_request,
                       tenant=tenant.name if tenant else "",
                       tenant_weight=tenant.weight if tenant else 1.0,
@@ -532,6 +534,13 @@ def split_drafted(due_seqs: list[Sequence], logits):
     if not drafted:
         return due_seqs, logits, [], None
     return plain, logits[plain_rows] if plain else None, drafted, logits[draft_rows]
+
+
+def check_cache_salt(cache_salt: str | None) -> None:
+    """A request's own prefix-cache salt: any text but NUL, which marks the salts of
+    LoRA adapters (``LoRARequest.cache_salt``), so a client cannot forge one."""
+    if cache_salt and "\x00" in cache_salt:
+        raise ParamError("cache_salt", "cache_salt must not contain NUL characters")
 
 
 class EngineStats:

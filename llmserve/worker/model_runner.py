@@ -87,6 +87,11 @@ class ModelRunner:
                 if isinstance(module, SparseMoeBlock):
                     module.use_triton_kernel()
         self.native_decode = self._want_native_decode()
+        # Multi-LoRA: the packed or quantised projections wrapped, their adapter slots
+        # allocated before the KV cache takes what memory is left (the native decoder
+        # computes the wrapped projections and steps aside when an adapter runs).
+        self.lora = (LoRASlots(self.model, hf_config, self.shard, config, self.use_triton)
+                     if config.enable_lora else None)
         self.num_blocks = self._num_kv_blocks()
         c = hf_config
         self.kv_cache = KVCache(c.num_hidden_layers, self.num_blocks, self.block_size,
@@ -98,10 +103,6 @@ class ModelRunner:
             self.model.model.compile_layers()
         elif self.native_decode:  # after the cache is bound: it keeps pointers into it
             self.model.model.native_decoder = NativeDecoder.try_build(self.model)
-        # Last: the wrapped projections are the packed or quantised ones built above (the
-        # native decoder keeps the plain ones and steps aside when an adapter runs).
-        self.lora = (LoRASlots(self.model, hf_config, self.shard, config, self.use_triton)
-                     if config.enable_lora else None)
         if self.lora is not None and self.model.model.native_decoder is not None:
             self.model.model.native_decoder.lora_state = self.lora.state
         # The GPU fast path (each piece behind its flag, all off by default).

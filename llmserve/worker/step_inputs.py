@@ -27,6 +27,7 @@ class StepInputs:
     pending_rows: list[int] = field(default_factory=list)
     pending_src: list[int] = field(default_factory=list)
     # Multi-LoRA: each sequence's adapter slot (-1: the base model), and the adapters
-    # rank 0 placed in slots for this step, (slot, LoRARequest), which every rank loads.
+    # rank 0 placed in slots for this step, (slot, adapter id, parsed adapter), which
+    # every rank loads (the weights travel with the step: no rank reads a source).
     lora_slots: list[int] = field(default_factory=list)
     lora_loads: list = field(default_factory=list)

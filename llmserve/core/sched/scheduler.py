@@ -16,6 +16,11 @@ it too, as a small chunk, in budget and free blocks no other work needs
 watermark; the first that does not fit stops admission, so a big request is not
 starved by small ones behind it.
 
+Multi-LoRA: at most ``max_loras`` distinct adapters run at once. A candidate whose
+adapter would be one too many is passed over for the step, as is every adapter
+candidate after it (so it is not overtaken by its own kind and starved); base-model
+candidates behind it still come in.
+
 When a running sequence cannot get a block, the least urgent running sequence that
 is not yet scheduled in this step is preempted (swapped to CPU or dropped for
 recompute, per ``preemption_mode``); that can be the sequence itself. Under
@@ -71,6 +76,9 @@ class _Step:
         decodes = [s for s in running if s.num_uncomputed_tokens == 1]
         self.decodes_left = len(decodes)
         self.admitting = True
+        # Multi-LoRA: candidates passed over because their adapter has no slot; once
+        # one is, every later adapter candidate waits too (base-model ones go on).
+        self.lora_blocked: set[int] = set()
         self.cost = cost if target_s is not None and cost is not None and cost.ready else None
         if self.cost is not None:
             # Plan under the target by the model's recent error, so that the steps
@@ -139,20 +147,22 @@ class Scheduler:
         self.shares.arrive(seq.request)
         bisect.insort(self.waiting, seq, key=self.urgency)
 
-    def waiting_head(self) -> Sequence | None:
+    def waiting_head(self, skip: set[int] | None = None) -> Sequence | None:
         """The next waiting sequence to admit: the most urgent; among those of its
-        priority, the one whose tenant has been served least (``fair_share.py``)."""
-        if not self.waiting or not self.shares.contended:
-            return self.waiting[0] if self.waiting else None
-        return self.shares.fairest(self._tenant_heads())
+        priority, the one whose tenant has been served least (``fair_share.py``).
+        ``skip``: seq ids passed over in this step."""
+        queue = [s for s in self.waiting if s.seq_id not in skip] if skip else self.waiting
+        if not queue or not self.shares.contended:
+            return queue[0] if queue else None
+        return self.shares.fairest(self._tenant_heads(queue))
 
-    def _tenant_heads(self) -> Iterator[Sequence]:
+    def _tenant_heads(self, queue: list[Sequence]) -> Iterator[Sequence]:
         """Each tenant's first waiting sequence of the head's priority, in queue order
         (so oldest first); it stops once every tenant with work has been seen."""
-        head = self.waiting[0]
+        head = queue[0]
         ranked = self.config.scheduling_policy == "priority"
         seen: set[str] = set()
-        for seq in self.waiting:
+        for seq in queue:
             if ranked and seq.priority != head.priority:
                 break
             if seq.request.tenant in seen:
@@ -219,11 +229,15 @@ class Scheduler:
             return next((s for s in self.swapped + self.waiting
                          if s.seq_id in self.static_members
                          or s.status is SequenceStatus.SWAPPED), None)
-        waiting = self.waiting_head()
+        waiting = self.waiting_head(step.lora_blocked)
+        swapped = next((s for s in self.swapped if s.seq_id not in step.lora_blocked), None)
         if self.config.scheduling_policy == "fcfs":
-            head = self.swapped[0] if self.swapped else waiting
+            # Nothing waiting comes in while something is swapped out (fcfs), even when
+            # the swapped head waits for an adapter slot.
+            head = (swapped if self.swapped and swapped is self.swapped[0]
+                    else None if self.swapped else waiting)
         else:
-            heads = [s for s in (self.swapped[0] if self.swapped else None, waiting) if s]
+            heads = [s for s in (swapped, waiting) if s]
             head = min(heads, key=self.urgency) if heads else None
         if head is None or not self._may_admit_after_preemption(head, step):
             return None
@@ -290,8 +304,14 @@ class Scheduler:
                    key=self.urgency, default=None)
 
     def _admit(self, seq: Sequence, step: _Step) -> bool:
-        """Swap in or admit the candidate ``seq`` with its next chunk. False stops
-        admission for this step."""
+        """Swap in or admit the candidate ``seq`` with its next chunk (or pass over it,
+        for want of an adapter slot). False stops admission for this step."""
+        if seq.request.lora is not None and (step.lora_blocked or not self._has_lora_slot(seq)):
+            # Its adapter has no slot (or a more urgent adapter request already waits
+            # for one): it is passed over, and base-model requests behind it still
+            # come in. Adapter requests behind it wait, so it is not starved.
+            step.lora_blocked.add(seq.seq_id)
+            return True
         swapped = seq.status is SequenceStatus.SWAPPED
         while True:
             plan = self._admission_plan(seq, step, swapped)
@@ -326,8 +346,6 @@ class Scheduler:
         """(tokens to compute, blocks to take, prefix hits) for admitting ``seq`` now,
         or None if the sequence cap or the budget does not allow it."""
         bs = self.bm.block_size
-        if not self._has_lora_slot(seq):
-            return None
         if swapped:
             # Not len(running): unforked first samples hold places for their siblings.
             if not self._has_seq_slots(seq):

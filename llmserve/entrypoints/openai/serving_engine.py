@@ -87,7 +87,16 @@ async def accept_generation(request: web.Request, parse):
     req, parsed = parse(body)
     parsed.tenant = tenancy_of(request)
     parsed.lora = request["lora"]
+    await prefetch_lora(request.app[ENGINE], parsed.lora)
     return request.app[ENGINE], model, req, parsed
+
+
+async def prefetch_lora(engine: AsyncLLMEngine, lora) -> None:
+    """The request's adapter in host memory, or a 400 naming why it cannot be read."""
+    try:
+        await engine.prefetch_lora(lora)
+    except ValueError as e:  # LoRAError: e.g. its source vanished after it was loaded
+        raise bad_request(str(e), "model") from e
 
 
 async def compile_constraint(engine: AsyncLLMEngine, parsed: ParsedRequest,

@@ -47,6 +47,7 @@ from llmserve.entrypoints.openai.serving_engine import (
     check_model,
     compile_constraint,
     interleave,
+    prefetch_lora,
     read_json,
     start_requests,
     tenancy_of,
@@ -71,6 +72,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     req = parse_request(body)
     tenant = tenancy_of(request)
     engine = request.app[ENGINE]
+    await prefetch_lora(engine, request["lora"])
     messages = conversation(request.app[STORE], req, tenant)
     tools = function_tools(req)
     with responses_names():

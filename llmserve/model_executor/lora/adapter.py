@@ -82,6 +82,16 @@ def load_adapter(path: Path, hf_config, max_rank: int, source: str | None = None
     """Read and check the PEFT adapter in directory ``path`` (``source``: how the user
     named it, for messages). Raises LoRAError naming what is wrong."""
     where = source or str(path)
+    try:
+        return _load(path, hf_config, max_rank, where)
+    except LoRAError:
+        raise
+    except (TypeError, ValueError, AttributeError, IndexError, KeyError, RuntimeError) as e:
+        # A file of the right names but the wrong contents: still the client's error.
+        raise LoRAError(f"adapter {where}: malformed adapter ({type(e).__name__}: {e})") from e
+
+
+def _load(path: Path, hf_config, max_rank: int, where: str) -> LoRAAdapter:
     config = _read_config(path, where)
     shapes = module_shapes(hf_config)
     targets = config.get("target_modules")
@@ -126,6 +136,14 @@ def _read_config(path: Path, where: str) -> dict:
         config = json.loads(file.read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise LoRAError(f"adapter {where}: unreadable adapter_config.json ({e})") from e
+    if not isinstance(config, dict):
+        raise LoRAError(f"adapter {where}: adapter_config.json is not a JSON object")
+    alpha = config.get("lora_alpha", 8)
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or alpha <= 0:
+        raise LoRAError(f"adapter {where}: lora_alpha must be a positive number, not {alpha!r}")
+    targets = config.get("target_modules")
+    if isinstance(targets, list) and not all(isinstance(t, str) for t in targets):
+        raise LoRAError(f"adapter {where}: target_modules must be names, not {targets!r}")
     kind = config.get("peft_type", "LORA")
     refusals = [
         (kind != "LORA", f"peft_type {kind!r} (only LORA adapters)"),
@@ -133,6 +151,7 @@ def _read_config(path: Path, where: str) -> dict:
         (config.get("bias", "none") != "none", f"trained biases (bias={config.get('bias')!r})"),
         (config.get("modules_to_save"), f"modules_to_save {config.get('modules_to_save')}"),
         (config.get("fan_in_fan_out"), "fan_in_fan_out weights"),
+        (config.get("lora_bias"), "LoRA biases (lora_bias)"),
     ]
     for refused, what in refusals:
         if refused:
@@ -164,11 +183,14 @@ def _checked(where: str, key: tuple[int, str], ab: dict[str, torch.Tensor],
         raise LoRAError(f"adapter {where}: layer {layer} {module} has lora_{''.join(ab)} "
                         f"without its pair")
     a, b = ab["A"], ab["B"]
-    rank = a.shape[0]
     in_f, out_f = shape
-    if a.dim() != 2 or b.dim() != 2 or b.shape[1] != rank:
+    if a.dim() != 2 or b.dim() != 2 or b.shape[1] != a.shape[0] or a.shape[0] < 1:
         raise LoRAError(f"adapter {where}: layer {layer} {module}: lora_A {list(a.shape)} "
                         f"and lora_B {list(b.shape)} are not a rank-r pair")
+    rank = a.shape[0]
+    if not (a.is_floating_point() and b.is_floating_point()):
+        raise LoRAError(f"adapter {where}: layer {layer} {module}: weights must be floating "
+                        f"point, not {a.dtype}/{b.dtype}")
     if rank > max_rank:
         raise LoRAError(f"adapter {where}: rank {rank} (layer {layer} {module}) exceeds "
                         f"--max-lora-rank {max_rank}")
@@ -179,7 +201,10 @@ def _checked(where: str, key: tuple[int, str], ab: dict[str, torch.Tensor],
     alpha = _pattern_value(config.get("alpha_pattern") or {}, layer, module,
                            config.get("lora_alpha", 8))
     scale = alpha / (math.sqrt(rank) if config.get("use_rslora") else rank)
-    return LoRAWeights(a.float().contiguous(), (b.float() * scale).contiguous())
+    w = LoRAWeights(a.float().contiguous(), (b.float() * scale).contiguous())
+    if not (torch.isfinite(w.a).all() and torch.isfinite(w.b).all()):
+        raise LoRAError(f"adapter {where}: layer {layer} {module} has NaN or infinite weights")
+    return w
 
 
 def _pattern_value(pattern: dict, layer: int, module: str, default):

@@ -21,9 +21,7 @@ from llmserve.kernels.cpu.lora import CPULoRAPlan
 from llmserve.model_executor.lora.adapter import (
     FUSED_SLICES,
     LoRAAdapter,
-    load_adapter,
     module_shapes,
-    resolve_adapter_source,
     shard_weights,
 )
 from llmserve.model_executor.lora.layers import LoRALinear, LoRAState, LoRAStep
@@ -35,10 +33,14 @@ UNSUPPORTED_MODELS = {
 
 
 class AdapterCache:
-    """Parsed, checked adapters by ``lora_int_id``, at most ``capacity``."""
+    """Parsed, checked adapters by ``lora_int_id``: at most ``capacity`` of them, least
+    recently used dropped first, but never one a live request uses (``in_use``, set by
+    the engine): a step never has to read an adapter from its source, so a source that
+    vanished or a Hub that moved on cannot fail a step."""
 
     def __init__(self, capacity: int):
         self.capacity = capacity
+        self.in_use = set  # () -> the lora_int_ids live requests hold
         self._items: OrderedDict[int, LoRAAdapter] = OrderedDict()
 
     def get(self, int_id: int) -> LoRAAdapter | None:
@@ -50,8 +52,12 @@ class AdapterCache:
     def put(self, int_id: int, adapter: LoRAAdapter) -> None:
         self._items[int_id] = adapter
         self._items.move_to_end(int_id)
-        while len(self._items) > self.capacity:
-            self._items.popitem(last=False)
+        if len(self._items) > self.capacity:
+            keep = self.in_use() | {int_id}
+            for old in [i for i in self._items if i not in keep]:
+                if len(self._items) <= self.capacity:
+                    break
+                del self._items[old]
 
     def drop(self, int_id: int) -> None:
         self._items.pop(int_id, None)
@@ -77,9 +83,10 @@ class LoRASlots:
         self.device = next(iter(self.layers.values())).a.device
 
     # --- rank 0: this step's slots --------------------------------------------------------
-    def assign(self, loras: list[LoRARequest | None]) -> tuple[list[int],
-                                                               list[tuple[int, LoRARequest]]]:
-        """Each sequence's slot (-1: none), and the (slot, adapter) loads that need."""
+    def assign(self, loras: list[LoRARequest | None]) -> tuple[list[int], list[tuple]]:
+        """Each sequence's slot (-1: none), and the loads that needs: (slot, adapter id,
+        parsed adapter), which travel to the other ranks with the step (so no rank reads
+        an adapter from its source during a step)."""
         needed = {lora.lora_int_id for lora in loras if lora is not None}
         if len(needed) > self.num_slots:  # the scheduler's max_loras rule prevents it
             raise RuntimeError(f"{len(needed)} adapters in one step, {self.num_slots} slots")
@@ -87,10 +94,14 @@ class LoRASlots:
         for lora in loras:
             if lora is None or lora.lora_int_id in self.slot_of:
                 continue
+            adapter = self.cache.get(lora.lora_int_id)
+            if adapter is None:  # the engine keeps a live request's adapter cached
+                raise RuntimeError(f"adapter {lora.lora_name!r} (id {lora.lora_int_id}) "
+                                   f"is not in host memory")
             slot = self._free_slot(needed)
             self.slot_of = {i: s for i, s in self.slot_of.items() if s != slot}
             self.slot_of[lora.lora_int_id] = slot
-            loads.append((slot, lora))
+            loads.append((slot, lora.lora_int_id, adapter))
         slots = [-1 if lora is None else self.slot_of[lora.lora_int_id] for lora in loras]
         for slot in slots:
             if slot >= 0:
@@ -107,24 +118,15 @@ class LoRASlots:
         return next(s for s in self.lru if s not in busy)
 
     # --- every rank -----------------------------------------------------------------------
-    def prepare_step(self, slots: list[int], loads: list[tuple[int, LoRARequest]],
-                     query_start: list[int]) -> None:
+    def prepare_step(self, slots: list[int], loads: list[tuple], query_start: list[int]
+                     ) -> None:
         """Load this step's new adapters into their slots and set the step's rows."""
-        for slot, lora in loads:
-            self.load_slot(slot, self.adapter(lora))
+        for slot, _, adapter in loads:
+            self.load_slot(slot, adapter)
         self.state.step = self._step(slots, query_start) if any(s >= 0 for s in slots) else None
 
     def finish_step(self) -> None:
         self.state.step = None
-
-    def adapter(self, lora: LoRARequest) -> LoRAAdapter:
-        """The parsed adapter: from the cache, else read from its source again."""
-        adapter = self.cache.get(lora.lora_int_id)
-        if adapter is None:
-            path = resolve_adapter_source(lora.lora_path)
-            adapter = load_adapter(path, self.hf_config, self.max_rank, lora.lora_path)
-            self.cache.put(lora.lora_int_id, adapter)
-        return adapter
 
     def load_slot(self, slot: int, adapter: LoRAAdapter) -> None:
         c, shard = self.hf_config, self.shard

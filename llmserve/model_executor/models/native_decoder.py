@@ -47,8 +47,7 @@ class NativeDecoder:
         self.layers = (Q4Layer * len(layers))(*(
             Q4Layer(layer.input_layernorm.weight.data_ptr(),
                     layer.post_attention_layernorm.weight.data_ptr(),
-                    q4_struct(layer.self_attn.qkv_proj), q4_struct(layer.self_attn.o_proj),
-                    q4_struct(layer.mlp.gate_up_proj), q4_struct(layer.mlp.down_proj),
+                    *map(q4_struct, projections(layer)),
                     layer.self_attn.kv_cache.data_ptr())
             for layer in layers))
         self.num_layers = len(layers)
@@ -100,8 +99,11 @@ class NativeDecoder:
 
 
 def projections(layer) -> tuple:
-    return (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
-            layer.mlp.down_proj)
+    """The layer's four projections (under a multi-LoRA wrapper: the projection it
+    wraps, which is what the C stack computes when no adapter runs)."""
+    return tuple(getattr(p, "base", p) for p in (
+        layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+        layer.mlp.down_proj))
 
 
 def layer_tensors(layer) -> list[torch.Tensor]:
