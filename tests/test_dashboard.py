@@ -220,7 +220,15 @@ def test_the_page_and_its_assets_are_served_from_the_package(keyed_gateway):
 def test_the_data_after_traffic(keyed_gateway, engine):
     for i in range(3):
         assert chat(keyed_gateway, "sk-ops", f"question {i}")
-    status, data = get(keyed_gateway.url + "/dashboard/data?window=60&step=5", "sk-ops")
+    # The engine's counters reach the gateway at its next scrape (every 0.3 s): on a fast
+    # machine the three chats can end between two scrapes, before the hits are seen.
+    deadline = time.monotonic() + 15
+    while True:
+        status, data = get(keyed_gateway.url + "/dashboard/data?window=60&step=5", "sk-ops")
+        rate = data["engines"][0]["prefix_cache_hit_rate"] if status == 200 else None
+        if (rate or time.monotonic() > deadline):
+            break
+        time.sleep(0.3)
     assert status == 200
     assert set(data) == {"time", "window_s", "step_s", "gateway", "engines", "summary",
                          "series", "tenants"}

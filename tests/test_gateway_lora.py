@@ -274,14 +274,18 @@ def test_an_adapter_nobody_holds_falls_back_and_a_newly_loaded_one_is_learned(fl
     # ... and by E3 once E3 has loaded "c" and the gateway's probes have seen it.
     assert post(e3.url + "/v1/load_lora_adapter", {"lora_name": "c", "lora_path": "/c"})[0] \
         == 200
-    wait_until(lambda: complete(gateway.url, "c", other) == (200, "E3"),
+    # Learned: ten prompts in a row reach E3 (the fallback's ring or its bounded-load
+    # walk could send one there by chance, never ten).
+    wait_until(lambda: all(complete(gateway.url, "c", p) == (200, "E3")
+                           for p in (other, *(f"learn {i}" for i in range(10)))),
                "the gateway to learn that E3 holds c")
     assert {served_by(client, "c", f"fallback {i}") for i in range(30)} == {"E3"}
     # Moved to E1: the gateway forgets E3's copy and routes to E1's.
     assert post(e3.url + "/v1/unload_lora_adapter", {"lora_name": "c"})[0] == 200
     assert post(e1.url + "/v1/load_lora_adapter", {"lora_name": "c", "lora_path": "/c"})[0] \
         == 200
-    wait_until(lambda: complete(gateway.url, "c", "moved") == (200, "E1"),
+    wait_until(lambda: all(complete(gateway.url, "c", f"moved {i}") == (200, "E1")
+                           for i in range(10)),
                "the gateway to learn that c moved to E1")
     assert {served_by(client, "c", f"moved {i}") for i in range(30)} == {"E1"}
     assert post(e1.url + "/v1/unload_lora_adapter", {"lora_name": "c"})[0] == 200
