@@ -121,4 +121,10 @@ int quant_gemm(int num_threads, const uint16_t *x, int64_t m, int64_t ldx,
  * (-1 only asks); 1 when in use (built for AMX, granted by the OS, and wanted). */
 int gemm_use_amx(int want);
 
+/* lora.c: one projection's multi-LoRA (shrink and expand of every group of rows). */
+int lora_add_rows(int num_threads, const void *x, int64_t ldx, int64_t x_cols, void *y,
+                  int64_t ldy, int64_t y_cols, int64_t num_rows, int dtype, const int64_t *rows,
+                  const int32_t *starts, int num_groups, const void *a, const void *bt,
+                  int w_dtype, int n, int r, int64_t k, const int64_t *slice_ends);
+
 #endif

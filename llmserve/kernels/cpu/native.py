@@ -1,6 +1,6 @@
 """The CPU kernels (``decode.c``: decode attention, rotary + K/V store, RMSNorm;
 ``decoder.c``: the int4 decoder stack built on them; ``gemm.c``: bf16 linears
-on AVX512-BF16), compiled for this machine into one library.
+on AVX512-BF16; ``lora.c``: a projection's multi-LoRA), compiled for this machine into one library.
 
 Compiled once with the system C compiler (``$CC`` or ``cc``, 1-3 s) for the CPU it
 runs on (``-march=native``; AVX2 + FMA when ``ATEN_CPU_CAPABILITY=avx2`` asks torch to
@@ -42,10 +42,10 @@ from llmserve.envs import cache_root
 
 log = logging.getLogger(__name__)
 
-# Attention, rotary and norms; the int4 decoder stack built on them; bf16 GEMMs: one
-# library.
+# Attention, rotary and norms; the int4 decoder stack built on them; bf16 GEMMs;
+# multi-LoRA: one library.
 SOURCES = [Path(__file__).with_name(name)
-           for name in ("decode.c", "decoder.c", "gemm.c")]
+           for name in ("decode.c", "decoder.c", "gemm.c", "lora.c")]
 HEADERS = [Path(__file__).with_name("kernels.h")]  # included by SOURCES: in the key
 # Reassociation lets the compiler vectorise the dot products and sums; no
 # finite-math: softmax inputs are finite here, but the flag would change too much.
@@ -78,6 +78,9 @@ SIGNATURES: dict[str, list[type]] = {
     "bf16_gemm_pack": [_I32, _PTR, _I64, _I64, _PTR],
     "quant_gemm": [_I32, _PTR, _I64, _I64, _PTR, _PTR, _I32, _I64, _I64, _PTR, _PTR, _I64],
     "gemm_use_amx": [_I32],
+    # lora.c
+    "lora_add_rows": [_I32, _PTR, _I64, _I64, _PTR, _I64, _I64, _I64, _I32, _PTR, _PTR, _I32,
+                      _PTR, _PTR, _I32, _I32, _I32, _I64, _PTR],
 }
 
 
@@ -304,3 +307,54 @@ def paged_decode(q: torch.Tensor, out: torch.Tensor, kv_cache: torch.Tensor,
         DTYPE_CODES[q.dtype])
     if rc != 0:
         raise MemoryError("paged_decode: out of memory for its scratch buffers")
+
+
+
+def lora_rows_args(rows: torch.Tensor, starts: torch.Tensor) -> tuple[int, int, int]:
+    """``lora_add_rows``' groups: group g's rows are ``rows[starts[g]:starts[g + 1]]``
+    (int64 and int32, contiguous; kept alive by the caller while the result is used)."""
+    if rows.dtype != torch.int64 or starts.dtype != torch.int32 \
+            or not (rows.is_contiguous() and starts.is_contiguous()):
+        raise ValueError("lora_add_rows: rows int64, starts int32, both contiguous")
+    return rows.data_ptr(), starts.data_ptr(), starts.shape[0] - 1
+
+
+def lora_weights_args(a: torch.Tensor, bt: torch.Tensor, slice_ends: torch.Tensor) -> tuple:
+    """``lora_add_rows``' weights (kept alive by the caller while the result is used):
+    ``a`` ``[G, n*r, K]``; ``bt`` ``[G, r, N]``, column c of slice i holding that
+    slice's B row (its r ranks down the column); ``slice_ends``: each slice's end
+    column (int64 ``[n]``). ``a`` and ``bt`` contiguous, of one dtype (float32, bf16)."""
+    n, r = slice_ends.shape[0], bt.shape[1]
+    if a.dtype != bt.dtype or a.dtype not in DTYPE_CODES:
+        raise ValueError(f"lora_add_rows: weights {a.dtype} and {bt.dtype}: one dtype of "
+                         f"{sorted(map(str, DTYPE_CODES))}")
+    if a.dim() != 3 or a.shape[1] != n * r or bt.shape[0] != a.shape[0] \
+            or slice_ends.dtype != torch.int64 or int(slice_ends[-1]) != bt.shape[2] \
+            or not (a.is_contiguous() and bt.is_contiguous() and slice_ends.is_contiguous()):
+        raise ValueError(f"lora_add_rows: a {tuple(a.shape)}, bt {tuple(bt.shape)} and "
+                         f"{n} slices ending at {slice_ends.tolist()} do not fit")
+    return (a.data_ptr(), bt.data_ptr(), DTYPE_CODES[a.dtype], n, r, a.shape[2],
+            slice_ends.data_ptr())
+
+
+def lora_add_rows(y: torch.Tensor, x: torch.Tensor, rows_args: tuple[int, int, int],
+                  weights_args: tuple) -> None:
+    """``y[rows of group g] += (x[those rows] @ A_g.T) @ B_g.T`` in place, every slice of
+    every group in one call (``lora.c``), rounded once into y; the groups and weights
+    as ``lora_rows_args`` and ``lora_weights_args`` return them (prepared once: a step
+    calls this for every projection). ``x`` ``[T, K]`` and ``y`` ``[T, N]`` with
+    contiguous rows, of one dtype (float32 or bf16)."""
+    if x.dtype != y.dtype or x.dtype not in DTYPE_CODES or x.stride(-1) != 1 \
+            or y.stride(-1) != 1 or x.dim() != 2 or y.dim() != 2:
+        raise ValueError(f"lora_add_rows: x {x.dtype} {tuple(x.shape)}, y {y.dtype} "
+                         f"{tuple(y.shape)}: 2-D, contiguous rows, one dtype of "
+                         f"{sorted(map(str, DTYPE_CODES))}")
+    rc = decode_kernel().lora_add_rows(
+        torch.get_num_threads(), x.data_ptr(), x.stride(0), x.shape[1], y.data_ptr(),
+        y.stride(0), y.shape[1], min(x.shape[0], y.shape[0]), DTYPE_CODES[x.dtype],
+        *rows_args, *weights_args)
+    if rc == -1:
+        raise ValueError(f"lora_add_rows: x {tuple(x.shape)} and y {tuple(y.shape)} do not "
+                         f"fit the weights (K {weights_args[5]}) or the groups' rows")
+    if rc != 0:
+        raise MemoryError("lora_add_rows: out of memory for its scratch buffers")
