@@ -1,7 +1,7 @@
-/* The CPU kernels' ABI and what their sources share. decode.c, decoder.c and gemm.c
- * all include it and native.py builds them into one library, so this file declares
- * every function the library exports: the compiler checks each definition against its
- * declaration here, and native.py's SIGNATURES (the ctypes argument types) and
+/* The CPU kernels' ABI and what their sources share. decode.c, decoder.c, gemm.c and
+ * lora.c all include it and native.py builds them into one library, so this file
+ * declares every function the library exports: the compiler checks each definition
+ * against its declaration here, and native.py's SIGNATURES (the ctypes argument types) and
  * decoder.py's ctypes structures mirror it (tests/test_cpu_attention.py checks the
  * former). Also: the dtype codes (native.DTYPE_CODES), bfloat16 conversions and
  * 16-lane vector types. Part of the build's cache key. */
