@@ -415,3 +415,25 @@ def test_other_schemes_are_refused():
     with pytest.raises(ModelLoadError, match=r"model source 's3://b/m': unsupported scheme; a "
                        r"model is a built-in name, .* hf://ORG/REPO\[@REVISION\]"):
         resolve_model("s3://b/m")
+
+
+def test_an_hf_lora_adapter_fetches_only_its_two_files(fake_hub, tiny_llama, tmp_path):
+    """A LoRA adapter from the Hub (``--lora-modules NAME=hf://ORG/REPO``): its config
+    and safetensors only, pinned to the commit; a repo without them is refused."""
+    from llmserve.model_executor.lora.adapter import (
+        LoRAError,
+        load_adapter,
+        resolve_adapter_source,
+    )
+    from llmserve.model_executor.model_loader.sources import load_config
+    from tests.lora_adapters import write_peft_adapter
+    adapter = write_peft_adapter(tiny_llama, tmp_path / "a", rank=4)
+    files = {p.name: p.read_bytes() for p in adapter.iterdir() if p.is_file()}
+    fake_hub.repos["org/lora"] = ("e" * 40, {**files, "training_args.bin": b"pickle"})
+    path = resolve_adapter_source("hf://org/lora")
+    assert path.name == "e" * 40
+    assert sorted(fake_hub.downloads) == ["adapter_config.json", "adapter_model.safetensors"]
+    assert load_adapter(path, load_config(tiny_llama), 16).rank == 4
+    fake_hub.repos["org/model"] = ("f" * 40, {"config.json": b"{}", "model.safetensors": b"w"})
+    with pytest.raises(LoRAError, match="not a PEFT LoRA adapter"):
+        resolve_adapter_source("hf://org/model")
