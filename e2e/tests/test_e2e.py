@@ -4,6 +4,7 @@ LLMDeployment -> pods -> gateway -> tokens. Pods run as local processes (podrunn
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -54,6 +55,25 @@ def ready_ips(kubectl, ns, selector):
                   if any(c["type"] == "Ready" and c["status"] == "True"
                          for c in p["status"].get("conditions", []))
                   and not p["metadata"].get("deletionTimestamp"))
+
+
+@contextlib.contextmanager
+def operator_release(cluster, kubectl, release: str, operator_ns: str, ns: str):
+    """The chart installed as ``release`` in ``operator_ns``, its operator watching
+    ``ns`` (created) and running; on exit every LLMDeployment in ``ns`` is deleted, then
+    the release (what a test module with an operator of its own needs)."""
+    helm(cluster, "install", release, str(ROOT / "charts" / "llmserve"), "--namespace",
+         operator_ns, "--create-namespace", "--set", f"operator.watchNamespaces={{{ns}}}",
+         "--wait", "--timeout", "180s")
+    kubectl("create", "namespace", ns)
+    wait_for(lambda: ready_ips(kubectl, operator_ns, "app.kubernetes.io/name=llmserve-operator"),
+             120, what="the operator pod ready")
+    try:
+        yield
+    finally:
+        kubectl("delete", "llmd", "--all", "-n", ns, "--wait=true", "--timeout=90s",
+                check=False)
+        helm(cluster, "uninstall", release, "--namespace", operator_ns, check=False)
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ import openai
 import pytest
 
 from e2e.tests.conftest import get_json, wait_for
-from e2e.tests.test_e2e import helm, pods, ready_ips
+from e2e.tests.test_e2e import operator_release, pods, ready_ips
 
 ROOT = Path(__file__).resolve().parents[2]
 NS = "lora"
@@ -75,15 +75,8 @@ def source(adapter_dir: Path, name: str) -> str:
 
 @pytest.fixture(scope="module")
 def operator(cluster, kubectl):
-    helm(cluster, "install", RELEASE, str(ROOT / "charts" / "llmserve"), "--namespace",
-         OPERATOR_NS, "--create-namespace", "--set", f"operator.watchNamespaces={{{NS}}}",
-         "--wait", "--timeout", "180s")
-    kubectl("create", "namespace", NS)
-    wait_for(lambda: ready_ips(kubectl, OPERATOR_NS, "app.kubernetes.io/name=llmserve-operator"),
-             120, what="the operator pod ready")
-    yield
-    kubectl("delete", "llmd", "--all", "-n", NS, "--wait=true", "--timeout=90s", check=False)
-    helm(cluster, "uninstall", RELEASE, "--namespace", OPERATOR_NS, check=False)
+    with operator_release(cluster, kubectl, RELEASE, OPERATOR_NS, NS):
+        yield
 
 
 @pytest.fixture(scope="module")
