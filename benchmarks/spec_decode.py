@@ -1,7 +1,8 @@
 """Speculative decoding (n-gram / prompt lookup): tokens/s with and without, same run.
 
 Two engines of the built-in model (default dtype) in one process, alternating request by
-request so that both see the same machine state. Greedy, so both produce the same
+request so that both see the same machine state, each warmed up first on every workload
+(a step shape's first run pays one-off costs: oneDNN primitives, first-touch pages). Greedy, so both produce the same
 tokens (checked). Single stream on copying workloads (repeat this text, edit this code,
 answer with quotes) and on plain chat; then 32 streams at once.
 
@@ -103,6 +104,10 @@ def main() -> None:
     spec = LLM(args.model, speculative_config=args.speculative_config)
     print(f"model {args.model} ({base.engine.config.dtype}), speculative_config "
           f"{args.speculative_config}, greedy, max_tokens {args.max_tokens}")
+    warm = [p for ps in WORKLOADS.values() for p in ps]
+    for llm in (base, spec):
+        chat(llm, warm[:1], args.max_tokens)
+        chat(llm, warm, args.max_tokens)
     results = {}
     for name, prompts in WORKLOADS.items():
         r = results[name] = run(base, spec, prompts, args.rounds, args.max_tokens)

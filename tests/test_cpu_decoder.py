@@ -86,8 +86,10 @@ def int4_llm():
     llm.shutdown()
 
 
-def decode_step_inputs(llm, prompts: int):
-    """A decode step of ``prompts`` running sequences: (model inputs, metadata)."""
+def decode_step_inputs(llm, prompts: int, draft: int = 0):
+    """A decode step of ``prompts`` running sequences, each with ``draft`` drafted
+    tokens after its last one (speculative decoding's 1 + draft rows, causal among
+    them): (model inputs, metadata)."""
     engine = llm.engine
     ids = engine.tokenize("Once upon a time, in a small village, there lived an old man who")
     for i in range(prompts):
@@ -99,7 +101,10 @@ def decode_step_inputs(llm, prompts: int):
 
     class Batch:
         seqs = list(engine.scheduler.running)
-        num_new_tokens = [1] * prompts
+        num_new_tokens = [1 + draft] * prompts
+    for seq in Batch.seqs:
+        assert len(seq.block_table) * engine.runner.block_size >= seq.num_tokens + draft
+        seq.spec_token_ids = [seq.token_ids[-1 - j] for j in range(draft)]
     inputs, _ = engine.runner.flatten(Batch)
     return engine.runner.build(inputs)
 
@@ -120,11 +125,11 @@ def run_layers(decoder: NativeDecoder, first: int, count: int, x, cos, sin,
     return x
 
 
-@pytest.mark.parametrize("prompts", [1, 3])
-def test_each_layer_matches_the_torch_layer(int4_llm, prompts):
+@pytest.mark.parametrize("prompts, draft", [(1, 0), (3, 0), (1, 4), (2, 2)])
+def test_each_layer_matches_the_torch_layer(int4_llm, prompts, draft):
     """Each layer in C computes what the model's torch layer does from the same input
     (norms, int4 projections, rotary and cache store, attention over the paged context,
-    SiLU): most layers bit for bit, the others where a float32 sum in another order
+    causal among a drafted decode's rows, SiLU): most layers bit for bit, the others where a float32 sum in another order
     rounded one bf16 value differently (relative error ~1e-3). The whole stack stays
     within the drift that such steps grow into over 30 bf16 layers (a broken piece is
     off by ~100 %)."""
@@ -132,7 +137,8 @@ def test_each_layer_matches_the_torch_layer(int4_llm, prompts):
     model = int4_llm.engine.runner.model.model
     decoder = model.native_decoder
     assert isinstance(decoder, NativeDecoder)
-    ids, pos, meta = decode_step_inputs(int4_llm, prompts)
+    ids, pos, meta = decode_step_inputs(int4_llm, prompts, draft)
+    assert meta.plan.all_rows_native and len(ids) == prompts * (1 + draft)
     try:
         with torch.inference_mode(), forward_context(meta):
             x = x0 = model.embed_tokens(ids)
@@ -155,9 +161,10 @@ def test_each_layer_matches_the_torch_layer(int4_llm, prompts):
             int4_llm.engine.abort(req)
 
 
-def test_the_engine_runs_small_decode_steps_in_c_only(int4_llm, monkeypatch):
-    """Decode-only steps of up to MAX_NATIVE_TOKENS sequences run in C; prefills and
-    bigger decode batches op by op; generation is greedy-stable either way."""
+def test_the_engine_runs_small_steps_in_c_only(int4_llm, monkeypatch):
+    """Steps of up to MAX_NATIVE_TOKENS rows run in C (decodes, short prompts); longer
+    prefills and bigger decode batches op by op; generation is greedy-stable either
+    way."""
     decoder = int4_llm.engine.runner.model.model.native_decoder
     assert decoder is not None
     sizes = []
@@ -170,7 +177,14 @@ def test_the_engine_runs_small_decode_steps_in_c_only(int4_llm, monkeypatch):
     assert all(len(o.outputs[0].token_ids) == 6 for o in outs)
     assert sizes == [], "a decode batch above the limit ran in C"
     one = int4_llm.generate(["The capital of France is"], params)[0].outputs[0].token_ids
-    assert sizes == [1] * 5  # every decode step of the single stream, never its prefill
+    # A prompt of at most MAX_NATIVE_TOKENS too, then every decode step.
+    assert sizes == [len(int4_llm.engine.tokenize("The capital of France is"))] + [1] * 5
+    sizes.clear()
+    longer = int4_llm.engine.tokenize("The capital of France is Paris, and the capital "
+                                      "of Spain is Madrid, said the teacher.")
+    assert len(longer) > native_decoder.MAX_NATIVE_TOKENS
+    int4_llm.generate([{"prompt_token_ids": longer}], params)
+    assert sizes == [1] * 5  # the prefill ran op by op
     monkeypatch.setattr(int4_llm.engine.runner.model.model, "native_decoder", None)
     op_by_op = int4_llm.generate(["The capital of France is"], params)[0].outputs[0].token_ids
     assert one[:3] == op_by_op[:3]  # bf16 rounding may part them later, not at once

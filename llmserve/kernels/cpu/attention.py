@@ -57,6 +57,10 @@ class CPUAttentionPlan:
     decode_lens: torch.Tensor | None = None  # [S] context length of each decode
     num_decodes: int = 0
     decode_only: bool = False  # every row of q is a decode, in order: no scatter needed
+    # Every row of q is a C-kernel row, in order (decodes, drafted decodes' 1 + k rows,
+    # short prefill chunks): decode_q_rows is arange(T), so a kernel may take row i as
+    # query i with its own table row and causal length (the int4 decoder stack does).
+    all_rows_native: bool = False
     # The C kernel's inputs (native plans): int32 rows of q (every decode, and each row
     # of a short prefill chunk), their block tables and context lengths.
     native: bool = False
@@ -168,6 +172,7 @@ def _native_rows(plan: CPUAttentionPlan, seqs: list[int], query_start_loc: list[
                            for i in seqs], dtype=torch.int32)
     counts = torch.tensor([query_lens[i] for i in seqs])
     plan.native = True
+    plan.all_rows_native = len(seqs) == len(seq_lens)
     if int(counts.max()) == 1:  # decodes only: a row each
         plan.decode_q_rows = torch.tensor([query_start_loc[i] for i in seqs], dtype=torch.int32)
         plan.decode_tables = tables

@@ -139,10 +139,14 @@ int q4_linear_bf16(int num_threads, const q4_linear *lin, int block_n, const uin
     return 0;
 }
 
-/* Every layer for M decode tokens, one per sequence (token i is sequence i's): x [M,
- * hidden] bf16, the residual stream, updated in place to the last layer's output
- * (before the final norm). cos, sin: [M, head_dim / 2] float32; slots: [M] int64;
- * tables [M, table_stride] and seq_lens [M] int32. Returns 0, or -1: out of memory, or
+/* Every layer for M query rows: x [M, hidden] bf16, the residual stream, updated in
+ * place to the last layer's output (before the final norm). Row i attends the first
+ * seq_lens[i] tokens of the context in block-table row i, its own K/V included: a
+ * decode per sequence, or several rows of one sequence with the same table and
+ * growing lengths (a drafted decode's 1 + k tokens, a short prompt), causal among
+ * them since every row's K/V is stored before any row attends. cos, sin: [M,
+ * head_dim / 2] float32; slots: [M] int64; tables [M, table_stride] and seq_lens [M]
+ * int32. Returns 0, or -1: out of memory, or
  * a shape the kernels do not take (the caller checks shapes first). */
 int q4_decode_layers(int num_threads, const q4_dims *d, const q4_layer *layers, int num_layers,
                      uint16_t *x, int M, const float *cos, const float *sin,

@@ -73,12 +73,14 @@ class NativeDecoder:
         return None
 
     def applies(self, num_tokens: int, meta) -> bool:
-        """A decode-only step of at most MAX_NATIVE_TOKENS sequences (``decode_only``:
-        row i is sequence i's token, which is how the C side reads them)."""
+        """A step of at most MAX_NATIVE_TOKENS rows, each a C-kernel row in order
+        (``all_rows_native``: row i is query i, with its own block-table row and causal
+        context length, which is how the C side reads them): decodes, and drafted
+        decodes' 1 + k rows under speculation."""
         plan = meta.plan if meta is not None else None
         if self.lora_state is not None and self.lora_state.step is not None:
             return False  # an adapter runs in this step: the per-op path applies it
-        return (plan is not None and plan.native and plan.decode_only
+        return (plan is not None and plan.all_rows_native
                 and num_tokens <= MAX_NATIVE_TOKENS)
 
     def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta) -> torch.Tensor:
