@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 from types import SimpleNamespace
 
 from llmserve.distributed.shapes import check_tensor_parallel
-from llmserve.operator import lora, prefill
+from llmserve.operator import lora, prefill, speculative
 from llmserve.operator.observability import tracing_args
 
 BUILTIN_MODELS = {"smollm2-135m-instruct"}
@@ -30,6 +30,7 @@ MANAGED_BY = {"app.kubernetes.io/managed-by": "llmserve-operator"}
 GATEWAY_PORT = 8080
 MODELS_DIR = "/models"
 ADAPTERS_DIR = "/adapters"  # pvc:// adapters on claims other than the model's
+DRAFT_DIR = "/draft-model"  # a pvc:// draft model on a claim not mounted otherwise
 TENANTS_DIR = "/etc/llmserve/tenants"
 TENANTS_KEY = "tenants.yaml"
 
@@ -207,6 +208,65 @@ def desired_adapters(owner: Owner) -> list[lora.Adapter]:
     return out
 
 
+# --- speculative decoding (spec.engine.speculative) ------------------------------------
+def draft_model(owner: Owner) -> tuple[dict[str, str], list[dict], list[dict]]:
+    """(the draft model's keys of --speculative-config, extra volumes, extra mounts).
+    Its source takes the forms of model.source: llmserve resolves a built-in name and
+    hf:// itself (same cache and HF_TOKEN as the main model); vLLM takes a repo id and
+    ``revision``; a pvc:// draft is read where its claim is mounted (the model's claim
+    at MODELS_DIR, an adapters' claim at ADAPTERS_DIR/CLAIM, another one read-only at
+    DRAFT_DIR)."""
+    source = (speculative.settings(owner.spec) or {}).get("model")
+    if not source:
+        return {}, [], []
+    vllm = owner.spec.get("engine", {}).get("kind", "llmserve") == "vllm"
+    where = f"engine.speculative.model {source!r}"
+    if source.startswith("hf://"):
+        if not vllm:
+            return {"model": source}, [], []
+        repo, _, revision = source[len("hf://"):].partition("@")
+        return {"model": repo, **({"revision": revision} if revision else {})}, [], []
+    if source.startswith("file:///"):
+        return {"model": source[len("file://"):]}, [], []
+    if source.startswith("pvc://"):
+        return draft_on_claim(owner, source, where)
+    if "://" in source:
+        raise SpecError(f"{where}: unsupported scheme; a draft model is a built-in name, "
+                        f"hf://ORG/REPO[@REVISION], pvc://CLAIM/PATH or file:///PATH")
+    if not vllm and source not in BUILTIN_MODELS:
+        raise SpecError(f"{where} is not a built-in model (built-in: "
+                        f"{', '.join(sorted(BUILTIN_MODELS))}); use hf://, pvc:// or file:///")
+    return {"model": source}, [], []
+
+
+def draft_on_claim(owner: Owner, source: str, where: str
+                   ) -> tuple[dict[str, str], list[dict], list[dict]]:
+    claim, _, path = source[len("pvc://"):].partition("/")
+    if not claim:
+        raise SpecError(f"{where}: pvc:// needs a claim name")
+    if claim == model_claim(owner):
+        return {"model": f"{MODELS_DIR}/{path}".rstrip("/")}, [], []
+    if claim in adapter_claims(owner):
+        return {"model": f"{ADAPTERS_DIR}/{claim}/{path}".rstrip("/")}, [], []
+    volume = {"name": "draft-model", "persistentVolumeClaim": {"claimName": claim,
+                                                                "readOnly": True}}
+    mount = {"name": "draft-model", "mountPath": DRAFT_DIR, "readOnly": True}
+    return {"model": f"{DRAFT_DIR}/{path}".rstrip("/")}, [volume], [mount]
+
+
+def speculative_args(owner: Owner, tp: int, role: str) -> list[str]:
+    """``--speculative-config JSON`` from spec.engine.speculative (none when unset);
+    a spec the engines would refuse at start-up is refused here, saying what works."""
+    conf = speculative.settings(owner.spec)
+    if conf is None:
+        return []
+    problem = speculative.refusal(owner.spec, tp, role)
+    if problem:
+        raise SpecError(problem)
+    draft, _, _ = draft_model(owner)
+    return [speculative.FLAG, speculative.config_json(conf, draft)]
+
+
 # Where the engine container keeps what it downloads (huggingface_hub's cache, Triton's
 # kernel cache): the writable `cache` volume, since the root filesystem is read-only.
 CACHE_DIR = "/cache"
@@ -282,6 +342,7 @@ def engine_container(owner: Owner, role: str = "both") -> dict:
     port = engine.get("port", 8000)
     model, _, mounts = model_source(owner)
     _, adapter_mounts = adapter_volumes(owner)
+    _, _, draft_mounts = draft_model(owner)
     gpus = spec.get("resources", {}).get("gpus", 0)
     dtype = engine.get("dtype", "auto")
     tp = tensor_parallel_size(owner)
@@ -330,6 +391,7 @@ def engine_container(owner: Owner, role: str = "both") -> dict:
         args += ["--device", "cuda"]
     args += prefill.role_args(role)
     args += lora.engine_args(spec)
+    args += speculative_args(owner, tp, role)
     args += tracing_args(spec)
     args += list(engine.get("args", []))
     probe = {"httpGet": {"path": "/health", "port": "http"}}
@@ -348,6 +410,7 @@ def engine_container(owner: Owner, role: str = "both") -> dict:
         "securityContext": CONTAINER_SECURITY,
         "volumeMounts": [{"name": "cache", "mountPath": CACHE_DIR},
                          {"name": "tmp", "mountPath": "/tmp"}, *mounts, *adapter_mounts,
+                         *draft_mounts,
                          *([{"name": "dshm", "mountPath": "/dev/shm"}] if gpus else [])],
     }
 
@@ -398,7 +461,7 @@ def engine_deployment(owner: Owner, replicas: int, role: str = "both",
     if kv_secret and role != "both":
         template_meta["annotations"] = {KV_SECRET_ANNOTATION: kv_secret}
     _, volumes, _ = model_source(owner)
-    volumes = [*volumes, *adapter_volumes(owner)[0]]
+    volumes = [*volumes, *adapter_volumes(owner)[0], *draft_model(owner)[1]]
     res = spec.get("resources", {})
     pod_spec = {
         "securityContext": POD_SECURITY,
