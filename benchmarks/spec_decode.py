@@ -1,8 +1,9 @@
 """Speculative decoding (n-gram / prompt lookup): tokens/s with and without, same run.
 
 Two engines of the built-in model (default dtype) in one process, alternating request by
-request so that both see the same machine state, each warmed up first on every workload
-(a step shape's first run pays one-off costs: oneDNN primitives, first-touch pages). Greedy, so both produce the same
+request so that both see the same machine state, each warmed up first on every
+workload (a step shape's first run pays one-off costs: oneDNN primitives, first-touch
+pages). Greedy, so both produce the same
 tokens (checked). Single stream on copying workloads (repeat this text, edit this code,
 answer with quotes) and on plain chat; then 32 streams at once.
 

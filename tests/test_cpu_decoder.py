@@ -129,10 +129,10 @@ def run_layers(decoder: NativeDecoder, first: int, count: int, x, cos, sin,
 def test_each_layer_matches_the_torch_layer(int4_llm, prompts, draft):
     """Each layer in C computes what the model's torch layer does from the same input
     (norms, int4 projections, rotary and cache store, attention over the paged context,
-    causal among a drafted decode's rows, SiLU): most layers bit for bit, the others where a float32 sum in another order
-    rounded one bf16 value differently (relative error ~1e-3). The whole stack stays
-    within the drift that such steps grow into over 30 bf16 layers (a broken piece is
-    off by ~100 %)."""
+    causal among a drafted decode's rows, SiLU): most layers bit for bit, the others
+    where a float32 sum in another order rounded one bf16 value differently (relative
+    error ~1e-3). The whole stack stays within the drift that such steps grow into over
+    30 bf16 layers (a broken piece is off by ~100 %)."""
     from llmserve.model_executor.layers.attention import forward_context
     model = int4_llm.engine.runner.model.model
     decoder = model.native_decoder
