@@ -4,7 +4,8 @@ Two sections, each a ratio against a baseline measured in the same run (machines
 are noisy: compare ratios, not absolute times):
 
 1. The int4 matmul: ATen's ``_weight_int4pack_mm_for_cpu`` vs the C kernel on the same
-   packed weights, the built-in model's projection shapes, 1-16 tokens.
+   packed weights, the built-in model's projection shapes, 1-16 tokens (the kernel's
+   tiles are 8 tokens on AVX-512: 9 is a full tile and one more).
 2. Decode steps of the built-in model (bf16 + int4, eager): the engine's step with the
    layers in C (``NativeDecoder``) vs op by op, same engine, per batch size. The
    crossover sets ``native_decoder.MAX_NATIVE_TOKENS``.
@@ -83,7 +84,7 @@ def step_section(batches: list[int], context: int, steps: int) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--tokens", default="1,2,4,8,16")
+    ap.add_argument("--tokens", default="1,2,4,5,8,9,16")  # 5: a decode + 4 drafts
     ap.add_argument("--batches", default="1,2,4,8,12,16")
     ap.add_argument("--context", type=int, default=200)
     ap.add_argument("--steps", type=int, default=20)

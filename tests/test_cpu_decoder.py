@@ -35,7 +35,8 @@ def quantized(out_features: int, in_features: int, bias: bool, seed: int) -> Qua
 
 @pytest.mark.parametrize("out_features, in_features", [(960, 576), (128, 64), (3072, 576),
                                                        (576, 1536)])
-@pytest.mark.parametrize("tokens", [1, 3, 4, 5, 9])
+# every tile size (1 to 8 tokens), a full tile plus one, and two full tiles
+@pytest.mark.parametrize("tokens", [1, 2, 3, 4, 5, 6, 7, 8, 9, 16])
 @pytest.mark.parametrize("bias", [False, True])
 def test_int4_matmul_matches_atens_kernel(out_features, in_features, tokens, bias):
     """Same packed weights, same math up to the float32 summation order: at most one

@@ -24,7 +24,14 @@
 #include "kernels.h"
 
 #define GROUP 32  /* int4 group size along K (quantization.INT4_GROUP) */
-#define TILE 4    /* tokens sharing one read of a weight block */
+/* Tokens sharing one read of a weight chunk (q4_pass): their 2 TILE vectors of sums,
+ * the 2 columns and a broadcast x fill AVX-512's 32 registers; AVX2's 16 (of half the
+ * width) hold half as many tokens. */
+#if defined(__AVX512F__)
+#define TILE 8
+#else
+#define TILE 4
+#endif
 
 /* 16 bytes zero-extended to 16 int32 lanes (GCC's generic conversion would load them
  * one by one). */
@@ -44,60 +51,138 @@ static inline v16i widen16(const uint8_t *p) {
 #endif
 }
 
-/* One block of BN columns (BN / 16 vectors) for m <= TILE tokens: per group, the
- * dot products with the integer codes, then scale and zero, since
- * sum_k x_k ((q_k - 8) s + z) = s sum_k x_k q_k + (z - 8 s) sum_k x_k. */
-static inline __attribute__((always_inline)) void q4_block(
-        const float *xf, const float *xsum, const int m, int64_t K, int64_t N, const int BN,
-        const uint8_t *w, const uint16_t *sz, int64_t col0, v16f acc[TILE][4]) {
-    const int V = BN / 16, half = BN / 2, groups = (int)(K / GROUP);
+/* acc + (scale * part + offset_x), with scale * part + offset_x one fused
+ * multiply-add where there is one: spelt out, as the compiler's contraction chose
+ * between the two products by the register pressure of each tile size. */
+static inline v16f scaled_add(v16f acc, v16f scale, v16f part, v16f offset_x) {
+#if defined(__AVX512F__)
+    return acc + (v16f)_mm512_fmadd_ps((__m512)scale, (__m512)part, (__m512)offset_x);
+#elif defined(__FMA__)
+    __m256 s[2], p[2], o[2];
+    memcpy(s, &scale, sizeof s);
+    memcpy(p, &part, sizeof p);
+    memcpy(o, &offset_x, sizeof o);
+    __m256 sum[2] = {_mm256_fmadd_ps(s[0], p[0], o[0]), _mm256_fmadd_ps(s[1], p[1], o[1])};
+    v16f out;
+    memcpy(&out, sum, sizeof out);
+    return acc + out;
+#else
+    return acc + (scale * part + offset_x);
+#endif
+}
+
+/* A pass over nc (1 or 2) consecutive chunks of a weight block for m tokens. Chunk c
+ * of a block of BN columns is bytes 16c..16c+15 of each k row: 16 columns in its low
+ * nibbles (the block's first column + 16c on) and 16 in its high ones (BN / 2 further
+ * on). A pass's 2 nc vectors of sums per token (acc[t][j]: chunk j's low columns,
+ * acc[t][nc + j] its high ones) must stay in registers with the columns: one chunk
+ * lets TILE tokens share each dequantised weight, two chunks (a whole BN 64 block)
+ * halve the broadcasts of x for tiles small enough to fit. Per group, the dot products
+ * with the integer codes, then scale and zero, since
+ * sum_k x_k ((q_k - 8) s + z) = s sum_k x_k q_k + (z - 8 s) sum_k x_k.
+ * w: the first chunk's byte in row 0 (rows BN / 2 bytes apart); col0 its first column. */
+static inline __attribute__((always_inline)) void q4_pass(
+        const float *xf, const float *xsum, const int m, const int nc, int64_t K, int64_t N,
+        int BN, const uint8_t *w, const uint16_t *sz, int64_t col0, v16f acc[TILE][4]) {
+    const int half = BN / 2, groups = (int)(K / GROUP);
     for (int t = 0; t < m; t++)
-        for (int v = 0; v < V; v++) acc[t][v] = (v16f){0};
+        for (int v = 0; v < 2 * nc; v++) acc[t][v] = (v16f){0};
     for (int g = 0; g < groups; g++) {
         v16f part[TILE][4];
         for (int t = 0; t < m; t++)
-            for (int v = 0; v < V; v++) part[t][v] = (v16f){0};
+            for (int v = 0; v < 2 * nc; v++) part[t][v] = (v16f){0};
         const uint8_t *b = w + (int64_t)g * GROUP * half;
+        const float *xg = xf + g * GROUP;
         for (int kk = 0; kk < GROUP; kk++, b += half) {
-            /* low nibbles: the block's first half of columns; high: the second */
             v16f col[4];
-            for (int v = 0; v < V / 2; v++) {
-                v16i bytes = widen16(b + 16 * v);
-                col[v] = __builtin_convertvector(bytes & 15, v16f);
-                col[v + V / 2] = __builtin_convertvector(bytes >> 4, v16f);
+            for (int j = 0; j < nc; j++) {
+                v16i bytes = widen16(b + 16 * j);
+                col[j] = __builtin_convertvector(bytes & 15, v16f);
+                col[nc + j] = __builtin_convertvector(bytes >> 4, v16f);
             }
             for (int t = 0; t < m; t++) {
-                const float xv = xf[t * K + g * GROUP + kk];
-                for (int v = 0; v < V; v++) part[t][v] += xv * col[v];
+                const float xv = xg[t * K + kk];
+                for (int v = 0; v < 2 * nc; v++) part[t][v] += xv * col[v];
             }
         }
         /* (scale, zero) bf16 pairs as one 32-bit word each: bf16 is float's top half */
         const uint16_t *szg = sz + ((int64_t)g * N + col0) * 2;
-        for (int v = 0; v < V; v++) {
+        for (int v = 0; v < 2 * nc; v++) {
+            const int offset_cols = (v < nc ? 0 : half) + 16 * (v % nc);
             v16u32 pair;
-            memcpy(&pair, szg + 32 * v, sizeof pair);  /* bf16 storage, read as words */
+            memcpy(&pair, szg + 2 * offset_cols, sizeof pair);  /* bf16 storage, as words */
             v16f scale = (v16f)(pair << 16), zero = (v16f)(pair & 0xFFFF0000u);
             v16f offset = zero - 8.0f * scale;
             for (int t = 0; t < m; t++)
-                acc[t][v] += scale * part[t][v] + offset * xsum[t * groups + g];
+                acc[t][v] = scaled_add(acc[t][v], scale, part[t][v],
+                                       offset * xsum[t * groups + g]);
         }
     }
 }
 
-/* The block for a tile of tokens, with the tile's size and BN known to the compiler. */
-static void q4_tile(const float *xf, const float *xsum, int m, int64_t K, int64_t N, int BN,
-                    const uint8_t *w, const uint16_t *sz, int64_t col0, v16f acc[TILE][4]) {
-#define Q4_CASE(M_)                                                             \
-    case M_:                                                                    \
-        if (BN == 64) q4_block(xf, xsum, M_, K, N, 64, w, sz, col0, acc);       \
-        else q4_block(xf, xsum, M_, K, N, 32, w, sz, col0, acc);                \
+/* Most tokens a two-chunk pass takes: 4 m sums + 4 columns + a broadcast in registers. */
+#define TILE2 (TILE < 6 ? TILE : 6)
+
+/* A pass for a tile of m tokens, with m and nc known to the compiler. */
+static void q4_tile(const float *xf, const float *xsum, int m, int nc, int64_t K, int64_t N,
+                    int BN, const uint8_t *w, const uint16_t *sz, int64_t col0,
+                    v16f acc[TILE][4]) {
+#define Q4_CASE(M_, NC_)                                                        \
+    case M_ * 2 + NC_ - 1:                                                      \
+        q4_pass(xf, xsum, M_, NC_, K, N, BN, w, sz, col0, acc);                 \
         break;
-    switch (m) { Q4_CASE(1) Q4_CASE(2) Q4_CASE(3) Q4_CASE(4) }
+#define Q4_CASES(M_) Q4_CASE(M_, 1) Q4_CASE(M_, 2)
+    switch (m * 2 + nc - 1) {
+        Q4_CASES(1) Q4_CASES(2) Q4_CASES(3) Q4_CASES(4)
+#if TILE == 8
+        Q4_CASES(5) Q4_CASES(6) Q4_CASE(7, 1) Q4_CASE(8, 1)
+#endif
+    }
+#undef Q4_CASES
 #undef Q4_CASE
 }
 
-/* y [M, N] = x [M, K] (bf16) times the int4 weight, rounded to bf16 (then + bias,
- * rounded again, as the torch path adds it). */
+/* acc (a pass's sums: see q4_pass) rounded to bf16 into y's columns, then + bias,
+ * rounded again, as the torch path adds it. */
+static void q4_store(const q4_linear *lin, int BN, const v16f acc[TILE][4], int m, int nc,
+                     int64_t col0, uint16_t *y) {
+    for (int t = 0; t < m; t++)
+        for (int v = 0; v < 2 * nc; v++) {
+            const int64_t col = col0 + (v < nc ? 0 : BN / 2) + 16 * (v % nc);
+            uint16_t *out = y + t * lin->n + col;
+            store16_bf16(out, acc[t][v]);
+            if (lin->bias != NULL)  /* f32_to_bf16(bf16 y + bf16 bias), as one vector */
+                store16_bf16(out, load16_bf16(out) + load16_bf16(lin->bias + col));
+        }
+}
+
+/* Chunks [first, end) of the weight for all M tokens: runs of a block's two chunks in
+ * one pass where the tile fits (TILE2), else one chunk a pass. */
+static void q4_chunks(const q4_linear *lin, int BN, int M, const float *xf, const float *xsum,
+                      int64_t first, int64_t end, uint16_t *y) {
+    const int64_t K = lin->k, groups = K / GROUP;
+    const int per_block = BN / 32, half = BN / 2;
+    v16f acc[TILE][4];
+    for (int64_t i = first; i < end;) {
+        const int64_t nb = i / per_block, c = i % per_block;
+        const int whole = c == 0 && per_block == 2 && i + 2 <= end;  /* both chunks here */
+        for (int t0 = 0; t0 < M; t0 += TILE) {
+            const int m = M - t0 < TILE ? M - t0 : TILE;
+            const int nc = whole && m <= TILE2 ? 2 : 1;
+            for (int j = 0; j < (whole ? 2 : 1); j += nc) {
+                const int64_t col0 = nb * BN + 16 * (c + j);
+                q4_tile(xf + t0 * K, xsum + t0 * groups, m, nc, K, lin->n, BN,
+                        lin->weight + nb * K * half + 16 * (c + j), lin->scale_zero, col0, acc);
+                q4_store(lin, BN, acc, m, nc, col0, y + t0 * lin->n);
+            }
+        }
+        i += whole ? 2 : 1;
+    }
+}
+
+/* y [M, N] = x [M, K] (bf16) times the int4 weight, rounded to bf16 (+ bias). Each
+ * thread takes an even share of the chunks, not of the blocks: 9 blocks split 9/9
+ * chunks, not 5/4 blocks. */
 static void q4_matmul(int num_threads, const q4_linear *lin, int BN, const uint16_t *x, int M,
                       uint16_t *y, float *xf, float *xsum) {
     const int64_t K = lin->k, N = lin->n, groups = K / GROUP;
@@ -108,24 +193,12 @@ static void q4_matmul(int num_threads, const q4_linear *lin, int BN, const uint1
             for (int kk = 0; kk < GROUP; kk++) s += xf[t * K + g * GROUP + kk];
             xsum[t * groups + g] = s;
         }
-    const int64_t blocks = N / BN;
-    #pragma omp parallel for num_threads(num_threads) schedule(static)
-    for (int64_t nb = 0; nb < blocks; nb++) {
-        v16f acc[TILE][4];
-        const uint8_t *w = lin->weight + nb * K * (BN / 2);
-        for (int t0 = 0; t0 < M; t0 += TILE) {
-            const int m = M - t0 < TILE ? M - t0 : TILE;
-            q4_tile(xf + t0 * K, xsum + t0 * groups, m, K, N, BN, w, lin->scale_zero,
-                    nb * BN, acc);
-            for (int t = 0; t < m; t++)
-                for (int j = 0; j < BN; j++) {
-                    const int64_t col = nb * BN + j;
-                    uint16_t v = f32_to_bf16(acc[t][j / 16][j % 16]);
-                    if (lin->bias != NULL) v = f32_to_bf16(bf16_to_f32(v) + bf16_to_f32(lin->bias[col]));
-                    y[(t0 + t) * N + col] = v;
-                }
-        }
-    }
+    const int64_t chunks = N / BN * (BN / 32);
+    int shares = num_threads < chunks ? num_threads : (int)chunks;
+    if (shares < 1) shares = 1;
+    #pragma omp parallel for num_threads(num_threads) schedule(static, 1)
+    for (int s = 0; s < shares; s++)
+        q4_chunks(lin, BN, M, xf, xsum, chunks * s / shares, chunks * (s + 1) / shares, y);
 }
 
 /* Exposed for tests: y [M, N] = x [M, K] times one int4 weight. */

@@ -22,9 +22,11 @@ from llmserve.model_executor.models.llama import DecoderLayer
 
 log = logging.getLogger(__name__)
 
-# Decode steps of at most this many sequences run in C: its kernel reads each weight
-# block once per 4 tokens, where the per-op path's quant_gemm dequantises each block
-# once for all rows (benchmarks/cpu_decoder.py measures the crossover).
+# Decode steps of at most this many sequences run in C: its kernel dequantises each
+# weight chunk once per 8 tokens (4 on AVX2), where the per-op path's quant_gemm
+# dequantises each block once for all rows (benchmarks/cpu_decoder.py measures the
+# crossover; re-measured with the 8-token tiles, on a loaded 2-core machine: no clear
+# gain past 8).
 MAX_NATIVE_TOKENS = 8
 
 
