@@ -23,6 +23,7 @@ from llmserve.engine.llm_engine import LLMEngine
 from llmserve.engine.metrics import EngineMetrics
 from llmserve.entrypoints.cli import add_engine_args, engine_kwargs
 from llmserve.spec_decode.config import SpeculativeConfig
+from llmserve.spec_decode.draft_policy import PRIOR_ROW_COST, DraftPolicy
 from llmserve.spec_decode.ngram_proposer import NgramProposer
 from llmserve.spec_decode.speculator import Speculator
 from tests.differential import (
@@ -53,7 +54,10 @@ def test_config_takes_vllms_shape_and_defaults():
 
 
 @pytest.mark.parametrize("value, named", [
-    ({"model": "some/draft", "num_speculative_tokens": 4}, "only n-gram"),
+    ({"method": "draft_model", "num_speculative_tokens": 4}, "needs 'model'"),
+    ({"model": "d", "num_speculative_tokens": 4, "prompt_lookup_max": 3}, "prompt_lookup_max"),
+    ({"model": "d"}, "num_speculative_tokens"),
+    ({"method": "ngram", "model": "d", "num_speculative_tokens": 4}, "model"),
     ({"method": "eagle", "num_speculative_tokens": 4}, "method"),
     ({"method": "ngram"}, "num_speculative_tokens"),
     ({"num_speculative_tokens": 0}, "num_speculative_tokens"),
@@ -66,6 +70,14 @@ def test_config_takes_vllms_shape_and_defaults():
 def test_config_refuses_bad_values_by_name(value, named):
     with pytest.raises(ValueError, match=named):
         SpeculativeConfig.parse(value)
+
+
+def test_a_model_makes_it_a_draft_model_as_in_vllm():
+    c = SpeculativeConfig.parse({"model": "hf://org/draft", "num_speculative_tokens": 3})
+    assert (c.method, c.model, c.num_speculative_tokens) == ("draft_model", "hf://org/draft", 3)
+    c = SpeculativeConfig.parse({"method": "draft_model", "model": "d",
+                                 "num_speculative_tokens": 2, "disable_by_batch_size": 8})
+    assert c.disable_by_batch_size == 8
 
 
 def test_engine_config_refuses_what_speculation_cannot_do_yet():
@@ -127,10 +139,54 @@ def test_speculator_drafts_decodes_within_limits():
     assert prefilling.spec_token_ids == []
 
 
+def test_the_policy_drafts_what_pays_for_its_rows():
+    policy = DraftPolicy()
+    seq = _decoding([5, 6, 7] * 3)
+    assert policy.row_cost(1) == PRIOR_ROW_COST and policy.max_draft(seq, 1, 4) == 4
+    # A CPU: a step costs 8 ms + 2 ms a sequence + 1.25 ms a draft token. One stream:
+    # a draft token pays if accepted with p > 1.25 / 10.
+    for seqs, drafted in ((1, 0), (1, 4), (4, 0), (4, 8), (2, 3), (8, 0)):
+        policy.observe_step(seqs, drafted, 0.008 + 0.002 * seqs + 0.00125 * drafted)
+    assert policy.row_cost(1) == pytest.approx(0.125, rel=1e-3)
+    assert policy.max_draft(seq, 1, 4) == 4  # the prior: 0.8 ** 4 > 0.125
+    for _ in range(4):
+        policy.drafted(seq, 4, 0)  # every draft rejected at its first token
+    assert policy.rate(seq) < 0.125 and policy.max_draft(seq, 1, 4) == 0
+    # Not drafted, it drifts back to the prior and is tried again.
+    steps = 0
+    while policy.max_draft(seq, 1, 4) == 0:
+        policy.not_drafted(seq)
+        steps += 1
+    assert 3 < steps < 60
+    # 40 % accepted: 0.4 ** 2 > 0.125 > 0.4 ** 3 -> two tokens.
+    some = _decoding([1, 2] * 5)
+    some.draft_stats = (1.0, 2.5)
+    assert policy.max_draft(some, 1, 8) == 2
+    # 32 streams: a draft row costs 1.25 ms of a 72 ms step making 32 tokens, 0.56 of
+    # a token: only sequences accepting most drafts draft, and briefly.
+    assert policy.row_cost(32) == pytest.approx(0.04 / 0.072, rel=1e-3)
+    assert policy.max_draft(some, 32, 4) == 0
+    copying = _decoding([1, 2] * 5)
+    copying.draft_stats = (9.5, 10.0)
+    assert policy.max_draft(copying, 32, 4) == 4  # 0.95 ** 4 > 0.56
+    copying.draft_stats = (8.5, 10.0)
+    assert policy.max_draft(copying, 32, 4) == 3  # 0.85 ** 3 > 0.56 > 0.85 ** 4
+    # A GPU: draft rows nearly free, every plausible draft pays.
+    gpu = DraftPolicy()
+    for seqs, drafted in ((8, 0), (8, 32), (16, 0), (16, 40)):
+        gpu.observe_step(seqs, drafted, 0.008 + 0.0001 * seqs + 0.00001 * drafted)
+    assert gpu.max_draft(some, 8, 4) == 4
+
+
 # --- the engine ---------------------------------------------------------------------------
-def _llm(tiny_llama, spec: dict | None, **kw) -> LLM:
-    return LLM(str(tiny_llama), dtype="float32", kv_cache_memory=64 << 20,
-               max_num_batched_tokens=64, speculative_config=spec, **kw)
+def _llm(tiny_llama, spec: dict | None, policy: bool = False, **kw) -> LLM:
+    """An engine; ``policy`` False: every draft the proposer has is verified (as long
+    as the step has room), so tests of verification and rollback see many drafts."""
+    llm = LLM(str(tiny_llama), dtype="float32", kv_cache_memory=64 << 20,
+              max_num_batched_tokens=64, speculative_config=spec, **kw)
+    if spec is not None and not policy:
+        llm.engine.spec.policy = None
+    return llm
 
 
 @pytest.fixture(scope="module")
@@ -217,6 +273,7 @@ def test_random_workloads_under_memory_pressure_match_decoding_without_drafts(ti
     block free after each workload (``Differential.run``)."""
     plain = Differential(_engine(tiny_llama), ample_blocks=256)
     drafted = Differential(_engine(tiny_llama, speculative_config=NGRAM), ample_blocks=256)
+    drafted.engine.spec.policy = None  # every draft verified: how many does not hang on timing
     drafted.reference = plain.reference  # decoding without speculation, alone
     rng = random.Random(os.environ.get("LLMSERVE_FUZZ_SEED", "7"))
     vocab = plain.engine.hf_config.vocab_size
@@ -245,7 +302,8 @@ ALLOWED = [100, 200, 300, 400]
 
 
 def _exact_joint(tiny_llama, prompt: list[int]) -> torch.Tensor:
-    """P(first token, second token) over ALLOWED at temperature 1, by transformers."""
+    """P(second token, third token) over ALLOWED at temperature 1, by transformers
+    (summed over the first token)."""
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(tiny_llama, torch_dtype=torch.float32)
 
@@ -254,32 +312,54 @@ def _exact_joint(tiny_llama, prompt: list[int]) -> torch.Tensor:
             logits = model(torch.tensor([ids])).logits[0, -1, ALLOWED]
         return torch.softmax(logits.double(), dim=-1)
 
-    first = probs(prompt)
-    return torch.stack([first[i] * probs(prompt + [t]) for i, t in enumerate(ALLOWED)])
+    joint = torch.zeros(4, 4, dtype=torch.float64)
+    for i, first in zip(ALLOWED, probs(prompt)):
+        for j, second in zip(ALLOWED, probs(prompt + [i])):
+            joint[ALLOWED.index(j)] += first * second * probs(prompt + [i, j])
+    return joint
 
 
-def test_sampled_tokens_follow_the_target_distribution(tiny_llama, pair):
-    """Every request's second token is drafted (the prompt repeats the allowed tokens,
-    so any first token recurs in it) and verified by rejection sampling; the joint
-    counts of (first, second) token over many seeds must fit the model's exact
-    probabilities. An acceptance rule that is wrong (always accept: the second token
-    is the draft) fails this by orders of magnitude."""
-    _, spec = pair
+def _chi2_of_sampled_pairs(tiny_llama, spec: LLM, num_draws: int = 1000) -> float:
+    """Chi-square of the (second, third) token counts over ``num_draws`` seeds against
+    the model's exact joint probabilities. The first decode step after the prompt
+    drafts a token and samples the second for sure; the third is output in that step
+    only where the draft was accepted, else in the next: so the pair's joint depends
+    on the acceptance rule being right."""
     prompt = ALLOWED * 3
-    num_draws = 1000
     before = spec.engine.spec.num_drafts
     outs = spec.generate([prompt] * num_draws, [
         # (top_k=4 changes nothing but takes the sampler's cheap path)
         SamplingParams(temperature=1.0, seed=i, max_tokens=3, allowed_token_ids=ALLOWED,
                        top_k=4, ignore_eos=True) for i in range(num_draws)])
-    assert spec.engine.spec.num_drafts - before == num_draws  # every second token drafted
+    assert spec.engine.spec.num_drafts - before >= num_draws  # every second token drafted
     counts = torch.zeros(4, 4, dtype=torch.float64)
     for o in outs:
-        first, second = o.outputs[0].token_ids[:2]
-        counts[ALLOWED.index(first), ALLOWED.index(second)] += 1
+        second, third = o.outputs[0].token_ids[1:3]
+        counts[ALLOWED.index(second), ALLOWED.index(third)] += 1
     expected = num_draws * _exact_joint(tiny_llama, prompt)
-    chi2 = float(((counts - expected) ** 2 / expected).sum())
-    assert chi2 < CHI2_15_AT_1E_3, (chi2, counts, expected)
+    return float(((counts - expected) ** 2 / expected).sum())
+
+
+@pytest.mark.parametrize("proposer", ["ngram", "draft_model"])
+def test_sampled_tokens_follow_the_target_distribution(tiny_llama, pair, self_drafted,
+                                                       proposer):
+    """Every request's first decode is drafted (n-gram: the prompt repeats the allowed
+    tokens, so any first token recurs in it; a draft model always guesses) and
+    verified by rejection sampling; the joint counts of the (second, third) tokens
+    over many seeds must fit the model's exact probabilities."""
+    spec = pair[1] if proposer == "ngram" else self_drafted
+    chi2 = _chi2_of_sampled_pairs(tiny_llama, spec)
+    assert chi2 < CHI2_15_AT_1E_3, chi2
+
+
+def test_the_distribution_test_fails_a_wrong_acceptance_rule(tiny_llama, self_drafted,
+                                                             monkeypatch):
+    """The test above can fail: accepting every draft (the third token is then sampled
+    after the draft, whatever the second token was) is rejected at the same draws."""
+    from llmserve.spec_decode import rejection_sampler
+    monkeypatch.setattr(rejection_sampler, "accepted_length", lambda draft, target: len(draft))
+    chi2 = _chi2_of_sampled_pairs(tiny_llama, self_drafted)
+    assert chi2 > 3 * CHI2_15_AT_1E_3, chi2  # ~200: the test above fails it by far
 
 
 def test_sliding_window_blocks_are_dropped_and_drafts_rolled_back(tmp_path, builtin_path):
@@ -297,9 +377,146 @@ def test_sliding_window_blocks_are_dropped_and_drafts_rolled_back(tmp_path, buil
         llm = LLM(str(path), dtype="float32", kv_cache_memory=16 << 20,
                   max_num_batched_tokens=32, speculative_config=spec)
         assert llm.engine.block_manager.sliding_window == 24
+        if spec is not None:
+            llm.engine.spec.policy = None  # every draft verified
         reconfigure(llm.engine, 14, 0, preemption_mode="recompute", watermark=0.0)
         outputs.append(_tokens(llm.generate(prompts, params)))
         assert llm.engine.scheduler.num_preemptions > 0
         llm.engine.block_manager.check_all_free()
     assert outputs[0] == outputs[1]
     assert llm.engine.spec.num_accepted_tokens > 0
+
+
+# --- draft models ---------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def small_draft(tmp_path_factory, tiny_llama):
+    """The target without its last layer: the residual stream of a small random model
+    is mostly its embedding, so the draft often guesses the target's token, and often
+    does not."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+    out = tmp_path_factory.mktemp("draft") / "first-layer"
+    shutil.copytree(tiny_llama, out)
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama, torch_dtype=torch.float32)
+    model.model.layers = model.model.layers[:1]
+    model.config.num_hidden_layers = 1
+    model.save_pretrained(out)
+    return out
+
+
+def _draft(model, k: int = 3) -> dict:
+    return {"model": str(model), "num_speculative_tokens": k}
+
+
+@pytest.fixture(scope="module")
+def self_drafted(tiny_llama):
+    """The target as its own draft: in float32 its greedy guesses are the target's."""
+    return _llm(tiny_llama, _draft(tiny_llama))
+
+
+def test_a_draft_model_that_agrees_has_every_greedy_draft_accepted(pair, self_drafted):
+    base, _ = pair
+    prompts = _prompts(6, seed=4)
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    s = self_drafted.engine.spec
+    drafted, accepted = s.num_draft_tokens, s.num_accepted_tokens
+    assert _tokens(self_drafted.generate(prompts, params)) == _tokens(base.generate(prompts,
+                                                                                  params))
+    # Every decode after the first is drafted (a draft model always has a guess), and
+    # the same model in float32 makes the same guess: all accepted.
+    drafted, accepted = s.num_draft_tokens - drafted, s.num_accepted_tokens - accepted
+    assert drafted > 6 * 20 and accepted == drafted
+    self_drafted.engine.block_manager.check_all_free()
+
+
+def test_a_draft_model_that_disagrees_changes_no_output(pair, tiny_llama, small_draft):
+    base, _ = pair
+    spec = _llm(tiny_llama, _draft(small_draft, k=4))
+    prompts = _prompts(8, seed=5)
+    params = [SamplingParams(temperature=0, max_tokens=25, logprobs=2, ignore_eos=True),
+              SamplingParams(temperature=0.9, top_k=20, n=2, seed=3, max_tokens=25,
+                             ignore_eos=True)] * 4
+    want, got = base.generate(prompts, params), spec.generate(prompts, params)
+    assert _tokens(got) == _tokens(want)
+    for g, w in zip(got[::2], want[::2]):
+        for a, b in zip(g.outputs[0].logprobs, w.outputs[0].logprobs):
+            assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
+    s = spec.engine.spec
+    assert 0 < s.num_accepted_tokens < s.num_draft_tokens  # some taken, many rolled back
+    spec.engine.block_manager.check_all_free()
+
+
+def test_the_policy_drafts_less_where_drafts_fail_and_changes_no_output(pair, tiny_llama,
+                                                                       small_draft):
+    base, _ = pair
+    prompts = _prompts(8, seed=6)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    want = _tokens(base.generate(prompts, params))
+    rates, drafted = [], []
+    for policy in (False, True):
+        spec = _llm(tiny_llama, _draft(small_draft, k=4), policy=policy)
+        if policy:  # the costs of a CPU, not this machine's timing of the tiny models
+            p = spec.engine.spec.policy
+            p.coef, p.observe_step = (0.008, 0.002, 0.00125), lambda *a: None
+        assert _tokens(spec.generate(prompts, params)) == want
+        s = spec.engine.spec
+        rates.append(s.acceptance_rate)
+        drafted.append(s.num_draft_tokens)
+        spec.engine.block_manager.check_all_free()
+    assert drafted[1] < 0.8 * drafted[0] and rates[1] > rates[0]
+
+
+def test_a_draft_model_shares_the_kv_budget(tiny_llama, small_draft):
+    """The draft's cache has the target's blocks, so one budget holds both: fewer blocks
+    than the target alone would get, each costing both models' bytes."""
+    alone = _llm(tiny_llama, None).engine.runner
+    spec = _llm(tiny_llama, _draft(small_draft)).engine
+    draft = spec.draft
+    assert draft.runner.num_blocks == spec.runner.num_blocks < alone.num_blocks
+    both = spec.runner.kv_bytes_per_block() + draft.runner.kv_bytes_per_block()
+    assert spec.runner.num_blocks == (64 << 20) // both
+
+
+def test_draft_models_that_cannot_propose_are_refused_by_name(tmp_path, tiny_llama,
+                                                              builtin_path):
+    from tests.conftest import write_tiny_checkpoint
+    other_vocab = write_tiny_checkpoint(tmp_path / "v", builtin_path, "llama", vocab_size=1000)
+    with pytest.raises(ValueError, match="vocabulary of 1000 tokens, the target 49152"):
+        _llm(tiny_llama, _draft(other_vocab))
+    short = write_tiny_checkpoint(tmp_path / "s", builtin_path, "llama",
+                                  max_position_embeddings=256)
+    with pytest.raises(ValueError, match="--max-model-len 256"):
+        _llm(tiny_llama, _draft(short))
+    windowed = write_tiny_checkpoint(tmp_path / "w", builtin_path, "mistral", sliding_window=24)
+    with pytest.raises(ValueError, match="sliding-window"):
+        _llm(tiny_llama, _draft(windowed))
+
+
+def test_draft_model_workloads_under_memory_pressure_match_decoding_without_drafts(
+        tiny_llama, small_draft):
+    """The fuzz harness with a draft model: its cache follows the target's through
+    swap and recompute preemption, copy-on-write forks (n > 1) and prefix hits."""
+    plain = Differential(_engine(tiny_llama), ample_blocks=256)
+    # Twice the budget: the draft's cache (of the same blocks) takes its share.
+    drafted = Differential(LLMEngine(EngineConfig(
+        model=str(tiny_llama), dtype="float32", kv_cache_memory=512 * TINY_BLOCK_BYTES,
+        preemption_mode="swap", swap_space=256 * TINY_BLOCK_BYTES,
+        speculative_config=_draft(small_draft))), ample_blocks=256)
+    drafted.engine.spec.policy = None  # every draft verified, whatever it costs here
+    drafted.reference = plain.reference
+    rng = random.Random(os.environ.get("LLMSERVE_FUZZ_SEED", "11"))
+    pool = spec_pool(rng, plain.engine.hf_config.vocab_size, size=10)
+    pool = with_stop_strings(plain, pool, rng)
+    preemptions = swaps = 0
+    for i in range(NUM_WORKLOADS):
+        w = random_workload(rng, pool, BLOCK, max_blocks=256, max_cpu_blocks=128)
+        swap = i % 2 == 1
+        w.config["preemption_mode"] = "swap" if swap else "recompute"
+        w.num_cpu_blocks = 128 if swap else w.num_cpu_blocks
+        w.num_blocks = min(w.num_blocks, 12)
+        drafted.run(w)
+        preemptions += drafted.engine.scheduler.num_preemptions
+        swaps += drafted.engine.scheduler.num_swapped_out
+    assert drafted.num_compared > NUM_WORKLOADS
+    assert preemptions > 0 and swaps > 0 and drafted.engine.spec.num_accepted_tokens > 0

@@ -73,6 +73,9 @@ class Sequence:
         # Speculative decoding: this step's draft (spec_decode/), verified and cleared
         # by the engine once the step ran. Never part of token_ids.
         self.spec_token_ids: list[int] = []
+        # Its drafts' (accepted, tried) tokens, decayed: spec_decode/draft_policy.py
+        # (None: no draft yet, the policy's prior).
+        self.draft_stats: tuple[float, float] | None = None
 
     # --- sizes -------------------------------------------------------------
     @property

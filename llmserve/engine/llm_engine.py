@@ -39,6 +39,7 @@ from llmserve.model_executor.model_loader.sources import (
     resolve_model,
 )
 from llmserve.model_executor.models.supported import check_model_config, model_sliding_window
+from llmserve.spec_decode.draft_model import DraftModel
 from llmserve.spec_decode.rejection_sampler import verify
 from llmserve.spec_decode.speculator import Speculator
 from llmserve.structured_output.grammar import StructuredOutputs
@@ -70,7 +71,12 @@ class LLMEngine:
                                                 self.max_model_len)
             # Workers stop with the engine, or at exit if it is never shut down.
             self._stop_workers = weakref.finalize(self, self.tp_group.shutdown)
+        # A draft model's cache has the target's blocks: the budget sizes them for both.
+        self.draft = (DraftModel(config, self.hf_config, self.max_model_len)
+                      if config.speculative is not None and config.speculative.model else None)
         self.runner = self._build_runner()
+        if self.draft is not None:
+            self.draft.build(self.runner.num_blocks, self.runner.num_cpu_blocks)
         # A prefill engine keeps a windowed prompt's every block: its decode peer
         # imports the whole prefix.
         window = model_sliding_window(self.hf_config) if config.kv_role != "prefill" else None
@@ -96,8 +102,8 @@ class LLMEngine:
         # P/D: leases (prefill role) or imported prefixes (decode role).
         self.kv_transfer = KVTransferSide(self) if config.kv_role != "both" else None
         # Speculative decoding (n-gram drafts, verified in the step that computes them).
-        self.spec = (Speculator(config.speculative, self.max_model_len)
-                     if getattr(config, "speculative", None) is not None else None)
+        self.spec = (Speculator(config.speculative, self.max_model_len, self.draft)
+                     if config.speculative is not None else None)
         # Multi-LoRA: the adapters by name; --lora-modules are read and checked now.
         self.loras = (LoRARegistry(self.hf_config, config.max_lora_rank, self.runner.lora,
                                    self.model_name, self.requests)
@@ -120,7 +126,9 @@ class LLMEngine:
     def _build_runner(self) -> ModelRunner:
         """Rank 0's model runner; with tensor parallelism, once every worker built its."""
         if self.tp_group is None:
-            return ModelRunner(self.config, self.hf_config, self.model_path, self.max_model_len)
+            extra = self.draft.bytes_per_block() if self.draft is not None else 0
+            return ModelRunner(self.config, self.hf_config, self.model_path, self.max_model_len,
+                               extra_bytes_per_block=extra)
         try:
             runner = ModelRunner(self.config, self.hf_config, self.model_path,
                                  self.max_model_len, group=self.tp_group)
@@ -304,13 +312,16 @@ class LLMEngine:
         finally:
             bm.enable_prefix_caching = caching
         self.runner.warm_up_kernels(self.max_model_len, self.config.max_num_seqs)
+        if self.draft is not None:
+            self.draft.runner.warm_up_kernels(self.max_model_len, self.config.max_num_seqs)
         bm.check_all_free()
         bm.prefix_queries = bm.prefix_hits = 0
         self.scheduler.num_preemptions = self.scheduler.num_swapped_out = 0
         self.scheduler.cost_model = StepCostModel()  # warm-up steps include compilation
         self.stats = EngineStats()
         if self.spec is not None:
-            self.spec = Speculator(self.spec.config, self.max_model_len)  # counters at zero
+            # counters at zero
+            self.spec = Speculator(self.spec.config, self.max_model_len, self.draft)
 
     # --- the step ---------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -326,8 +337,12 @@ class LLMEngine:
             return []
         now = time.monotonic()
         t0 = time.perf_counter()
+        if self.spec is not None:
+            self.spec.fill(batch)  # a draft model's tokens, into the slots just reserved
         pending_masks = self._start_grammar_masks(batch)
         logits, prompt_scores, due = self.runner.run(batch)
+        if self.draft is not None:
+            self.draft.mirror(batch)  # the draft's cache follows every computed token
         self._record_prompt_logprobs(batch, prompt_scores)
         t1 = time.perf_counter()
         kv_tokens = batch.kv_tokens  # before num_computed_tokens moves on
@@ -364,6 +379,8 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if batch.has_block_ops:
             self.runner.apply_block_ops(batch)
+            if self.draft is not None:
+                self.draft.apply_block_ops(batch)
         if self.kv_check:
             self.kv_check.before_forward(batch)
         if not batch.seqs:
@@ -394,7 +411,7 @@ class LLMEngine:
         accepted tokens: their slots count as computed, the blocks past them are freed,
         and only then are the blocks they filled offered to the prefix cache."""
         for seq, (tokens, logprobs) in zip(seqs, verify(self.sampler, logits, seqs)):
-            self.spec.record(len(seq.spec_token_ids), len(tokens) - 1)
+            self.spec.record(seq, len(seq.spec_token_ids), len(tokens) - 1)
             seq.spec_token_ids = []
             computed = seq.num_computed_tokens + len(tokens) - 1
             for token, lp in zip(tokens, logprobs):
@@ -440,6 +457,8 @@ class LLMEngine:
         if batch.predicted_s is not None:
             cost.observe_error(end - ts, batch.predicted_s)
         cost.observe(batch.num_tokens, kv_tokens, len(batch.seqs), end - ts)
+        if self.spec is not None:
+            self.spec.observe_step(end - ts)
         self.last_step = (end - ts, batch.predicted_s)
 
     def _outputs(self, touched: dict[str, Request]) -> list[RequestOutput]:

@@ -1,31 +1,66 @@
 """The engine's side of speculation: which running sequences get a draft this step,
+who proposes it (n-gram lookup, or a draft model once the step's slots are reserved),
 and the counters behind vLLM's ``spec_decode`` metrics."""
 
 from __future__ import annotations
 
 from llmserve.core.request import Sequence
+from llmserve.core.sched.output import ScheduledBatch
 from llmserve.spec_decode.config import SpeculativeConfig
+from llmserve.spec_decode.draft_model import DraftModel
+from llmserve.spec_decode.draft_policy import DraftPolicy
 from llmserve.spec_decode.ngram_proposer import NgramProposer
+
+# What a draft model's reserved draft holds until the draft model fills it in: any
+# valid token id (the scheduler reads only the length).
+PLACEHOLDER = 0
 
 
 class Speculator:
-    def __init__(self, config: SpeculativeConfig, max_model_len: int):
+    def __init__(self, config: SpeculativeConfig, max_model_len: int,
+                 draft: DraftModel | None = None):
         self.config = config
         self.max_model_len = max_model_len
-        self.proposer = NgramProposer(config.num_speculative_tokens,
-                                      config.prompt_lookup_max, config.prompt_lookup_min)
+        self.draft = draft
+        self.proposer = (NgramProposer(config.num_speculative_tokens, config.prompt_lookup_max,
+                                       config.prompt_lookup_min)
+                         if draft is None else None)
+        # How long a draft pays (None: always k, where the proposer has that many).
+        self.policy: DraftPolicy | None = DraftPolicy()
+        # This step's (sequences, draft tokens), if decodes only.
+        self._decode_step: tuple[int, int] | None = None
         self.num_drafts = 0  # sequences verified with a draft
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
 
     def propose(self, running: list[Sequence]) -> None:
-        """Set every running sequence's ``spec_token_ids`` (the scheduler may shorten
-        them to fit the step). None above ``disable_by_batch_size``."""
+        """Before scheduling: set every running sequence's ``spec_token_ids`` (the
+        scheduler may shorten them to fit the step); a draft model's are placeholders,
+        its tokens come in ``fill``. None above ``disable_by_batch_size``."""
         limit = self.config.disable_by_batch_size
         off = limit is not None and len(running) > limit
+        k = self.config.num_speculative_tokens
         for seq in running:
-            room = 0 if off else self._room(seq)
-            seq.spec_token_ids = self.proposer.propose(seq.token_ids, room) if room else []
+            room = 0 if off else min(k, self._room(seq))
+            if room and self.policy is not None:
+                room = min(room, self.policy.max_draft(seq, len(running), k))
+                if not room:
+                    self.policy.not_drafted(seq)
+            if not room:
+                seq.spec_token_ids = []
+            elif self.draft is not None:
+                seq.spec_token_ids = [PLACEHOLDER] * room
+            else:
+                seq.spec_token_ids = self.proposer.propose(seq.token_ids, room)
+
+    def fill(self, batch: ScheduledBatch) -> None:
+        """After scheduling (the drafts' slots are reserved): the draft model's tokens."""
+        decodes = all(s.num_computed_tokens == s.num_tokens - 1 for s in batch.seqs)
+        self._decode_step = (len(batch.seqs), sum(batch.num_new_tokens) - len(batch.seqs)
+                             ) if decodes else None
+        drafted = [s for s in batch.seqs if s.spec_token_ids]
+        if self.draft is not None and drafted:
+            self.draft.propose(drafted)
 
     def _room(self, seq: Sequence) -> int:
         """Most draft tokens ``seq`` can use: a decode, not a beam (the search picks
@@ -38,7 +73,14 @@ class Speculator:
                    self.max_model_len - seq.num_tokens)
         return max(0, left - 1)
 
-    def record(self, num_draft: int, num_accepted: int) -> None:
+    def observe_step(self, seconds: float) -> None:
+        """The step just run took ``seconds`` (the policy learns decode steps' cost)."""
+        if self._decode_step and self.policy is not None:
+            self.policy.observe_step(*self._decode_step, seconds)
+
+    def record(self, seq: Sequence, num_draft: int, num_accepted: int) -> None:
+        if self.policy is not None:
+            self.policy.drafted(seq, num_draft, num_accepted)
         self.num_drafts += 1
         self.num_draft_tokens += num_draft
         self.num_accepted_tokens += num_accepted

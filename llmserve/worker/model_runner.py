@@ -46,8 +46,14 @@ class ModelRunner:
     workers (``executor.tensor_parallel.TensorParallelGroup``) and every rank runs ``execute``."""
 
     def __init__(self, config: EngineConfig, hf_config, model_path, max_model_len: int,
-                 rank: int = 0, group=None):
+                 rank: int = 0, group=None, extra_bytes_per_block: int = 0,
+                 blocks: tuple[int, int] | None = None):
+        """``extra_bytes_per_block``: what each KV block also costs elsewhere (a draft
+        model's cache of the same blocks), so the budget holds both. ``blocks``: (device,
+        CPU swap) block counts to use instead of sizing them (the draft model's runner
+        takes the target's: its cache has the same blocks)."""
         self.config = config
+        self.extra_bytes_per_block = extra_bytes_per_block
         self.rank, self.group = rank, group
         tp = config.tensor_parallel_size
         self.device = torch.device(f"cuda:{rank}" if config.device == "cuda" and tp > 1
@@ -92,11 +98,12 @@ class ModelRunner:
         # computes the wrapped projections and steps aside when an adapter runs).
         self.lora = (LoRASlots(self.model, hf_config, self.shard, config, self.use_triton)
                      if config.enable_lora else None)
-        self.num_blocks = self._num_kv_blocks()
+        self.num_blocks, num_swap_blocks = blocks or (self._num_kv_blocks(),
+                                                      self._num_swap_blocks())
         c = hf_config
         self.kv_cache = KVCache(c.num_hidden_layers, self.num_blocks, self.block_size,
                                 self.shard.num_kv_heads, c.head_dim, self.dtype, self.device,
-                                self._num_swap_blocks(), config.check_kv_integrity)
+                                num_swap_blocks, config.check_kv_integrity)
         self.num_cpu_blocks = self.kv_cache.num_cpu_blocks
         self.model.bind_kv_cache(self.kv_cache.storage)
         if config.compile:
@@ -126,7 +133,7 @@ class ModelRunner:
                 budget = int(free - total * (1 - self.config.gpu_memory_utilization))
             else:
                 budget = DEFAULT_CPU_KV_BYTES
-        num = budget // self.kv_bytes_per_block()
+        num = budget // (self.kv_bytes_per_block() + self.extra_bytes_per_block)
         if self.shard.size > 1:  # every rank's cache has the same blocks: the smallest
             t = torch.tensor([num], dtype=torch.int64,
                              device=self.device if self.device.type == "cuda" else "cpu")
@@ -140,7 +147,8 @@ class ModelRunner:
     def _num_swap_blocks(self) -> int:
         if self.config.preemption_mode != "swap":
             return 0
-        return int(self.config.swap_space // self.kv_bytes_per_block())
+        return int(self.config.swap_space
+                   // (self.kv_bytes_per_block() + self.extra_bytes_per_block))
 
     def apply_block_ops(self, batch: ScheduledBatch) -> None:
         """Swap-outs, swap-ins and copy-on-write copies, in the order they were decided.

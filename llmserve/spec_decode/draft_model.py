@@ -1,0 +1,117 @@
+"""Draft-model proposals: a smaller model that shares the target's tokenizer guesses the
+next k tokens, one greedy decode at a time; the target verifies them all in one step.
+
+The draft's KV cache has the target's blocks: the same block ids, tables and slots,
+in a cache of its own shape. So the block manager, the scheduler's allocations,
+preemption (swap and recompute), copy-on-write forks and the prefix cache serve both
+models at once, with one rule that keeps the draft's cache right:
+
+    every step the target computes, the draft computes too, on the same inputs
+    (``mirror``), so any slot the target holds valid KV in, the draft does as well.
+
+Proposing (``propose``) writes the draft's KV of the last token and of the first
+k - 1 draft tokens into slots the step already reserved for them (the scheduler
+allocates the 1 + k slots before the draft runs); the step's mirror then overwrites
+them with the same values and adds the k-th. Rolled-back slots are freed with the
+target's. A draft is the draft model's argmax: a deterministic function of the
+context, so the one-hot verification rule (``rejection_sampler.py``) keeps the
+target's distribution exactly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from llmserve.config import EngineConfig
+from llmserve.core.request import Sequence
+from llmserve.core.sched.output import ScheduledBatch
+from llmserve.model_executor.model_loader.sources import load_config, resolve_model
+from llmserve.model_executor.models.supported import layer_sliding_window
+from llmserve.worker.kv_sizing import kv_block_bytes
+from llmserve.worker.model_runner import ModelRunner
+from llmserve.worker.step_inputs import StepInputs
+
+# The engine settings a draft model's runner turns off: the GPU fast path captures
+# and keys its buffers by the target's batches, adapters and compilation are the
+# target's alone.
+_DRAFT_OFF = dict(speculative_config=None, enable_lora=False, lora_modules=None,
+                  compile=False, cuda_graphs=False, cuda_graph_sizes=None,
+                  pinned_staging=False, device_block_tables=False, profile_kv_cache=False)
+
+
+class DraftModel:
+    def __init__(self, config: EngineConfig, target_hf_config, max_model_len: int):
+        source = config.speculative.model
+        self.path = resolve_model(source)
+        self.hf_config = load_config(self.path)
+        check_draft(source, target_hf_config, self.hf_config, max_model_len)
+        self.config = dataclasses.replace(config, model=source, **_DRAFT_OFF)
+        self.max_model_len = max_model_len
+        self.runner: ModelRunner | None = None  # built once the target's blocks are sized
+
+    def bytes_per_block(self) -> int:
+        """What one block of the draft's cache costs (the target's budget holds both)."""
+        elem = torch.tensor([], dtype=self.config.torch_dtype).element_size()
+        return kv_block_bytes(self.hf_config, self.config.block_size, elem)
+
+    def build(self, num_blocks: int, num_cpu_blocks: int) -> None:
+        self.runner = ModelRunner(self.config, self.hf_config, self.path, self.max_model_len,
+                                  blocks=(num_blocks, num_cpu_blocks))
+
+    def apply_block_ops(self, batch: ScheduledBatch) -> None:
+        """The step's swaps and copy-on-write copies, on the draft's cache too."""
+        self.runner.apply_block_ops(batch)
+
+    def mirror(self, batch: ScheduledBatch) -> None:
+        """Compute the step's tokens (drafts included) into the draft's cache; no logits."""
+        inputs, _ = self.runner.flatten(batch)
+        inputs.sample_rows, inputs.prompt_rows, inputs.prompt_targets = [], [], []
+        self.runner.execute(inputs)
+
+    def propose(self, seqs: list[Sequence]) -> None:
+        """Replace each sequence's reserved draft (``spec_token_ids``, placeholders of
+        the length the scheduler granted) by the draft model's greedy tokens."""
+        drafts = {s.seq_id: [] for s in seqs}
+        for j in range(max(len(s.spec_token_ids) for s in seqs)):
+            active = [s for s in seqs if len(s.spec_token_ids) > j]
+            tokens = [s.token_ids[-1] if j == 0 else drafts[s.seq_id][-1] for s in active]
+            logits, _ = self.runner.execute(self._decode_inputs(active, tokens, j))
+            for seq, token in zip(active, logits.argmax(dim=-1).tolist()):
+                drafts[seq.seq_id].append(token)
+        for seq in seqs:
+            seq.spec_token_ids = drafts[seq.seq_id]
+
+    def _decode_inputs(self, seqs: list[Sequence], tokens: list[int], j: int) -> StepInputs:
+        """One decode row per sequence: ``tokens[i]`` at position num_tokens - 1 + j."""
+        bs = self.config.block_size
+        positions = [s.num_tokens - 1 + j for s in seqs]
+        tables = [s.block_table for s in seqs]
+        slots = [t[p // bs] * bs + p % bs for t, p in zip(tables, positions)]
+        rows = list(range(len(seqs)))
+        return StepInputs(tokens, positions, slots, rows + [len(seqs)],
+                          [p + 1 for p in positions], tables, rows, 1)
+
+
+def check_draft(source: str, target, draft, max_model_len: int) -> None:
+    """ValueError unless ``draft`` can propose for ``target``: the same vocabulary (the
+    tokenizer is shared), positions up to max_model_len, and full attention in both
+    (a sliding window frees blocks the other model would still read)."""
+    if draft.vocab_size != target.vocab_size:
+        raise ValueError(f"speculative_config: the draft model {source!r} has a vocabulary "
+                         f"of {draft.vocab_size} tokens, the target {target.vocab_size}: a "
+                         f"draft must share the target's tokenizer")
+    limit = getattr(draft, "max_position_embeddings", None)
+    if limit is not None and limit < max_model_len:
+        raise ValueError(f"speculative_config: the draft model {source!r} takes "
+                         f"{limit} positions, fewer than max_model_len {max_model_len}: "
+                         f"serve with --max-model-len {limit} or less")
+    if _any_window(target) or _any_window(draft):
+        raise ValueError("speculative_config: draft models with sliding-window attention "
+                         "(in the draft or the target) are not supported yet; use "
+                         '{"method": "ngram"} speculation')
+
+
+def _any_window(hf_config) -> bool:
+    return any(layer_sliding_window(hf_config, i) for i in range(hf_config.num_hidden_layers))
