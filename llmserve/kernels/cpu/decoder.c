@@ -71,6 +71,17 @@ static inline v16f scaled_add(v16f acc, v16f scale, v16f part, v16f offset_x) {
 #endif
 }
 
+/* acc + col * x[0]. On AVX-512 one FMA that broadcasts x from memory itself: GCC
+ * broadcasts into a register first, an extra vector op per token and k (Zen 4). */
+static inline v16f fma_x(v16f acc, v16f col, const float *x) {
+#if defined(__AVX512F__)
+    __asm__("vfmadd231ps %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(col), "m"(*x));
+    return acc;
+#else
+    return acc + *x * col;
+#endif
+}
+
 /* A pass over nc (1 or 2) consecutive chunks of a weight block for m tokens. Chunk c
  * of a block of BN columns is bytes 16c..16c+15 of each k row: 16 columns in its low
  * nibbles (the block's first column + 16c on) and 16 in its high ones (BN / 2 further
@@ -100,10 +111,9 @@ static inline __attribute__((always_inline)) void q4_pass(
                 col[j] = __builtin_convertvector(bytes & 15, v16f);
                 col[nc + j] = __builtin_convertvector(bytes >> 4, v16f);
             }
-            for (int t = 0; t < m; t++) {
-                const float xv = xg[t * K + kk];
-                for (int v = 0; v < 2 * nc; v++) part[t][v] += xv * col[v];
-            }
+            for (int t = 0; t < m; t++)
+                for (int v = 0; v < 2 * nc; v++)
+                    part[t][v] = fma_x(part[t][v], col[v], &xg[t * K + kk]);
         }
         /* (scale, zero) bf16 pairs as one 32-bit word each: bf16 is float's top half */
         const uint16_t *szg = sz + ((int64_t)g * N + col0) * 2;
