@@ -145,8 +145,9 @@ def test_the_policy_drafts_what_pays_for_its_rows():
     assert policy.row_cost(1) == PRIOR_ROW_COST and policy.max_draft(seq, 1, 4) == 4
     # A CPU: a step costs 8 ms + 2 ms a sequence + 1.25 ms a draft token. One stream:
     # a draft token pays if accepted with p > 1.25 / 10.
-    for seqs, drafted in ((1, 0), (1, 4), (4, 0), (4, 8), (2, 3), (8, 0)):
+    for seqs, drafted in ((1, 0), (1, 4), (1, 0), (1, 2), (32, 0), (33, 8), (40, 0), (36, 5)) * 3:
         policy.observe_step(seqs, drafted, 0.008 + 0.002 * seqs + 0.00125 * drafted)
+    assert policy.row_cost(4) == PRIOR_ROW_COST  # a range of batch sizes not measured
     assert policy.row_cost(1) == pytest.approx(0.125, rel=1e-3)
     assert policy.max_draft(seq, 1, 4) == 4  # the prior: 0.8 ** 4 > 0.125
     for _ in range(4):
@@ -173,7 +174,7 @@ def test_the_policy_drafts_what_pays_for_its_rows():
     assert policy.max_draft(copying, 32, 4) == 3  # 0.85 ** 3 > 0.56 > 0.85 ** 4
     # A GPU: draft rows nearly free, every plausible draft pays.
     gpu = DraftPolicy()
-    for seqs, drafted in ((8, 0), (8, 32), (16, 0), (16, 40)):
+    for seqs, drafted in ((8, 0), (8, 32), (9, 0), (12, 40)):
         gpu.observe_step(seqs, drafted, 0.008 + 0.0001 * seqs + 0.00001 * drafted)
     assert gpu.max_draft(some, 8, 4) == 4
 
@@ -458,7 +459,7 @@ def test_the_policy_drafts_less_where_drafts_fail_and_changes_no_output(pair, ti
         spec = _llm(tiny_llama, _draft(small_draft, k=4), policy=policy)
         if policy:  # the costs of a CPU, not this machine's timing of the tiny models
             p = spec.engine.spec.policy
-            p.coef, p.observe_step = (0.008, 0.002, 0.00125), lambda *a: None
+            p.row_cost, p.observe_step = (lambda batch_size: 0.2), (lambda *a: None)
         assert _tokens(spec.generate(prompts, params)) == want
         s = spec.engine.spec
         rates.append(s.acceptance_rate)

@@ -16,7 +16,9 @@ do. So, for each sequence and step:
   per second the batch makes without drafts, i.e. per_draft * B / (fixed + per_seq *
   B) for B sequences. The coefficients are fitted online (exponentially weighted least
   squares over the decode steps measured: seconds = fixed + per_seq * B + per_draft *
-  drafted tokens); until steps with and without drafts were seen, ``PRIOR_ROW_COST``.
+  drafted tokens), one fit per range of batch sizes (1, 2-3, 4-7, ...: a CPU runs a
+  few rows in one C call and many op by op, at other costs per row); until a range saw
+  steps with two different numbers of draft tokens, ``PRIOR_ROW_COST``.
 """
 
 from __future__ import annotations
@@ -32,14 +34,44 @@ PRIOR_ROW_COST = 0.2  # until the step cost is measured
 RATE_DECAY = 0.7  # per draft: ~3 drafts of memory
 PROBE_DRIFT = 0.03  # per undrafted step: a rejected sequence is tried again in ~10
 COST_DECAY = 0.98  # per decode step: ~50 steps of memory
+REFIT_EVERY = 8
+
+
+class StepCost:
+    """seconds = fixed + per_seq * B + per_draft * drafted, fitted over the decode steps
+    of one range of batch sizes."""
+
+    def __init__(self):
+        self._gram = np.eye(3) * 1e-9  # weighted sums of x x^T, x = [1, B, drafted]
+        self._moment = np.zeros(3)  # and of x * seconds
+        self._seen = set()  # draft token counts seen: a fit needs two
+        self.coef = None  # (fixed, per_seq, per_draft) seconds, once fitted
+        self._unfitted = 0  # steps observed since the last fit
+
+    def observe(self, seqs: int, drafted: int, seconds: float) -> None:
+        x = np.array([1.0, seqs, drafted])
+        self._gram = COST_DECAY * self._gram + np.outer(x, x)
+        self._moment = COST_DECAY * self._moment + x * seconds
+        if len(self._seen) < 2:
+            self._seen.add(drafted)
+        self._unfitted += 1
+        # A fit costs ~0.2 ms, a CPU decode step ~10: refit every few steps.
+        if len(self._seen) == 2 and (self.coef is None or self._unfitted >= REFIT_EVERY):
+            coef = np.linalg.lstsq(self._gram, self._moment, rcond=None)[0]
+            self.coef = tuple(max(0.0, float(c)) for c in coef)
+            self._unfitted = 0
+
+    def row_cost(self, batch_size: int) -> float:
+        if self.coef is None:
+            return PRIOR_ROW_COST
+        fixed, per_seq, per_draft = self.coef
+        plain = fixed + per_seq * batch_size  # a step without drafts
+        return per_draft * batch_size / plain if plain > 0 else PRIOR_ROW_COST
 
 
 class DraftPolicy:
     def __init__(self):
-        self._gram = np.eye(3) * 1e-9  # weighted sums of x x^T, x = [1, B, drafted]
-        self._moment = np.zeros(3)  # and of x * seconds
-        self._seen = set()  # (drafted or not): both kinds are needed for a fit
-        self.coef = None  # (fixed, per_seq, per_draft) seconds, once fitted
+        self.costs: dict[int, StepCost] = {}  # by batch_size.bit_length()
 
     # --- the decision -------------------------------------------------------------
     def max_draft(self, seq: Sequence, batch_size: int, k: int) -> int:
@@ -54,11 +86,8 @@ class DraftPolicy:
         return min(k, int(math.log(cost) / math.log(rate)))  # largest i with a^i > cost
 
     def row_cost(self, batch_size: int) -> float:
-        if self.coef is None:
-            return PRIOR_ROW_COST
-        fixed, per_seq, per_draft = self.coef
-        plain = fixed + per_seq * batch_size  # a step without drafts
-        return per_draft * batch_size / plain if plain > 0 else PRIOR_ROW_COST
+        cost = self.costs.get(batch_size.bit_length())
+        return cost.row_cost(batch_size) if cost is not None else PRIOR_ROW_COST
 
     @staticmethod
     def rate(seq: Sequence) -> float:
@@ -82,13 +111,8 @@ class DraftPolicy:
     def observe_step(self, seqs: int, drafted: int, seconds: float) -> None:
         """A decode step of ``seqs`` sequences and ``drafted`` draft tokens took
         ``seconds``."""
-        x = np.array([1.0, seqs, drafted])
-        self._gram = COST_DECAY * self._gram + np.outer(x, x)
-        self._moment = COST_DECAY * self._moment + x * seconds
-        self._seen.add(drafted > 0)
-        if len(self._seen) == 2:
-            coef = np.linalg.lstsq(self._gram, self._moment, rcond=None)[0]
-            self.coef = tuple(max(0.0, float(c)) for c in coef)
+        self.costs.setdefault(seqs.bit_length(), StepCost()).observe(seqs, drafted, seconds)
+
 
 def _stats(seq: Sequence) -> tuple[float, float]:
     return seq.draft_stats or (PRIOR_RATE, 1.0)

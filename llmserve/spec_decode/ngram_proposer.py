@@ -6,7 +6,6 @@ occurrence of its last n tokens."""
 from __future__ import annotations
 
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
 
 
 class NgramProposer:
@@ -24,16 +23,19 @@ class NgramProposer:
         if k <= 0 or len(token_ids) <= self.min_n:
             return []
         tokens = np.asarray(token_ids, dtype=np.int64)
+        # Earlier positions holding the last token: where every match must end.
+        ends = np.flatnonzero(tokens[:-1] == tokens[-1])
         for n in range(min(self.max_n, len(tokens) - 1), self.min_n - 1, -1):
-            start = _last_occurrence(tokens, n)
-            if start is not None:
-                return tokens[start + n:start + n + k].tolist()
+            end = _latest_match(tokens, ends, n)
+            if end is not None:
+                return tokens[end + 1:end + 1 + k].tolist()
         return []
 
 
-def _last_occurrence(tokens: np.ndarray, n: int) -> int | None:
-    """The largest i with tokens[i:i+n] == tokens[-n:] and i + n < len(tokens) (a
-    token follows the occurrence), or None."""
-    windows = sliding_window_view(tokens[:-1], n)  # starts 0 .. len - 1 - n
-    hits = np.flatnonzero((windows == tokens[-n:]).all(axis=1))
-    return int(hits[-1]) if hits.size else None
+def _latest_match(tokens: np.ndarray, ends: np.ndarray, n: int) -> int | None:
+    """The largest i in ``ends`` with tokens[i-n+1:i+1] == tokens[-n:] (a token follows
+    it, since ends < len - 1), or None."""
+    ends = ends[ends >= n - 1]
+    for back in range(1, n):
+        ends = ends[tokens[ends - back] == tokens[-1 - back]]
+    return int(ends[-1]) if ends.size else None
