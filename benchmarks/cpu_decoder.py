@@ -67,7 +67,8 @@ def step_section(batches: list[int], context: int, steps: int) -> dict:
     if native is None:
         print("the C decoder stack does not apply on this machine")
         return {}
-    native_decoder.MAX_NATIVE_TOKENS = max(batches)  # measure past the engine's limit
+    # measure past the engine's limits
+    native_decoder.MAX_NATIVE_TOKENS = native_decoder.MAX_NATIVE_TOKENS_AVX2 = max(batches)
     print(f"decode step of the built-in model (bf16 + int4, context {context}), ms: "
           f"op by op vs C, ratio = op by op / C (> 1: C faster)")
     out = {}

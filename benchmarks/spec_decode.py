@@ -117,8 +117,8 @@ def main() -> None:
               f"{r['acceptance_rate']:.2f}")
     mixed = [p for ps in WORKLOADS.values() for p in ps]
     mixed = (mixed * (args.streams // len(mixed) + 1))[:args.streams]
-    r = results[f"{args.streams}_streams"] = run(base, spec, mixed, 1, args.max_tokens,
-                                                 streams=args.streams)
+    r = results[f"{args.streams}_streams"] = run(base, spec, mixed, args.rounds,
+                                                 args.max_tokens, streams=args.streams)
     print(f"{args.streams} streams (all workloads) base {r['tok_s_base']:7.1f} tok/s   spec "
           f"{r['tok_s_spec']:7.1f} tok/s   x{r['speedup']:.2f}   acceptance "
           f"{r['acceptance_rate']:.2f}")

@@ -22,12 +22,16 @@ from llmserve.model_executor.models.llama import DecoderLayer
 
 log = logging.getLogger(__name__)
 
-# Decode steps of at most this many sequences run in C: its kernel dequantises each
-# weight chunk once per 8 tokens (4 on AVX2), where the per-op path's quant_gemm
-# dequantises each block once for all rows (benchmarks/cpu_decoder.py measures the
-# crossover; re-measured with the 8-token tiles, on a loaded 2-core machine: no clear
-# gain past 8).
-MAX_NATIVE_TOKENS = 8
+# Steps of at most this many rows run in C: its kernel dequantises each weight chunk
+# once per 8 tokens (4 on AVX2), where the per-op path's quant_gemm dequantises each
+# block once for all rows (benchmarks/cpu_decoder.py measures the crossover). With the
+# 8-token tiles, Zen 4, 2 cores, quiet, context 200, op by op / C: 1.57 at 4 rows,
+# 1.42 at 8, 1.26 at 12, 1.10 at 16, 0.94 at 24. 16 lets two or three streams' drafted
+# steps (1 + k rows each) run in C too.
+MAX_NATIVE_TOKENS = 16
+# Where ATen packs for AVX2 (32-column blocks) the kernel is built for AVX2 too and
+# dequantises once per 4 tokens: the crossover measured there was 8.
+MAX_NATIVE_TOKENS_AVX2 = 8
 
 
 class NativeDecoder:
@@ -82,8 +86,8 @@ class NativeDecoder:
         plan = meta.plan if meta is not None else None
         if self.lora_state is not None and self.lora_state.step is not None:
             return False  # an adapter runs in this step: the per-op path applies it
-        return (plan is not None and plan.all_rows_native
-                and num_tokens <= MAX_NATIVE_TOKENS)
+        limit = MAX_NATIVE_TOKENS if self.dims.block_n == 64 else MAX_NATIVE_TOKENS_AVX2
+        return plan is not None and plan.all_rows_native and num_tokens <= limit
 
     def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta) -> torch.Tensor:
         """The residual stream after the last layer, for ``x [tokens, hidden]``."""
