@@ -8,13 +8,21 @@ tokens (checked). Single stream on copying workloads (repeat this text, edit thi
 answer with quotes) and on plain chat; then 32 streams at once.
 
     python benchmarks/spec_decode.py [--rounds 2] [--max-tokens 128]
+    python benchmarks/spec_decode.py --draft-layers 8   # a draft model instead of n-gram
+
+``--draft-layers N``: the draft is the built-in model cut to its first N layers (same
+tokenizer, no training: a crude early-exit draft, since no smaller model of the family
+ships here); it shows what a draft model's passes cost against what they save.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shutil
+import tempfile
 import time
+from pathlib import Path
 
 from llmserve import LLM, SamplingParams
 
@@ -92,6 +100,21 @@ def run(base: LLM, spec: LLM, prompts: list[str], rounds: int, max_tokens: int,
             "tokens": tokens["spec"]}
 
 
+def truncated_builtin(model: str, layers: int, out: Path) -> Path:
+    """``model`` cut to its first ``layers`` decoder layers, saved at ``out``."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from llmserve.model_executor.model_loader.sources import resolve_model
+    src = resolve_model(model)
+    shutil.copytree(src, out, dirs_exist_ok=True)
+    m = AutoModelForCausalLM.from_pretrained(src, torch_dtype=torch.bfloat16)
+    m.model.layers = m.model.layers[:layers]
+    m.config.num_hidden_layers = layers
+    m.save_pretrained(out)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--model", default="smollm2-135m-instruct")
@@ -99,8 +122,16 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--streams", type=int, default=32)
     ap.add_argument("--speculative-config", default=json.dumps(SPEC))
+    ap.add_argument("--draft-layers", type=int,
+                    help="speculate with the model's first N layers as a draft model")
     ap.add_argument("--json", help="write the results here too")
     args = ap.parse_args()
+    if args.draft_layers:
+        k = json.loads(args.speculative_config)["num_speculative_tokens"]
+        draft = truncated_builtin(args.model, args.draft_layers,
+                                  Path(tempfile.mkdtemp()) / "draft")
+        args.speculative_config = json.dumps({"model": str(draft),
+                                              "num_speculative_tokens": k})
     base = LLM(args.model)
     spec = LLM(args.model, speculative_config=args.speculative_config)
     print(f"model {args.model} ({base.engine.config.dtype}), speculative_config "

@@ -76,6 +76,8 @@ class Sequence:
         # Its drafts' (accepted, tried) tokens, decayed: spec_decode/draft_policy.py
         # (None: no draft yet, the policy's prior).
         self.draft_stats: tuple[float, float] | None = None
+        # Leading positions whose draft-model KV is valid (spec_decode/draft_model.py).
+        self.num_draft_computed = 0
 
     # --- sizes -------------------------------------------------------------
     @property
@@ -125,6 +127,7 @@ class Sequence:
         self.recomputed_until = max(self.recomputed_until, self.num_computed_tokens)
         self.num_computed_tokens = 0
         self.spec_token_ids = []
+        self.num_draft_computed = 0
 
     def first_time_tokens(self, num_new: int) -> int:
         """Of ``num_new`` tokens about to be computed, those never computed before

@@ -341,8 +341,6 @@ class LLMEngine:
             self.spec.fill(batch)  # a draft model's tokens, into the slots just reserved
         pending_masks = self._start_grammar_masks(batch)
         logits, prompt_scores, due = self.runner.run(batch)
-        if self.draft is not None:
-            self.draft.mirror(batch)  # the draft's cache follows every computed token
         self._record_prompt_logprobs(batch, prompt_scores)
         t1 = time.perf_counter()
         kv_tokens = batch.kv_tokens  # before num_computed_tokens moves on
@@ -414,6 +412,8 @@ class LLMEngine:
             self.spec.record(seq, len(seq.spec_token_ids), len(tokens) - 1)
             seq.spec_token_ids = []
             computed = seq.num_computed_tokens + len(tokens) - 1
+            if self.draft is not None:
+                self.draft.verified(seq, computed)
             for token, lp in zip(tokens, logprobs):
                 self._append(seq, token, lp)
                 if seq.finished:  # its blocks are freed already

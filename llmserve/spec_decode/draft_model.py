@@ -2,20 +2,23 @@
 next k tokens, one greedy decode at a time; the target verifies them all in one step.
 
 The draft's KV cache has the target's blocks: the same block ids, tables and slots,
-in a cache of its own shape. So the block manager, the scheduler's allocations,
-preemption (swap and recompute), copy-on-write forks and the prefix cache serve both
-models at once, with one rule that keeps the draft's cache right:
+in a cache of its own shape. So the block manager, the scheduler's allocations, swap
+preemption and copy-on-write copies serve both models at once. The draft computes
+only when it drafts, so a sequence the policy does not draft costs nothing here. Each
+sequence counts the leading positions whose draft KV is valid
+(``Sequence.num_draft_computed``: 0 when it starts, after a fork and after a
+recompute preemption), and a draft starts by catching up: one chunk from there to
+the sequence's last token, whose last row gives the first draft token; k - 1 one-row
+decodes give the rest. All of it lands in slots the step already reserved or the
+target already computed (the scheduler allocates the 1 + k slots before the draft
+runs). After verification only the positions whose inputs were accepted stay counted
+(``verified``). Blocks reused from the prefix cache were filled by the target, maybe
+not by the draft, so a new sequence's count starts at 0 and its catch-up rewrites
+them (the same values: the same tokens at the same positions).
 
-    every step the target computes, the draft computes too, on the same inputs
-    (``mirror``), so any slot the target holds valid KV in, the draft does as well.
-
-Proposing (``propose``) writes the draft's KV of the last token and of the first
-k - 1 draft tokens into slots the step already reserved for them (the scheduler
-allocates the 1 + k slots before the draft runs); the step's mirror then overwrites
-them with the same values and adds the k-th. Rolled-back slots are freed with the
-target's. A draft is the draft model's argmax: a deterministic function of the
-context, so the one-hot verification rule (``rejection_sampler.py``) keeps the
-target's distribution exactly.
+A draft is the draft model's argmax: a deterministic function of the context, so the
+one-hot verification rule (``rejection_sampler.py``) keeps the target's distribution
+exactly.
 """
 
 from __future__ import annotations
@@ -64,34 +67,57 @@ class DraftModel:
         """The step's swaps and copy-on-write copies, on the draft's cache too."""
         self.runner.apply_block_ops(batch)
 
-    def mirror(self, batch: ScheduledBatch) -> None:
-        """Compute the step's tokens (drafts included) into the draft's cache; no logits."""
-        inputs, _ = self.runner.flatten(batch)
-        inputs.sample_rows, inputs.prompt_rows, inputs.prompt_targets = [], [], []
-        self.runner.execute(inputs)
-
     def propose(self, seqs: list[Sequence]) -> None:
         """Replace each sequence's reserved draft (``spec_token_ids``, placeholders of
         the length the scheduler granted) by the draft model's greedy tokens."""
         drafts = {s.seq_id: [] for s in seqs}
         for j in range(max(len(s.spec_token_ids) for s in seqs)):
             active = [s for s in seqs if len(s.spec_token_ids) > j]
-            tokens = [s.token_ids[-1] if j == 0 else drafts[s.seq_id][-1] for s in active]
-            logits, _ = self.runner.execute(self._decode_inputs(active, tokens, j))
+            inputs = (self._catch_up_inputs(active) if j == 0 else
+                      self._decode_inputs(active, [drafts[s.seq_id][-1] for s in active], j))
+            logits, _ = self.runner.execute(inputs)
             for seq, token in zip(active, logits.argmax(dim=-1).tolist()):
                 drafts[seq.seq_id].append(token)
         for seq in seqs:
             seq.spec_token_ids = drafts[seq.seq_id]
+            # Computed: up to the last token, then the inputs d_1 .. d_{k-1}.
+            seq.num_draft_computed = seq.num_tokens + len(seq.spec_token_ids) - 1
+
+    @staticmethod
+    def verified(seq: Sequence, num_computed: int) -> None:
+        """``seq``'s draft was verified: its first ``num_computed`` positions hold
+        accepted tokens; the draft's KV past them was computed from rejected ones."""
+        seq.num_draft_computed = min(seq.num_draft_computed, num_computed)
+
+    def _catch_up_inputs(self, seqs: list[Sequence]) -> StepInputs:
+        """Per sequence, the positions from its first without draft KV to its last
+        token; the logits of each chunk's last row."""
+        ids, positions, query_start, rows = [], [], [0], []
+        for seq in seqs:
+            start = min(seq.num_draft_computed, seq.num_tokens - 1)
+            ids += seq.token_ids[start:]
+            positions += range(start, seq.num_tokens)
+            query_start.append(len(ids))
+            rows.append(len(ids) - 1)
+        return self._inputs(seqs, ids, positions, query_start, rows)
 
     def _decode_inputs(self, seqs: list[Sequence], tokens: list[int], j: int) -> StepInputs:
         """One decode row per sequence: ``tokens[i]`` at position num_tokens - 1 + j."""
-        bs = self.config.block_size
         positions = [s.num_tokens - 1 + j for s in seqs]
-        tables = [s.block_table for s in seqs]
-        slots = [t[p // bs] * bs + p % bs for t, p in zip(tables, positions)]
         rows = list(range(len(seqs)))
-        return StepInputs(tokens, positions, slots, rows + [len(seqs)],
-                          [p + 1 for p in positions], tables, rows, 1)
+        return self._inputs(seqs, tokens, positions, rows + [len(seqs)], rows)
+
+    def _inputs(self, seqs, ids, positions, query_start, rows) -> StepInputs:
+        bs = self.config.block_size
+        tables = [s.block_table for s in seqs]
+        slots, seq_lens = [], []
+        for i, table in enumerate(tables):
+            chunk = positions[query_start[i]:query_start[i + 1]]
+            slots += [table[p // bs] * bs + p % bs for p in chunk]
+            seq_lens.append(chunk[-1] + 1)
+        max_query = max(b - a for a, b in zip(query_start, query_start[1:]))
+        return StepInputs(ids, positions, slots, query_start, seq_lens, tables, rows,
+                          max_query)
 
 
 def check_draft(source: str, target, draft, max_model_len: int) -> None:
