@@ -133,12 +133,14 @@ class EngineConfig:
     async_scheduling: bool = flag(
         False, "schedule and launch step N+1 before reading back step N's tokens (pays "
         "off where launches are asynchronous: CUDA)")
-    # Speculative decoding (spec_decode/): vLLM's JSON shape; n-gram (prompt lookup)
-    # proposals only, verified exactly (greedy outputs unchanged, sampling by rejection).
+    # Speculative decoding (spec_decode/): vLLM's JSON shape; n-gram (prompt lookup) or
+    # draft-model proposals, verified exactly (greedy outputs unchanged, sampling by
+    # rejection).
     speculative_config: str | dict | None = flag(
         None, 'speculative decoding, e.g. {"method": "ngram", "num_speculative_tokens": 4, '
-        '"prompt_lookup_max": 4, "prompt_lookup_min": 2, "disable_by_batch_size": 8} '
-        "(n-gram only; default: off)", metavar="JSON")
+        '"prompt_lookup_max": 4, "prompt_lookup_min": 2, "disable_by_batch_size": 8}, or '
+        '{"model": DRAFT, "num_speculative_tokens": 4} for a draft model sharing the '
+        "tokenizer (any form --model takes) (default: off)", metavar="JSON")
     # Multi-LoRA (model_executor/lora/): adapters of the base model, several in one batch.
     enable_lora: bool = flag(False, "serve LoRA adapters of the base model (a request's "
                              "'model' names one)", group="LoRA adapters")
