@@ -328,11 +328,14 @@ def _chi2_of_sampled_pairs(tiny_llama, spec: LLM, num_draws: int = 1000) -> floa
     on the acceptance rule being right."""
     prompt = ALLOWED * 3
     before = spec.engine.spec.num_drafts
+    accepted = spec.engine.spec.num_accepted_tokens
     outs = spec.generate([prompt] * num_draws, [
         # (top_k=4 changes nothing but takes the sampler's cheap path)
         SamplingParams(temperature=1.0, seed=i, max_tokens=3, allowed_token_ids=ALLOWED,
                        top_k=4, ignore_eos=True) for i in range(num_draws)])
     assert spec.engine.spec.num_drafts - before >= num_draws  # every second token drafted
+    # Many drafts accepted too: both branches of the rule are exercised.
+    assert spec.engine.spec.num_accepted_tokens - accepted > num_draws // 10
     counts = torch.zeros(4, 4, dtype=torch.float64)
     for o in outs:
         second, third = o.outputs[0].token_ids[1:3]
@@ -495,29 +498,77 @@ def test_draft_models_that_cannot_propose_are_refused_by_name(tmp_path, tiny_lla
 
 
 def test_draft_model_workloads_under_memory_pressure_match_decoding_without_drafts(
-        tiny_llama, small_draft):
-    """The fuzz harness with a draft model: its cache follows the target's through
-    swap and recompute preemption, copy-on-write forks (n > 1) and prefix hits."""
+        tiny_llama, monkeypatch):
+    """The fuzz harness with a draft model (the target itself, so its KV is checkable):
+    before every draft, the draft KV the catch-up trusts equals the target's KV there,
+    through swap and recompute preemption, copy-on-write forks (n > 1), prefix hits
+    and rejected drafts (seeded samples); outputs equal decoding without drafts."""
     plain = Differential(_engine(tiny_llama), ample_blocks=256)
     # Twice the budget: the draft's cache (of the same blocks) takes its share.
-    drafted = Differential(LLMEngine(EngineConfig(
+    engine = LLMEngine(EngineConfig(
         model=str(tiny_llama), dtype="float32", kv_cache_memory=512 * TINY_BLOCK_BYTES,
         preemption_mode="swap", swap_space=256 * TINY_BLOCK_BYTES,
-        speculative_config=_draft(small_draft))), ample_blocks=256)
-    drafted.engine.spec.policy = None  # every draft verified, whatever it costs here
+        speculative_config=_draft(tiny_llama)))
+    engine.spec.policy = None  # every draft verified, whatever it costs here
+    stale, checked = [], [0]
+    propose = type(engine.draft).propose
+
+    def checked_propose(draft, seqs):
+        target, own = engine.runner.kv_cache.storage, draft.runner.kv_cache.storage
+        bs = engine.runner.block_size
+        for seq in seqs:
+            for p in range(min(seq.num_draft_computed, seq.num_tokens - 1)):
+                block, slot = seq.block_table[p // bs], p % bs
+                checked[0] += 1
+                if not torch.allclose(target[:, :, block, slot], own[:, :, block, slot],
+                                      atol=1e-4, rtol=1e-3):
+                    stale.append((seq.seq_id, p))
+                    break
+        return propose(draft, seqs)
+
+    monkeypatch.setattr(type(engine.draft), "propose", checked_propose)
+    drafted = Differential(engine, ample_blocks=256)
     drafted.reference = plain.reference
     rng = random.Random(os.environ.get("LLMSERVE_FUZZ_SEED", "11"))
     pool = spec_pool(rng, plain.engine.hf_config.vocab_size, size=10)
     pool = with_stop_strings(plain, pool, rng)
     preemptions = swaps = 0
-    for i in range(NUM_WORKLOADS):
+    for i in range(max(NUM_WORKLOADS, 3)):
         w = random_workload(rng, pool, BLOCK, max_blocks=256, max_cpu_blocks=128)
         swap = i % 2 == 1
         w.config["preemption_mode"] = "swap" if swap else "recompute"
         w.num_cpu_blocks = 128 if swap else w.num_cpu_blocks
         w.num_blocks = min(w.num_blocks, 12)
         drafted.run(w)
-        preemptions += drafted.engine.scheduler.num_preemptions
-        swaps += drafted.engine.scheduler.num_swapped_out
-    assert drafted.num_compared > NUM_WORKLOADS
-    assert preemptions > 0 and swaps > 0 and drafted.engine.spec.num_accepted_tokens > 0
+        preemptions += engine.scheduler.num_preemptions
+        swaps += engine.scheduler.num_swapped_out
+    spec = engine.spec
+    assert drafted.num_compared > NUM_WORKLOADS and checked[0] > 1000
+    assert stale == []
+    assert preemptions > 0 and swaps > 0
+    assert 0 < spec.num_accepted_tokens < spec.num_draft_tokens  # rejections rolled back
+
+
+def test_a_long_prompt_catches_the_draft_up_over_several_steps(pair, self_drafted,
+                                                               monkeypatch):
+    """A prompt far longer than a step's catch-up budget is not drafted until the
+    draft's KV has caught up, a budget's worth a step; then every greedy draft of the
+    self-draft is accepted (its KV is right) and the output is unchanged."""
+    from llmserve.spec_decode import speculator
+    monkeypatch.setattr(speculator, "CATCH_UP_TOKENS", 40)
+    base, _ = pair
+    draft = self_drafted.engine.draft
+    sizes = []
+    execute = draft.runner.execute
+    monkeypatch.setattr(draft.runner, "execute",
+                        lambda inputs: sizes.append(len(inputs.input_ids)) or execute(inputs))
+    prompt = _prompts(1, seed=8)[0] * 8  # 160 tokens
+    assert len(prompt) > 3 * 40
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    s = self_drafted.engine.spec
+    drafted, accepted = s.num_draft_tokens, s.num_accepted_tokens
+    assert _tokens(self_drafted.generate([prompt], params)) == _tokens(base.generate(
+        [prompt], params))
+    assert max(sizes) <= 40 and len(sizes) > len(prompt) // 40
+    drafted, accepted = s.num_draft_tokens - drafted, s.num_accepted_tokens - accepted
+    assert drafted > 0 and accepted == drafted

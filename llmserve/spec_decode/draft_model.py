@@ -14,7 +14,10 @@ target already computed (the scheduler allocates the 1 + k slots before the draf
 runs). After verification only the positions whose inputs were accepted stay counted
 (``verified``). Blocks reused from the prefix cache were filled by the target, maybe
 not by the draft, so a new sequence's count starts at 0 and its catch-up rewrites
-them (the same values: the same tokens at the same positions).
+them (the same values: the same tokens at the same positions). A step's catch-ups are
+bounded (``speculator.CATCH_UP_TOKENS``): a sequence further behind is not drafted
+but caught up over the next steps (``catch_up``), so no step stalls on a long
+prompt's draft prefill.
 
 A draft is the draft model's argmax: a deterministic function of the context, so the
 one-hot verification rule (``rejection_sampler.py``) keeps the target's distribution
@@ -76,12 +79,38 @@ class DraftModel:
             inputs = (self._catch_up_inputs(active) if j == 0 else
                       self._decode_inputs(active, [drafts[s.seq_id][-1] for s in active], j))
             logits, _ = self.runner.execute(inputs)
-            for seq, token in zip(active, logits.argmax(dim=-1).tolist()):
+            for seq, token in zip(active, greedy(logits, active)):
                 drafts[seq.seq_id].append(token)
         for seq in seqs:
             seq.spec_token_ids = drafts[seq.seq_id]
             # Computed: up to the last token, then the inputs d_1 .. d_{k-1}.
             seq.num_draft_computed = seq.num_tokens + len(seq.spec_token_ids) - 1
+
+    @staticmethod
+    def gap(seq: Sequence) -> int:
+        """Tokens before ``seq``'s last one without draft KV: its catch-up."""
+        return max(0, seq.num_tokens - 1 - seq.num_draft_computed)
+
+    def catch_up(self, seqs: list[Sequence], budget: int) -> None:
+        """Draft KV for up to ``budget`` tokens of these decoding sequences' gaps, in
+        order (no logits): a long gap is closed over several steps, never in one."""
+        chunks = []
+        for seq in seqs:
+            n = min(self.gap(seq), budget)
+            if n > 0:
+                chunks.append((seq, seq.num_draft_computed, n))
+                budget -= n
+        if not chunks:
+            return
+        ids, positions, query_start = [], [], [0]
+        for seq, start, n in chunks:
+            ids += seq.token_ids[start:start + n]
+            positions += range(start, start + n)
+            query_start.append(len(ids))
+        self.runner.execute(self._inputs([c[0] for c in chunks], ids, positions,
+                                         query_start, []))
+        for seq, start, n in chunks:
+            seq.num_draft_computed = start + n
 
     @staticmethod
     def verified(seq: Sequence, num_computed: int) -> None:
@@ -118,6 +147,17 @@ class DraftModel:
         max_query = max(b - a for a, b in zip(query_start, query_start[1:]))
         return StepInputs(ids, positions, slots, query_start, seq_lens, tables, rows,
                           max_query)
+
+
+def greedy(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
+    """The draft's argmax per row, within a request's ``allowed_token_ids`` (a token
+    outside them could never be accepted)."""
+    tokens = logits.argmax(dim=-1).tolist()
+    for i, seq in enumerate(seqs):
+        allowed = seq.params.allowed_token_ids
+        if allowed and tokens[i] not in allowed:
+            tokens[i] = allowed[int(logits[i, allowed].argmax())]
+    return tokens
 
 
 def check_draft(source: str, target, draft, max_model_len: int) -> None:

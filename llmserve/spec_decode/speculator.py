@@ -14,6 +14,10 @@ from llmserve.spec_decode.ngram_proposer import NgramProposer
 # What a draft model's reserved draft holds until the draft model fills it in: any
 # valid token id (the scheduler reads only the length).
 PLACEHOLDER = 0
+# Draft-model tokens a step may compute to catch sequences' draft KV up (their first
+# draft, or one after a recompute or undrafted steps): a longer prompt's catch-up is
+# spread over steps instead of stalling one (draft_model.py).
+CATCH_UP_TOKENS = 256
 
 
 class Speculator:
@@ -29,6 +33,8 @@ class Speculator:
         self.policy: DraftPolicy | None = DraftPolicy()
         # This step's (sequences, draft tokens), if decodes only.
         self._decode_step: tuple[int, int] | None = None
+        self._lagging: list[Sequence] = []  # drafts wait for their draft KV to catch up
+        self._catch_up_left = CATCH_UP_TOKENS  # of this step's catch-up budget
         self.num_drafts = 0  # sequences verified with a draft
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
@@ -40,18 +46,28 @@ class Speculator:
         limit = self.config.disable_by_batch_size
         off = limit is not None and len(running) > limit
         k = self.config.num_speculative_tokens
+        budget = CATCH_UP_TOKENS
+        self._lagging = []
         for seq in running:
             room = 0 if off else min(k, self._room(seq))
             if room and self.policy is not None:
                 room = min(room, self.policy.max_draft(seq, len(running), k))
                 if not room:
                     self.policy.not_drafted(seq)
+            if room and self.draft is not None:
+                gap = self.draft.gap(seq)
+                if gap > budget:  # caught up in ``fill`` first, drafted later
+                    self._lagging.append(seq)
+                    room = 0
+                else:
+                    budget -= gap
             if not room:
                 seq.spec_token_ids = []
             elif self.draft is not None:
                 seq.spec_token_ids = [PLACEHOLDER] * room
             else:
                 seq.spec_token_ids = self.proposer.propose(seq.token_ids, room)
+        self._catch_up_left = budget
 
     def fill(self, batch: ScheduledBatch) -> None:
         """After scheduling (the drafts' slots are reserved): the draft model's tokens."""
@@ -59,8 +75,16 @@ class Speculator:
         self._decode_step = (len(batch.seqs), sum(batch.num_new_tokens) - len(batch.seqs)
                              ) if decodes else None
         drafted = [s for s in batch.seqs if s.spec_token_ids]
-        if self.draft is not None and drafted:
+        if self.draft is None:
+            return
+        if drafted:
             self.draft.propose(drafted)
+        if self._lagging:
+            scheduled = {s.seq_id for s in batch.seqs}
+            self.draft.catch_up([s for s in self._lagging if s.seq_id in scheduled
+                                 and s.num_computed_tokens == s.num_tokens - 1],
+                                self._catch_up_left)
+            self._lagging = []
 
     def _room(self, seq: Sequence) -> int:
         """Most draft tokens ``seq`` can use: a decode, not a beam (the search picks
