@@ -101,7 +101,8 @@ class LLMEngine:
         self.overlap = OverlappedSteps(self) if config.async_scheduling else None
         # P/D: leases (prefill role) or imported prefixes (decode role).
         self.kv_transfer = KVTransferSide(self) if config.kv_role != "both" else None
-        # Speculative decoding (n-gram drafts, verified in the step that computes them).
+        # Speculative decoding (n-gram or draft-model drafts, verified in the step that
+        # computes them).
         self.spec = (Speculator(config.speculative, self.max_model_len, self.draft)
                      if config.speculative is not None else None)
         # Multi-LoRA: the adapters by name; --lora-modules are read and checked now.
