@@ -194,3 +194,37 @@ def quant_gemm(x: torch.Tensor, linear) -> torch.Tensor:
             raise MemoryError("quant_gemm: out of memory for its dequantisation scratch")
         _check(rc)
     return y.view(*x.shape[:-1], n)
+
+
+# At most this many rows go through q8_rows.c (more: quant_gemm's tiles, or ATen's):
+# it reads the weight once per 4 rows.
+Q8_ROWS_MAX = 8
+
+
+def q8_rows(x: torch.Tensor, linear) -> torch.Tensor | None:
+    """``linear(x)`` of an int8 weight-only ``QuantizedLinear`` for a few rows of bf16
+    CPU ``x`` by ``q8_rows.c`` (a decode step's LM head: ~2x ATen's one-row kernel on
+    two cores, ``benchmarks/cpu_linear.py --quantized``), or None where it does not
+    apply: other bits, too many rows, a width off its grid, under torch.compile, no
+    kernel."""
+    k, n = linear.in_features, linear.out_features
+    if (linear.bits != 8 or x.device.type != "cpu" or x.dtype != torch.bfloat16
+            or x.shape[-1] != k or k % 16 or x.numel() > Q8_ROWS_MAX * k
+            or torch.compiler.is_compiling()):
+        return None
+    lib = decode_kernel()
+    if lib is None:
+        return None
+    rows = _kernel_rows(x, k)
+    bias = None if linear.bias is None else linear.bias.float()
+    y = torch.empty(rows.shape[0], n, dtype=torch.bfloat16)
+    if rows.shape[0]:
+        rc = lib.q8_rows_bf16(torch.get_num_threads(), rows.data_ptr(), rows.shape[0],
+                              rows.stride(0), linear.qweight.data_ptr(),
+                              linear.scales.data_ptr(), n, k,
+                              None if bias is None else bias.data_ptr(), y.data_ptr(), n)
+        if rc == -1:
+            raise MemoryError("q8_rows: out of memory for its float32 copy of x")
+        if rc != 0:  # shapes checked above: never expected
+            raise RuntimeError(f"q8_rows.c failed with code {rc}")
+    return y.view(*x.shape[:-1], n)

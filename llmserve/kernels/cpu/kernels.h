@@ -1,6 +1,6 @@
-/* The CPU kernels' ABI and what their sources share. decode.c, decoder.c, gemm.c and
- * lora.c all include it and native.py builds them into one library, so this file
- * declares every function the library exports: the compiler checks each definition
+/* The CPU kernels' ABI and what their sources share. decode.c, decoder.c, gemm.c,
+ * q8_rows.c and lora.c all include it and native.py builds them into one library, so
+ * this file declares every function the library exports: the compiler checks each definition
  * against its declaration here, and native.py's SIGNATURES (the ctypes argument types) and
  * decoder.py's ctypes structures mirror it (tests/test_cpu_attention.py checks the
  * former). Also: the dtype codes (native.DTYPE_CODES), bfloat16 conversions and
@@ -122,6 +122,12 @@ int quant_gemm(int num_threads, const uint16_t *x, int64_t m, int64_t ldx,
 int gemm_use_amx(int want);
 
 /* lora.c: one projection's multi-LoRA (shrink and expand of every group of rows). */
+/* q8_rows.c: y [m, n] = x [m, k] (bf16) times an int8 weight-only weight [n, k] with
+ * per-row bf16 scales (a few rows: a decode step's LM head). */
+int q8_rows_bf16(int num_threads, const uint16_t *x, int64_t m, int64_t ldx, const int8_t *q,
+                 const uint16_t *scales, int64_t n, int64_t k, const float *bias, uint16_t *y,
+                 int64_t ldy);
+
 int lora_add_rows(int num_threads, const void *x, int64_t ldx, int64_t x_cols, void *y,
                   int64_t ldy, int64_t y_cols, int64_t num_rows, int dtype, const int64_t *rows,
                   const int32_t *starts, int num_groups, const void *a, const void *bt,

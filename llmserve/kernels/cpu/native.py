@@ -1,6 +1,7 @@
 """The CPU kernels (``decode.c``: decode attention, rotary + K/V store, RMSNorm;
 ``decoder.c``: the int4 decoder stack built on them; ``gemm.c``: bf16 linears
-on AVX512-BF16; ``lora.c``: a projection's multi-LoRA), compiled for this machine into one library.
+on AVX512-BF16; ``q8_rows.c``: int8 weight-only products of a few rows; ``lora.c``: a
+projection's multi-LoRA), compiled for this machine into one library.
 
 Compiled once with the system C compiler (``$CC`` or ``cc``, 1-3 s) for the CPU it
 runs on (``-march=native``; AVX2 + FMA when ``ATEN_CPU_CAPABILITY=avx2`` asks torch to
@@ -43,9 +44,9 @@ from llmserve.envs import cache_root
 log = logging.getLogger(__name__)
 
 # Attention, rotary and norms; the int4 decoder stack built on them; bf16 GEMMs;
-# multi-LoRA: one library.
+# few-row int8 products; multi-LoRA: one library.
 SOURCES = [Path(__file__).with_name(name)
-           for name in ("decode.c", "decoder.c", "gemm.c", "lora.c")]
+           for name in ("decode.c", "decoder.c", "gemm.c", "q8_rows.c", "lora.c")]
 HEADERS = [Path(__file__).with_name("kernels.h")]  # included by SOURCES: in the key
 # Reassociation lets the compiler vectorise the dot products and sums; no
 # finite-math: softmax inputs are finite here, but the flag would change too much.
@@ -78,6 +79,8 @@ SIGNATURES: dict[str, list[type]] = {
     "bf16_gemm_pack": [_I32, _PTR, _I64, _I64, _PTR],
     "quant_gemm": [_I32, _PTR, _I64, _I64, _PTR, _PTR, _I32, _I64, _I64, _PTR, _PTR, _I64],
     "gemm_use_amx": [_I32],
+    # q8_rows.c
+    "q8_rows_bf16": [_I32, _PTR, _I64, _I64, _PTR, _PTR, _I64, _I64, _PTR, _PTR, _I64],
     # lora.c
     "lora_add_rows": [_I32, _PTR, _I64, _I64, _PTR, _I64, _I64, _I64, _I32, _PTR, _PTR, _I32,
                       _PTR, _PTR, _I32, _I32, _I32, _I64, _PTR],

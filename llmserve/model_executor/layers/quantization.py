@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from llmserve.kernels.cpu.gemm import quant_tiled
+from llmserve.kernels.cpu.gemm import q8_rows, quant_tiled
 
 # --- weight-only quantisation ---------------------------------------------------------
 # GGUF types at 4 bits or fewer per weight: int4 groups of 32 hold them (nearly) exactly.
@@ -70,10 +70,13 @@ class QuantizedLinear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x16 = x.to(torch.bfloat16)
-        # Many rows, eagerly: dequantised into bf16 tiles (the check stays out of compiled
-        # graphs: a guard on the row count there would compile each layer twice).
+        # Many rows, eagerly: dequantised into bf16 tiles; a few rows of an int8 weight
+        # (the LM head of a decode step): streamed once by q8_rows. The checks stay out of
+        # compiled graphs: a guard on the row count there would compile each layer twice.
         if not torch.compiler.is_compiling():
             y = quant_tiled(x16, self)
+            if y is None:
+                y = q8_rows(x16, self)
             if y is not None:
                 return y.to(x.dtype)
         y = weight_only_mm(x16, self.qweight, self.scales, self.bits)

@@ -1,0 +1,129 @@
+"""Int8 weight-only products of a few rows (``kernels/cpu/q8_rows.c``): the LM head of
+a decode step. The same product as ATen's ``_weight_int8pack_mm`` on the same int8
+weight and scales, on the ISA this machine has and on the AVX2 and plain builds."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from llmserve.kernels.cpu import gemm
+from llmserve.kernels.cpu.gemm import Q8_ROWS_MAX, q8_rows
+from llmserve.kernels.cpu.native import decode_kernel
+from llmserve.model_executor.layers import quantization
+from llmserve.model_executor.layers.quantization import QuantizedLinear, weight_only_mm
+
+pytestmark = pytest.mark.skipif(decode_kernel() is None, reason="no C compiler here")
+
+BF16_ULP = 2 ** -7
+
+
+def int8_linear(out_features: int, in_features: int, bias: bool, seed: int) -> QuantizedLinear:
+    """Rows of very different magnitudes, so a scale read for the wrong row is far off."""
+    torch.manual_seed(seed)
+    linear = torch.nn.Linear(in_features, out_features, bias=bias)
+    with torch.no_grad():
+        linear.weight.mul_(torch.randn(out_features, 1).mul(2).exp())
+        if bias:
+            linear.bias.normal_()
+    return QuantizedLinear(linear, 8)
+
+
+def aten_int8(x: torch.Tensor, lin: QuantizedLinear) -> torch.Tensor:
+    y = weight_only_mm(x, lin.qweight, lin.scales, 8)
+    return y if lin.bias is None else y + lin.bias
+
+
+# The LM head's shape, widths off the 4-row tiles and the 16-row thread units, one
+# k chunk, and a down projection's depth.
+@pytest.mark.parametrize("out_features, in_features", [(49152, 576), (960, 576), (101, 64),
+                                                       (7, 16), (576, 1536)])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8])
+@pytest.mark.parametrize("bias", [False, True])
+def test_q8_rows_matches_atens_int8_kernel(out_features, in_features, rows, bias):
+    """The same float32 products, summed in another order: nearly every output the same
+    bf16 value, the rest one rounding apart (a wrong row, scale or tile is ~100 % off)."""
+    lin = int8_linear(out_features, in_features, bias, seed=rows)
+    x = torch.randn(rows, in_features).to(torch.bfloat16)
+    want, got = aten_int8(x, lin).float(), q8_rows(x, lin).float()
+    torch.testing.assert_close(got, want, rtol=BF16_ULP, atol=1e-2)
+    assert (got == want).float().mean() > 0.95
+
+
+def test_q8_rows_reads_strided_rows_and_leading_dims():
+    lin = int8_linear(64, 32, False, seed=0)
+    wide = torch.randn(2, 3, 48).to(torch.bfloat16)
+    x = wide[..., :32]  # rows 48 apart
+    got = q8_rows(x, lin)
+    assert got.shape == (2, 3, 64)
+    torch.testing.assert_close(got.float(), aten_int8(x.reshape(-1, 32).contiguous(), lin)
+                               .view(2, 3, 64).float(), rtol=BF16_ULP, atol=1e-2)
+
+
+@pytest.mark.parametrize("case", ["int4", "too many rows", "k not a multiple of 16",
+                                  "float32 input"])
+def test_q8_rows_declines_what_it_does_not_compute(case):
+    """Outside its domain it returns None, and the layer keeps ATen's kernel."""
+    bits, rows, k, dtype = 8, 1, 64, torch.bfloat16
+    if case == "int4":
+        bits = 4
+    elif case == "too many rows":
+        rows = Q8_ROWS_MAX + 1
+    elif case == "k not a multiple of 16":
+        k = 24
+    else:
+        dtype = torch.float32
+    lin = QuantizedLinear(torch.nn.Linear(k, 64), bits)
+    assert q8_rows(torch.randn(rows, k).to(dtype), lin) is None
+
+
+def test_the_lm_head_of_a_decode_step_takes_q8_rows(monkeypatch):
+    """QuantizedLinear sends a few rows of an int8 weight here (not to ATen), and more
+    rows elsewhere."""
+    calls = []
+
+    def spy(x, linear):
+        calls.append(x.shape[0])
+        return q8_rows(x, linear)
+
+    monkeypatch.setattr(quantization, "q8_rows", spy)
+    lin = int8_linear(256, 64, True, seed=1)
+    x = torch.randn(3, 64).to(torch.bfloat16)
+    got = lin(x)
+    assert calls == [3]
+    torch.testing.assert_close(got.float(), aten_int8(x, lin).float(), rtol=BF16_ULP, atol=1e-2)
+    calls.clear()
+    lin(torch.randn(64, 64).to(torch.bfloat16))  # quant_gemm's tiles, or ATen's kernel
+    assert calls in ([], [64])  # asked only where the tiles did not take it...
+    assert gemm.q8_rows(torch.randn(64, 64).to(torch.bfloat16), lin) is None  # ...and declined
+
+
+OTHER_BUILD_CHECK = """
+import torch
+from llmserve.kernels.cpu.gemm import q8_rows
+from llmserve.model_executor.layers.quantization import QuantizedLinear, weight_only_mm
+torch.manual_seed(0)
+lin = QuantizedLinear(torch.nn.Linear(576, 1000, bias=False), 8)
+worst = 0.0
+for rows in (1, 3, 8):
+    x = torch.randn(rows, 576).to(torch.bfloat16)
+    want = weight_only_mm(x, lin.qweight, lin.scales, 8).float()
+    got = q8_rows(x, lin).float()
+    worst = max(worst, ((got - want).abs() / want.abs().clamp(min=1)).max().item())
+print(worst)
+"""
+
+
+@pytest.mark.parametrize("isa", ["avx2", "default"])
+def test_the_avx2_and_plain_builds_compute_the_same(isa):
+    """ATEN_CPU_CAPABILITY=avx2 builds the kernels for AVX2 + FMA, =default for the
+    architecture's baseline (no vector intrinsics): both take their own code paths."""
+    env = dict(os.environ, ATEN_CPU_CAPABILITY=isa)
+    out = subprocess.run([sys.executable, "-c", OTHER_BUILD_CHECK], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert float(out.stdout.strip().splitlines()[-1]) <= BF16_ULP
