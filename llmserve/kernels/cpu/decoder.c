@@ -71,6 +71,18 @@ static inline v16f scaled_add(v16f acc, v16f scale, v16f part, v16f offset_x) {
 #endif
 }
 
+/* The low nibble of each lane as a float. On AVX-512 one VPERMPS from the table of
+ * 0..15, which reads only an index's low 4 bits: it replaces a mask and a conversion
+ * (the one-token pass is bound by these ops, not by memory). */
+static inline v16f nibble_values(v16i lanes) {
+#if defined(__AVX512F__)
+    const __m512 values = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    return (v16f)_mm512_permutexvar_ps((__m512i)lanes, values);
+#else
+    return __builtin_convertvector(lanes & 15, v16f);
+#endif
+}
+
 /* acc + col * x[0]. On AVX-512 one FMA that broadcasts x from memory itself: GCC
  * broadcasts into a register first, an extra vector op per token and k (Zen 4). */
 static inline v16f fma_x(v16f acc, v16f col, const float *x) {
@@ -116,8 +128,8 @@ static inline __attribute__((always_inline)) void q4_pass(
             v16f col[4];
             for (int j = 0; j < nc; j++) {
                 v16i bytes = widen16(b + 16 * j);
-                col[j] = __builtin_convertvector(bytes & 15, v16f);
-                col[nc + j] = __builtin_convertvector(bytes >> 4, v16f);
+                col[j] = nibble_values(bytes);
+                col[nc + j] = nibble_values(bytes >> 4);
             }
             for (int t = 0; t < m; t++)
                 for (int v = 0; v < 2 * nc; v++)

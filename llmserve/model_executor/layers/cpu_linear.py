@@ -50,6 +50,9 @@ class PackedLinear(nn.Module):
         self.bias = None if linear.bias is None else linear.bias.detach()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.in_features:  # oneDNN's own error names no sizes
+            raise ValueError(f"PackedLinear: input of {x.shape[-1]} features, weight of "
+                             f"{self.in_features}")
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
     def extra_repr(self) -> str:
