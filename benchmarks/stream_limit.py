@@ -53,7 +53,7 @@ def step_bytes(model, context: int) -> int:
     modules = [*model.model.layers, model.model.norm, model.lm_head]
     for module in modules:
         for t in [*module.parameters(), *module.buffers()]:
-            if t.data_ptr() in seen or t is getattr(module, "kv_cache", None):
+            if t.data_ptr() in seen:  # a tied or shared tensor counts once
                 continue
             seen.add(t.data_ptr())
             total += t.numel() * t.element_size()

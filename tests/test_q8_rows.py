@@ -44,9 +44,13 @@ def aten_int8(x: torch.Tensor, lin: QuantizedLinear) -> torch.Tensor:
                                                        (7, 16), (576, 1536)])
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8])
 @pytest.mark.parametrize("bias", [False, True])
-def test_q8_rows_matches_atens_int8_kernel(out_features, in_features, rows, bias):
+@pytest.mark.parametrize("threads", [1, 3])
+def test_q8_rows_matches_atens_int8_kernel(out_features, in_features, rows, bias, threads,
+                                           monkeypatch):
     """The same float32 products, summed in another order: nearly every output the same
-    bf16 value, the rest one rounding apart (a wrong row, scale or tile is ~100 % off)."""
+    bf16 value, the rest one rounding apart (a wrong row, scale or tile is ~100 % off).
+    One thread, and three (shares of 16-row units that do not divide evenly)."""
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)  # what q8_rows asks
     lin = int8_linear(out_features, in_features, bias, seed=rows)
     x = torch.randn(rows, in_features).to(torch.bfloat16)
     want, got = aten_int8(x, lin).float(), q8_rows(x, lin).float()
@@ -107,11 +111,11 @@ import torch
 from llmserve.kernels.cpu.gemm import q8_rows
 from llmserve.model_executor.layers.quantization import QuantizedLinear, weight_only_mm
 torch.manual_seed(0)
-lin = QuantizedLinear(torch.nn.Linear(576, 1000, bias=False), 8)
+lin = QuantizedLinear(torch.nn.Linear(576, 1001), 8)  # 1001: every tile width
 worst = 0.0
 for rows in (1, 3, 8):
     x = torch.randn(rows, 576).to(torch.bfloat16)
-    want = weight_only_mm(x, lin.qweight, lin.scales, 8).float()
+    want = (weight_only_mm(x, lin.qweight, lin.scales, 8) + lin.bias).float()
     got = q8_rows(x, lin).float()
     worst = max(worst, ((got - want).abs() / want.abs().clamp(min=1)).max().item())
 print(worst)

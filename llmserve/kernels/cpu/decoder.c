@@ -124,7 +124,8 @@ static inline __attribute__((always_inline)) void q4_pass(
         for (int kk = 0; kk < GROUP; kk++, b += half) {
             /* The weight Q4_PREFETCH bytes on (a thread's blocks are one stream), a line
              * per 64 bytes: see Q4_PREFETCH. */
-            if (((kk * half) & 63) == 0) __builtin_prefetch(b + Q4_PREFETCH, 0, 3);
+            if (((kk * half) & 63) == 0)  /* may lie past the weight: prefetches never fault */
+                __builtin_prefetch((const void *)((uintptr_t)b + Q4_PREFETCH), 0, 3);
             v16f col[4];
             for (int j = 0; j < nc; j++) {
                 v16i bytes = widen16(b + 16 * j);

@@ -121,13 +121,13 @@ int quant_gemm(int num_threads, const uint16_t *x, int64_t m, int64_t ldx,
  * (-1 only asks); 1 when in use (built for AMX, granted by the OS, and wanted). */
 int gemm_use_amx(int want);
 
-/* lora.c: one projection's multi-LoRA (shrink and expand of every group of rows). */
 /* q8_rows.c: y [m, n] = x [m, k] (bf16) times an int8 weight-only weight [n, k] with
  * per-row bf16 scales (a few rows: a decode step's LM head). */
 int q8_rows_bf16(int num_threads, const uint16_t *x, int64_t m, int64_t ldx, const int8_t *q,
                  const uint16_t *scales, int64_t n, int64_t k, const float *bias, uint16_t *y,
                  int64_t ldy);
 
+/* lora.c: one projection's multi-LoRA (shrink and expand of every group of rows). */
 int lora_add_rows(int num_threads, const void *x, int64_t ldx, int64_t x_cols, void *y,
                   int64_t ldy, int64_t y_cols, int64_t num_rows, int dtype, const int64_t *rows,
                   const int32_t *starts, int num_groups, const void *a, const void *bt,

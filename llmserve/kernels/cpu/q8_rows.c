@@ -4,10 +4,11 @@
  * The weight is QuantizedLinear's int8 layout, which ATen's _weight_int8pack_mm reads:
  * [N, K] int8 codes, row n scaled by scales[n] (bf16): y[m, n] = scales[n] *
  * sum_k x[m, k] q[n, k], rounded to bf16 once. ATen's kernel for one row streams the
- * built-in model's 28 MB LM head at ~9 GB/s on two cores, a quarter of a single
+ * built-in model's 28 MB LM head at ~9-12 GB/s on two cores, a quarter of a single
  * stream's decode step; this one sign-extends 16 codes to float32 lanes and multiplies
- * them by up to 4 rows of x at once, 4 weight rows at a time (16 sums in registers),
- * so each weight byte is loaded once and used for every row. Built into the one
+ * them by up to 4 rows of x at once, 4 weight rows at a time (2 and 2 on AVX2), and a
+ * second group of rows reads the weight tile again from L1, so the weight streams from
+ * memory once. Built into the one
  * library by native.py; declared in kernels.h.
  */
 #include <stdint.h>
@@ -18,8 +19,15 @@
 #endif
 #include "kernels.h"
 
-#define Q8_TOKENS 4   /* rows of x sharing each weight load */
-#define Q8_WROWS 4    /* weight rows at a time: Q8_TOKENS x Q8_WROWS sums */
+/* A tile: Q8_TOKENS rows of x sharing each weight load, Q8_WROWS weight rows at a time,
+ * their sums in registers (16 on AVX-512's 32; AVX2's 16 half-width ones hold 4). */
+#if defined(__AVX512F__)
+#define Q8_TOKENS 4
+#define Q8_WROWS 4
+#else
+#define Q8_TOKENS 2
+#define Q8_WROWS 2
+#endif
 #define Q8_PREFETCH 4096  /* bytes: 18.6 GB/s streaming on a 2-core Xeon, 18.1 at 16K, 13.3 at 64K */
 
 /* 16 int8 codes as float32 lanes. */
@@ -60,10 +68,11 @@ static inline __attribute__((always_inline)) void q8_tile(
         for (int r = 0; r < wr; r++) acc[t][r] = (v16f){0};
     /* Q8_PREFETCH bytes on in the thread's stream, a line per 64 bytes of this tile:
      * the hardware prefetcher alone kept a thread at ~7 GB/s on a Xeon. */
-    const char *ahead = (const char *)(q + n0 * k) + Q8_PREFETCH;
+    const uintptr_t ahead = (uintptr_t)(q + n0 * k) + Q8_PREFETCH;  /* may lie past q */
     for (int64_t k0 = 0; k0 < k; k0 += 16) {
         if ((k0 & 63) == 0)
-            for (int r = 0; r < Q8_WROWS; r++) __builtin_prefetch(ahead + r * k + k0, 0, 3);
+            for (int r = 0; r < wr; r++)
+                __builtin_prefetch((const void *)(ahead + (uintptr_t)(r * k + k0)), 0, 3);
         v16f w[Q8_WROWS];
         for (int r = 0; r < wr; r++) w[r] = codes16(q + (n0 + r) * k + k0);
         for (int t = 0; t < m; t++) {
@@ -84,11 +93,14 @@ static void q8_tile_any(const float *xf, int m, int wr, const int8_t *q, const u
                         const float *bias, int64_t n0, int64_t k, uint16_t *y, int64_t ldy) {
 #define Q8_CASE(M_, R_) \
     case (M_ - 1) * Q8_WROWS + R_ - 1: q8_tile(xf, M_, R_, q, scales, bias, n0, k, y, ldy); break;
-#define Q8_CASES(M_) Q8_CASE(M_, 1) Q8_CASE(M_, 2) Q8_CASE(M_, 3) Q8_CASE(M_, 4)
     switch ((m - 1) * Q8_WROWS + wr - 1) {
-        Q8_CASES(1) Q8_CASES(2) Q8_CASES(3) Q8_CASES(4)
+        Q8_CASE(1, 1) Q8_CASE(1, 2) Q8_CASE(2, 1) Q8_CASE(2, 2)
+#if Q8_WROWS == 4
+        Q8_CASE(1, 3) Q8_CASE(1, 4) Q8_CASE(2, 3) Q8_CASE(2, 4)
+        Q8_CASE(3, 1) Q8_CASE(3, 2) Q8_CASE(3, 3) Q8_CASE(3, 4)
+        Q8_CASE(4, 1) Q8_CASE(4, 2) Q8_CASE(4, 3) Q8_CASE(4, 4)
+#endif
     }
-#undef Q8_CASES
 #undef Q8_CASE
 }
 
@@ -112,10 +124,10 @@ int q8_rows_bf16(int num_threads, const uint16_t *x, int64_t m, int64_t ldx, con
     for (int s = 0; s < threads; s++) {
         int64_t first = units * s / threads * 16, last = units * (s + 1) / threads * 16;
         if (last > n) last = n;
-        for (int64_t t0 = 0; t0 < m; t0 += Q8_TOKENS) {
-            int mt = m - t0 < Q8_TOKENS ? (int)(m - t0) : Q8_TOKENS;
-            for (int64_t n0 = first; n0 < last; n0 += Q8_WROWS) {
-                int wr = last - n0 < Q8_WROWS ? (int)(last - n0) : Q8_WROWS;
+        for (int64_t n0 = first; n0 < last; n0 += Q8_WROWS) {
+            int wr = last - n0 < Q8_WROWS ? (int)(last - n0) : Q8_WROWS;
+            for (int64_t t0 = 0; t0 < m; t0 += Q8_TOKENS) {  /* the tile from L1 again */
+                int mt = m - t0 < Q8_TOKENS ? (int)(m - t0) : Q8_TOKENS;
                 q8_tile_any(xf + t0 * k, mt, wr, q, scales, bias, n0, k, y + t0 * ldy, ldy);
             }
         }
