@@ -11,6 +11,7 @@ import argparse
 import json
 import os
 import random
+import re
 
 import pytest
 import torch
@@ -19,6 +20,7 @@ from prometheus_client import generate_latest
 from llmserve import LLM, SamplingParams
 from llmserve.config import EngineConfig
 from llmserve.core.request import Request
+from llmserve.core.sampling_params import StructuredOutputsParams
 from llmserve.engine.llm_engine import LLMEngine
 from llmserve.engine.metrics import EngineMetrics
 from llmserve.entrypoints.cli import add_engine_args, engine_kwargs
@@ -448,6 +450,56 @@ def test_a_draft_model_that_disagrees_changes_no_output(pair, tiny_llama, small_
             assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
     s = spec.engine.spec
     assert 0 < s.num_accepted_tokens < s.num_draft_tokens  # some taken, many rolled back
+    spec.engine.block_manager.check_all_free()
+
+
+# --- structured outputs ------------------------------------------------------------------
+# Pairs of a letter and a digit: what the grammar allows alternates token by token, so
+# a draft verified under the first position's mask only would let the model leave it.
+PAIRS = StructuredOutputsParams(regex=r"(([abc][123])+ ){6}")
+PAIR_PROMPTS = ["a1b2c3a1b2c3a1b2c3 b3c1a2 b3c1a2", "x: c3c3a1 c3c3a1 c3c3a1",
+                "b2 b2 b2 a1 a1"]
+
+
+def test_ngram_drafts_are_cut_where_the_grammar_refuses(pair):
+    """The proposer's draft is cut before the first token the grammar does not allow:
+    such a token (and all after it) would only be rejected."""
+    engine = pair[1].engine
+    tokens = engine.tokenizer.encode("a1b2c3a1b2c3a1", add_special_tokens=False)
+    assert len(tokens) == 14  # one token a character, as the regexes below assume
+    speculator = Speculator(SpeculativeConfig(4, 2, 1), max_model_len=100)
+    drafts = []
+    # 6 pairs are out (the first is the prompt): a 7th, then a letter or digits.
+    for regex in (r"([abc][123])+", r"([abc][123]){7}[0-9]+"):
+        seq = _decoding(tokens)
+        seq.matcher = engine.structured_outputs().matcher(StructuredOutputsParams(regex=regex))
+        assert seq.matcher.consume_tokens(seq.token_ids[2:])
+        speculator.propose([seq])
+        drafts.append(seq.spec_token_ids)
+    # "a1" recurs: "b2c3" followed it; the second grammar takes "b2" and then digits only
+    assert drafts == [tokens[2:6], tokens[2:4]]
+
+
+@pytest.mark.parametrize("proposer", ["ngram", "draft_model"])
+def test_constrained_outputs_are_unchanged_and_drafted(pair, self_drafted, proposer):
+    """Grammar-constrained requests are drafted too: each verified position is
+    sampled under the grammar's mask after the draft tokens before it, so greedy and
+    seeded outputs are exactly those without speculation, and a draft model's tokens
+    that the grammar refuses are rejected."""
+    base, spec = pair[0], pair[1] if proposer == "ngram" else self_drafted
+    params = [SamplingParams(temperature=0, max_tokens=60, structured_outputs=PAIRS),
+              SamplingParams(temperature=0.8, seed=1, max_tokens=60, logprobs=2,
+                             structured_outputs=PAIRS)]
+    s = spec.engine.spec
+    for p in params:
+        drafted, accepted = s.num_draft_tokens, s.num_accepted_tokens
+        want, got = base.generate(PAIR_PROMPTS, p), spec.generate(PAIR_PROMPTS, p)
+        assert _tokens(got) == _tokens(want)
+        for g, w in zip(got, want):
+            assert g.outputs[0].finish_reason == w.outputs[0].finish_reason
+            assert re.fullmatch(r"(([abc][123])+ ?)+", g.outputs[0].text)  # pairs only
+        assert s.num_accepted_tokens - accepted > 5  # drafts were verified and taken
+        assert s.num_draft_tokens > drafted
     spec.engine.block_manager.check_all_free()
 
 

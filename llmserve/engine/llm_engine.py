@@ -360,7 +360,7 @@ class LLMEngine:
                 self._append(seq, token, lp)
                 touched[seq.request.request_id] = seq.request
         if drafted:
-            self._accept_drafts(drafted, draft_logits, touched)
+            self._accept_drafts(drafted, draft_logits, touched, pending_masks)
         self._observe_step(batch, kv_tokens, ts, t0, t1)
         return self._outputs(touched)
 
@@ -404,12 +404,17 @@ class LLMEngine:
                 self.block_manager.cache_full_blocks(seq)
                 self.block_manager.free_outside_window(seq)
 
-    def _accept_drafts(self, seqs: list[Sequence], logits, touched: dict) -> None:
-        """Verify the drafts (rejection_sampler.py), append the tokens one by one (so
-        stop conditions and max_tokens cut a draft), then roll the KV back to the
-        accepted tokens: their slots count as computed, the blocks past them are freed,
-        and only then are the blocks they filled offered to the prefix cache."""
-        for seq, (tokens, logprobs) in zip(seqs, verify(self.sampler, logits, seqs)):
+    def _accept_drafts(self, seqs: list[Sequence], logits, touched: dict,
+                       pending_masks=None) -> None:
+        """Verify the drafts (rejection_sampler.py; a grammar's masks at every position),
+        append the tokens one by one (so stop conditions and max_tokens cut a draft),
+        then roll the KV back to the accepted tokens: their slots count as computed, the
+        blocks past them are freed, and only then are the blocks they filled offered to
+        the prefix cache."""
+        def masks(constrained):
+            return self.structured_outputs().masks(constrained, pending_masks)
+
+        for seq, (tokens, logprobs) in zip(seqs, verify(self.sampler, logits, seqs, masks)):
             self.spec.record(seq, len(seq.spec_token_ids), len(tokens) - 1)
             seq.spec_token_ids = []
             computed = seq.num_computed_tokens + len(tokens) - 1

@@ -21,7 +21,9 @@ prompt's draft prefill.
 
 A draft is the draft model's argmax: a deterministic function of the context, so the
 one-hot verification rule (``rejection_sampler.py``) keeps the target's distribution
-exactly.
+exactly. A grammar-constrained sequence's draft is the argmax within what its grammar
+allows at each draft position (its matcher steps through the draft and rolls back):
+still a function of the context, and no draft token is one verification must refuse.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import torch
 from llmserve.config import EngineConfig
 from llmserve.core.request import Sequence
 from llmserve.core.sched.output import ScheduledBatch
+from llmserve.model_executor.layers.sampler import apply_bitmask
 from llmserve.model_executor.model_loader.sources import load_config, resolve_model
 from llmserve.model_executor.models.supported import layer_sliding_window
 from llmserve.worker.kv_sizing import kv_block_bytes
@@ -74,13 +77,17 @@ class DraftModel:
         """Replace each sequence's reserved draft (``spec_token_ids``, placeholders of
         the length the scheduler granted) by the draft model's greedy tokens."""
         drafts = {s.seq_id: [] for s in seqs}
+        grammars = DraftGrammars(seqs, self.hf_config.vocab_size)
         for j in range(max(len(s.spec_token_ids) for s in seqs)):
             active = [s for s in seqs if len(s.spec_token_ids) > j]
             inputs = (self._catch_up_inputs(active) if j == 0 else
                       self._decode_inputs(active, [drafts[s.seq_id][-1] for s in active], j))
             logits, _ = self.runner.execute(inputs)
+            grammars.constrain(logits, active)
             for seq, token in zip(active, greedy(logits, active)):
                 drafts[seq.seq_id].append(token)
+                grammars.consume(seq, token)
+        grammars.rewind()
         for seq in seqs:
             seq.spec_token_ids = drafts[seq.seq_id]
             # Computed: up to the last token, then the inputs d_1 .. d_{k-1}.
@@ -147,6 +154,48 @@ class DraftModel:
         max_query = max(b - a for a, b in zip(query_start, query_start[1:]))
         return StepInputs(ids, positions, slots, query_start, seq_lens, tables, rows,
                           max_query)
+
+
+class DraftGrammars:
+    """The grammars of the constrained sequences being drafted, stepped through their
+    drafts: ``constrain`` masks each row's logits to what its grammar allows next,
+    ``consume`` takes the token drafted, ``rewind`` returns every matcher to where the
+    sequence is (the target's verification steps through the draft again)."""
+
+    def __init__(self, seqs: list[Sequence], vocab_size: int):
+        self.vocab_size = vocab_size
+        self.consumed = {s.seq_id: (s.matcher, 0) for s in seqs if s.matcher is not None}
+        self.matchers = {s.seq_id: s.matcher for s in seqs if s.matcher is not None}
+
+    @torch.inference_mode()
+    def constrain(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
+        rows = [i for i, s in enumerate(seqs) if s.seq_id in self.matchers]
+        if not rows:
+            return
+        from llguidance.torch import fill_next_token_bitmask
+
+        bitmask = torch.full((len(rows), (self.vocab_size + 31) // 32), -1, dtype=torch.int32)
+        for r, i in enumerate(rows):
+            fill_next_token_bitmask(self.matchers[seqs[i].seq_id], bitmask, r)
+        logits[:, self.vocab_size:] = float("-inf")  # padding columns, if any
+        apply_bitmask(logits[:, :self.vocab_size], rows, bitmask)
+
+    def consume(self, seq: Sequence, token: int) -> None:
+        """A grammar that cannot take ``token`` (it is stopped: only EOS is left) stops
+        constraining this draft: verification rejects what follows."""
+        matcher = self.matchers.get(seq.seq_id)
+        if matcher is None:
+            return
+        if matcher.is_stopped() or matcher.validate_tokens([token]) != 1:
+            del self.matchers[seq.seq_id]
+            return
+        matcher.consume_token(token)
+        self.consumed[seq.seq_id] = (matcher, self.consumed[seq.seq_id][1] + 1)
+
+    def rewind(self) -> None:
+        for matcher, n in self.consumed.values():
+            if n:
+                matcher.rollback(n)
 
 
 def greedy(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:

@@ -36,7 +36,8 @@ class DraftPosition:
     params = property(lambda self: self.seq.params)
     index = property(lambda self: self.seq.index)
     request = property(lambda self: self.seq.request)
-    matcher = None  # constrained sequences are never drafted
+    # (the sampler only asks whether there is one: each position's mask comes as a row)
+    matcher = property(lambda self: self.seq.matcher)
     num_prompt_tokens = property(lambda self: self.seq.num_prompt_tokens)
 
     @property
@@ -52,14 +53,20 @@ def accepted_length(draft: list[int], target: list[int]) -> int:
     return n
 
 
-def verify(sampler, logits: torch.Tensor, seqs: list[Sequence]
+def verify(sampler, logits: torch.Tensor, seqs: list[Sequence], masks=None
            ) -> list[tuple[list[int], list]]:
     """Per sequence (its draft in ``spec_token_ids``, its ``1 + k`` rows of ``logits``
     in order): the tokens to output (accepted draft + one of the target's) and their
-    logprobs (None each where not asked)."""
+    logprobs (None each where not asked). ``masks(constrained)``: the grammar's mask
+    rows of those sequences, 1 + k each in order (structured_output/grammar.py); each
+    position is sampled under its own, as it would be without the draft."""
     positions = [DraftPosition(s, s.spec_token_ids[:i])
                  for s in seqs for i in range(len(s.spec_token_ids) + 1)]
-    out = sampler(logits, positions)
+    grammar_rows = [i for i, p in enumerate(positions) if p.matcher is not None]
+    bitmask = None
+    if grammar_rows:
+        bitmask = masks([s for s in seqs if s.matcher is not None])
+    out = sampler(logits, positions, grammar_rows, bitmask)
     results, row = [], 0
     for seq in seqs:
         k = len(seq.spec_token_ids)

@@ -66,7 +66,8 @@ class Speculator:
             elif self.draft is not None:
                 seq.spec_token_ids = [PLACEHOLDER] * room
             else:
-                seq.spec_token_ids = self.proposer.propose(seq.token_ids, room)
+                seq.spec_token_ids = self._grammatical(
+                    seq, self.proposer.propose(seq.token_ids, room))
         self._catch_up_left = budget
 
     def fill(self, batch: ScheduledBatch) -> None:
@@ -86,12 +87,21 @@ class Speculator:
                                 self._catch_up_left)
             self._lagging = []
 
+    @staticmethod
+    def _grammatical(seq: Sequence, draft: list[int]) -> list[int]:
+        """The longest prefix of ``draft`` that ``seq``'s grammar (if any) allows: a
+        token it refuses would be rejected in verification, and so would all after it.
+        (A draft model's tokens come after scheduling; verification cuts those.)"""
+        if seq.matcher is None or not draft:
+            return draft
+        return draft[:seq.matcher.validate_tokens(draft)]
+
     def _room(self, seq: Sequence) -> int:
         """Most draft tokens ``seq`` can use: a decode, not a beam (the search picks
-        its tokens) nor a grammar (drafts would need checking against it), whose step
-        emits at most 1 + k tokens within max_tokens and the model's length."""
+        its tokens), whose step emits at most 1 + k tokens within max_tokens and the
+        model's length."""
         if (seq.num_uncomputed_tokens != 1 or seq.num_output_tokens == 0
-                or seq.request.beams is not None or seq.matcher is not None):
+                or seq.request.beams is not None):
             return 0
         left = min(seq.params.max_tokens - seq.num_output_tokens,
                    self.max_model_len - seq.num_tokens)

@@ -7,6 +7,12 @@ fills one row of a token bitmask; the sampler sets every disallowed logit to -in
 so constrained and free requests share one batch. After sampling, the matcher
 consumes the token; when the grammar is complete the sequence stops.
 
+A speculative draft (spec_decode/) is verified at 1 + k positions at once, so a
+drafted sequence gets one mask row per position: the matcher steps through the
+draft's tokens the grammar accepts, filling the row after each, and rolls back. Rows
+past a token the grammar refuses stay all-allowed: verification rejects the draft at
+that token at the latest, so what they say is never used.
+
 Why llguidance (measured in benchmarks/structured_backends.py, docs/benchmarks.md):
 its masks are computed by a lexer/parser split in Rust with no Python in the loop,
 compiling a schema takes milliseconds, it refuses JSON-schema keywords it does not
@@ -84,25 +90,49 @@ class StructuredOutputs:
         return self._worker.submit(self._fill, list(seqs))
 
     def _fill(self, seqs) -> dict[int, torch.Tensor]:
-        from llguidance.torch import fill_next_token_bitmask
-
-        bitmask = torch.full(((len(seqs)), (self.vocab_size + 31) // 32), -1,
+        """Per sequence, its mask rows: one, or 1 + k for a k-token draft."""
+        sizes = [1 + len(s.spec_token_ids) for s in seqs]
+        bitmask = torch.full((sum(sizes), (self.vocab_size + 31) // 32), -1,
                              dtype=torch.int32)
-        for row, seq in enumerate(seqs):
-            fill_next_token_bitmask(seq.matcher, bitmask, row)
-        return {seq.seq_id: bitmask[row] for row, seq in enumerate(seqs)}
+        rows, start = {}, 0
+        for seq, size in zip(seqs, sizes):
+            fill_draft_masks(seq.matcher, seq.spec_token_ids, bitmask, start)
+            rows[seq.seq_id] = bitmask[start:start + size]
+            start += size
+        return rows
 
     def masks(self, seqs, pending: Future | None) -> torch.Tensor:
-        """Bitmask rows for ``seqs`` (all with a matcher), reusing the rows computed
-        while the model ran; sequences forked after it (n > 1) are filled now."""
+        """Bitmask rows for ``seqs`` (all with a matcher; 1 + k rows for a drafted
+        one), reusing the rows computed while the model ran; sequences forked after it
+        (n > 1) are filled now."""
         ready = pending.result() if pending is not None else {}
         missing = [s for s in seqs if s.seq_id not in ready]
         if missing:
             ready = {**ready, **self._fill(missing)}
-        return torch.stack([ready[s.seq_id] for s in seqs])
+        return torch.cat([ready[s.seq_id] for s in seqs])
 
     def shutdown(self) -> None:
         self._worker.shutdown(wait=False, cancel_futures=True)
+
+
+def fill_draft_masks(matcher, draft: list[int], bitmask: torch.Tensor, row: int) -> None:
+    """Rows ``row`` .. ``row + len(draft)`` of ``bitmask``: what the grammar allows
+    after each prefix of ``draft`` it accepts (the rows after a refused token are left
+    as they are). The matcher ends where it began."""
+    from llguidance.torch import fill_next_token_bitmask
+
+    accepted = matcher.validate_tokens(draft) if draft else 0
+    fill_next_token_bitmask(matcher, bitmask, row)
+    consumed = 0
+    # Validated, so consuming never puts the matcher into its error state. A stopped
+    # grammar (complete: EOS only) takes EOS without counting it, and rollback counts
+    # tokens, so the walk ends there.
+    while consumed < accepted and not matcher.is_stopped():
+        matcher.consume_token(draft[consumed])
+        consumed += 1
+        fill_next_token_bitmask(matcher, bitmask, row + consumed)
+    if consumed:
+        matcher.rollback(consumed)
 
 
 def _to_llguidance(kind: str, text: str) -> str:
