@@ -13,6 +13,13 @@ answer with quotes) and on plain chat; then 32 streams at once.
 ``--draft-layers N``: the draft is the built-in model cut to its first N layers (same
 tokenizer, no training: a crude early-exit draft, since no smaller model of the family
 ships here); it shows what a draft model's passes cost against what they save.
+
+``--temperature T`` samples (top_p 0.95, seeded per request, so both engines still
+give the same tokens). With a draft model it also runs a third engine whose drafts are
+the draft model's argmax (as before drafts were coupled to the target's draws,
+draft_model.py) and prints both acceptance rates:
+
+    python benchmarks/spec_decode.py --draft-layers 16 --temperature 0.8
 """
 
 from __future__ import annotations
@@ -67,8 +74,13 @@ WORKLOADS = {
 }
 
 
+TEMPERATURE = 0.0  # --temperature
+
+
 def chat(llm: LLM, prompts: list[str], max_tokens: int):
-    params = SamplingParams(temperature=0, max_tokens=max_tokens)
+    params = [SamplingParams(temperature=TEMPERATURE, top_p=0.95 if TEMPERATURE else 1.0,
+                             seed=i if TEMPERATURE else None, max_tokens=max_tokens)
+              for i in range(len(prompts))]
     t0 = time.perf_counter()
     outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)
     return time.perf_counter() - t0, outs
@@ -100,6 +112,11 @@ def run(base: LLM, spec: LLM, prompts: list[str], rounds: int, max_tokens: int,
             "tokens": tokens["spec"]}
 
 
+def argmax_drafts(logits, positions, grammar_rows=None, bitmask=None):
+    """A draft model's argmax for every request (no grammar here): uncoupled drafts."""
+    return argparse.Namespace(token_ids=logits.argmax(dim=-1).tolist())
+
+
 def truncated_builtin(model: str, layers: int, out: Path) -> Path:
     """``model`` cut to its first ``layers`` decoder layers, saved at ``out``."""
     import torch
@@ -124,8 +141,12 @@ def main() -> None:
     ap.add_argument("--speculative-config", default=json.dumps(SPEC))
     ap.add_argument("--draft-layers", type=int,
                     help="speculate with the model's first N layers as a draft model")
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="sample (seeded, top_p 0.95) instead of greedy decoding")
     ap.add_argument("--json", help="write the results here too")
     args = ap.parse_args()
+    global TEMPERATURE
+    TEMPERATURE = args.temperature
     if args.draft_layers:
         k = json.loads(args.speculative_config)["num_speculative_tokens"]
         draft = truncated_builtin(args.model, args.draft_layers,
@@ -134,18 +155,25 @@ def main() -> None:
                                               "num_speculative_tokens": k})
     base = LLM(args.model)
     spec = LLM(args.model, speculative_config=args.speculative_config)
+    specs = {"spec": spec}
+    if args.temperature and args.draft_layers:
+        specs["argmax drafts"] = LLM(args.model, speculative_config=args.speculative_config)
+        specs["argmax drafts"].engine.spec.sampler = argmax_drafts
+    how = f"temperature {args.temperature}, seeded" if args.temperature else "greedy"
     print(f"model {args.model} ({base.engine.config.dtype}), speculative_config "
-          f"{args.speculative_config}, greedy, max_tokens {args.max_tokens}")
+          f"{args.speculative_config}, {how}, max_tokens {args.max_tokens}")
     warm = [p for ps in WORKLOADS.values() for p in ps]
-    for llm in (base, spec):
+    for llm in (base, *specs.values()):
         chat(llm, warm[:1], args.max_tokens)
         chat(llm, warm, args.max_tokens)
     results = {}
     for name, prompts in WORKLOADS.items():
-        r = results[name] = run(base, spec, prompts, args.rounds, args.max_tokens)
-        print(f"1 stream  {name:10s} base {r['tok_s_base']:7.1f} tok/s   spec "
-              f"{r['tok_s_spec']:7.1f} tok/s   x{r['speedup']:.2f}   acceptance "
-              f"{r['acceptance_rate']:.2f}")
+        for label, llm in specs.items():
+            r = results[name if label == "spec" else f"{name} ({label})"] = run(
+                base, llm, prompts, args.rounds, args.max_tokens)
+            print(f"1 stream  {name:10s} base {r['tok_s_base']:7.1f} tok/s   {label} "
+                  f"{r['tok_s_spec']:7.1f} tok/s   x{r['speedup']:.2f}   acceptance "
+                  f"{r['acceptance_rate']:.2f}")
     mixed = [p for ps in WORKLOADS.values() for p in ps]
     mixed = (mixed * (args.streams // len(mixed) + 1))[:args.streams]
     r = results[f"{args.streams}_streams"] = run(base, spec, mixed, args.rounds,

@@ -78,6 +78,10 @@ class Sequence:
         self.draft_stats: tuple[float, float] | None = None
         # Leading positions whose draft-model KV is valid (spec_decode/draft_model.py).
         self.num_draft_computed = 0
+        # An unseeded sampled sequence drafted by a draft model: the random seed its
+        # draws are keyed by from its first draft on, so the draft model and the
+        # verification share their randomness (spec_decode/draft_model.py).
+        self.coupling_seed: int | None = None
 
     # --- sizes -------------------------------------------------------------
     @property

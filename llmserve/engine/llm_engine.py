@@ -103,7 +103,8 @@ class LLMEngine:
         self.kv_transfer = KVTransferSide(self) if config.kv_role != "both" else None
         # Speculative decoding (n-gram or draft-model drafts, verified in the step that
         # computes them).
-        self.spec = (Speculator(config.speculative, self.max_model_len, self.draft)
+        self.spec = (Speculator(config.speculative, self.max_model_len, self.draft,
+                                 self.sampler)
                      if config.speculative is not None else None)
         # Multi-LoRA: the adapters by name; --lora-modules are read and checked now.
         self.loras = (LoRARegistry(self.hf_config, config.max_lora_rank, self.runner.lora,
@@ -322,7 +323,8 @@ class LLMEngine:
         self.stats = EngineStats()
         if self.spec is not None:
             # counters at zero
-            self.spec = Speculator(self.spec.config, self.max_model_len, self.draft)
+            self.spec = Speculator(self.spec.config, self.max_model_len, self.draft,
+                                   self.sampler)
 
     # --- the step ---------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

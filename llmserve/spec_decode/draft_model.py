@@ -1,5 +1,5 @@
 """Draft-model proposals: a smaller model that shares the target's tokenizer guesses the
-next k tokens, one greedy decode at a time; the target verifies them all in one step.
+next k tokens, one decode at a time; the target verifies them all in one step.
 
 The draft's KV cache has the target's blocks: the same block ids, tables and slots,
 in a cache of its own shape. So the block manager, the scheduler's allocations, swap
@@ -19,25 +19,34 @@ bounded (``speculator.CATCH_UP_TOKENS``): a sequence further behind is not draft
 but caught up over the next steps (``catch_up``), so no step stalls on a long
 prompt's draft prefill.
 
-A draft is the draft model's argmax: a deterministic function of the context, so the
-one-hot verification rule (``rejection_sampler.py``) keeps the target's distribution
-exactly. A grammar-constrained sequence's draft is the argmax within what its grammar
-allows at each draft position (its matcher steps through the draft and rolls back):
-still a function of the context, and no draft token is one verification must refuse.
+A draft token is drawn by the engine's own sampler from the draft model's logits, as
+the target's token at that position would be drawn from the target's: the same
+temperature, filters, penalties, token controls and grammar mask (the matcher steps
+through the draft and rolls back), and the same race key. So the two draws share
+their randomness (a Gumbel-max coupling): a greedy draft is the draft's argmax, and a
+sampled draft token equals the target's whenever the exponential race over the
+draft's probabilities and over the target's, run on the same exponentials, pick the
+same token, which the closer the two models are the likelier it is (an identical
+draft is always accepted). Verification (``rejection_sampler.py``) outputs the
+target's own draws and accepts the draft while it equals them, so the output is the
+target's exactly, seeded outputs included. An unseeded sampled sequence gets a random
+seed (``Sequence.coupling_seed``) at its first draft so that its draws have keys to
+share.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import random
 
 import torch
 
 from llmserve.config import EngineConfig
 from llmserve.core.request import Sequence
 from llmserve.core.sched.output import ScheduledBatch
-from llmserve.model_executor.layers.sampler import apply_bitmask
 from llmserve.model_executor.model_loader.sources import load_config, resolve_model
 from llmserve.model_executor.models.supported import layer_sliding_window
+from llmserve.spec_decode.rejection_sampler import DraftPosition
 from llmserve.worker.kv_sizing import kv_block_bytes
 from llmserve.worker.model_runner import ModelRunner
 from llmserve.worker.step_inputs import StepInputs
@@ -73,9 +82,14 @@ class DraftModel:
         """The step's swaps and copy-on-write copies, on the draft's cache too."""
         self.runner.apply_block_ops(batch)
 
-    def propose(self, seqs: list[Sequence]) -> None:
+    def propose(self, seqs: list[Sequence], sampler) -> None:
         """Replace each sequence's reserved draft (``spec_token_ids``, placeholders of
-        the length the scheduler granted) by the draft model's greedy tokens."""
+        the length the scheduler granted) by tokens ``sampler`` (the engine's) draws
+        from the draft model's logits, coupled to the target's draws."""
+        for seq in seqs:
+            if (not seq.params.greedy and seq.coupling_seed is None
+                    and seq.params.sample_seed(seq.index) is None):
+                seq.coupling_seed = random.getrandbits(63)
         drafts = {s.seq_id: [] for s in seqs}
         grammars = DraftGrammars(seqs, self.hf_config.vocab_size)
         for j in range(max(len(s.spec_token_ids) for s in seqs)):
@@ -83,8 +97,9 @@ class DraftModel:
             inputs = (self._catch_up_inputs(active) if j == 0 else
                       self._decode_inputs(active, [drafts[s.seq_id][-1] for s in active], j))
             logits, _ = self.runner.execute(inputs)
-            grammars.constrain(logits, active)
-            for seq, token in zip(active, greedy(logits, active)):
+            positions = [DraftPosition(s, drafts[s.seq_id]) for s in active]
+            rows, bitmask = grammars.masks(active)
+            for seq, token in zip(active, sampler(logits, positions, rows, bitmask).token_ids):
                 drafts[seq.seq_id].append(token)
                 grammars.consume(seq, token)
         grammars.rewind()
@@ -158,27 +173,27 @@ class DraftModel:
 
 class DraftGrammars:
     """The grammars of the constrained sequences being drafted, stepped through their
-    drafts: ``constrain`` masks each row's logits to what its grammar allows next,
-    ``consume`` takes the token drafted, ``rewind`` returns every matcher to where the
-    sequence is (the target's verification steps through the draft again)."""
+    drafts: ``masks`` gives each row's mask of what its grammar allows next (the
+    sampler applies it), ``consume`` takes the token drafted, ``rewind`` returns every
+    matcher to where the sequence is (the target's verification steps through the
+    draft again)."""
 
     def __init__(self, seqs: list[Sequence], vocab_size: int):
         self.vocab_size = vocab_size
         self.consumed = {s.seq_id: (s.matcher, 0) for s in seqs if s.matcher is not None}
         self.matchers = {s.seq_id: s.matcher for s in seqs if s.matcher is not None}
 
-    @torch.inference_mode()
-    def constrain(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
+    def masks(self, seqs: list[Sequence]) -> tuple[list[int] | None, torch.Tensor | None]:
+        """(the rows of ``seqs`` still under a grammar, their masks), or (None, None)."""
         rows = [i for i, s in enumerate(seqs) if s.seq_id in self.matchers]
         if not rows:
-            return
+            return None, None
         from llguidance.torch import fill_next_token_bitmask
 
         bitmask = torch.full((len(rows), (self.vocab_size + 31) // 32), -1, dtype=torch.int32)
         for r, i in enumerate(rows):
             fill_next_token_bitmask(self.matchers[seqs[i].seq_id], bitmask, r)
-        logits[:, self.vocab_size:] = float("-inf")  # padding columns, if any
-        apply_bitmask(logits[:, :self.vocab_size], rows, bitmask)
+        return rows, bitmask
 
     def consume(self, seq: Sequence, token: int) -> None:
         """A grammar that cannot take ``token`` (it is stopped: only EOS is left) stops
@@ -196,17 +211,6 @@ class DraftGrammars:
         for matcher, n in self.consumed.values():
             if n:
                 matcher.rollback(n)
-
-
-def greedy(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
-    """The draft's argmax per row, within a request's ``allowed_token_ids`` (a token
-    outside them could never be accepted)."""
-    tokens = logits.argmax(dim=-1).tolist()
-    for i, seq in enumerate(seqs):
-        allowed = seq.params.allowed_token_ids
-        if allowed and tokens[i] not in allowed:
-            tokens[i] = allowed[int(logits[i, allowed].argmax())]
-    return tokens
 
 
 def check_draft(source: str, target, draft, max_model_len: int) -> None:

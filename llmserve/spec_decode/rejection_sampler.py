@@ -7,13 +7,16 @@ tokens (penalties, min_tokens, token controls, logprobs and the seeded race key 
 see that position), giving t_i ~ p_i. The draft's longest prefix with d_i == t_i
 is accepted and t at the first mismatch (or t_k+1, the bonus token) follows it.
 
-This is rejection sampling for a one-hot draft q = 1{d}: the standard rule accepts d
-with probability min(1, p(d) / q(d)) = p(d), and on rejection draws from
-norm(max(0, p - q)), which is p with d removed and renormalised. Drawing t ~ p and
-accepting iff t == d realises both at once: P(accept) = P(t = d) = p(d), and given a
-rejection t ~ p(. | t != d). So the output distribution is the target's; greedy rows
-(argmax) give exactly the tokens decoding without speculation gives, and so do seeded
-rows, since their draws are keyed by (seed, output position).
+This is rejection sampling for a one-hot draft q = 1{d} (an n-gram draft): the
+standard rule accepts d with probability min(1, p(d) / q(d)) = p(d), and on rejection
+draws from norm(max(0, p - q)), which is p with d removed and renormalised. Drawing
+t ~ p and accepting iff t == d realises both at once: P(accept) = P(t = d) = p(d), and
+given a rejection t ~ p(. | t != d). Whatever the draft, every token output is the
+target's own draw at its position given the tokens before it, so the output
+distribution is the target's; greedy rows (argmax) give exactly the tokens decoding
+without speculation gives, and so do seeded rows, since their draws are keyed by
+(seed, output position). A draft model draws its tokens with the same keys
+(``draft_model.py``), so a sampled draft is accepted whenever the two races agree.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ class DraftPosition:
 
     params = property(lambda self: self.seq.params)
     index = property(lambda self: self.seq.index)
+    coupling_seed = property(lambda self: self.seq.coupling_seed)
     request = property(lambda self: self.seq.request)
     # (the sampler only asks whether there is one: each position's mask comes as a row)
     matcher = property(lambda self: self.seq.matcher)

@@ -22,10 +22,11 @@ CATCH_UP_TOKENS = 256
 
 class Speculator:
     def __init__(self, config: SpeculativeConfig, max_model_len: int,
-                 draft: DraftModel | None = None):
+                 draft: DraftModel | None = None, sampler=None):
         self.config = config
         self.max_model_len = max_model_len
         self.draft = draft
+        self.sampler = sampler  # the engine's: a draft model's tokens are drawn by it
         self.proposer = (NgramProposer(config.num_speculative_tokens, config.prompt_lookup_max,
                                        config.prompt_lookup_min)
                          if draft is None else None)
@@ -79,7 +80,7 @@ class Speculator:
         if self.draft is None:
             return
         if drafted:
-            self.draft.propose(drafted)
+            self.draft.propose(drafted, self.sampler)
         if self._lagging:
             scheduled = {s.seq_id for s in batch.seqs}
             self.draft.catch_up([s for s in self._lagging if s.seq_id in scheduled

@@ -352,9 +352,12 @@ _CPU_CHUNK = 1 << 16
 
 def race_key_of(seq: Sequence) -> tuple[int, int] | None:
     """The key of a seeded sequence's next draw: its seed (seed + index for parallel
-    samples, so siblings differ) and the position of the token being drawn (so steps
-    differ, and a recomputed or swapped sequence resumes where it was)."""
+    samples, so siblings differ; else the random seed speculation couples it by) and
+    the position of the token being drawn (so steps differ, and a recomputed or
+    swapped sequence resumes where it was)."""
     seed = seq.params.sample_seed(seq.index)
+    if seed is None:
+        seed = seq.coupling_seed
     return None if seed is None else race_key(seed, seq.num_output_tokens)
 
 
