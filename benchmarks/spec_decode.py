@@ -143,6 +143,8 @@ def main() -> None:
                     help="speculate with the model's first N layers as a draft model")
     ap.add_argument("--temperature", type=float, default=0.0,
                     help="sample (seeded, top_p 0.95) instead of greedy decoding")
+    ap.add_argument("--every-draft", action="store_true",
+                    help="verify every draft (no draft policy): acceptance rates to compare")
     ap.add_argument("--json", help="write the results here too")
     args = ap.parse_args()
     global TEMPERATURE
@@ -159,6 +161,8 @@ def main() -> None:
     if args.temperature and args.draft_layers:
         specs["argmax drafts"] = LLM(args.model, speculative_config=args.speculative_config)
         specs["argmax drafts"].engine.spec.sampler = argmax_drafts
+    for llm in specs.values() if args.every_draft else ():
+        llm.engine.spec.policy = None
     how = f"temperature {args.temperature}, seeded" if args.temperature else "greedy"
     print(f"model {args.model} ({base.engine.config.dtype}), speculative_config "
           f"{args.speculative_config}, {how}, max_tokens {args.max_tokens}")
