@@ -55,10 +55,13 @@ controlplane:
 # The unit tests run in TEST_WORKERS pytest-xdist workers, a test file per worker at a
 # time (module fixtures stay shared), each pinned to its share of the cores
 # (tests/conftest.py): many tests wait on processes and sockets, so two workers on
-# two cores halve the wall time.
+# two cores halve the wall time. Files are handed out in collection order, the longest
+# first (tests/conftest.py's LONGEST_FIRST), not reordered by xdist, so that no long
+# file is left for one worker to run alone at the end.
 TEST_WORKERS ?= 2
 test: lint controlplane
-	$(VENV)/bin/python -m pytest -q -ra --durations=25 -n $(TEST_WORKERS) --dist loadfile tests
+	$(VENV)/bin/python -m pytest -q -ra --durations=25 -n $(TEST_WORKERS) --dist loadfile \
+		--no-loadscope-reorder tests
 	$(VENV)/bin/python -m pytest -q -ra --durations=10 e2e/tests
 
 # Debian's chromium for the dashboard's browser test (tests/test_dashboard.py), when it

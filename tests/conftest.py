@@ -129,13 +129,16 @@ def tiny_llama(tiny_models) -> Path:
     return tiny_models["llama"]
 
 
-# The files that take longest (`make test`'s --durations), collected first: xdist's
-# --dist loadfile hands files to its workers in collection order, so a long file
-# started last would leave one worker running alone at the end.
-LONGEST_FIRST = ("test_kernels.py", "test_gpu_check.py", "test_gpu_fast_path.py",
-                 "test_differential_fuzz.py", "test_async_scheduling.py",
-                 "test_tensor_parallel.py", "test_model_families.py",
-                 "test_structured_outputs.py", "test_beam_search.py")
+# The files that take longest (`make test`'s --durations), collected first. `make test`
+# runs xdist with --dist loadfile --no-loadscope-reorder, which hands files to the
+# workers one at a time in collection order, so the last ones handed out are short and
+# the two workers finish together. (xdist's default reorder, by test count, put the
+# GPU check's 4-test file, with its 100-second dry run, last.)
+LONGEST_FIRST = ("test_gpu_check.py", "test_kernels.py", "test_gpu_fast_path.py",
+                 "test_async_scheduling.py", "test_differential_fuzz.py",
+                 "test_beam_search.py", "test_structured_outputs.py",
+                 "test_tensor_parallel.py", "test_lora.py", "test_model_families.py",
+                 "test_spec_decode.py", "test_disaggregation.py", "test_kv_transport.py")
 
 
 def pytest_collection_modifyitems(config, items):
