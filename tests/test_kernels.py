@@ -22,11 +22,18 @@ DEVICE = "cpu" if INTERPRETED else "cuda"
 on_gpu_only = pytest.mark.skipif(INTERPRETED, reason="the interpreter computes bf16 wrongly")
 
 # (query tokens, context) per sequence. Triton's interpreter runs the programs one by one
-# on a CPU: there the mixed batch is cut to what still spans many key blocks, several
-# query tiles and a cached prefix (about 3x faster); on a GPU the full one runs.
-MIXED = ([(1, 660), (5, 18), (65, 231)] if INTERPRETED
+# on a CPU, at a cost that grows with the key blocks each visits: there the mixed batch is
+# cut to what still spans many key blocks (a decode over 19 blocks of 16), several query
+# tiles and a cached prefix that ends mid-block (67 keys); 33 query tokens, like the GPU's
+# 129, leave a last tile of one row at every tile height (16, 8, 4, 2). On a GPU the full
+# one runs.
+MIXED = ([(1, 300), (5, 18), (33, 100)] if INTERPRETED
          else [(1, 1328), (5, 18), (129, 463)])
-DECODE = [(1, 523), (1, 37), (1, 2011)]
+# Forced split counts (1, 4 at 16-token blocks, 8 at 32): lengths not multiples of the
+# block, splitting unevenly, 37 (3 or 2 blocks) leaving the last splits empty and one
+# sequence filling the last split too. That one is 2011 on a GPU (126 or 63 blocks) and
+# 230 in the interpreter (15 blocks: 4, 4, 4, 3; or 8: one a split), an eighth the blocks.
+DECODE = [(1, 523), (1, 37), (1, 230 if INTERPRETED else 2011)]
 # On a GPU, fp32 tl.dot rounds its inputs to TF32 (an fp16-sized mantissa).
 TOL = {torch.float32: 2e-4 if INTERPRETED else 2e-2, torch.float16: 2e-2,
        torch.bfloat16: 3e-2}
@@ -73,7 +80,9 @@ def check(batch, dtype, ref_batch=None, **kw):
     torch.testing.assert_close(out.float(), ref, atol=TOL[dtype], rtol=TOL[dtype])
 
 
-HEAD_CONFIGS = [(4, 4), (8, 2), (6, 1), (9, 3)]
+# (query heads, KV heads): GQA 1, 4, 6 and 3 (SmolLM2-135M's 9/3); the interpreter's
+# GQA 1 has 2 KV heads, not 4 (its cost grows with them).
+HEAD_CONFIGS = [(2, 2) if INTERPRETED else (4, 4), (8, 2), (6, 1), (9, 3)]
 # Every head config in fp32 and fp16 on a GPU. In the interpreter a dtype changes only
 # the loads and stores, so fp16 runs once, on a grouped config (the grid's cost there
 # is minutes of CI).
@@ -93,7 +102,7 @@ def test_mixed_batch_head_dims_and_block_sizes(head_dim, block_size):
 
 
 @pytest.mark.parametrize("num_splits", [1, 4])
-@pytest.mark.parametrize("heads", [(4, 4), (8, 2), (6, 1), (9, 3)])
+@pytest.mark.parametrize("heads", HEAD_CONFIGS)
 def test_decode_only_single_pass_and_split_kv(heads, num_splits):
     batch = make_batch(DECODE, *heads, head_dim=64, block_size=16, dtype=torch.float16)
     check(batch, torch.float16, num_splits=num_splits)
@@ -112,6 +121,17 @@ def test_issue_18_llama3_8b_decode_576_tokens_default_splits():
     check(make_batch([(1, 576)], 32, 8, 128, 16, torch.float32), torch.float32)
 
 
+def _on_cpu(case, shapes=None, heads=None):
+    """``case`` in the interpreter with fewer programs (sequences x KV heads x splits) or
+    key blocks, each run one by one there: ``heads`` (query, KV) of the same group size,
+    or ``shapes`` crossing the same block boundaries. The split count and path stay
+    those of ``case``, which a GPU runs as it is."""
+    if not INTERPRETED:
+        return case
+    old_shapes, old_heads, old_kv, *rest = case
+    return (shapes or old_shapes, *(heads or (old_heads, old_kv)), *rest)
+
+
 # (shapes, query heads, KV heads, head_dim, block_size, dtype): few query heads per KV
 # head, since the interpreter's cost grows with (sequences x KV heads x key blocks).
 # The comment gives the path chosen today (split count, or single pass).
@@ -121,13 +141,20 @@ DEFAULT_DECODE = [
     ([(1, 17)], 4, 2, 80, 16, torch.float32),  # short context: single pass
     ([(1, 1)], 2, 1, 128, 32, torch.float32),  # one key: single pass
     ([(1, 1), (1, 2100)], 4, 2, 80, 32, torch.float32),  # 16
-    ([(1, 576), (1, 17)], 16, 8, 64, 32, torch.float32),  # 4
-    ([(1, 1), (1, 17), (1, 576), (1, 2100), (1, 300)], 4, 4, 128, 16, torch.float16),  # 32
-    ([(1, 576), (1, 1), (1, 17), (1, 33), (1, 700)], 24, 8, 80, 16, torch.float32),  # 8
+    # CPU: 2 KV heads (8 run in issue 18's default split)
+    _on_cpu(([(1, 576), (1, 17)], 16, 8, 64, 32, torch.float32), heads=(4, 2)),  # 4
+    # CPU: 2 KV heads, without 300 and 1 (one block a split, then empty ones, as 17)
+    _on_cpu(([(1, 1), (1, 17), (1, 576), (1, 2100), (1, 300)], 4, 4, 128, 16,
+             torch.float16), shapes=[(1, 17), (1, 576), (1, 2100)], heads=(2, 2)),  # 32
+    _on_cpu(([(1, 576), (1, 1), (1, 17), (1, 33), (1, 700)], 24, 8, 80, 16, torch.float32),
+            heads=(6, 2)),  # 8
 ]
 DEFAULT_MIXED = [
-    ([(1, 2100), (17, 17), (33, 576), (1, 1)], 4, 2, 80, 16, torch.float32),
-    ([(1, 576), (5, 2100), (17, 17)], 8, 8, 128, 32, torch.float16),
+    # CPU: a shorter decode (308 keys, 4 in its last block as 2100) and cached prefix
+    # (255, ending at a block's last slot as 543; 288 keys, whole blocks as 576)
+    _on_cpu(([(1, 2100), (17, 17), (33, 576), (1, 1)], 4, 2, 80, 16, torch.float32),
+            shapes=[(1, 308), (17, 17), (33, 288), (1, 1)]),
+    _on_cpu(([(1, 576), (5, 2100), (17, 17)], 8, 8, 128, 32, torch.float16), heads=(2, 2)),
 ]
 
 
@@ -212,8 +239,13 @@ def test_choose_splits_occupancy_rule_and_warm_up_coverage():
 
 
 # Decode batches of (sequences x KV heads) >= 128 at long context, lengths not multiples
-# of the block: the legacy rule ran them in one pass per (sequence, KV head).
-MANY_DECODES = [(1, 600 - 7 * i) if i % 4 else (1, 1 + 13 * i) for i in range(32)]
+# of the block: the legacy rule ran them in one pass per (sequence, KV head). In the
+# interpreter a quarter of them are long (397 to 593 keys: 7 to 10 blocks, several a
+# split) and the rest short (1 to 156 keys, 1 to 3 blocks: the second split empty or of
+# one block), with the same longest (593) and split choice at half the blocks.
+MANY_DECODES = ([(1, 600 - 7 * i) if i % 4 == 1 else (1, 1 + 5 * i) for i in range(32)]
+                if INTERPRETED else
+                [(1, 600 - 7 * i) if i % 4 else (1, 1 + 13 * i) for i in range(32)])
 
 
 def test_many_decodes_at_long_context_now_split():
@@ -226,8 +258,14 @@ def test_many_decodes_at_long_context_now_split():
     check(batch, torch.float16)  # the default path: 2 splits
 
 
-GQA_DECODE = [(1, 37), (1, 700), (1, 129), (1, 1)]
-GQA_MIXED = [(5, 40), (1, 700), (1, 33), (17, 17), (1, 1)]
+# The long decode (700 keys on a GPU) is there for the default to split it: 8 ways at
+# 16-token blocks, 4 at 32. The interpreter's is 562 (36 blocks of 16: 5 a split and 1 in
+# the last, as 700's 44 leave it 2); where nothing splits it adds only blocks, so the
+# interpreter leaves it out of the one-pass decode and has 129 in the mixed batch.
+GQA_LONG = 562 if INTERPRETED else 700
+GQA_DECODE = [(1, 37), (1, GQA_LONG), (1, 129), (1, 1)]
+GQA_ONE_PASS = [(1, 37), (1, 129), (1, 1)] if INTERPRETED else GQA_DECODE
+GQA_MIXED = [(5, 40), (1, 129 if INTERPRETED else GQA_LONG), (1, 33), (17, 17), (1, 1)]
 
 
 @pytest.mark.parametrize("head_dim,block_size", [(64, 16), (128, 32)])
@@ -240,7 +278,7 @@ def test_gqa_ratios_decode_and_mixed(group, head_dim, block_size):
                            seed=group)
         check(batch, torch.float32)
     if block_size == 16:
-        check(make_batch(GQA_DECODE, 2 * group, 2, head_dim, block_size, torch.float32),
+        check(make_batch(GQA_ONE_PASS, 2 * group, 2, head_dim, block_size, torch.float32),
               torch.float32, num_splits=1)
 
 
@@ -266,7 +304,7 @@ def test_decode_tile_rows_are_the_group_only(heads, rows):
     interpreter's and Triton >= 3.2's tl.dot take any M), where the mixed-batch tile had
     16 rows: at GQA 4, BLOCK_Q = 4 query slots of which a decode fills one. The padded
     tile of before, kept for the benchmark, gives the same output."""
-    batch = make_batch([(1, 40), (1, 300)], *heads, 64, 16, torch.float32)
+    batch = make_batch([(1, 40), (1, 100)], *heads, 64, 16, torch.float32)
     out = torch.empty_like(batch["q"])
     for splits in (1, 4):
         launched = _launches(lambda s=splits: triton_attention.unified_attention(
@@ -491,11 +529,14 @@ def test_no_kernel_specialises_on_what_changes_between_batches():
         kernel.add_pre_run_hook(hook)
     try:
         for num_seqs, context in ((1, 16), (3, 40), (16, 256), (17, 20)):
-            # decode-only, then mixed: both with num_seqs sequences
-            for shapes in ([(1, context)] * num_seqs,
-                           [(3, context)] + [(1, 17)] * (num_seqs - 1)):
+            # decode-only, then mixed: both with num_seqs sequences, the first setting
+            # the tables' width (the others' keys cost interpreter time, nothing else)
+            for shapes in ([(1, context)] + [(1, 1)] * (num_seqs - 1),
+                           [(3, context)] + [(1, 1)] * (num_seqs - 1)):
                 batch = make_batch(shapes, 2, 1, 16, 16, torch.float32, seed=num_seqs)
-                for splits in ((None, 1, 2) if shapes[0][0] == 1 else (None,)):
+                # decode-only: the default (one pass at these contexts) and 2 splits
+                assert triton_attention._choose_splits(num_seqs, 1, context, 16) == 1
+                for splits in ((None, 2) if shapes[0][0] == 1 else (None,)):
                     out = torch.empty_like(batch["q"])
                     triton_attention.unified_attention(out=out, num_splits=splits, **batch)
                 kv = torch.zeros(len(shapes), 1, 16, device=DEVICE)
