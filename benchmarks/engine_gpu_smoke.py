@@ -7,7 +7,9 @@ directory ``--model`` names (``gpu_check.sh`` writes one and passes it to every 
 With random weights greedy tokens are near-ties more often than with a trained model,
 so the backends' agreement is reported, not asserted. Each engine is released (gc and
 the allocator's cache emptied) before the next is built: the next one sizes its KV
-cache from the device's free memory.
+cache from the device's free memory. ``engines_alive_after_release`` in the results
+says how many engines were still alive after each release (0 each time, or the next
+engine was sized with an earlier one's memory still held).
 
     python benchmarks/engine_gpu_smoke.py --out results/engine_gpu.json
     python benchmarks/engine_gpu_smoke.py --smoke   # CPU, tiny model, fp32: the script runs
@@ -22,6 +24,7 @@ import random
 import sys
 import tempfile
 import time
+import weakref
 from pathlib import Path
 
 import torch
@@ -45,6 +48,9 @@ def model_shape(path: Path) -> dict:
                                        "num_key_value_heads", "vocab_size")}
 
 
+BUILT: list[weakref.ref] = []  # every engine built, to check none outlives its release
+
+
 def build(path: Path, backend: str, dtype: str, device: str):
     from llmserve.config import EngineConfig
     from llmserve.engine.llm_engine import LLMEngine
@@ -57,6 +63,7 @@ def build(path: Path, backend: str, dtype: str, device: str):
                                     max_model_len=None if device == "cuda" else 256))
     t1 = time.perf_counter()
     engine.warm_up()
+    BUILT.append(weakref.ref(engine))
     return engine, {"load_s": t1 - t0, "warm_up_s": time.perf_counter() - t1}
 
 
@@ -129,6 +136,9 @@ def main(argv: list[str] | None = None) -> int:
                 results[f"{backend}_error"] = repr(e)
             finally:  # before the next engine sizes its KV cache from the free memory
                 release_device_memory()
+                # 0 each time, or the next engine was sized with this one still held
+                results.setdefault("engines_alive_after_release", []).append(
+                    sum(ref() is not None for ref in BUILT))
             save()
         if len(tokens) == 2:
             a, b = tokens["triton"], tokens["torch"]

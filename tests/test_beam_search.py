@@ -103,7 +103,7 @@ def peak_blocks(engine, add) -> int:
 def test_eight_beams_share_blocks(builtin_path):
     llm = LLM(str(builtin_path), kv_cache_memory=64 << 20, enable_prefix_caching=False)
     ids = llm.tokenizer.encode("the cache block " * 30)[:100]
-    engine, width, tokens = llm.engine, 8, 32
+    engine, width, tokens = llm.engine, 8, 16
     beams = peak_blocks(engine, lambda: engine.add_request(ids, SamplingParams(
         n=width, max_tokens=tokens, beam=BeamSearchParams(width, tokens, ignore_eos=True))))
     independent = peak_blocks(engine, lambda: [engine.add_request(ids, SamplingParams(

@@ -1,7 +1,8 @@
 """The prepared GPU check (benchmarks/gpu_check.sh) and its pieces, on a CPU (issue 27):
 its dry run goes end to end through every step with tiny random models, importing only
 what the GPU machine's image has; without a GPU and without --dry-run it refuses; it
-leaves at most 8 files; and the engine benchmark frees each engine before the next."""
+leaves at most 8 files; and the engine benchmark frees each engine before the next
+(checked on the dry run's results: a second run of that benchmark costs 40 s of CI)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,6 @@ import json
 import os
 import subprocess
 import sys
-import weakref
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -43,6 +43,10 @@ def test_dry_run_goes_through_every_step_and_returns_one_summary(tmp_path):
     engine = results["engine_bf16"]
     assert engine["backend_agreement"]["sequences"] == 8
     assert set(engine["decode_tokens_per_s"]) == {"1", "4"}
+    # The second engine sizes its KV cache from the device's free memory, so the first
+    # must be gone and the allocator's cache released before it is built (issue 27: it
+    # was built right after `del engine`, with the first engine's memory still cached).
+    assert engine["engines_alive_after_release"] == [0, 0]
     fast = results["gpu_fast_path"]["configs"]
     assert set(fast) == {"off", "all"}  # the dry run's subset: every flag at once
     assert fast["all"]["flags"]["async_scheduling"] and fast["all"]["flags"]["fused_kernels"]
@@ -100,31 +104,3 @@ def test_summary_keeps_what_a_step_measured_and_the_tail_of_one_cut_short(tmp_pa
     assert env["status"] == "ok" and late["status"] == "skipped" and not summary["ok"]
     assert bench["status"] == "timed out" and bench["tail"][-1] == "line 39"
     assert len(bench["tail"]) == 25
-
-
-def test_engine_benchmark_frees_each_engine_before_building_the_next(tmp_path, monkeypatch):
-    """The second engine sizes its KV cache from the device's free memory, so the first
-    must be gone, and the allocator's cache released, before it is built (issue 27: it
-    was built right after `del engine`, with the first engine's memory still cached)."""
-    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
-    import engine_gpu_smoke as smoke
-    built, releases = [], []
-    real_build, real_release = smoke.build, smoke.release_device_memory
-
-    def build(*args, **kwargs):
-        assert all(ref() is None for ref in built), "an earlier engine is still alive"
-        assert len(releases) == len(built), "no release since the last engine"
-        engine, startup = real_build(*args, **kwargs)
-        built.append(weakref.ref(engine))
-        return engine, startup
-
-    def release():
-        real_release()
-        releases.append(sum(ref() is not None for ref in built))
-
-    monkeypatch.setattr(smoke, "build", build)
-    monkeypatch.setattr(smoke, "release_device_memory", release)
-    out = tmp_path / "engine.json"
-    assert smoke.main(["--smoke", "--out", str(out)]) == 0
-    assert len(built) == 2 and releases == [0, 0]  # nothing alive after each release
-    assert json.loads(out.read_text())["backend_agreement"]["sequences"] == 8

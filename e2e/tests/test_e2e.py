@@ -377,7 +377,7 @@ def test_autoscaling_up_under_load_and_back_down(kubectl, installed):
                      "engine": {"maxNumSeqs": 2},
                      "autoscaling": {"enabled": True, "minReplicas": 1, "maxReplicas": 2,
                                      "targetQueueDepth": 1, "targetKVUtilization": 0.9,
-                                     "scaleDownStabilizationSeconds": 20}}}
+                                     "scaleDownStabilizationSeconds": 10}}}
     kubectl("apply", "-f", "-", input=json.dumps(spec))
     sel = "app.kubernetes.io/component=engine,serving.llmserve.io/deployment=auto"
     wait_for(lambda: len(ready_ips(kubectl, NS, sel)) == 1, 240, 1.0, what="first engine")
