@@ -46,7 +46,8 @@ lint: $(STAMP)
 	$(VENV)/bin/lint-imports
 
 # kube-apiserver, controller-manager, scheduler, etcd and helm from the Go module
-# proxy; cached in ~/go and ~/.cache (cold: ~10 min on 2 cores, warm: seconds).
+# proxy, in one Go module; cached in ~/go and ~/.cache (cold: ~22 CPU-minutes, so
+# ~12-15 min on 2 idle cores; warm: seconds).
 controlplane:
 	bash e2e/controlplane/build.sh
 

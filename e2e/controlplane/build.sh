@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
 # Build a local Kubernetes control plane from the Go module proxy, pinned:
 # kube-apiserver, kube-controller-manager, kube-scheduler and etcd from
-# k8s.io/kubernetes (a wrapper module pins every k8s.io staging module to the
-# matching v0.X.Y), and helm from helm.sh/helm (its own module). Output: $BIN_DIR.
-# Go's module and build caches (~/go/pkg/mod, ~/.cache/go-build) make a warm
-# rebuild take seconds; a cold one takes tens of minutes on 2 cores.
+# k8s.io/kubernetes, and helm from helm.sh/helm, all in one wrapper module that pins
+# every k8s.io staging module to the matching v0.X.Y. One module, so helm compiles
+# against the same k8s.io/api, apimachinery and client-go packages as the cluster and
+# reuses them (in a module of its own it compiled ~600 packages again, at helm's own
+# patch versions). Output: $BIN_DIR. Go's module and build caches (~/go/pkg/mod,
+# ~/.cache/go-build) make a warm rebuild take seconds; a cold one takes tens of minutes
+# on 2 cores.
 set -euo pipefail
 
 K8S_VERSION="${K8S_VERSION:-v1.37.2}"
@@ -13,7 +16,7 @@ HERE="$(cd "$(dirname "$0")" && pwd)"
 BIN_DIR="${BIN_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/llmserve/controlplane/$K8S_VERSION/bin}"
 WORK="${XDG_CACHE_HOME:-$HOME/.cache}/llmserve/controlplane/$K8S_VERSION/src"
 export CGO_ENABLED=0 GOFLAGS="${GOFLAGS:-} -trimpath" GOTOOLCHAIN=local
-mkdir -p "$BIN_DIR" "$WORK/kube" "$WORK/helm"
+mkdir -p "$BIN_DIR" "$WORK/kube"
 
 stamp() { date +%s; }
 t0=$(stamp)
@@ -29,7 +32,7 @@ if [ "$missing" = 0 ] && [ "${FORCE:-0}" != 1 ]; then
   exit 0
 fi
 
-# --- kubernetes + etcd: one wrapper module ---------------------------------------------
+# --- kubernetes, etcd and helm: one wrapper module --------------------------------------
 minor="${K8S_VERSION#v1.}"
 staging_version="v0.${minor}"
 mod_json=$(cd "$WORK" && go mod download -json "k8s.io/kubernetes@$K8S_VERSION")
@@ -43,6 +46,7 @@ etcd_version=$(awk '$1 == "go.etcd.io/etcd/server/v3" {print $2; exit}' "$gomod"
   echo "require ("
   echo "	k8s.io/kubernetes $K8S_VERSION"
   echo "	go.etcd.io/etcd/server/v3 $etcd_version"
+  echo "	helm.sh/helm/v3 $HELM_VERSION"
   echo ")"
   echo
   echo "replace ("
@@ -58,6 +62,7 @@ package tools
 
 import (
 	_ "go.etcd.io/etcd/server/v3"
+	_ "helm.sh/helm/v3/cmd/helm"
 	_ "k8s.io/kubernetes/cmd/kube-apiserver"
 	_ "k8s.io/kubernetes/cmd/kube-controller-manager"
 	_ "k8s.io/kubernetes/cmd/kube-scheduler"
@@ -84,28 +89,12 @@ t=$(stamp)
 go build -ldflags "-s -w" -o "$BIN_DIR/etcd" go.etcd.io/etcd/server/v3
 echo "  etcd: $(( $(stamp) - t )) s"
 
-# --- helm: its own module (it pins its own k8s.io versions) -----------------------------
-cat > "$WORK/helm/go.mod" <<GOMOD
-module llmserve.local/helmbuild
-
-go 1.25
-
-require helm.sh/helm/v3 $HELM_VERSION
-GOMOD
-cat > "$WORK/helm/tools.go" <<'GO'
-//go:build tools
-
-package tools
-
-import _ "helm.sh/helm/v3/cmd/helm"
-GO
-cd "$WORK/helm"
-go mod tidy -e >/dev/null 2>&1 || true
+# --- helm ----------------------------------------------------------------------------------
 echo "building helm $HELM_VERSION ..."
 t=$(stamp)
 # Stamp the Kubernetes version helm assumes without a cluster (`helm template`),
-# as helm's own Makefile does, from the client-go it is built with.
-kminor=$(go list -m -f '{{.Version}}' k8s.io/client-go | cut -d. -f2)
+# as helm's own Makefile does, from the client-go it is built with: this cluster's.
+kminor=$minor
 hl="-s -w -X helm.sh/helm/v3/internal/version.version=$HELM_VERSION"
 for p in helm.sh/helm/v3/pkg/lint/rules helm.sh/helm/v3/pkg/chartutil; do
   hl="$hl -X $p.k8sVersionMajor=1 -X $p.k8sVersionMinor=$kminor"
