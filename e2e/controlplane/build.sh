@@ -94,7 +94,7 @@ echo "building helm $HELM_VERSION ..."
 t=$(stamp)
 # Stamp the Kubernetes version helm assumes without a cluster (`helm template`),
 # as helm's own Makefile does, from the client-go it is built with: this cluster's.
-kminor=$minor
+kminor=${minor%%.*}  # 37 of 37.2
 hl="-s -w -X helm.sh/helm/v3/internal/version.version=$HELM_VERSION"
 for p in helm.sh/helm/v3/pkg/lint/rules helm.sh/helm/v3/pkg/chartutil; do
   hl="$hl -X $p.k8sVersionMajor=1 -X $p.k8sVersionMinor=$kminor"
