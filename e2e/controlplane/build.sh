@@ -33,7 +33,8 @@ if [ "$missing" = 0 ] && [ "${FORCE:-0}" != 1 ]; then
 fi
 
 # --- kubernetes, etcd and helm: one wrapper module --------------------------------------
-minor="${K8S_VERSION#v1.}"
+minor="${K8S_VERSION#v1.}"  # 37.2 of v1.37.2
+kminor=${minor%%.*}  # 37: the minor that /version reports and helm is stamped with
 staging_version="v0.${minor}"
 mod_json=$(cd "$WORK" && go mod download -json "k8s.io/kubernetes@$K8S_VERSION")
 gomod=$(printf '%s' "$mod_json" | python3 -c 'import json,sys; print(json.load(sys.stdin)["GoMod"])')
@@ -75,7 +76,7 @@ pkg=k8s.io/component-base/version
 cgo=k8s.io/client-go/pkg/version
 ld="-s -w"
 for p in "$pkg" "$cgo"; do
-  ld="$ld -X $p.gitVersion=$K8S_VERSION -X $p.gitMajor=1 -X $p.gitMinor=$minor"
+  ld="$ld -X $p.gitVersion=$K8S_VERSION -X $p.gitMajor=1 -X $p.gitMinor=$kminor"
   ld="$ld -X $p.gitTreeState=clean -X $p.buildDate=1970-01-01T00:00:00Z"
 done
 for cmd in kube-apiserver kube-controller-manager kube-scheduler; do
@@ -94,7 +95,6 @@ echo "building helm $HELM_VERSION ..."
 t=$(stamp)
 # Stamp the Kubernetes version helm assumes without a cluster (`helm template`),
 # as helm's own Makefile does, from the client-go it is built with: this cluster's.
-kminor=${minor%%.*}  # 37 of 37.2
 hl="-s -w -X helm.sh/helm/v3/internal/version.version=$HELM_VERSION"
 for p in helm.sh/helm/v3/pkg/lint/rules helm.sh/helm/v3/pkg/chartutil; do
   hl="$hl -X $p.k8sVersionMajor=1 -X $p.k8sVersionMinor=$kminor"
