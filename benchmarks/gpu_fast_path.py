@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
         print("no CUDA device: nothing to measure (use --smoke to exercise the script)")
         return 0
     batches = (1, 3) if args.smoke else (1, 32, 128)
-    steps = 2 if args.smoke else 20
+    steps = 1 if args.smoke else 20
     prompt_len = 16 if args.smoke else args.context
     results: dict = {"device": torch.cuda.get_device_name() if not args.smoke else "cpu",
                      "configs": {}}
@@ -171,9 +171,11 @@ def main(argv: list[str] | None = None) -> int:
                                                                     args.smoke)
         results["model"] = model_shape(path)
         rng = random.Random(0)
-        longest = 24 if args.smoke else 600  # the smoke's Triton runs in the interpreter
+        # The smoke's Triton runs in the interpreter (~1 s a step): each path once, in
+        # as few steps as cover it (one batch of prompts, two tokens: a prefill and a decode).
+        longest, count = (24, max(batches)) if args.smoke else (600, 8)
         prompts = [[rng.randrange(3, 32000) for _ in range(rng.randint(8, longest))]
-                   for _ in range(8)]
+                   for _ in range(count)]
         tokens = {}
         for name in args.configs:
             res = results["configs"][name] = {"flags": CONFIGS[name]}
@@ -181,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 engine, startup = build(path, CONFIGS[name], args.smoke, max(batches))
                 res.update(startup)
-                tokens[name] = greedy(engine, prompts, 4 if args.smoke else 32)
+                tokens[name] = greedy(engine, prompts, 2 if args.smoke else 32)
                 res["decode_step_ms"] = {str(b): decode_step_ms(engine, b, steps, prompt_len)
                                          for b in batches}
                 res["hbm_fraction"] = {  # of the H200's 4.8 TB/s, at the least bytes read
