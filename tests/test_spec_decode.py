@@ -141,6 +141,21 @@ def test_speculator_drafts_decodes_within_limits():
     assert prefilling.spec_token_ids == []
 
 
+def test_the_policy_prices_drafts_by_the_decodes_in_the_step():
+    """Prefilling sequences make no decode rows: a draft beside 31 prompts is priced
+    as in a one-decode step, not a 32-sequence one."""
+    spec = Speculator(SpeculativeConfig(4, 2, 1), max_model_len=100)
+    seen = []
+    spec.policy.max_draft = lambda seq, batch_size, k: seen.append(batch_size) or k
+    prompts = [_decoding([5, 6, 7] * 3) for _ in range(31)]
+    for seq in prompts:
+        seq.num_computed_tokens = 2
+    spec.propose([_decoding([5, 6, 7] * 3), *prompts])
+    assert seen == [1]
+    spec.propose([_decoding([5, 6, 7] * 3) for _ in range(3)])
+    assert seen[1:] == [3, 3, 3]
+
+
 def test_the_policy_drafts_what_pays_for_its_rows():
     policy = DraftPolicy()
     seq = _decoding([5, 6, 7] * 3)

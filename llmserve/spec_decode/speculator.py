@@ -45,14 +45,17 @@ class Speculator:
         scheduler may shorten them to fit the step); a draft model's are placeholders,
         its tokens come in ``fill``. None above ``disable_by_batch_size``."""
         limit = self.config.disable_by_batch_size
-        off = limit is not None and len(running) > limit
+        off = limit is not None and len(running) > limit  # vLLM's rule: every request
+        # The policy prices a draft row in a step of this many decodes (the steps it
+        # learns from); prefilling sequences neither draft nor make decode rows.
+        decodes = sum(1 for seq in running if seq.num_uncomputed_tokens == 1)
         k = self.config.num_speculative_tokens
         budget = CATCH_UP_TOKENS
         self._lagging = []
         for seq in running:
             room = 0 if off else min(k, self._room(seq))
             if room and self.policy is not None:
-                room = min(room, self.policy.max_draft(seq, len(running), k))
+                room = min(room, self.policy.max_draft(seq, decodes, k))
                 if not room:
                     self.policy.not_drafted(seq)
             if room and self.draft is not None:
