@@ -52,7 +52,7 @@ controlplane:
 	bash e2e/controlplane/build.sh
 
 # Unit and integration tests, then the end-to-end tests on a real control plane (a
-# pytest process of their own: they run the cluster and the pod runner in-process).
+# pytest run of their own: each worker runs its cluster and pod runner in-process).
 # The unit tests run in TEST_WORKERS pytest-xdist workers, a test file per worker at a
 # time (module fixtures stay shared), each pinned to its share of the cores
 # (tests/conftest.py): many tests wait on processes and sockets, so two workers on
@@ -63,11 +63,16 @@ controlplane:
 # and apt mostly wait on downloads while Go compiles the control plane on the cores
 # (about 3 minutes less than one after the other); warm, each takes seconds.
 TEST_WORKERS ?= 2
+# The e2e tests mostly wait (on pods starting, controllers, the operator's timer):
+# one process used about one core for 7 minutes. Two workers, each with its own
+# control plane on its own bridge and subnet (e2e/cluster.py), wait side by side.
+E2E_WORKERS ?= 2
 test:
 	$(MAKE) --no-print-directory -j3 --output-sync=target lint controlplane chromium
 	$(VENV)/bin/python -m pytest -q -ra --durations=25 -n $(TEST_WORKERS) --dist loadfile \
 		--no-loadscope-reorder tests
-	$(VENV)/bin/python -m pytest -q -ra --durations=10 e2e/tests
+	$(VENV)/bin/python -m pytest -q -ra --durations=10 -n $(E2E_WORKERS) --dist loadfile \
+		--no-loadscope-reorder e2e/tests
 
 # Debian's chromium for the dashboard's browser test (tests/test_dashboard.py), when it
 # is missing and apt-get can run (as root, or sudo without a password); else that test
@@ -80,7 +85,8 @@ chromium:
 	  || echo "chromium could not be installed: tests/test_dashboard.py will skip its browser test"
 
 e2e: $(STAMP) controlplane
-	$(VENV)/bin/python -m pytest -q -ra --durations=10 e2e/tests
+	$(VENV)/bin/python -m pytest -q -ra --durations=10 -n $(E2E_WORKERS) --dist loadfile \
+		--no-loadscope-reorder e2e/tests
 
 clean:
 	rm -rf $(VENV)

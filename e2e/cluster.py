@@ -25,11 +25,19 @@ from pathlib import Path
 K8S_VERSION = os.environ.get("K8S_VERSION", "v1.37.2")
 CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
 BIN_DIR = Path(os.environ.get("BIN_DIR", CACHE / "llmserve" / "controlplane" / K8S_VERSION / "bin"))
-BRIDGE = "llmbr0"
-BRIDGE_IP = "10.244.0.1"  # only on our own bridge; pods get 10.244.0.2 .. .254
+# Each cluster on this machine has a network slot: its own bridge, /24 and pod
+# namespace prefix, so that clusters side by side (one per pytest-xdist worker: gw0,
+# gw1, ...) never share an address, and one tearing down removes only its own pods.
+SLOT = int(os.environ.get("LLMSERVE_E2E_SLOT")
+           or os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
+if not 0 <= SLOT <= 254:
+    raise ValueError(f"e2e network slot {SLOT}: one of 0..254 (the third byte of 10.244.X.0/24)")
+BRIDGE = f"llmbr{SLOT}"
+POD_SUBNET = f"10.244.{SLOT}"  # only on our own bridge: .1 is the bridge, pods get .2 .. .254
+BRIDGE_IP = f"{POD_SUBNET}.1"
 POD_PREFIX = 24
-SERVICE_CIDR = "10.96.0.0/16"
-POD_NETNS_PREFIX = "llmpod-"
+SERVICE_CIDR = "10.96.0.0/16"  # allocated by each API server, never routed
+POD_NETNS_PREFIX = f"llmpod{SLOT}-"
 
 
 def binary(name: str) -> Path:

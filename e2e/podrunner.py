@@ -31,7 +31,7 @@ from pathlib import Path
 import aiohttp
 from kubernetes_asyncio import client, config, watch
 
-from e2e.cluster import BRIDGE, BRIDGE_IP, POD_NETNS_PREFIX, POD_PREFIX
+from e2e.cluster import BRIDGE, BRIDGE_IP, POD_NETNS_PREFIX, POD_PREFIX, POD_SUBNET
 
 log = logging.getLogger("podrunner")
 NODE_PREFIX = "e2e-node-"
@@ -67,7 +67,7 @@ class PodRunner:
         self.kubeconfig, self.server, self.ca = kubeconfig, server, ca
         self.workdir = workdir
         self.pods: dict[str, PodProcess] = {}
-        self.free_ips = [f"10.244.0.{i}" for i in range(254, 1, -1)]
+        self.free_ips = [f"{POD_SUBNET}.{i}" for i in range(254, 1, -1)]
         self.api: client.ApiClient | None = None
         self._stopping: set[asyncio.Task] = set()
 

@@ -127,6 +127,18 @@ class OperatorProcess:
 
 _RUNNER: PodRunner | None = None  # set by the cluster fixture, read by the failure report
 
+# The files that take longest, collected first. `make test` runs the e2e suite in two
+# pytest-xdist workers, each with a cluster of its own (e2e/cluster.py's network
+# slots), handing out whole files in collection order (--dist loadfile
+# --no-loadscope-reorder): the long file starts at once and short ones fill the end.
+LONGEST_FIRST = ("test_e2e.py", "test_pd_e2e.py", "test_chaos_e2e.py",
+                 "test_operator_api.py", "test_lora_e2e.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(LONGEST_FIRST)))  # stable
+
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
