@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -23,6 +24,18 @@ def test_long_prompt_is_chunked_while_decodes_continue():
         chunks.append(batch.num_new_tokens[batch.seqs.index(long)])
         simulate_step(sched, batch)
     assert sum(chunks) == 50 and max(chunks) == 7 and len(chunks) == 8
+
+
+def test_a_step_refuses_a_sequence_with_no_tokens_to_compute():
+    """A scheduler bug that put a sequence in a step with 0 tokens reached the CPU
+    kernels as an empty query (heap corruption, found by benchmarks/fuzz_sensitivity.py);
+    the batch names it instead, and stays as it was."""
+    sched = make_scheduler(num_blocks=16, block_size=4)
+    seq = add(sched, make_request(prompt_len=3, max_tokens=2)).sequences[0]
+    batch = sched.schedule()
+    with pytest.raises(ValueError, match=f"sequence {seq.seq_id} scheduled with 0 new tokens"):
+        batch.add(seq, 0)
+    assert batch.num_new_tokens == [3] and batch.seqs == [seq]
 
 
 def test_unchunked_prefill_waits_for_a_whole_budget():

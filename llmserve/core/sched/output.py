@@ -38,6 +38,12 @@ class ScheduledBatch:
         return len(self.seqs)
 
     def add(self, seq: Sequence, num_new: int) -> None:
+        # A sequence in a step computes at least one token: the worker lays out rows by
+        # these counts, and a zero would reach the CPU kernels as an empty query (a
+        # crash, or heap corruption) instead of an error naming the scheduler's bug.
+        if num_new < 1:
+            raise ValueError(f"sequence {seq.seq_id} scheduled with {num_new} new tokens; "
+                             f"a scheduled sequence computes at least 1")
         self.seqs.append(seq)
         self.num_new_tokens.append(num_new)
 
