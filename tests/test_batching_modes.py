@@ -141,6 +141,23 @@ def test_cost_model_converges_on_a_noisy_synthetic_cost():
                                                                 rel=0.05)
 
 
+def test_least_squares_drops_a_negative_coefficient_and_refits_the_rest():
+    """Seconds that fall as one feature grows (noise, in a real step) must not price
+    that work as a saving: its coefficient is 0 and the others are the least-squares
+    fit without it (decay 1: plain least squares)."""
+    from llmserve.core.sched.least_squares import DecayedLeastSquares
+    rng = np.random.default_rng(2)
+    x = np.column_stack([np.ones(40), rng.uniform(1, 10, 40), rng.uniform(1, 10, 40)])
+    y = x @ np.array([1.0, 0.5, -0.1]) + rng.normal(0, 0.01, 40)
+    fit = DecayedLeastSquares(3, decay=1.0, ridge=1e-12)
+    for row, seconds in zip(x, y):
+        fit.add(row, seconds)
+    coef = fit.solve()
+    assert coef[2] == 0.0 and (coef >= 0).all()
+    np.testing.assert_allclose(coef[:2], np.linalg.lstsq(x[:, :2], y, rcond=None)[0],
+                               rtol=1e-6)
+
+
 def fitted_model() -> StepCostModel:
     model = StepCostModel()
     rng = np.random.default_rng(1)

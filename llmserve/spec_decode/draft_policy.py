@@ -16,9 +16,10 @@ do. So, for each sequence and step:
   per second the batch makes without drafts, i.e. per_draft * B / (fixed + per_seq *
   B) for B sequences. The coefficients are fitted online (exponentially weighted least
   squares over the decode steps measured: seconds = fixed + per_seq * B + per_draft *
-  drafted tokens), one fit per range of batch sizes (1, 2-3, 4-7, ...: a CPU runs a
-  few rows in one C call and many op by op, at other costs per row); until a range saw
-  steps with two different numbers of draft tokens, ``PRIOR_ROW_COST``.
+  drafted tokens; core/sched/least_squares.py), one fit per range of batch sizes (1,
+  2-3, 4-7, ...: a CPU runs a few rows in one C call and many op by op, at other costs
+  per row); until a range saw steps with two different numbers of draft tokens,
+  ``PRIOR_ROW_COST``.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import math
 import numpy as np
 
 from llmserve.core.request import Sequence
+from llmserve.core.sched.least_squares import DecayedLeastSquares
 
 PRIOR_RATE = 0.8  # a new sequence's acceptance rate: optimistic, so it tries at once
 PRIOR_ROW_COST = 0.2  # until the step cost is measured
@@ -42,23 +44,19 @@ class StepCost:
     of one range of batch sizes."""
 
     def __init__(self):
-        self._gram = np.eye(3) * 1e-9  # weighted sums of x x^T, x = [1, B, drafted]
-        self._moment = np.zeros(3)  # and of x * seconds
+        self._fit = DecayedLeastSquares(3, COST_DECAY, ridge=1e-9)  # x = [1, B, drafted]
         self._seen = set()  # draft token counts seen: a fit needs two
         self.coef = None  # (fixed, per_seq, per_draft) seconds, once fitted
         self._unfitted = 0  # steps observed since the last fit
 
     def observe(self, seqs: int, drafted: int, seconds: float) -> None:
-        x = np.array([1.0, seqs, drafted])
-        self._gram = COST_DECAY * self._gram + np.outer(x, x)
-        self._moment = COST_DECAY * self._moment + x * seconds
+        self._fit.add(np.array([1.0, seqs, drafted]), seconds)
         if len(self._seen) < 2:
             self._seen.add(drafted)
         self._unfitted += 1
         # A fit costs ~0.2 ms, a CPU decode step ~10: refit every few steps.
         if len(self._seen) == 2 and (self.coef is None or self._unfitted >= REFIT_EVERY):
-            coef = np.linalg.lstsq(self._gram, self._moment, rcond=None)[0]
-            self.coef = tuple(max(0.0, float(c)) for c in coef)
+            self.coef = tuple(float(c) for c in self._fit.solve())
             self._unfitted = 0
 
     def row_cost(self, batch_size: int) -> float:

@@ -7,8 +7,9 @@ computed, attention with the context every scheduled sequence reads, and per-seq
 work (metadata, sampling, detokenisation) with the batch size. (Counting a prefill
 chunk's reads as chunk × context, quadratic in the chunk, was tried: no better on the
 CPU cap benchmark, so the simpler linear form stays.) The coefficients are
-fitted by exponentially weighted least squares (in relative error) over measured
-steps, so they follow the machine (and its noise) rather than a profile taken once.
+fitted by exponentially weighted least squares (least_squares.py; in relative error)
+over measured steps, so they follow the machine (and its noise) rather than a profile
+taken once.
 The scheduler uses the model to keep each step under a latency target
 (``--target-itl-ms``).
 """
@@ -18,6 +19,8 @@ from __future__ import annotations
 from collections import deque
 
 import numpy as np
+
+from llmserve.core.sched.least_squares import DecayedLeastSquares
 
 # Feature scales: keep the normal equations well conditioned (tokens ~ 1-2k, KV reads
 # up to ~1e5, sequences up to ~1e2).
@@ -30,10 +33,8 @@ REFIT_EVERY = 8
 class StepCostModel:
     def __init__(self, decay: float = 0.995, min_observations: int = 8,
                  ridge: float = 1e-3):
-        self.decay = decay
         self.min_observations = min_observations
-        self._gram = np.eye(4) * ridge  # weighted sum of x x^T
-        self._moment = np.zeros(4)  # weighted sum of x y
+        self._fit = DecayedLeastSquares(4, decay, ridge)
         self.coef = np.zeros(4)  # in seconds per unit of each (unscaled) feature
         self._unfitted = 0  # observations since the last fit
         self.observations = 0
@@ -51,9 +52,7 @@ class StepCostModel:
         x = np.array([1.0, tokens, kv_tokens, seqs]) * _SCALE
         # Relative errors: step noise scales with the step, and a small step mispredicted
         # by 1 ms matters as much as a big one by 10.
-        w = 1.0 / (seconds + 1e-3) ** 2
-        self._gram = self.decay * self._gram + w * np.outer(x, x)
-        self._moment = self.decay * self._moment + w * x * seconds
+        self._fit.add(x, seconds, weight=1.0 / (seconds + 1e-3) ** 2)
         self.observations += 1
         self.mixed_observations += tokens > seqs
         self._unfitted += 1
@@ -64,22 +63,8 @@ class StepCostModel:
             self.refit()
 
     def refit(self) -> None:
-        self.coef = self._solve() * _SCALE
+        self.coef = self._fit.solve() * _SCALE
         self._unfitted = 0
-
-    def _solve(self) -> np.ndarray:
-        """Least squares with every coefficient >= 0 (more work never takes less
-        time): drop the negative ones and solve again over the rest."""
-        active = np.ones(4, dtype=bool)
-        for _ in range(4):
-            sol = np.zeros(4)
-            idx = np.flatnonzero(active)
-            sol[idx] = np.linalg.lstsq(self._gram[np.ix_(idx, idx)], self._moment[idx],
-                                       rcond=None)[0]
-            if (sol >= 0).all():
-                return sol
-            active &= sol > 0
-        return np.clip(sol, 0, None)
 
     def observe_error(self, actual: float, predicted: float) -> None:
         if predicted > 0:
