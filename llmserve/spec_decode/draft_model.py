@@ -47,6 +47,7 @@ from llmserve.core.sched.output import ScheduledBatch
 from llmserve.model_executor.model_loader.sources import load_config, resolve_model
 from llmserve.model_executor.models.supported import layer_sliding_window
 from llmserve.spec_decode.rejection_sampler import DraftPosition
+from llmserve.structured_output.grammar import GrammarWalk, new_bitmask
 from llmserve.worker.kv_sizing import kv_block_bytes
 from llmserve.worker.model_runner import ModelRunner
 from llmserve.worker.step_inputs import StepInputs
@@ -180,37 +181,28 @@ class DraftGrammars:
 
     def __init__(self, seqs: list[Sequence], vocab_size: int):
         self.vocab_size = vocab_size
-        self.consumed = {s.seq_id: (s.matcher, 0) for s in seqs if s.matcher is not None}
-        self.matchers = {s.seq_id: s.matcher for s in seqs if s.matcher is not None}
+        self.walks = {s.seq_id: GrammarWalk(s.matcher) for s in seqs if s.matcher is not None}
+        self.constraining = set(self.walks)  # seq ids whose grammar still takes the draft
 
     def masks(self, seqs: list[Sequence]) -> tuple[list[int] | None, torch.Tensor | None]:
         """(the rows of ``seqs`` still under a grammar, their masks), or (None, None)."""
-        rows = [i for i, s in enumerate(seqs) if s.seq_id in self.matchers]
+        rows = [i for i, s in enumerate(seqs) if s.seq_id in self.constraining]
         if not rows:
             return None, None
-        from llguidance.torch import fill_next_token_bitmask
-
-        bitmask = torch.full((len(rows), (self.vocab_size + 31) // 32), -1, dtype=torch.int32)
+        bitmask = new_bitmask(len(rows), self.vocab_size)
         for r, i in enumerate(rows):
-            fill_next_token_bitmask(self.matchers[seqs[i].seq_id], bitmask, r)
+            self.walks[seqs[i].seq_id].fill(bitmask, r)
         return rows, bitmask
 
     def consume(self, seq: Sequence, token: int) -> None:
         """A grammar that cannot take ``token`` (it is stopped: only EOS is left) stops
         constraining this draft: verification rejects what follows."""
-        matcher = self.matchers.get(seq.seq_id)
-        if matcher is None:
-            return
-        if matcher.is_stopped() or matcher.validate_tokens([token]) != 1:
-            del self.matchers[seq.seq_id]
-            return
-        matcher.consume_token(token)
-        self.consumed[seq.seq_id] = (matcher, self.consumed[seq.seq_id][1] + 1)
+        if seq.seq_id in self.constraining and not self.walks[seq.seq_id].advance(token):
+            self.constraining.discard(seq.seq_id)
 
     def rewind(self) -> None:
-        for matcher, n in self.consumed.values():
-            if n:
-                matcher.rollback(n)
+        for walk in self.walks.values():
+            walk.rewind()
 
 
 def check_draft(source: str, target, draft, max_model_len: int) -> None:

@@ -92,8 +92,7 @@ class StructuredOutputs:
     def _fill(self, seqs) -> dict[int, torch.Tensor]:
         """Per sequence, its mask rows: one, or 1 + k for a k-token draft."""
         sizes = [1 + len(s.spec_token_ids) for s in seqs]
-        bitmask = torch.full((sum(sizes), (self.vocab_size + 31) // 32), -1,
-                             dtype=torch.int32)
+        bitmask = new_bitmask(sum(sizes), self.vocab_size)
         rows, start = {}, 0
         for seq, size in zip(seqs, sizes):
             fill_draft_masks(seq.matcher, seq.spec_token_ids, bitmask, start)
@@ -115,24 +114,53 @@ class StructuredOutputs:
         self._worker.shutdown(wait=False, cancel_futures=True)
 
 
+def new_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
+    """``rows`` token bitmasks (llguidance's layout: 32 tokens per int32), all allowed."""
+    return torch.full((rows, (vocab_size + 31) // 32), -1, dtype=torch.int32)
+
+
+class GrammarWalk:
+    """A matcher stepped through tokens it takes, and returned to where it began: how a
+    draft is checked against a grammar (here, and as a draft model proposes it)."""
+
+    def __init__(self, matcher):
+        self.matcher = matcher
+        self.steps = 0  # tokens consumed since the start
+
+    def advance(self, token: int) -> bool:
+        """Consume ``token`` if the grammar takes it; False if it refuses it, or is
+        stopped (complete: it takes EOS without counting it, and rollback counts
+        tokens, so a walk ends there). Validated first, so consuming never puts the
+        matcher into its error state."""
+        if self.matcher.is_stopped() or self.matcher.validate_tokens([token]) != 1:
+            return False
+        self.matcher.consume_token(token)
+        self.steps += 1
+        return True
+
+    def fill(self, bitmask: torch.Tensor, row: int) -> None:
+        """Row ``row`` of ``bitmask``: what the grammar allows next."""
+        from llguidance.torch import fill_next_token_bitmask
+
+        fill_next_token_bitmask(self.matcher, bitmask, row)
+
+    def rewind(self) -> None:
+        if self.steps:
+            self.matcher.rollback(self.steps)
+            self.steps = 0
+
+
 def fill_draft_masks(matcher, draft: list[int], bitmask: torch.Tensor, row: int) -> None:
     """Rows ``row`` .. ``row + len(draft)`` of ``bitmask``: what the grammar allows
     after each prefix of ``draft`` it accepts (the rows after a refused token are left
     as they are). The matcher ends where it began."""
-    from llguidance.torch import fill_next_token_bitmask
-
-    accepted = matcher.validate_tokens(draft) if draft else 0
-    fill_next_token_bitmask(matcher, bitmask, row)
-    consumed = 0
-    # Validated, so consuming never puts the matcher into its error state. A stopped
-    # grammar (complete: EOS only) takes EOS without counting it, and rollback counts
-    # tokens, so the walk ends there.
-    while consumed < accepted and not matcher.is_stopped():
-        matcher.consume_token(draft[consumed])
-        consumed += 1
-        fill_next_token_bitmask(matcher, bitmask, row + consumed)
-    if consumed:
-        matcher.rollback(consumed)
+    walk = GrammarWalk(matcher)
+    walk.fill(bitmask, row)
+    for token in draft:
+        if not walk.advance(token):
+            break
+        walk.fill(bitmask, row + walk.steps)
+    walk.rewind()
 
 
 def _to_llguidance(kind: str, text: str) -> str:
