@@ -582,6 +582,11 @@ def test_a_draft_model_shares_the_kv_budget(tiny_llama, small_draft):
     assert draft.runner.num_blocks == spec.runner.num_blocks < alone.num_blocks
     both = spec.runner.kv_bytes_per_block() + draft.runner.kv_bytes_per_block()
     assert spec.runner.num_blocks == (64 << 20) // both
+    # On a GPU the budget also leaves room for the draft's weights, which load after
+    # it: counted before they load, they are what the loaded draft holds.
+    loaded = sum(p.numel() * p.element_size() for p in draft.runner.model.parameters())
+    assert spec.runner.reserved_bytes == draft.weight_bytes() == loaded > 0
+    assert alone.reserved_bytes == 0
 
 
 def test_draft_models_that_cannot_propose_are_refused_by_name(tmp_path, tiny_llama,

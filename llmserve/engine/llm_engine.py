@@ -128,9 +128,10 @@ class LLMEngine:
     def _build_runner(self) -> ModelRunner:
         """Rank 0's model runner; with tensor parallelism, once every worker built its."""
         if self.tp_group is None:
-            extra = self.draft.bytes_per_block() if self.draft is not None else 0
+            draft = self.draft
             return ModelRunner(self.config, self.hf_config, self.model_path, self.max_model_len,
-                               extra_bytes_per_block=extra)
+                               extra_bytes_per_block=draft.bytes_per_block() if draft else 0,
+                               reserved_bytes=draft.weight_bytes() if draft else 0)
         try:
             runner = ModelRunner(self.config, self.hf_config, self.model_path,
                                  self.max_model_len, group=self.tp_group)

@@ -48,7 +48,7 @@ from llmserve.model_executor.model_loader.sources import load_config, resolve_mo
 from llmserve.model_executor.models.supported import layer_sliding_window
 from llmserve.spec_decode.rejection_sampler import DraftPosition
 from llmserve.structured_output.grammar import GrammarWalk, new_bitmask
-from llmserve.worker.kv_sizing import kv_block_bytes
+from llmserve.worker.kv_sizing import kv_block_bytes, model_weight_bytes
 from llmserve.worker.model_runner import ModelRunner
 from llmserve.worker.step_inputs import StepInputs
 
@@ -74,6 +74,12 @@ class DraftModel:
         """What one block of the draft's cache costs (the target's budget holds both)."""
         elem = torch.tensor([], dtype=self.config.torch_dtype).element_size()
         return kv_block_bytes(self.hf_config, self.config.block_size, elem)
+
+    def weight_bytes(self) -> int:
+        """Device memory the draft's weights will take. It loads after the target's KV
+        pool is sized (its cache takes the target's block count), so on a GPU that
+        budget, taken from the memory then free, must leave this much."""
+        return model_weight_bytes(self.hf_config, self.max_model_len, self.config.torch_dtype)
 
     def build(self, num_blocks: int, num_cpu_blocks: int) -> None:
         self.runner = ModelRunner(self.config, self.hf_config, self.path, self.max_model_len,

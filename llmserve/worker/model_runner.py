@@ -47,13 +47,16 @@ class ModelRunner:
 
     def __init__(self, config: EngineConfig, hf_config, model_path, max_model_len: int,
                  rank: int = 0, group=None, extra_bytes_per_block: int = 0,
-                 blocks: tuple[int, int] | None = None):
+                 reserved_bytes: int = 0, blocks: tuple[int, int] | None = None):
         """``extra_bytes_per_block``: what each KV block also costs elsewhere (a draft
-        model's cache of the same blocks), so the budget holds both. ``blocks``: (device,
-        CPU swap) block counts to use instead of sizing them (the draft model's runner
-        takes the target's: its cache has the same blocks)."""
+        model's cache of the same blocks), so the budget holds both. ``reserved_bytes``:
+        device memory a budget sized from free GPU memory leaves for what loads after
+        it (a draft model's weights). ``blocks``: (device, CPU swap) block counts to use
+        instead of sizing them (the draft model's runner takes the target's: its cache
+        has the same blocks)."""
         self.config = config
         self.extra_bytes_per_block = extra_bytes_per_block
+        self.reserved_bytes = reserved_bytes
         self.rank, self.group = rank, group
         tp = config.tensor_parallel_size
         self.device = torch.device(f"cuda:{rank}" if config.device == "cuda" and tp > 1
@@ -127,10 +130,11 @@ class ModelRunner:
         if budget is None:
             if self.device.type == "cuda" and self.config.profile_kv_cache:
                 budget = profile_kv_budget(self, self.config.max_num_batched_tokens,
-                                           self.config.max_num_seqs)
+                                           self.config.max_num_seqs) - self.reserved_bytes
             elif self.device.type == "cuda":
                 free, total = torch.cuda.mem_get_info(self.device)
-                budget = int(free - total * (1 - self.config.gpu_memory_utilization))
+                budget = int(free - total * (1 - self.config.gpu_memory_utilization)
+                             - self.reserved_bytes)
             else:
                 budget = DEFAULT_CPU_KV_BYTES
         num = budget // (self.kv_bytes_per_block() + self.extra_bytes_per_block)
@@ -140,8 +144,10 @@ class ModelRunner:
             torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN)
             num = int(t.item())
         if num < 1:
+            left = (f", after {self.reserved_bytes} bytes left for a draft model's weights"
+                    if self.reserved_bytes and self.config.kv_cache_memory is None else "")
             raise ValueError(f"kv_cache_memory={budget} bytes holds no KV block "
-                             f"(one block takes {self.kv_bytes_per_block()} bytes)")
+                             f"(one block takes {self.kv_bytes_per_block()} bytes{left})")
         return int(num)
 
     def _num_swap_blocks(self) -> int:
