@@ -28,8 +28,10 @@ BIN_DIR = Path(os.environ.get("BIN_DIR", CACHE / "llmserve" / "controlplane" / K
 # Each cluster on this machine has a network slot: its own bridge, /24 and pod
 # namespace prefix, so that clusters side by side (one per pytest-xdist worker: gw0,
 # gw1, ...) never share an address, and one tearing down removes only its own pods.
-SLOT = int(os.environ.get("LLMSERVE_E2E_SLOT")
-           or os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
+# LLMSERVE_E2E_SLOT is a base the worker's number adds to (clear of a cluster in slot 0
+# started by hand: LLMSERVE_E2E_SLOT=1 make e2e uses slots 1 and 2).
+SLOT = (int(os.environ.get("LLMSERVE_E2E_SLOT") or 0)
+        + int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0))
 if not 0 <= SLOT <= 254:
     raise ValueError(f"e2e network slot {SLOT}: one of 0..254 (the third byte of 10.244.X.0/24)")
 BRIDGE = f"llmbr{SLOT}"

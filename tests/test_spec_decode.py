@@ -584,7 +584,9 @@ def test_a_draft_model_shares_the_kv_budget(tiny_llama, small_draft):
     assert spec.runner.num_blocks == (64 << 20) // both
     # On a GPU the budget also leaves room for the draft's weights, which load after
     # it: counted before they load, they are what the loaded draft holds.
-    loaded = sum(p.numel() * p.element_size() for p in draft.runner.model.parameters())
+    model = draft.runner.model
+    loaded = sum(t.numel() * t.element_size()
+                 for t in (*model.parameters(), *model.buffers()))
     assert spec.runner.reserved_bytes == draft.weight_bytes() == loaded > 0
     assert alone.reserved_bytes == 0
 

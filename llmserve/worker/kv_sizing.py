@@ -78,23 +78,29 @@ def profile_kv_budget(runner, num_tokens: int, num_sampling_rows: int) -> int:
 
 
 def model_weight_bytes(hf_config, max_model_len: int, dtype: torch.dtype) -> int:
-    """Bytes a model's weights take in ``dtype``, unquantised and unsharded (so at most
-    what it will hold), counted on a meta-device build before any is loaded: what a KV
-    budget sized from free device memory must leave for a model loaded after it (a
-    draft model's)."""
+    """Bytes a model holds once built, before quantisation and unsharded (so at most what
+    it will hold): float parameters in ``dtype``, packed ones (MXFP4's uint8) and buffers
+    (the fp32 rotary tables) as they are. Counted on a meta-device build before any
+    weight is loaded: what a KV budget sized from free device memory must leave for a
+    model loaded after it (a draft model's)."""
     from llmserve.distributed.shapes import rank_shape
     from llmserve.model_executor.model_loader.weights import empty_model_init
     from llmserve.model_executor.models.registry import SUPPORTED_ARCHITECTURES
 
     if getattr(hf_config, "head_dim", None) is None:  # as the model runner sets it
         hf_config.head_dim = hf_config.hidden_size // hf_config.num_attention_heads
-    arch = next(a for a in hf_config.architectures if a in SUPPORTED_ARCHITECTURES)
+    arch = next((a for a in hf_config.architectures if a in SUPPORTED_ARCHITECTURES), None)
+    if arch is None:
+        raise ValueError(f"architectures {hf_config.architectures}: none is supported "
+                         f"({', '.join(sorted(SUPPORTED_ARCHITECTURES))})")
     with empty_model_init():
         model = SUPPORTED_ARCHITECTURES[arch](hf_config, max_model_len,
                                               rank_shape(hf_config, 0, 1))
     model.tie_weights()  # a tied head shares the embedding's storage
     elem = torch.tensor([], dtype=dtype).element_size()
-    return sum(p.numel() for p in model.parameters()) * elem
+    params = sum(p.numel() * (elem if p.is_floating_point() else p.element_size())
+                 for p in model.parameters())
+    return params + sum(b.numel() * b.element_size() for b in model.buffers())
 
 
 def kv_block_bytes(hf_config, block_size: int, element_size: int,

@@ -145,7 +145,8 @@ class ModelRunner:
             num = int(t.item())
         if num < 1:
             left = (f", after {self.reserved_bytes} bytes left for a draft model's weights"
-                    if self.reserved_bytes and self.config.kv_cache_memory is None else "")
+                    if self.reserved_bytes and self.config.kv_cache_memory is None
+                    and self.device.type == "cuda" else "")
             raise ValueError(f"kv_cache_memory={budget} bytes holds no KV block "
                              f"(one block takes {self.kv_bytes_per_block()} bytes{left})")
         return int(num)
