@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 from llmserve import SamplingParams
 from llmserve.core.block_manager import BlockManager
+from llmserve.core.request import SequenceStatus
 from llmserve.core.sched.scheduler import Scheduler
 from llmserve.engine.llm_engine import LLMEngine
 from llmserve.engine.output import CompletionOutput
@@ -54,6 +55,15 @@ class Workload:
     num_blocks: int = 64
     num_cpu_blocks: int = 0
     config: dict = field(default_factory=dict)
+    # From each of these steps on, abort the first request found swapped out (its CPU
+    # blocks must come back): random aborts rarely catch a request while it is swapped.
+    swapped_aborts: list[int] = field(default_factory=list)
+
+
+def _swapped_out(reqs: list) -> object | None:
+    """The first of ``reqs`` with a sequence swapped out to CPU memory, or None."""
+    return next((r for r in reqs if r is not None and any(
+        s.status is SequenceStatus.SWAPPED for s in r.sequences)), None)
 
 
 def reconfigure(engine: LLMEngine, num_blocks: int, num_cpu_blocks: int = 0, **overrides):
@@ -86,6 +96,7 @@ class Differential:
         self.ample_blocks = ample_blocks
         self.references: dict[Spec, list[CompletionOutput]] = {}
         self.num_compared = 0  # sequences checked against their reference
+        self.num_swapped_aborts = 0  # requests aborted while swapped out
 
     def reference(self, spec: Spec) -> list[CompletionOutput]:
         if spec not in self.references:
@@ -101,6 +112,7 @@ class Differential:
         reconfigure(self.engine, w.num_blocks, w.num_cpu_blocks, **w.config)
         reqs = [None] * len(w.arrivals)
         last = max([s for s, _, _ in w.arrivals] + [s for s, _ in w.aborts])
+        swapped_aborts = sorted(w.swapped_aborts)
         for step in range(20000):
             for i, (at, spec, priority) in enumerate(w.arrivals):
                 if at == step:
@@ -109,6 +121,11 @@ class Differential:
             for at, i in w.aborts:
                 if at == step and reqs[i] is not None:
                     self.engine.abort(reqs[i].request_id)
+            while swapped_aborts and swapped_aborts[0] <= step and (
+                    victim := _swapped_out(reqs)) is not None:
+                self.engine.abort(victim.request_id)
+                swapped_aborts.pop(0)
+                self.num_swapped_aborts += 1
             if step > last and not self.engine.has_unfinished():
                 break
             self.engine.step()
@@ -149,15 +166,27 @@ class Differential:
 def spec_pool(rng: random.Random, vocab: int, size: int, prefixes: int = 3,
               prefix_len: int = 40) -> list[Spec]:
     """Requests that share prefixes (prefix caching), sample greedily or seeded, ask
-    for n > 1 and sometimes carry a stop string."""
-    shared = [[rng.randrange(3, vocab) for _ in range(prefix_len)] for _ in range(prefixes)]
+    for n > 1 and sometimes carry a stop string. Some prompts are whole blocks of a
+    shared prefix, alone (a cache match then covers the whole prompt, and must still
+    leave its last token to compute) or followed by one common block (the same tokens
+    after different prefixes: its hash must chain over its parents)."""
+    def tokens(n: int) -> list[int]:
+        return [rng.randrange(3, vocab) for _ in range(n)]
+
+    shared = [tokens(prefix_len) for _ in range(prefixes)]
+    common_block = tokens(BLOCK)
+    aligned = prefix_len // BLOCK * BLOCK
     pool = []
     for _ in range(size):
-        if rng.random() < 0.6:
-            prompt = rng.choice(shared) + [rng.randrange(3, vocab)
-                                           for _ in range(rng.randint(1, 30))]
+        kind = rng.random()
+        if kind < 0.45:
+            prompt = rng.choice(shared) + tokens(rng.randint(1, 30))
+        elif kind < 0.6 and aligned:
+            prompt = rng.choice(shared)[:aligned]
+            if rng.random() < 0.5:
+                prompt = prompt + common_block + tokens(rng.randint(0, 10))
         else:
-            prompt = [rng.randrange(3, vocab) for _ in range(rng.randint(1, 70))]
+            prompt = tokens(rng.randint(1, 70))
         seed = rng.randrange(1 << 30) if rng.random() < 0.4 else None
         top_p = rng.choice([1.0, 1.0, 0.9])
         n = rng.choice([1, 1, 1, 2, 3])
@@ -189,6 +218,7 @@ def random_workload(rng: random.Random, pool: list[Spec], block_size: int,
     num_blocks = min(max_blocks, rng.randint(need, max(need, top)))
     aborts = [(rng.randint(0, 30), rng.randrange(len(arrivals)))
               for _ in range(rng.choice([0, 0, 1, 2]))]
+    swapped_aborts = [rng.randint(0, 30) for _ in range(rng.choice([0, 0, 1]))]
     chunked = rng.random() < 0.8
     config = dict(
         scheduling_policy=rng.choice(["fcfs", "priority"]),
@@ -199,5 +229,9 @@ def random_workload(rng: random.Random, pool: list[Spec], block_size: int,
         max_num_seqs=rng.choice([1, 2, 4, 8, 16, 64]),
         watermark=rng.choice([0.0, 0.01, 0.1]),
     )
-    num_cpu = rng.choice([0, rng.randint(0, max_cpu_blocks), max_cpu_blocks])
-    return Workload(arrivals, aborts, num_blocks, num_cpu, config)
+    # Swap space: none, some, all, or about one request's blocks (where a swap-out
+    # that needs exactly what is free, or one more, decides what happens).
+    group = max(s.n * -(-(len(s.prompt) + s.max_tokens) // block_size) for s in chosen)
+    num_cpu = rng.choice([0, rng.randint(0, max_cpu_blocks), max_cpu_blocks,
+                          rng.randint(1, min(group, max_cpu_blocks))])
+    return Workload(arrivals, aborts, num_blocks, num_cpu, config, swapped_aborts)
