@@ -86,6 +86,9 @@ def installed(cluster, kubectl):
              120, what="the operator pod ready")
     phase("helm install -> operator running", t0)
     yield
+    # While the operator still runs (its finalizer): what the last tests left, so that
+    # its engine and gateway processes do not idle through the rest of this worker's run.
+    kubectl("delete", "llmd", "--all", "-n", NS, "--wait=true", "--timeout=60s", check=False)
     helm(cluster, "uninstall", "llmserve", "--namespace", OPERATOR_NS, check=False)
 
 
