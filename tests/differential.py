@@ -25,6 +25,7 @@ from llmserve.core.request import SequenceStatus
 from llmserve.core.sched.scheduler import Scheduler
 from llmserve.engine.llm_engine import LLMEngine
 from llmserve.engine.output import CompletionOutput
+from llmserve.utils import cdiv
 
 TIE_GAP = 1e-4  # a greedy choice this close to the runner-up may flip with batch shape
 # The tiny checkpoint's KV block (tests/conftest.py), shared by the fuzz tests.
@@ -211,8 +212,11 @@ def random_workload(rng: random.Random, pool: list[Spec], block_size: int,
     chosen = [rng.choice(pool) for _ in range(rng.randint(2, 12))]
     arrivals = [(rng.randint(0, 12), spec, rng.randint(0, 3)) for spec in chosen]
     # Barely fits: the largest single sequence; ample: everything at once.
-    need = max(-(-(len(s.prompt) + s.max_tokens) // block_size) for s in chosen)
-    total = sum(s.n * -(-(len(s.prompt) + s.max_tokens) // block_size) for s in chosen)
+    def blocks(s: Spec) -> int:  # one sample's blocks at its longest
+        return cdiv(len(s.prompt) + s.max_tokens, block_size)
+
+    need = max(blocks(s) for s in chosen)
+    total = sum(s.n * blocks(s) for s in chosen)
     # Mostly tight: a quarter of the way from barely-fits to ample, at most.
     top = need + (total - need) // (4 if rng.random() < 0.75 else 1)
     num_blocks = min(max_blocks, rng.randint(need, max(need, top)))
@@ -231,7 +235,7 @@ def random_workload(rng: random.Random, pool: list[Spec], block_size: int,
     )
     # Swap space: none, some, all, or about one request's blocks (where a swap-out
     # that needs exactly what is free, or one more, decides what happens).
-    group = max(s.n * -(-(len(s.prompt) + s.max_tokens) // block_size) for s in chosen)
+    group = max(s.n * blocks(s) for s in chosen)
     num_cpu = rng.choice([0, rng.randint(0, max_cpu_blocks), max_cpu_blocks,
                           rng.randint(1, min(group, max_cpu_blocks))])
     return Workload(arrivals, aborts, num_blocks, num_cpu, config, swapped_aborts)
