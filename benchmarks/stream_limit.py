@@ -57,8 +57,10 @@ def step_bytes(model, context: int) -> int:
                 continue
             seen.add(t.data_ptr())
             total += t.numel() * t.element_size()
-    embed = model.model.embed_tokens.weight
-    total += embed.shape[1] * embed.element_size()
+    # one row of the embedding, dense or as Q8_0 blocks (its codes and scales)
+    embed = model.model.embed_tokens
+    for t in [*embed.parameters(), *embed.buffers()]:
+        total += t[0].numel() * t.element_size()
     kv_per_token = 0
     for layer in model.model.layers:
         cache = layer.self_attn.kv_cache  # [2, blocks, block_size, kv_heads, head_dim]

@@ -35,12 +35,14 @@ import shlex
 import shutil
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tarfile
 import tempfile
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -223,6 +225,47 @@ def llmserve_kv(extra_args: list[str]) -> tuple[int | None, dict]:
                                          "block_size": cfg.block_size}
     except Exception as e:  # a missing number must not sink the benchmark
         return None, {"kv_error": repr(e)}
+
+
+def llmserve_kv_bytes(tokens: int, extra_args: list[str]) -> int:
+    """``--kv-cache-memory`` that gives llmserve at least ``tokens`` of KV (whole
+    blocks) with these arguments: llama.cpp's ``-c``, for a comparison at equal KV."""
+    import torch
+
+    from llmserve.entrypoints.cli import add_engine_args, engine_config
+    from llmserve.model_executor.model_loader.sources import load_config, resolve_model
+    from llmserve.utils import cdiv
+    from llmserve.worker.kv_sizing import kv_block_bytes
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    args, _ = parser.parse_known_args(["--model", LLMSERVE_MODEL, *extra_args])
+    cfg = engine_config(args)
+    elem = torch.tensor([], dtype=cfg.torch_dtype).element_size()
+    block = kv_block_bytes(load_config(resolve_model(cfg.model)), cfg.block_size, elem)
+    return cdiv(tokens, cfg.block_size) * block
+
+
+def idle_rss_rounds(specs: dict[str, Callable[[], ServerSpec]], rounds: int,
+                    log_dir: Path) -> dict[str, list[float]]:
+    """Each server in turn, ``rounds`` times: start, one warm-up request, 2 s idle, its
+    RSS, stop. Alternating spreads the host's drift over both sides."""
+    rss: dict[str, list[float]] = {name: [] for name in specs}
+    for r in range(rounds):
+        for name, make in specs.items():
+            spec = make()
+            proc = start_server(spec, log_dir.resolve() / f"vs_llamacpp-{name}.log")
+            try:
+                url = f"http://127.0.0.1:{spec.port}"
+                model = get_json(url + "/v1/models")["data"][0]["id"]
+                asyncio.run(run_requests(url, model, [(make_prompt(random.Random(1), 40), 32)],
+                                         1))
+                time.sleep(2)
+                rss[name].append(tree_rss_mib(proc.pid))
+            finally:
+                stop_server(proc)
+            print(f"   round {r + 1}: {name} {rss[name][-1]:.0f} MiB "
+                  f"(KV {spec.kv_tokens:,} tokens)", flush=True)
+    return rss
 
 
 def start_server(spec: ServerSpec, log_path: Path, timeout: float = 600.0) -> subprocess.Popen:
@@ -687,6 +730,24 @@ def llmserve_source() -> dict:
     return {"path": str(where), "git": git or "not a git checkout"}
 
 
+def idle_rss_only(args, binary: Path, llmserve_args: list[str]) -> None:
+    specs = {"llama.cpp": lambda: llama_server_spec(binary, smollm2_gguf(), args.threads,
+                                                    args.slots, args.ctx_per_slot,
+                                                    args.kv_unified),
+             "llmserve": lambda: llmserve_spec(llmserve_args)}
+    rss = idle_rss_rounds(specs, args.idle_rss_rounds, args.out.parent)
+    med = {name: statistics.median(v) for name, v in rss.items()}
+    print(f"\nidle RSS after warm-up, median of {args.idle_rss_rounds}: llmserve "
+          f"{med['llmserve']:.0f} MiB, llama.cpp {med['llama.cpp']:.0f} MiB: "
+          f"{med['llmserve'] / med['llama.cpp']:.3f}x llama.cpp's")
+    out = args.out.with_name(args.out.stem + "_idle_rss.json")
+    out.write_text(json.dumps({"cpu": cpu_info(), "argv": sys.argv, "rss_mib": rss,
+                               "median_mib": med, "llmserve_args": llmserve_args,
+                               "llmserve": llmserve_source(),
+                               "time": time.strftime("%Y-%m-%d %H:%M:%S")}, indent=1))
+    print(f"wrote {out}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -712,6 +773,12 @@ def main() -> None:
     ap.add_argument("--kv-unified", action=argparse.BooleanOptionalAction, default=True,
                     help="llama-server: one KV pool shared by the slots (default) or one "
                          "per slot (--no-kv-unified)")
+    ap.add_argument("--equal-kv", action=argparse.BooleanOptionalAction, default=True,
+                    help="give llmserve as many KV tokens as llama-server's -c (its "
+                         "--kv-cache-memory; default), unless --llmserve-args sets it")
+    ap.add_argument("--idle-rss-rounds", type=int, default=0,
+                    help="only measure idle RSS after one warm-up request, the servers "
+                         "alternating this many rounds (no workloads)")
     ap.add_argument("--seed", type=int, default=0, help="prompts and output lengths")
     ap.add_argument("--wait-quiet", type=float, default=300.0,
                     help="before each server and each workload, wait up to this many "
@@ -730,6 +797,13 @@ def main() -> None:
         print(binary)
         return
     args.out.parent.mkdir(parents=True, exist_ok=True)
+    llmserve_args = shlex.split(args.llmserve_args)
+    if args.equal_kv and "--kv-cache-memory" not in llmserve_args:
+        llmserve_args += ["--kv-cache-memory",
+                          str(llmserve_kv_bytes(args.slots * args.ctx_per_slot, llmserve_args))]
+    if args.idle_rss_rounds:
+        idle_rss_only(args, binary, llmserve_args)
+        return
     loads = workloads(args.quick, args.seed)
     servers: dict[str, dict] = {}
     # one server at a time: on a small machine two would fight over the same cores
@@ -746,7 +820,7 @@ def main() -> None:
     if args.skip_llmserve:
         servers["llmserve"] = previous_side(args.out, "llmserve")
     else:
-        servers["llmserve"] = bench_server(llmserve_spec(shlex.split(args.llmserve_args)),
+        servers["llmserve"] = bench_server(llmserve_spec(llmserve_args),
                                            loads, args.out.parent, args.wait_quiet,
                                            args.contended_retries)
         servers["llmserve"]["source"] = llmserve_source()

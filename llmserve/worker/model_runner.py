@@ -23,9 +23,14 @@ from llmserve.model_executor.layers.prompt_logprobs import (
     PromptScores,
     score_rows,
 )
+from llmserve.model_executor.layers.q8_embedding import compact_embedding
 from llmserve.model_executor.layers.quantization import quantize_model
 from llmserve.model_executor.lora.slots import LoRASlots
-from llmserve.model_executor.model_loader.weights import empty_model_init, load_weights
+from llmserve.model_executor.model_loader.weights import (
+    checkpoint_slice,
+    empty_model_init,
+    load_weights,
+)
 from llmserve.model_executor.models.llama import Attention, RotaryEmbedding
 from llmserve.model_executor.models.native_decoder import NativeDecoder
 from llmserve.model_executor.models.registry import SUPPORTED_ARCHITECTURES
@@ -83,6 +88,10 @@ class ModelRunner:
         model.model.rotary = RotaryEmbedding(hf_config, max_model_len).to(self.device)
         model.fuse()
         quantize_model(model, config.quantization)
+        if self.device.type == "cpu" and self.shard.size == 1:
+            # A Q8_0 embedding (GGUF) kept as its int8 blocks: the same rows, half the memory.
+            compact_embedding(model, checkpoint_slice(model, model_path,
+                                                      "model.embed_tokens.weight"))
         if packing_applies(self.device, self.dtype) and not config.compile:
             pack_linears(model)  # the dense ones: oneDNN's layout once, not every call
         if config.fused_kernels:  # Triton add+RMSNorm, rotary+KV write, SiLU*up

@@ -138,6 +138,20 @@ def load_weights(model: torch.nn.Module, path: Path, dtype: torch.dtype, device:
 
 
 
+def checkpoint_slice(model: torch.nn.Module, path: Path, param: str):
+    """A lazy safetensors slice of the checkpoint tensor that fills parameter ``param``
+    (indexing it reads only those rows), or None if no tensor does: for a second look
+    at a tensor's stored values after loading cast them to the serving dtype."""
+    from safetensors import safe_open
+
+    for f in weight_files(path):
+        handle = safe_open(f, framework="pt")
+        for name in handle.keys():
+            if model.param_name(name) == param:
+                return handle.get_slice(name)
+    return None
+
+
 def fused_parts(model: torch.nn.Module, name: str) -> list[tuple[str, int]] | None:
     """The parameters that checkpoint tensor ``name`` stacks by rows, each with its row
     count, in order (Phi-3's ``qkv_proj``: q, k, v), from the model's optional
