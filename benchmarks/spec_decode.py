@@ -14,6 +14,13 @@ answer with quotes) and on plain chat; then 32 streams at once.
 tokenizer, no training: a crude early-exit draft, since no smaller model of the family
 ships here); it shows what a draft model's passes cost against what they save.
 
+``--ceiling`` only decodes each prompt greedily once and replays the n-gram proposer
+over the outputs: greedy tokens do not depend on the drafts, so this gives exactly the
+tokens each verification step would yield, i.e. the speed-up if verifying k drafts cost
+no more than a plain decode step (an upper bound for that proposer on that model):
+
+    python benchmarks/spec_decode.py --ceiling
+
 ``--temperature T`` samples (top_p 0.95, seeded per request, so both engines still
 give the same tokens). With a draft model it also runs a third engine whose drafts are
 the draft model's argmax (as before drafts were coupled to the target's draws,
@@ -132,6 +139,35 @@ def truncated_builtin(model: str, layers: int, out: Path) -> Path:
     return out
 
 
+def ngram_ceiling(llm: LLM, speculative_config: dict, max_tokens: int) -> dict:
+    """Tokens per verification step that ``speculative_config``'s n-gram proposer gets on
+    each workload's greedy outputs, and its acceptance rate (no draft policy)."""
+    from llmserve.spec_decode.ngram_proposer import NgramProposer
+    proposer = NgramProposer(speculative_config["num_speculative_tokens"],
+                             speculative_config.get("prompt_lookup_max", 4),
+                             speculative_config.get("prompt_lookup_min", 2))
+    results = {}
+    for name, prompts in WORKLOADS.items():
+        _, outs = chat(llm, prompts, max_tokens)
+        steps = drafted = accepted = produced = 0
+        for o in outs:
+            prompt, out = list(o.prompt_token_ids), list(o.outputs[0].token_ids)
+            i = 0
+            while i < len(out):
+                draft = proposer.propose(prompt + out[:i], limit=len(out) - i - 1)
+                hits = 0
+                while hits < len(draft) and draft[hits] == out[i + hits]:
+                    hits += 1
+                steps, drafted, accepted = steps + 1, drafted + len(draft), accepted + hits
+                produced += hits + 1
+                i += hits + 1
+        rate = accepted / drafted if drafted else 0.0
+        results[name] = {"tokens_per_step": produced / steps, "acceptance_rate": rate}
+        print(f"{name:10s} tokens per verification step {produced / steps:.2f} (the speed-up "
+              f"if verifying cost a decode step)   acceptance {rate:.2f}")
+    return results
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--model", default="smollm2-135m-instruct")
@@ -145,6 +181,8 @@ def main() -> None:
                     help="sample (seeded, top_p 0.95) instead of greedy decoding")
     ap.add_argument("--every-draft", action="store_true",
                     help="verify every draft (no draft policy): acceptance rates to compare")
+    ap.add_argument("--ceiling", action="store_true",
+                    help="only the n-gram proposer's tokens per step on greedy outputs")
     ap.add_argument("--json", help="write the results here too")
     args = ap.parse_args()
     global TEMPERATURE
@@ -156,6 +194,14 @@ def main() -> None:
         args.speculative_config = json.dumps({"model": str(draft),
                                               "num_speculative_tokens": k})
     base = LLM(args.model)
+    if args.ceiling:
+        config = json.loads(args.speculative_config)
+        print(f"model {args.model} ({base.engine.config.dtype}), greedy, max_tokens "
+              f"{args.max_tokens}, n-gram {config}")
+        results = ngram_ceiling(base, config, args.max_tokens)
+        if args.json:
+            Path(args.json).write_text(json.dumps(results, indent=2))
+        return
     spec = LLM(args.model, speculative_config=args.speculative_config)
     specs = {"spec": spec}
     if args.temperature and args.draft_layers:

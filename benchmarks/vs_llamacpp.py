@@ -179,7 +179,8 @@ def free_port() -> int:
 
 
 def llama_server_spec(binary: Path, gguf: Path, threads: int, slots: int,
-                      ctx_per_slot: int, kv_unified: bool) -> ServerSpec:
+                      ctx_per_slot: int, kv_unified: bool,
+                      extra_args: list[str] = ()) -> ServerSpec:
     port = free_port()
     ctx = slots * ctx_per_slot  # -c is the total: slots x the longest request
     cmd = [str(binary), "-m", str(gguf), "-t", str(threads), "-tb", str(threads),
@@ -189,9 +190,10 @@ def llama_server_spec(binary: Path, gguf: Path, threads: int, slots: int,
            # each batch into equal per-sequence pieces, so a prompt arriving while 31
            # streams decode is prefilled about one token per step (measured: ~40 tokens/s
            # at 32 streams, slower than one stream).
-           "--kv-unified" if kv_unified else "--no-kv-unified"]
+           "--kv-unified" if kv_unified else "--no-kv-unified", *extra_args]
     return ServerSpec("llama.cpp", cmd, port, ctx, {"gguf": gguf.name, "kv_unified": kv_unified,
-                                                    "ctx_per_slot": ctx_per_slot})
+                                                    "ctx_per_slot": ctx_per_slot,
+                                                    "extra_args": list(extra_args)})
 
 
 def llmserve_spec(extra_args: list[str]) -> ServerSpec:
@@ -733,7 +735,8 @@ def llmserve_source() -> dict:
 def idle_rss_only(args, binary: Path, llmserve_args: list[str]) -> None:
     specs = {"llama.cpp": lambda: llama_server_spec(binary, smollm2_gguf(), args.threads,
                                                     args.slots, args.ctx_per_slot,
-                                                    args.kv_unified),
+                                                    args.kv_unified,
+                                                    shlex.split(args.llama_args)),
              "llmserve": lambda: llmserve_spec(llmserve_args)}
     rss = idle_rss_rounds(specs, args.idle_rss_rounds, args.out.parent)
     med = {name: statistics.median(v) for name, v in rss.items()}
@@ -753,6 +756,8 @@ def main() -> None:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--llama-server", type=Path, default=None,
                     help="use this llama-server binary instead of building one")
+    ap.add_argument("--llama-args", default="",
+                    help='extra llama-server flags (peer tuning), e.g. "-b 512 -ub 256"')
     ap.add_argument("--llmserve-args", default="",
                     help='extra `llmserve serve` flags, e.g. "--dtype float32"')
     ap.add_argument("--skip-llamacpp", action="store_true",
@@ -811,7 +816,8 @@ def main() -> None:
         servers["llama.cpp"] = previous_side(args.out, "llama.cpp")
     else:
         spec = llama_server_spec(binary, smollm2_gguf(), args.threads, args.slots,
-                                 args.ctx_per_slot, args.kv_unified)
+                                 args.ctx_per_slot, args.kv_unified,
+                                 shlex.split(args.llama_args))
         servers["llama.cpp"] = bench_server(spec, loads, args.out.parent, args.wait_quiet,
                                             args.contended_retries)
         if args.llama_server is None:
