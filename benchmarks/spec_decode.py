@@ -139,13 +139,17 @@ def truncated_builtin(model: str, layers: int, out: Path) -> Path:
     return out
 
 
-def ngram_ceiling(llm: LLM, speculative_config: dict, max_tokens: int) -> dict:
-    """Tokens per verification step that ``speculative_config``'s n-gram proposer gets on
-    each workload's greedy outputs, and its acceptance rate (no draft policy)."""
+def ngram_ceiling(llm: LLM, speculative_config: str, max_tokens: int) -> dict:
+    """Tokens per verification step that ``speculative_config``'s n-gram proposer (read
+    as the engine reads it) gets on each workload's greedy outputs, and its acceptance
+    rate (every draft verified: no draft policy)."""
+    from llmserve.spec_decode.config import SpeculativeConfig
     from llmserve.spec_decode.ngram_proposer import NgramProposer
-    proposer = NgramProposer(speculative_config["num_speculative_tokens"],
-                             speculative_config.get("prompt_lookup_max", 4),
-                             speculative_config.get("prompt_lookup_min", 2))
+    config = SpeculativeConfig.parse(speculative_config)
+    if config.method != "ngram":
+        raise SystemExit("--ceiling replays the n-gram proposer: give an ngram config")
+    proposer = NgramProposer(config.num_speculative_tokens, config.prompt_lookup_max,
+                             config.prompt_lookup_min)
     results = {}
     for name, prompts in WORKLOADS.items():
         _, outs = chat(llm, prompts, max_tokens)
@@ -185,6 +189,9 @@ def main() -> None:
                     help="only the n-gram proposer's tokens per step on greedy outputs")
     ap.add_argument("--json", help="write the results here too")
     args = ap.parse_args()
+    if args.ceiling and (args.temperature or args.draft_layers):
+        ap.error("--ceiling replays n-gram drafts over greedy outputs: not with "
+                 "--temperature or --draft-layers")
     global TEMPERATURE
     TEMPERATURE = args.temperature
     if args.draft_layers:
@@ -195,10 +202,9 @@ def main() -> None:
                                               "num_speculative_tokens": k})
     base = LLM(args.model)
     if args.ceiling:
-        config = json.loads(args.speculative_config)
         print(f"model {args.model} ({base.engine.config.dtype}), greedy, max_tokens "
-              f"{args.max_tokens}, n-gram {config}")
-        results = ngram_ceiling(base, config, args.max_tokens)
+              f"{args.max_tokens}, speculative_config {args.speculative_config}")
+        results = ngram_ceiling(base, args.speculative_config, args.max_tokens)
         if args.json:
             Path(args.json).write_text(json.dumps(results, indent=2))
         return

@@ -265,8 +265,9 @@ def idle_rss_rounds(specs: dict[str, Callable[[], ServerSpec]], rounds: int,
                 rss[name].append(tree_rss_mib(proc.pid))
             finally:
                 stop_server(proc)
-            print(f"   round {r + 1}: {name} {rss[name][-1]:.0f} MiB "
-                  f"(KV {spec.kv_tokens:,} tokens)", flush=True)
+            kv = f"{spec.kv_tokens:,}" if spec.kv_tokens else "?"
+            print(f"   round {r + 1}: {name} {rss[name][-1]:.0f} MiB (KV {kv} tokens)",
+                  flush=True)
     return rss
 
 
@@ -757,7 +758,9 @@ def main() -> None:
     ap.add_argument("--llama-server", type=Path, default=None,
                     help="use this llama-server binary instead of building one")
     ap.add_argument("--llama-args", default="",
-                    help='extra llama-server flags (peer tuning), e.g. "-b 512 -ub 256"')
+                    help='extra llama-server flags (peer tuning), e.g. "-b 512 -ub 256"; '
+                         "set -c and -np with --slots and --ctx-per-slot instead, which "
+                         "the equal-KV sizing reads")
     ap.add_argument("--llmserve-args", default="",
                     help='extra `llmserve serve` flags, e.g. "--dtype float32"')
     ap.add_argument("--skip-llamacpp", action="store_true",
@@ -803,10 +806,13 @@ def main() -> None:
         return
     args.out.parent.mkdir(parents=True, exist_ok=True)
     llmserve_args = shlex.split(args.llmserve_args)
-    if args.equal_kv and "--kv-cache-memory" not in llmserve_args:
+    sets_kv = any(a.split("=")[0] == "--kv-cache-memory" for a in llmserve_args)
+    if args.equal_kv and not sets_kv and not args.skip_llmserve:
         llmserve_args += ["--kv-cache-memory",
                           str(llmserve_kv_bytes(args.slots * args.ctx_per_slot, llmserve_args))]
     if args.idle_rss_rounds:
+        if args.skip_llmserve or args.skip_llamacpp:
+            ap.error("--idle-rss-rounds measures both servers: not with --skip-*")
         idle_rss_only(args, binary, llmserve_args)
         return
     loads = workloads(args.quick, args.seed)

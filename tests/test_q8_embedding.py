@@ -64,13 +64,22 @@ def test_a_table_that_is_not_q8_0_stays_dense():
     nudged[63, 5] = torch.nextafter(nudged[63, 5], torch.tensor(1.0))  # one value off
     assert exact_q8_blocks(nudged) is None
     assert exact_q8_blocks(torch.randn(8, 48)) is None  # rows not in blocks of 32
+    signed_zero = table.clone()
+    signed_zero[1, -Q8_BLOCK:] = -0.0  # the zero block, negative: lookups would give +0.0
+    assert exact_q8_blocks(signed_zero) is None
+    tiny = table.clone()  # subnormal values whose code rounds to 128, past int8
+    tiny[2, :Q8_BLOCK] = torch.tensor(2.0 ** -149) * torch.arange(Q8_BLOCK)
+    assert exact_q8_blocks(tiny) is None
 
 
 class _Model(nn.Module):
-    def __init__(self, table: torch.Tensor):
+    def __init__(self, table: torch.Tensor, tied: bool = False):
         super().__init__()
         self.model = nn.Module()
         self.model.embed_tokens = nn.Embedding.from_pretrained(table.to(torch.bfloat16))
+        self.lm_head = nn.Linear(table.shape[1], table.shape[0], bias=False)
+        if tied:
+            self.lm_head.weight = self.model.embed_tokens.weight
 
 
 def test_compaction_reads_the_checkpoint_lazily_and_only_takes_exact_tables(tmp_path):
@@ -89,13 +98,21 @@ def test_compaction_reads_the_checkpoint_lazily_and_only_takes_exact_tables(tmp_
         assert not compact_embedding(model, handle.get_slice(name))
         assert type(model.model.embed_tokens) is nn.Embedding
     assert not compact_embedding(_Model(table), None)
+    tied = _Model(table, tied=True)  # its head computes with the dense table
+    assert not compact_embedding(tied, handle.get_slice("exact"))
+    assert type(tied.model.embed_tokens) is nn.Embedding
+
+
+def built_in_engine(quantization: str) -> LLMEngine:
+    return LLMEngine(EngineConfig(model=BUILTIN, device="cpu", kv_cache_memory=1 << 24,
+                                  quantization=quantization))
 
 
 def test_the_built_in_gguf_model_serves_its_embedding_from_q8_0_blocks():
-    """The built-in model's GGUF keeps its embedding in Q8_0: the engine holds the
-    blocks, not a dense copy, and every row equals the checkpoint's in the serving
-    dtype."""
-    engine = LLMEngine(EngineConfig(model=BUILTIN, kv_cache_memory=1 << 24))
+    """The built-in model's GGUF keeps its embedding in Q8_0: with its tied LM head
+    quantised, the engine holds the blocks, not a dense copy, and every row equals the
+    checkpoint's in the serving dtype."""
+    engine = built_in_engine("int8")
     try:
         runner = engine.runner
         embedding = runner.model.model.embed_tokens
@@ -109,3 +126,16 @@ def test_the_built_in_gguf_model_serves_its_embedding_from_q8_0_blocks():
     finally:
         engine.shutdown()
 
+
+def test_a_tied_head_computing_with_the_dense_table_keeps_it_the_only_copy():
+    """Unquantised (float32 here, unpacked), the tied head multiplies by the dense
+    table itself: blocks beside it would be a second copy, so the table stays."""
+    engine = built_in_engine("none")
+    try:
+        model = engine.runner.model
+        if model.lm_head.__class__ is not torch.nn.Linear:
+            pytest.skip(f"the head is packed in {engine.config.dtype} here")
+        assert type(model.model.embed_tokens) is nn.Embedding
+        assert model.lm_head.weight is model.model.embed_tokens.weight
+    finally:
+        engine.shutdown()

@@ -294,7 +294,7 @@ class AsyncLLMEngine:
                 self.engine.shutdown()
             self._ready.set()
             return
-        release_freed_memory()  # what loading and warm-up freed
+        release_freed_memory(after_start_up=True)  # what loading and warm-up freed
         self._ready.set()
         worked_since_trim = False
         try:

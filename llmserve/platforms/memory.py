@@ -29,12 +29,13 @@ def _libc():
     return libc
 
 
-def release_freed_memory() -> bool:
+def release_freed_memory(after_start_up: bool = False) -> bool:
     """Return freed heap pages to the OS; False where the C library has no
-    ``malloc_trim`` (musl, macOS)."""
-    # Whole source files that imports read through linecache (warnings and inspect do;
-    # ~70 of torch's, ~2.6 MB with the built-in model): not needed again.
-    linecache.clearcache()
+    ``malloc_trim`` (musl, macOS). ``after_start_up`` also drops the whole source files
+    that imports read through linecache (warnings and inspect do: ~70 of torch's, ~2.6
+    MB with the built-in model), once, before other threads format tracebacks."""
+    if after_start_up:
+        linecache.clearcache()
     libc = _libc()
     if libc is None:
         return False

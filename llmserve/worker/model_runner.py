@@ -88,12 +88,12 @@ class ModelRunner:
         model.model.rotary = RotaryEmbedding(hf_config, max_model_len).to(self.device)
         model.fuse()
         quantize_model(model, config.quantization)
+        if packing_applies(self.device, self.dtype) and not config.compile:
+            pack_linears(model)  # the dense ones: oneDNN's layout once, not every call
         if self.device.type == "cpu" and self.shard.size == 1:
             # A Q8_0 embedding (GGUF) kept as its int8 blocks: the same rows, half the memory.
             compact_embedding(model, checkpoint_slice(model, model_path,
                                                       "model.embed_tokens.weight"))
-        if packing_applies(self.device, self.dtype) and not config.compile:
-            pack_linears(model)  # the dense ones: oneDNN's layout once, not every call
         if config.fused_kernels:  # Triton add+RMSNorm, rotary+KV write, SiLU*up
             model.enable_fused_kernels()
         self.model = model.eval()

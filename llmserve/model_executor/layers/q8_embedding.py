@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 Q8_BLOCK = 32  # values per scale, as GGUF's Q8_0
-_CHECK_ROWS = 4096  # rows re-quantised at a time: bounds the float32 temporaries
+_CHECK_VALUES = 1 << 22  # values re-quantised at a time: bounds the float32 temporaries
 
 
 def exact_q8_blocks(table) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -31,16 +31,19 @@ def exact_q8_blocks(table) -> tuple[torch.Tensor, torch.Tensor] | None:
         return None
     codes = torch.empty(rows, hidden, dtype=torch.int8)
     scales = torch.empty(rows, hidden // Q8_BLOCK, dtype=torch.float32)
-    for start in range(0, rows, _CHECK_ROWS):
-        chunk = table[start:start + _CHECK_ROWS]
+    step = max(1, _CHECK_VALUES // hidden)
+    for start in range(0, rows, step):
+        chunk = table[start:start + step]
         if not chunk.dtype.is_floating_point:
             return None
         x = chunk.float().unflatten(-1, (-1, Q8_BLOCK))
         d = x.abs().amax(dim=-1, keepdim=True) / 127
-        q = (x / torch.where(d == 0, 1.0, d)).round()
-        if not torch.equal(dequantize(q, d), x):
+        q = (x / torch.where(d == 0, 1.0, d)).round().clamp(-127, 127).to(torch.int8)
+        # Compared as bits, from the int8 codes lookups will read: -0.0 is not 0.0, and
+        # a code that only fits before the cast (subnormal blocks) fails here.
+        if not torch.equal(dequantize(q, d).view(torch.int32), x.view(torch.int32)):
             return None
-        codes[start:start + len(x)] = q.flatten(-2).to(torch.int8)
+        codes[start:start + len(x)] = q.flatten(-2)
         scales[start:start + len(x)] = d.squeeze(-1)
     return codes, scales
 
@@ -77,10 +80,13 @@ class Q8Embedding(nn.Module):
 def compact_embedding(model: nn.Module, checkpoint_table) -> bool:
     """Replace ``model.model.embed_tokens`` (one rank's plain ``nn.Embedding``) by a
     ``Q8Embedding`` when the checkpoint's table (a tensor or a safetensors slice) is
-    exactly Q8_0 blocks; True if it did. The dense weight is freed unless a tied head
-    that was not quantised still uses it."""
+    exactly Q8_0 blocks; True if it did, freeing the dense table. Not while a tied LM
+    head still computes with that table (unquantised and unpacked): the blocks would
+    be a second copy."""
     embedding = model.model.embed_tokens
     if type(embedding) is not nn.Embedding or checkpoint_table is None:
+        return False
+    if getattr(getattr(model, "lm_head", None), "weight", None) is embedding.weight:
         return False
     if _shape(checkpoint_table) != tuple(embedding.weight.shape):
         return False
