@@ -98,6 +98,11 @@ def test_compaction_reads_the_checkpoint_lazily_and_only_takes_exact_tables(tmp_
         assert not compact_embedding(model, handle.get_slice(name))
         assert type(model.model.embed_tokens) is nn.Embedding
     assert not compact_embedding(_Model(table), None)
+    changed = _Model(table)  # a loader that changed a row: what was loaded is served
+    changed.model.embed_tokens.weight.data[7] *= 2
+    assert not compact_embedding(changed, handle.get_slice("exact"))
+    bf16 = _Model(table)  # a checkpoint not in float32: not read at all
+    assert not compact_embedding(bf16, table.to(torch.bfloat16))
     tied = _Model(table, tied=True)  # its head computes with the dense table
     assert not compact_embedding(tied, handle.get_slice("exact"))
     assert type(tied.model.embed_tokens) is nn.Embedding

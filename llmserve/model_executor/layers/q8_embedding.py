@@ -6,10 +6,9 @@ d * q; stored densely in the serving dtype they take twice the bytes of the code
 57 MB for the built-in model's 49,152 x 576 table, beside its 28 MB int8 LM head). The
 block layout is recovered from those float32 values by quantising again with
 d = max|x| / 127, which returns the same d and q when x came from Q8_0, and is kept only
-if dequantising gives back every value bit for bit. So a lookup returns exactly the
-rows the dense table would (d * q in float32, then the serving dtype): the memory
-saving never changes an output. Any other checkpoint (a bf16 one) fails the check and
-keeps its dense table.
+if dequantising gives back every value bit for bit, and every lookup then equals the
+row that was loaded (d * q in float32, then the serving dtype): the memory saving never
+changes an output. Any other checkpoint (a bf16 one) keeps its dense table.
 """
 
 from __future__ import annotations
@@ -41,7 +40,7 @@ def exact_q8_blocks(table) -> tuple[torch.Tensor, torch.Tensor] | None:
         q = (x / torch.where(d == 0, 1.0, d)).round().clamp(-127, 127).to(torch.int8)
         # Compared as bits, from the int8 codes lookups will read: -0.0 is not 0.0, and
         # a code that only fits before the cast (subnormal blocks) fails here.
-        if not torch.equal(dequantize(q, d).view(torch.int32), x.view(torch.int32)):
+        if not torch.equal(_bits(dequantize(q, d)), _bits(x)):
             return None
         codes[start:start + len(x)] = q.flatten(-2)
         scales[start:start + len(x)] = d.squeeze(-1)
@@ -90,9 +89,35 @@ def compact_embedding(model: nn.Module, checkpoint_table) -> bool:
         return False
     if _shape(checkpoint_table) != tuple(embedding.weight.shape):
         return False
+    if _dtype_name(checkpoint_table) != "F32":  # Q8_0 converts to float32 values
+        return False
     blocks = exact_q8_blocks(checkpoint_table)
     if blocks is None:
         return False
-    model.model.embed_tokens = Q8Embedding(*blocks, embedding.weight.dtype).to(
-        embedding.weight.device)
+    compact = Q8Embedding(*blocks, embedding.weight.dtype).to(embedding.weight.device)
+    if not _same_rows(compact, embedding.weight):  # what was loaded, not just the file
+        return False
+    model.model.embed_tokens = compact
     return True
+
+
+def _dtype_name(table) -> str:
+    if isinstance(table, torch.Tensor):
+        return "F32" if table.dtype == torch.float32 else str(table.dtype)
+    return table.get_dtype()
+
+
+def _same_rows(compact: Q8Embedding, dense: torch.Tensor) -> bool:
+    """Every lookup equals the loaded table's row, bit for bit (a loader that changed
+    the rows, or a rounding path of its own, keeps the dense table)."""
+    step = max(1, _CHECK_VALUES // compact.embedding_dim)
+    for start in range(0, compact.num_embeddings, step):
+        ids = torch.arange(start, min(start + step, compact.num_embeddings))
+        if not torch.equal(_bits(compact(ids)), _bits(dense[ids])):
+            return False
+    return True
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """The values' bit patterns: unlike float comparison, -0.0 differs from 0.0."""
+    return t.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.itemsize])
