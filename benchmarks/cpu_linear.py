@@ -1,7 +1,8 @@
 """bf16 linears on the CPU: ``F.linear`` on the plain weight versus oneDNN's linear
 on a weight packed once (``kernels/cpu_linear.PackedLinear``) and, where it is built
-(AVX512-BF16), our own GEMM on its packed layout (``NativeLinear``, ``gemm.c``);
-same run, the three alternating. Ratios are against the plain ``F.linear``.
+(AVX512-BF16), our own GEMM on its packed layout (``NativeLinear``, ``gemm.c``; on
+AMX CPUs both with VDPBF16PS and with AMX tiles); same run, alternating. Ratios are
+against the plain ``F.linear``.
 
 ``--quantized``: the weight-only projections instead (int4, and the int8 LM head of
 both quantised modes), ATen's kernels (what the engine uses below
@@ -72,6 +73,10 @@ def main() -> None:
         kinds = {"plain": lambda lin: lin, "onednn": PackedLinear}
         if native_gemm_available():
             kinds["native"] = NativeLinear
+        if native_gemm_available() and amx_tiles():  # gemm.c both ways, as quant_gemm
+            del kinds["native"]
+            kinds["native avx512"] = lambda lin: with_tiles(NativeLinear(lin), False)
+            kinds["native amx"] = lambda lin: with_tiles(NativeLinear(lin), True)
     print(f"threads {torch.get_num_threads()}; best time per step of each projection "
           f"(all layers) over {args.repeats} alternating repeats: "
           + " | ".join(kinds) + f" (speed-up over {next(iter(kinds))})")
@@ -107,6 +112,13 @@ def tiled_quantized(q: QuantizedLinear, amx: bool | None = None):
         if amx is not None:
             amx_tiles(amx)
         return quant_gemm(x, q)
+    return run
+
+
+def with_tiles(linear, amx: bool):
+    def run(x):
+        amx_tiles(amx)
+        return linear(x)
     return run
 
 

@@ -74,6 +74,28 @@ def test_packed_linear_computes_the_dense_product(backend, rows, bias, out_featu
     assert relative_error(packed, dense) < 1e-2
 
 
+@needs_native
+@pytest.mark.parametrize("out_features, in_features", [(960, 576), (576, 1536), (1552, 64)])
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 64, 130])
+@pytest.mark.parametrize("bias", [False, True])
+def test_native_linear_computes_the_dense_product_both_tile_kinds(rows, bias, out_features,
+                                                                  in_features, tile_kind):
+    """gemm.c's dense product through AMX tiles (K a multiple of 32: the packed panels
+    are B tiles as they are) and through VDPBF16PS: as accurate as F.linear. Rows of
+    1-16 are one AMX tile, 17 a full one and a single row, 130 several."""
+    torch.manual_seed(rows)
+    linear = torch.nn.Linear(in_features, out_features, bias=bias).to(torch.bfloat16)
+    if bias:
+        linear.bias.data.normal_()
+    x = torch.randn(rows, in_features).to(torch.bfloat16)
+    reference = F.linear(x.float(), linear.weight.float(),
+                         None if linear.bias is None else linear.bias.float())
+    dense = F.linear(x, linear.weight, linear.bias)
+    native = NativeLinear(linear)(x)
+    assert relative_error(native, reference) <= 2 * relative_error(dense, reference) + 1e-3
+    assert relative_error(native, dense) < 1e-2
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_packed_linear_takes_any_leading_shape_and_no_rows(backend):
     linear = torch.nn.Linear(24, 48).to(torch.bfloat16)
@@ -103,8 +125,8 @@ def test_native_linear_reads_strided_rows_and_refuses_what_it_cannot_take():
 @pytest.mark.parametrize("forced", [False, True])
 def test_pack_linears_mixes_backends_by_shape(monkeypatch, forced):
     """Native where the shape is on the kernel's grid and (unless forced) within what was
-    measured; oneDNN for the rest; every product still right. On an AMX CPU the default
-    is oneDNN (its tile kernels) for every shape."""
+    measured; oneDNN for the rest; every product still right. On an AMX CPU without
+    the tile grant the default is oneDNN (its tile kernels) for every shape."""
     monkeypatch.setenv("LLMSERVE_BF16_GEMM", "native" if forced else "auto")
     amx_default = not forced and gemm_backend() != "native"
     torch.manual_seed(0)
@@ -134,6 +156,21 @@ def test_the_backend_is_chosen_from_the_cpu_and_can_be_forced(monkeypatch):
     monkeypatch.setenv("LLMSERVE_BF16_GEMM", "fastest")
     with pytest.raises(ValueError):
         gemm_backend()
+
+
+@needs_native
+def test_the_default_backend_follows_the_cpu_kind(monkeypatch):
+    """gemm.c without AMX (Zen 4) and with the AMX tiles granted (Sapphire Rapids);
+    oneDNN's AMX kernels on an AMX CPU whose tiles Linux does not grant, where gemm.c
+    would fall back to its slower VDPBF16PS tiles."""
+    from llmserve.kernels.cpu import gemm
+    monkeypatch.setenv("LLMSERVE_BF16_GEMM", "auto")
+    for amx_cpu, granted, backend in ((False, False, "native"), (True, True, "native"),
+                                      (True, False, "onednn")):
+        features = dataclasses.replace(gemm.cpu_features(), amx_bf16=amx_cpu)
+        monkeypatch.setattr(gemm, "cpu_features", lambda f=features: f)
+        monkeypatch.setattr(gemm, "amx_tiles", lambda g=granted: g)
+        assert gemm.gemm_backend() == backend, (amx_cpu, granted)
 
 
 def test_an_avx2_build_has_no_native_gemm_and_keeps_onednn():
@@ -171,8 +208,8 @@ def test_the_quant_tiles_crossover_follows_the_cpu_kind(monkeypatch):
 
 @pytest.fixture(params=["amx", "avx512"])
 def tile_kind(request):
-    """quant_gemm's multiply both ways where this CPU has AMX (only AVX512-BF16
-    elsewhere: the amx case is then skipped, with the reason)."""
+    """gemm.c's multiply (quant_gemm's and the dense one) both ways where this CPU has
+    AMX (only AVX512-BF16 elsewhere: the amx case is then skipped, with the reason)."""
     if request.param == "amx" and not amx_tiles():
         pytest.skip("no AMX tiles here (CPU, compiler or OS)")
     was = amx_tiles()

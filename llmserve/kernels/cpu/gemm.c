@@ -131,22 +131,33 @@ static void gemm_panels(const uint16_t *x, int64_t m, int64_t ldx, const uint16_
     }
 }
 
+static int amx_on(void);
+static void amx_gemm_panels(const uint16_t *x, int64_t m, int64_t ldx, const uint16_t *packed,
+                            int64_t k, const float *bias, uint16_t *y, int64_t ldy,
+                            int64_t first, int64_t last);
+
 /* y [m, n] (row stride ldy) = x [m, k] (row stride ldx) times the weight packed by
  * bf16_gemm_pack, plus bias (float32 [n], or NULL). n a multiple of 16, k even:
- * returns -2 otherwise, 0 when done. */
+ * returns -2 otherwise, 0 when done. Through AMX tiles where they are on, k is a
+ * multiple of 32 (a whole A tile) and there are at least AMX_MIN_ROWS rows: on the
+ * Sapphire Rapids Xeon (2 threads, the built-in model's projections) VDPBF16PS is
+ * 1.18x faster at 1 row, even at 2, and 1.13x slower at 4, 2.3x at 16, 3.4x at 32. */
+enum { AMX_MIN_ROWS = 2 };
 int bf16_gemm(int num_threads, const uint16_t *x, int64_t m, int64_t ldx,
               const uint16_t *packed, int64_t n, int64_t k, const float *bias, uint16_t *y,
               int64_t ldy) {
     if (n % PANEL_COLS || k % 2) return -2;
     const int64_t panels = n / PANEL_COLS;
+    const int amx = k % 32 == 0 && m >= AMX_MIN_ROWS && amx_on();
     int threads = num_threads < panels ? num_threads : (int)panels;
     #pragma omp parallel num_threads(threads) if(threads > 1)
     {
         /* omp_get_* without omp.h: the library links the OpenMP runtime torch loaded. */
         extern int omp_get_thread_num(void), omp_get_num_threads(void);
         int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
-        gemm_panels(x, m, ldx, packed, k, bias, y, ldy, panels * t / nt,
-                    panels * (t + 1) / nt);
+        int64_t first = panels * t / nt, last = panels * (t + 1) / nt;
+        if (amx) amx_gemm_panels(x, m, ldx, packed, k, bias, y, ldy, first, last);
+        else gemm_panels(x, m, ldx, packed, k, bias, y, ldy, first, last);
     }
     return 0;
 }
@@ -372,9 +383,31 @@ static void amx_rows(int64_t m, int panels, const uint16_t *x, int64_t ldx,
         amx_tile(rows, panels, x + r0 * ldx, ldx, w, panel_stride, k, bias, y + r0 * ldy, ldy);
     }
 }
+
+/* One thread's panels [first, last) of a dense packed weight: its panels are B tiles
+ * as they are (no dequantisation), each group of 4 under every tile of 16 rows. */
+static void amx_gemm_panels(const uint16_t *x, int64_t m, int64_t ldx, const uint16_t *packed,
+                            int64_t k, const float *bias, uint16_t *y, int64_t ldy,
+                            int64_t first, int64_t last) {
+    const int64_t panel_stride = k * PANEL_COLS;
+    int configured = 0;
+    for (int64_t p0 = first; p0 < last; p0 += TILE_PANELS) {
+        int panels = last - p0 < TILE_PANELS ? (int)(last - p0) : TILE_PANELS;
+        amx_rows(m, panels, x, ldx, packed + p0 * panel_stride, panel_stride, k,
+                 bias == NULL ? NULL : bias + p0 * PANEL_COLS, y + p0 * PANEL_COLS, ldy,
+                 &configured);
+    }
+    _tile_release();
+}
 #else
 static int amx_on(void) { return 0; }
 int gemm_use_amx(int want) { (void)want; return 0; }
+static void amx_gemm_panels(const uint16_t *x, int64_t m, int64_t ldx, const uint16_t *packed,
+                            int64_t k, const float *bias, uint16_t *y, int64_t ldy,
+                            int64_t first, int64_t last) {
+    (void)x, (void)m, (void)ldx, (void)packed, (void)k, (void)bias, (void)y, (void)ldy;
+    (void)first, (void)last;
+}
 #endif
 
 static void dequant_panel(const quant_weight *w, int64_t j, uint16_t *out) {
