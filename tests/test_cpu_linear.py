@@ -60,6 +60,11 @@ def test_packed_linear_computes_the_dense_product(backend, rows, bias, out_featu
     bf16 rounding (a wrong layout or a dropped bias is off by ~100 %). The shapes take
     the native kernel's edges: row tiles of 1-6, chunks of 112 rows, groups of 1-4
     panels, 97 panels split over the threads; 100 x 23, off its grid, is oneDNN's."""
+    assert_dense_product(backend, rows, bias, out_features, in_features)
+
+
+def assert_dense_product(backend, rows: int, bias: bool, out_features: int,
+                         in_features: int) -> None:
     torch.manual_seed(rows)
     linear = torch.nn.Linear(in_features, out_features, bias=bias).to(torch.bfloat16)
     if bias:
@@ -83,17 +88,7 @@ def test_native_linear_computes_the_dense_product_both_tile_kinds(rows, bias, ou
     """gemm.c's dense product through AMX tiles (K a multiple of 32: the packed panels
     are B tiles as they are) and through VDPBF16PS: as accurate as F.linear. Rows of
     1-16 are one AMX tile, 17 a full one and a single row, 130 several."""
-    torch.manual_seed(rows)
-    linear = torch.nn.Linear(in_features, out_features, bias=bias).to(torch.bfloat16)
-    if bias:
-        linear.bias.data.normal_()
-    x = torch.randn(rows, in_features).to(torch.bfloat16)
-    reference = F.linear(x.float(), linear.weight.float(),
-                         None if linear.bias is None else linear.bias.float())
-    dense = F.linear(x, linear.weight, linear.bias)
-    native = NativeLinear(linear)(x)
-    assert relative_error(native, reference) <= 2 * relative_error(dense, reference) + 1e-3
-    assert relative_error(native, dense) < 1e-2
+    assert_dense_product(NativeLinear, rows, bias, out_features, in_features)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
