@@ -106,8 +106,8 @@ def gemm_backend() -> str:
     ``gemm.c``'s VDPBF16PS tiles lose to oneDNN's AMX kernels past a few rows.
     ``LLMSERVE_BF16_GEMM`` forces one ("native" only where the kernel is built).
     Measured on the Sapphire Rapids Xeon, all the built-in model's projections for
-    one step, ``gemm.c`` with AMX over oneDNN (``benchmarks/cpu_linear.py``): 1.33x at
-    1 row (VDPBF16PS there), 1.36x at 8, 1.37x at 32, even at 64 and 128."""
+    one step, ``gemm.c`` over oneDNN (``benchmarks/cpu_linear.py``): 1.54x at 1 row
+    (VDPBF16PS), with AMX 1.36x at 8, 1.37x at 32, even at 64 and 128."""
     forced = forced_backend()
     if forced == "onednn" or not native_gemm_available():
         return "onednn"
