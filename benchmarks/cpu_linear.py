@@ -8,7 +8,9 @@ against the plain ``F.linear``.
 both quantised modes), ATen's kernels (what the engine uses below
 ``quant_tiled_min_rows()``) versus ``gemm.c``'s quant_gemm (dequantised per group of
 panels into the bf16 tiles; on AMX CPUs both with AVX512-BF16 dot products and with AMX
-tiles), ratios against ATen.
+tiles), ratios against ATen. On a CPU without bf16 arithmetic (no quant_gemm) ATen's
+versus the int4 weight dequantised for the float32 GEMM (``kernels/cpu/dequant.py``)
+and the float32 GEMM of the float32 weight (the float32 model's product).
 
 Each shape is timed over as many distinct weights as the built-in model has layers,
 so that the weights come from memory as they do in a decode step, not from a cache
@@ -24,6 +26,7 @@ import time
 
 import torch
 
+from llmserve.kernels.cpu.dequant import int4_runs_in_float32, quant_dense_f32
 from llmserve.kernels.cpu.gemm import (
     amx_tiles,
     native_gemm_available,
@@ -60,9 +63,16 @@ def main() -> None:
         raise SystemExit("oneDNN has no bf16 kernels on this CPU: nothing to compare")
     if args.threads:
         torch.set_num_threads(args.threads)
-    if args.quantized:
-        if not quant_tiled_available(4):
-            raise SystemExit("quant_gemm does not run here (AVX512-BF16 without AMX)")
+    if args.quantized and not quant_tiled_available(4):
+        # No bf16 arithmetic: ATen's int4 kernel against the dequantised float32 GEMM
+        # (dequant.c; the int8 LM head has no such path and stays on ATen's), and the
+        # float32 GEMM of the float weight (what the float32 model computes).
+        if not int4_runs_in_float32():
+            raise SystemExit("neither quant_gemm nor the float32 int4 path runs here")
+        kinds = {"aten": lambda lin: aten_quantized(quantize(lin)),
+                 "dequant f32": lambda lin: dequantised(quantize(lin)),
+                 "float32": lambda lin: lin.float()}
+    elif args.quantized:
         kinds = {"aten": lambda lin: aten_quantized(quantize(lin)),
                  "quant_gemm": lambda lin: tiled_quantized(quantize(lin))}
         if amx_tiles():  # both ways of multiplying the dequantised tiles
@@ -87,10 +97,11 @@ def main() -> None:
         cells = []
         for m in args.rows:
             x = torch.randn(m, k).to(torch.bfloat16)
+            inputs = {kind: x.float() if kind == "float32" else x for kind in kinds}
             best = dict.fromkeys(kinds, float("inf"))
             for _ in range(args.repeats + 1):  # the first is a warm-up
                 for kind, mods in modules.items():
-                    best[kind] = min(best[kind], seconds_per_step(mods, x))
+                    best[kind] = min(best[kind], seconds_per_step(mods, inputs[kind]))
             for kind in kinds:
                 totals[m][kind] += best[kind]
             cells.append(f"M={m}: " + format_cell(best))
@@ -105,6 +116,12 @@ def quantize(lin: torch.nn.Linear) -> QuantizedLinear:
 
 def aten_quantized(q: QuantizedLinear):
     return lambda x: weight_only_mm(x, q.qweight, q.scales, q.bits)
+
+
+def dequantised(q: QuantizedLinear):
+    if q.bits != 4:
+        return aten_quantized(q)
+    return lambda x: quant_dense_f32(x, q)
 
 
 def tiled_quantized(q: QuantizedLinear, amx: bool | None = None):

@@ -149,7 +149,7 @@ fi
 
 # --- 4. Kernel benchmark: decode sweep (bytes/s vs HBM, vs SDPA), mixed batch, bf16
 # correctness, e2e decode of the 1B shape at batch 64 and 256 ---------------------------
-step bench_kernels 110 300 "$PY" "${RUN[@]}" benchmarks/kernels.py "${SMOKE[@]}" \
+step bench_kernels 110 300 "$PY" "${RUN[@]}" benchmarks/bench_kernels.py "${SMOKE[@]}" \
     --out "$SCRATCH/bench_kernels" --batches 1 16 64 256 --contexts 512 2048 8192 \
     --e2e-model "$MODELS/big"
 [ -f "$SCRATCH/bench_kernels.md" ] && cp "$SCRATCH/bench_kernels.md" "$OUT/kernels.md"

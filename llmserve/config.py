@@ -181,6 +181,12 @@ class EngineConfig:
         False, "size the KV cache from a profiled max-num-batched-tokens step",
         group=GPU_GROUP)
 
+    # Whether --dtype auto was decided by the CPU's features alone (not CUDA, not
+    # LLMSERVE_CPU_DTYPE): the engine may then still store an int4-served checkpoint's
+    # activations in bf16 on a CPU without bf16 arithmetic (quantization.py's
+    # bf16_storage_for_int4). Not a flag.
+    dtype_from_cpu: bool = field(default=False, init=False, repr=False)
+
     def __post_init__(self) -> None:
         import torch
         if self.device == "auto":
@@ -192,8 +198,9 @@ class EngineConfig:
                              f"visible, or the driver does not match; on Kubernetes, check "
                              f"the node's NVIDIA runtime (spec.resources.runtimeClassName)")
         if self.dtype == "auto":
-            from llmserve.platforms.cpu import auto_dtype
+            from llmserve.platforms.cpu import auto_dtype, dtype_from_cpu_features
             self.dtype = auto_dtype(self.device)
+            self.dtype_from_cpu = dtype_from_cpu_features(self.device)
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):

@@ -29,7 +29,10 @@ from llmserve.engine.lora_registry import LoRARegistry
 from llmserve.engine.output import RequestOutput
 from llmserve.engine.overlap import OverlappedSteps
 from llmserve.executor.tensor_parallel import TensorParallelGroup, WorkerDiedError
-from llmserve.model_executor.layers.quantization import resolve_quantization
+from llmserve.model_executor.layers.quantization import (
+    bf16_storage_for_int4,
+    resolve_quantization,
+)
 from llmserve.model_executor.layers.sampler import Sampler
 from llmserve.model_executor.lora.modules import parse_lora_modules
 from llmserve.model_executor.model_loader.gguf import gguf_layer_weight_types
@@ -117,6 +120,11 @@ class LLMEngine:
         """``--quantization auto`` becomes a mode, before any rank builds its model."""
         c = self.config
         gguf_types = gguf_layer_weight_types(self.model_path)
+        if c.dtype_from_cpu and bf16_storage_for_int4(c.quantization, gguf_types, c.device,
+                                                      c.tensor_parallel_size):
+            log.info("dtype auto -> bfloat16 storage for int4 (this CPU has no bf16 "
+                     "arithmetic; the int4 kernels compute in float32)")
+            c.dtype = "bfloat16"
         resolved = resolve_quantization(c.quantization, gguf_types, c.device, c.torch_dtype,
                                         c.tensor_parallel_size)
         if c.quantization == "auto":

@@ -54,6 +54,12 @@ def cpu_features() -> CpuFeatures:
                        onednn_max_isa=os.environ.get("ONEDNN_MAX_CPU_ISA"))
 
 
+def dtype_from_cpu_features(device: str) -> bool:
+    """Whether ``auto_dtype(device)`` is decided by the CPU's features (not by CUDA,
+    nor by ``LLMSERVE_CPU_DTYPE``)."""
+    return not device.startswith("cuda") and not os.environ.get("LLMSERVE_CPU_DTYPE")
+
+
 def auto_dtype(device: str) -> str:
     """``--dtype auto``: bf16 on CUDA and on CPUs with native bf16, else float32."""
     if device.startswith("cuda"):

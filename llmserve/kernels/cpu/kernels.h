@@ -106,6 +106,11 @@ int q4_decode_layers(int num_threads, const q4_dims *d, const q4_layer *layers, 
                      const int64_t *slots, const int32_t *tables, int table_stride,
                      const int32_t *seq_lens);
 
+/* dequant.c: columns [c0, c1) of an int4 weight as W^T [k, c1 - c0] float32, for the
+ * float32 GEMM of many rows on CPUs without bf16 arithmetic. */
+int q4_dequant_f32(int num_threads, const q4_linear *lin, int block_n, int64_t c0,
+                   int64_t c1, float *out);
+
 /* gemm.c: bf16 and weight-only int4/int8 linears (stubs returning -3 where the CPU
  * lacks AVX512-BF16, which bf16_gemm_available says). */
 int bf16_gemm_available(void);

@@ -1,5 +1,6 @@
 """The CPU kernels (``decode.c``: decode attention, rotary + K/V store, RMSNorm;
-``decoder.c``: the int4 decoder stack built on them; ``gemm.c``: bf16 linears
+``decoder.c``: the int4 decoder stack built on them; ``dequant.c``: int4 weights in
+float32 for CPUs without bf16 arithmetic; ``gemm.c``: bf16 linears
 on AVX512-BF16; ``q8_rows.c``: int8 weight-only products of a few rows; ``lora.c``: a
 projection's multi-LoRA), compiled for this machine into one library.
 
@@ -43,10 +44,12 @@ from llmserve.envs import cache_root
 
 log = logging.getLogger(__name__)
 
-# Attention, rotary and norms; the int4 decoder stack built on them; bf16 GEMMs;
+# Attention, rotary and norms; the int4 decoder stack built on them; int4 weights in
+# float32; bf16 GEMMs;
 # few-row int8 products; multi-LoRA: one library.
 SOURCES = [Path(__file__).with_name(name)
-           for name in ("decode.c", "decoder.c", "gemm.c", "q8_rows.c", "lora.c")]
+           for name in ("decode.c", "decoder.c", "dequant.c", "gemm.c", "q8_rows.c",
+                        "lora.c")]
 HEADERS = [Path(__file__).with_name("kernels.h")]  # included by SOURCES: in the key
 # Reassociation lets the compiler vectorise the dot products and sums; no
 # finite-math: softmax inputs are finite here, but the flag would change too much.
@@ -73,6 +76,8 @@ SIGNATURES: dict[str, list[type]] = {
     "q4_linear_bf16": [_I32, _PTR, _I32, _PTR, _I32, _PTR],
     "q4_decode_layers": [_I32, _PTR, _PTR, _I32, _PTR, _I32, _PTR, _PTR, _PTR, _PTR, _I32,
                          _PTR],
+    # dequant.c
+    "q4_dequant_f32": [_I32, _PTR, _I32, _I64, _I64, _PTR],
     # gemm.c
     "bf16_gemm_available": [],
     "bf16_gemm": [_I32, _PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _PTR, _I64],

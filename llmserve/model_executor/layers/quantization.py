@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from llmserve.kernels.cpu.dequant import dequant_applies, int4_runs_in_float32, quant_dense_f32
 from llmserve.kernels.cpu.gemm import q8_rows, quant_tiled
 
 # --- weight-only quantisation ---------------------------------------------------------
@@ -35,6 +36,19 @@ def resolve_quantization(requested: str, gguf_layer_types: dict[str, int] | None
             and tensor_parallel_size == 1):
         return "int4"
     return "none"
+
+
+def bf16_storage_for_int4(requested: str, gguf_layer_types: dict[str, int] | None,
+                          device: str, tensor_parallel_size: int = 1) -> bool:
+    """Whether ``--dtype auto``, float32 on a CPU without bf16 arithmetic, becomes bf16
+    so that ``--quantization auto`` serves a 4-bit GGUF in int4 there too: where the
+    int4 kernels compute in float32 (``int4_runs_in_float32``: the C decoder stack for
+    decode steps, the dequantised float32 GEMM for many rows), bf16 being only the
+    storage of activations and the KV cache. A decode step then streams ~100 MB of
+    int4 weights instead of 540 MB of float32 ones (docs/benchmarks.md, "int4 on CPUs
+    without bf16 arithmetic")."""
+    return (requested == "auto" and is_4bit_gguf(gguf_layer_types) and device == "cpu"
+            and tensor_parallel_size == 1 and int4_runs_in_float32())
 
 
 INT4_GROUP = 32  # as GGUF Q4_0/Q4_1: a Q4_1 checkpoint re-encodes (nearly) exactly
@@ -70,11 +84,15 @@ class QuantizedLinear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x16 = x.to(torch.bfloat16)
-        # Many rows, eagerly: dequantised into bf16 tiles; a few rows of an int8 weight
-        # (the LM head of a decode step): streamed once by q8_rows. The checks stay out of
-        # compiled graphs: a guard on the row count there would compile each layer twice.
+        # Many rows, eagerly: dequantised into bf16 tiles, or on a CPU without bf16
+        # arithmetic, an int4 weight into float32 for the float32 GEMM; a few rows of an
+        # int8 weight (the LM head of a decode step): streamed once by q8_rows. The
+        # checks stay out of compiled graphs: a guard on the row count there would
+        # compile each layer twice.
         if not torch.compiler.is_compiling():
             y = quant_tiled(x16, self)
+            if y is None and dequant_applies(x16, self):
+                y = quant_dense_f32(x16, self)
             if y is None:
                 y = q8_rows(x16, self)
             if y is not None:

@@ -28,7 +28,7 @@ memory) records its error in its row. Exit status 1 when a section or shape fail
 On a machine without CUDA it says so and exits 0 (``--smoke`` runs a tiny version
 on CPU through Triton's interpreter, timed by the host clock, to check the script).
 
-    python benchmarks/kernels.py --out benchmarks/results/kernels
+    python benchmarks/bench_kernels.py --out benchmarks/results/kernels
 """
 
 from __future__ import annotations

@@ -1,0 +1,99 @@
+"""int4 products of many rows on CPUs without bf16 arithmetic (``dequant.c``).
+
+Where neither AVX512-BF16 nor AMX is there (Ice Lake and older Xeons, AVX2-only
+CPUs), gemm.c's quant_gemm does not run, and ATen's weight-only int4 kernel re-reads
+and re-dequantises the weight for each small tile of rows. From ``DEQUANT_MIN_ROWS``
+rows it is cheaper to write the weight out once in float32 (into a scratch reused from
+call to call) and let the float32 GEMM (oneDNN/MKL) multiply: the weight is still
+stored, and streamed by decode steps, in int4. Fewer rows keep the kernels that read
+the packed bytes (the C decoder stack, ATen).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import threading
+
+import torch
+
+from llmserve.kernels.cpu.decoder import int4_pack_block_n, q4_struct
+from llmserve.kernels.cpu.native import decode_kernel
+from llmserve.platforms.cpu import cpu_features
+
+# From this many rows the dequantised float32 GEMM beats ATen's int4 kernel. Ice Lake
+# Xeon, 2 threads, all the built-in model's projections for one step
+# (benchmarks/cpu_linear.py --quantized), ATen / dequantised: 0.79x at 32 rows, 1.05x at
+# 64, 1.22x at 128, 1.40x at 512 (docs/benchmarks.md, "int4 on CPUs without bf16
+# arithmetic").
+DEQUANT_MIN_ROWS = 64
+
+_local = threading.local()  # each thread's scratch (tensor-parallel ranks may be threads)
+
+
+def _scratch(k: int, n: int) -> torch.Tensor:
+    """A [k, n] float32 buffer, reused: allocating it per call would page-fault it in
+    again each time."""
+    buf = getattr(_local, "buf", None)
+    if buf is None or buf.numel() < k * n:
+        buf = _local.buf = torch.empty(k * n, dtype=torch.float32)
+    return buf[:k * n].view(k, n)
+
+
+@functools.cache
+def cpu_without_bf16() -> bool:
+    """No bf16 arithmetic here (nor told to act as if there were): where quant_gemm's
+    tiles do not run. Asked once: dequant_applies is asked by every int4 product."""
+    return not cpu_features().native_bf16
+
+
+def int4_runs_in_float32() -> bool:
+    """Whether an int4 model runs at full speed here although the CPU has no bf16
+    arithmetic: on AVX-512 (Ice Lake, Cascade Lake, Skylake-X Xeons), where ATen packs
+    int4 in 64-column blocks, which the C decoder stack (8-token tiles) and dequant.c
+    read, with the kernels built. Both compute in float32; bf16 is only the storage of
+    activations and the KV cache. AVX2-only CPUs are left out: not measured there."""
+    return (cpu_without_bf16() and cpu_features().aten_isa == "AVX512"
+            and int4_pack_block_n() == 64 and decode_kernel() is not None)
+
+
+def dequant_applies(x: torch.Tensor, linear) -> bool:
+    """``quant_dense_f32``'s domain: an eager int4 CPU product of at least
+    DEQUANT_MIN_ROWS rows on a CPU without bf16 arithmetic, a shape on ATen's pack
+    grid, the kernels built."""
+    k, n = linear.in_features, linear.out_features
+    if (linear.bits != 4 or x.device.type != "cpu" or x.shape[-1] != k
+            or x.numel() < DEQUANT_MIN_ROWS * k or torch.compiler.is_compiling()
+            or not cpu_without_bf16()):
+        return False
+    block_n = int4_pack_block_n()
+    return (block_n is not None and n % block_n == 0 and k % 32 == 0
+            and decode_kernel() is not None)
+
+
+def q4_weight_f32(linear, c0: int = 0, c1: int | None = None) -> torch.Tensor:
+    """Columns [c0, c1) of W^T, [K, c1 - c0] float32, of an int4 ``QuantizedLinear``
+    (all of them by default), in the calling thread's scratch (valid until its next
+    call)."""
+    k, n = linear.in_features, linear.out_features
+    c1 = n if c1 is None else c1
+    out = _scratch(k, c1 - c0)
+    lin = q4_struct(linear)
+    rc = decode_kernel().q4_dequant_f32(torch.get_num_threads(), ctypes.byref(lin),
+                                        int4_pack_block_n(), c0, c1, out.data_ptr())
+    if rc == -1:
+        raise MemoryError("q4_dequant_f32: out of memory for its scale scratch")
+    if rc != 0:
+        raise ValueError(f"q4_dequant_f32: shape unsupported ({rc})")
+    return out
+
+
+def quant_dense_f32(x: torch.Tensor, linear) -> torch.Tensor:
+    """``linear(x)`` in ``x``'s dtype: the weight dequantised to float32, then one
+    float32 GEMM (plus the bias); ``dequant_applies`` checked by the caller. (Chunks of
+    columns dequantised and multiplied while in L2 measured slower: many narrow GEMMs.)"""
+    k, n = linear.in_features, linear.out_features
+    y = torch.mm(x.reshape(-1, k).float(), q4_weight_f32(linear))
+    if linear.bias is not None:
+        y += linear.bias
+    return y.to(x.dtype).view(*x.shape[:-1], n)

@@ -1,0 +1,200 @@
+"""int4 on CPUs without bf16 arithmetic (``kernels/cpu/dequant``): the weight written
+out in float32 from ATen's pack (both its layouts), products of many rows through the
+float32 GEMM over it, where the layer takes that path, and ``--dtype auto`` storing an
+int4-served GGUF in bf16 there."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from llmserve.config import EngineConfig
+from llmserve.kernels.cpu import dequant
+from llmserve.kernels.cpu.decoder import int4_pack_block_n
+from llmserve.kernels.cpu.dequant import DEQUANT_MIN_ROWS, q4_weight_f32, quant_dense_f32
+from llmserve.kernels.cpu.native import decode_kernel
+from llmserve.model_executor.layers import quantization
+from llmserve.model_executor.layers.quantization import (
+    QuantizedLinear,
+    _quantize_int4,
+    bf16_storage_for_int4,
+    weight_only_mm,
+)
+
+pytestmark = pytest.mark.skipif(int4_pack_block_n() is None or decode_kernel() is None,
+                                reason="no C kernels, or an int4 pack layout they do not read")
+
+BF16_ULP = 2 ** -7  # relative spacing of bf16 numbers
+SHAPES = [(960, 576), (128, 64), (3072, 576), (576, 1536)]
+
+
+def linear_pair(out_features: int, in_features: int, bias: bool = False, seed: int = 0):
+    torch.manual_seed(seed)
+    linear = torch.nn.Linear(in_features, out_features, bias=bias)
+    if bias:
+        linear.bias.data.normal_()
+    return linear, QuantizedLinear(linear, 4)
+
+
+def reference_weight(linear: torch.nn.Linear) -> torch.Tensor:
+    """W [N, K] from the int4 codes and the bf16 (scale, zero) table the layer stores,
+    in float64: w = (q - 8) scale + zero."""
+    codes, scales_zeros = _quantize_int4(linear.weight.detach().float(), 32)
+    table = scales_zeros.double()  # [K / 32, N, 2]
+    scale = table[..., 0].t().repeat_interleave(32, dim=1)  # [N, K]
+    zero = table[..., 1].t().repeat_interleave(32, dim=1)
+    return (codes.double() - 8) * scale + zero
+
+
+@pytest.mark.parametrize("out_features, in_features", SHAPES)
+def test_the_weight_comes_back_in_float32(out_features, in_features):
+    """Every weight where the codes and the table put it: a wrong nibble, column block
+    or group is off by a whole scale step; the rest is float32's own rounding."""
+    linear, q4 = linear_pair(out_features, in_features)
+    want = reference_weight(linear)
+    got = q4_weight_f32(q4).double().t()
+    step = (want.abs().amax() / 7).item()  # about one code step at the largest scale
+    assert got.shape == (out_features, in_features)
+    assert (got - want).abs().max().item() < 1e-5 * step
+
+
+@pytest.mark.parametrize("out_features, in_features", SHAPES)
+@pytest.mark.parametrize("rows", [DEQUANT_MIN_ROWS, 77, 200])
+@pytest.mark.parametrize("bias", [False, True])
+def test_many_rows_match_atens_kernel(out_features, in_features, rows, bias):
+    """The float32 GEMM over the dequantised weight and ATen's int4 kernel on the same
+    pack: the same products up to the float32 summation order and one bf16 rounding."""
+    _, q4 = linear_pair(out_features, in_features, bias, seed=rows)
+    x = torch.randn(rows, in_features).to(torch.bfloat16)
+    want = weight_only_mm(x, q4.qweight, q4.scales, 4).float()
+    if bias:
+        want = want + q4.bias.float()
+    got = quant_dense_f32(x, q4)
+    assert got.dtype == torch.bfloat16 and got.shape == want.shape
+    torch.testing.assert_close(got.float(), want, rtol=2 * BF16_ULP, atol=2e-2)
+
+
+def test_a_range_of_columns_is_that_slice_of_the_whole():
+    _, q4 = linear_pair(3072, 576)
+    whole = q4_weight_f32(q4).clone()
+    assert torch.equal(q4_weight_f32(q4, 128, 1024), whole[:, 128:1024])
+
+
+def test_a_shape_off_the_pack_grid_is_refused():
+    """80 columns are no whole number of either layout's blocks (64 or 32)."""
+    _, q4 = linear_pair(80, 64)
+    with pytest.raises(ValueError, match="shape unsupported"):
+        q4_weight_f32(q4)
+    assert not dequant.dequant_applies(torch.zeros(64, 64), q4)
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    """The layer on a CPU without bf16 arithmetic (quant_gemm's tiles never run there),
+    with every call to the float32 path counted."""
+    monkeypatch.setattr(dequant, "cpu_without_bf16", lambda: True)
+    monkeypatch.setattr(quantization, "quant_tiled", lambda x, linear: None)
+    seen = []
+
+    def counted(x, linear):
+        seen.append(x.shape[0])
+        return quant_dense_f32(x, linear)
+    monkeypatch.setattr(quantization, "quant_dense_f32", counted)
+    return seen
+
+
+def test_the_layer_takes_the_float32_gemm_from_its_row_threshold(calls):
+    _, q4 = linear_pair(960, 576)
+    x = torch.randn(DEQUANT_MIN_ROWS, 576)
+    y = q4(x)
+    assert calls == [DEQUANT_MIN_ROWS] and y.dtype == torch.float32
+    q4(x[:DEQUANT_MIN_ROWS - 1])  # fewer rows: ATen's kernel reads the packed bytes
+    assert calls == [DEQUANT_MIN_ROWS]
+
+
+def test_cpus_with_bf16_arithmetic_never_take_it(calls, monkeypatch):
+    monkeypatch.setattr(dequant, "cpu_without_bf16", lambda: False)
+    _, q4 = linear_pair(960, 576)
+    q4(torch.randn(64, 576))
+    assert calls == []
+
+
+def test_int8_weights_never_take_it(calls):
+    linear = torch.nn.Linear(576, 960)
+    QuantizedLinear(linear, 8)(torch.randn(64, 576))
+    assert calls == []
+
+
+GGUF_Q4 = {"Q4_1": 106168320}  # what the converter records for the built-in model
+
+
+@pytest.mark.parametrize("requested, types, device, tp, want", [
+    ("auto", GGUF_Q4, "cpu", 1, True),
+    ("none", GGUF_Q4, "cpu", 1, False),      # asked for unquantised
+    ("auto", None, "cpu", 1, False),         # not a GGUF
+    ("auto", {"Q4_K": 1, "Q6_K": 1}, "cpu", 1, False),  # 6-bit layers: no int4
+    ("auto", GGUF_Q4, "cpu", 2, False),      # tensor parallel
+    ("auto", GGUF_Q4, "cuda", 1, False),
+])
+def test_bf16_storage_only_for_an_int4_served_gguf(monkeypatch, requested, types, device,
+                                                   tp, want):
+    monkeypatch.setattr(quantization, "int4_runs_in_float32", lambda: True)
+    assert bf16_storage_for_int4(requested, types, device, tp) is want
+    monkeypatch.setattr(quantization, "int4_runs_in_float32", lambda: False)
+    assert not bf16_storage_for_int4(requested, types, device, tp)
+
+
+def test_the_dtype_is_the_cpus_choice_only_without_an_override(monkeypatch):
+    """LLMSERVE_CPU_DTYPE (which the test suite sets) and an explicit --dtype are kept
+    as they are: only the CPU's own choice may become bf16 storage for int4."""
+    assert not EngineConfig(dtype="auto").dtype_from_cpu  # the suite's float32 pin
+    assert not EngineConfig(dtype="float32").dtype_from_cpu
+    monkeypatch.delenv("LLMSERVE_CPU_DTYPE")
+    assert EngineConfig(dtype="auto").dtype_from_cpu
+    assert not EngineConfig(dtype="bfloat16").dtype_from_cpu
+
+
+def test_the_builtin_model_is_served_int4_on_a_cpu_without_bf16(monkeypatch):
+    """The engine's own resolution: dtype auto (the CPU's float32) becomes bf16 storage
+    and quantization auto int4; its decode steps run in the C stack."""
+    from llmserve import LLM, SamplingParams
+    monkeypatch.delenv("LLMSERVE_CPU_DTYPE")
+    monkeypatch.setattr(quantization, "int4_runs_in_float32", lambda: True)
+    monkeypatch.setattr("llmserve.platforms.cpu.auto_dtype", lambda device: "float32")
+    llm = LLM(max_num_seqs=4, kv_cache_memory=8 << 20)
+    config = llm.engine.config
+    assert (config.dtype, config.quantization) == ("bfloat16", "int4")
+    assert llm.engine.runner.native_decode is not None
+    out = llm.generate(["The capital of France is"],
+                       SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 8
+
+
+AVX2_CHECK = """
+import torch
+from llmserve.model_executor.layers.quantization import QuantizedLinear
+from llmserve.kernels.cpu.decoder import int4_pack_block_n
+from llmserve.kernels.cpu.dequant import q4_weight_f32
+torch.manual_seed(0)
+lin = QuantizedLinear(torch.nn.Linear(576, 960), 4)
+eye = torch.eye(576, dtype=torch.bfloat16)
+want = torch.ops.aten._weight_int4pack_mm_for_cpu(eye, lin.qweight, 32, lin.scales).float()
+print(int4_pack_block_n())
+print(((q4_weight_f32(lin) - want).abs() / want.abs().clamp(min=1e-3)).max().item())
+"""
+
+
+def test_the_avx2_layout_is_read_on_an_avx2_machine():
+    """ATEN_CPU_CAPABILITY=avx2: ATen packs in 32-column blocks, dequant.c reads them
+    (against ATen's own product with the identity, rounded once to bf16)."""
+    env = dict(os.environ, ATEN_CPU_CAPABILITY="avx2")
+    out = subprocess.run([sys.executable, "-c", AVX2_CHECK], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    block_n, err = out.stdout.strip().splitlines()[-2:]
+    assert block_n == "32"
+    assert float(err) <= BF16_ULP
