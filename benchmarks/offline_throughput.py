@@ -20,6 +20,7 @@ import time
 import torch
 
 from llmserve import LLM, SamplingParams
+from llmserve.platforms.cpu import auto_dtype
 
 
 def make_workload(n: int, lo: int, hi: int, prompt_lo: int, prompt_hi: int, seed: int):
@@ -89,7 +90,9 @@ def main() -> None:
     ap.add_argument("--skip-transformers", action="store_true")
     ap.add_argument("--dtype", default="auto",
                     help="both sides; auto = the engine's choice for this CPU (its fastest)")
-    ap.add_argument("--quantization", default="none", help="llmserve only: none|int8|int4")
+    ap.add_argument("--quantization", default="none",
+                    help="llmserve only: none|int8|int4|auto (auto: the engine's choice; on a "
+                         "CPU without bf16 arithmetic, int4 in bf16 storage)")
     ap.add_argument("--compile", action="store_true", help="llmserve only")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--rounds", type=int, default=1,
@@ -105,6 +108,9 @@ def main() -> None:
 
     llm = make_llm(args.model, args.max_num_seqs, args.dtype,
                    {"quantization": args.quantization, "compile": args.compile})
+    # transformers in the CPU's own choice (float32 without bf16 arithmetic), also where
+    # the engine stores an int4 model in bf16 there
+    hf_dtype = auto_dtype("cpu") if args.dtype == "auto" else llm.engine.config.dtype
     hf_model = None
     rounds = []
     for r in range(args.rounds):  # alternating sides: a noisy neighbour hits both
@@ -118,8 +124,8 @@ def main() -> None:
         result = {"llmserve": ours}
         if not args.skip_transformers:
             if hf_model is None:
-                hf_model = load_transformers(ours["model_path"], ours["dtype"])
-            hf = run_transformers(hf_model, prompts, outs, args.hf_batch_size, ours["dtype"])
+                hf_model = load_transformers(ours["model_path"], hf_dtype)
+            hf = run_transformers(hf_model, prompts, outs, args.hf_batch_size, hf_dtype)
             result.update(transformers=hf, ratio=ours["tokens_per_s"] / hf["tokens_per_s"])
             print(f"round {r + 1}: transformers {hf['tokens_per_s']:8.1f} tokens/s  "
                   f"({hf['wall_s']:.1f} s, static batches of {args.hf_batch_size}, "
