@@ -221,12 +221,29 @@ def llmserve_kv(extra_args: list[str]) -> tuple[int | None, dict]:
         cfg = engine_config(args)
         hf = load_config(resolve_model(cfg.model))
         budget = cfg.kv_cache_memory or DEFAULT_CPU_KV_BYTES
-        elem = torch.tensor([], dtype=cfg.torch_dtype).element_size()
+        elem = torch.tensor([], dtype=served_dtype(cfg)).element_size()
         blocks = budget // kv_block_bytes(hf, cfg.block_size, elem)
-        return blocks * cfg.block_size, {"dtype": cfg.dtype, "kv_cache_bytes": budget,
+        return blocks * cfg.block_size, {"dtype": str(served_dtype(cfg)).removeprefix("torch."),
+                                         "kv_cache_bytes": budget,
                                          "block_size": cfg.block_size}
     except Exception as e:  # a missing number must not sink the benchmark
         return None, {"kv_error": repr(e)}
+
+
+def served_dtype(cfg):
+    """The dtype the engine will store activations and KV in: the config's, or bf16
+    where it stores an int4-served GGUF in bf16 on a CPU without bf16 arithmetic (as
+    LLMEngine._resolve_quantization decides)."""
+    import torch
+
+    from llmserve.model_executor.layers.quantization import bf16_storage_for_int4
+    from llmserve.model_executor.model_loader.gguf import gguf_layer_weight_types
+    from llmserve.model_executor.model_loader.sources import resolve_model
+    types = gguf_layer_weight_types(resolve_model(cfg.model))
+    if cfg.dtype_from_cpu and bf16_storage_for_int4(cfg.quantization, types, cfg.device,
+                                                    cfg.tensor_parallel_size):
+        return torch.bfloat16
+    return cfg.torch_dtype
 
 
 def llmserve_kv_bytes(tokens: int, extra_args: list[str]) -> int:
@@ -242,7 +259,7 @@ def llmserve_kv_bytes(tokens: int, extra_args: list[str]) -> int:
     add_engine_args(parser)
     args, _ = parser.parse_known_args(["--model", LLMSERVE_MODEL, *extra_args])
     cfg = engine_config(args)
-    elem = torch.tensor([], dtype=cfg.torch_dtype).element_size()
+    elem = torch.tensor([], dtype=served_dtype(cfg)).element_size()
     block = kv_block_bytes(load_config(resolve_model(cfg.model)), cfg.block_size, elem)
     return cdiv(tokens, cfg.block_size) * block
 

@@ -79,7 +79,8 @@ class EngineConfig:
     quantization: str = flag(
         "auto", "CPU: weight-only int8/int4 linear layers (bf16 activations); fastest for "
         "few concurrent streams. auto: int4 for a 4-bit GGUF (the built-in model) served "
-        "in bf16, none otherwise", choices=QUANTIZATION_MODES)
+        "in bf16 (with --dtype auto, also on AVX-512 CPUs without bf16 arithmetic), none "
+        "otherwise", choices=QUANTIZATION_MODES)
     # One shared graph per decoder layer, dynamic token count.
     compile: bool = flag(False, "torch.compile the decoder layers (CPU: fewer, fused ops "
                          "per step; compiled during the start-up warm-up, cached on disk)")

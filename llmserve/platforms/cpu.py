@@ -5,7 +5,9 @@ Sapphire Rapids and later) or AVX512-BF16 (AMD Zen 4, Intel Cooper Lake). Measur
 these machines, ``F.linear`` [M,576]x[576,1536]: AVX512-BF16 EPYC fp32 0.42 ms vs bf16
 0.19 ms at M=32; AMX Xeon fp32 174 vs bf16 717 GFLOP/s at M=64; but on an AVX2-only
 EPYC bf16 ran at 1.2 GFLOP/s, far below fp32. So ``--dtype auto`` is bf16 with native
-bf16 support and fp32 elsewhere.
+bf16 support and fp32 elsewhere, with one exception the engine makes once it knows the
+checkpoint: a 4-bit GGUF served int4 on an AVX-512 CPU without bf16 arithmetic is
+stored in bf16 (its kernels compute in float32: ``quantization.bf16_storage_for_int4``).
 
 The choice honours the knobs that restrict the kernels' instruction set:
 ``ATEN_CPU_CAPABILITY`` (ATen's own vector kernels) and ``ONEDNN_MAX_CPU_ISA`` (oneDNN's

@@ -27,9 +27,11 @@ def resolve_quantization(requested: str, gguf_layer_types: dict[str, int] | None
                          device: str, dtype: torch.dtype, tensor_parallel_size: int = 1) -> str:
     """``--quantization auto``: serve a 4-bit GGUF checkpoint (the built-in model is
     Q4_1) at its own precision, int4 in groups of 32, which re-encodes its weights
-    almost exactly, where the int4 kernels run at full speed: on CPUs serving bf16,
-    one rank. Everything else (safetensors checkpoints, GGUFs with 5-8 bit layers, fp32
-    CPUs, CUDA) is served unquantised. An explicit mode is kept as it is."""
+    almost exactly, where the int4 kernels run at full speed: on CPUs serving bf16
+    (which includes bf16 storage on AVX-512 CPUs without bf16 arithmetic:
+    ``bf16_storage_for_int4``), one rank. Everything else (safetensors checkpoints,
+    GGUFs with 5-8 bit layers, float32 serving, CUDA) is served unquantised. An
+    explicit mode is kept as it is."""
     if requested != "auto":
         return requested
     if (is_4bit_gguf(gguf_layer_types) and device == "cpu" and dtype == torch.bfloat16
