@@ -163,27 +163,28 @@ def test_each_layer_matches_the_torch_layer(int4_llm, prompts, draft):
 
 
 def test_the_engine_runs_small_steps_in_c_only(int4_llm, monkeypatch):
-    """Steps of up to MAX_NATIVE_TOKENS rows run in C (decodes, short prompts); longer
+    """Steps of up to max_native_tokens rows run in C (decodes, short prompts); longer
     prefills and bigger decode batches op by op; generation is greedy-stable either
     way."""
     decoder = int4_llm.engine.runner.model.model.native_decoder
     assert decoder is not None
+    limit = native_decoder.max_native_tokens(decoder.dims.block_n)
     sizes = []
     real_run = NativeDecoder.run
     monkeypatch.setattr(NativeDecoder, "run",
                         lambda self, x, *a: sizes.append(x.shape[0]) or real_run(self, x, *a))
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
-    many = native_decoder.MAX_NATIVE_TOKENS + 2
+    many = limit + 2
     outs = int4_llm.generate([f"Count to {i}:" for i in range(many)], params)
     assert all(len(o.outputs[0].token_ids) == 6 for o in outs)
     assert sizes == [], "a decode batch above the limit ran in C"
     one = int4_llm.generate(["The capital of France is"], params)[0].outputs[0].token_ids
-    # A prompt of at most MAX_NATIVE_TOKENS too, then every decode step.
+    # A prompt of at most the limit too, then every decode step.
     assert sizes == [len(int4_llm.engine.tokenize("The capital of France is"))] + [1] * 5
     sizes.clear()
     longer = int4_llm.engine.tokenize("The capital of France is Paris, and the capital "
-                                      "of Spain is Madrid, said the teacher.")
-    assert len(longer) > native_decoder.MAX_NATIVE_TOKENS
+                                      "of Spain is Madrid, said the teacher. " * 3)
+    assert len(longer) > limit
     int4_llm.generate([{"prompt_token_ids": longer}], params)
     assert sizes == [1] * 5  # the prefill ran op by op
     monkeypatch.setattr(int4_llm.engine.runner.model.model, "native_decoder", None)
@@ -279,3 +280,14 @@ def test_rebinding_the_cache_drops_the_native_stack():
     assert model.model.native_decoder is not None
     model.bind_kv_cache(torch.zeros(2, 2, 4, 16, 2, 128, dtype=torch.bfloat16))
     assert model.model.native_decoder is None
+
+
+def test_the_row_limit_follows_the_cpu_kind(monkeypatch):
+    """16 rows where quant_gemm's tiles take the per-op path (bf16 CPUs), 32 where the
+    CPU has no bf16 arithmetic (ATen's int4 kernel there), 8 for the AVX2 pack."""
+    monkeypatch.setattr(native_decoder, "cpu_without_bf16", lambda: False)
+    assert native_decoder.max_native_tokens(64) == native_decoder.MAX_NATIVE_TOKENS == 16
+    assert native_decoder.max_native_tokens(32) == native_decoder.MAX_NATIVE_TOKENS_AVX2 == 8
+    monkeypatch.setattr(native_decoder, "cpu_without_bf16", lambda: True)
+    assert native_decoder.max_native_tokens(64) == 32
+    assert native_decoder.max_native_tokens(32) == 8

@@ -16,6 +16,7 @@ import logging
 import torch
 
 from llmserve.kernels.cpu.decoder import Q4Dims, Q4Layer, int4_pack_block_n, q4_struct
+from llmserve.kernels.cpu.dequant import cpu_without_bf16
 from llmserve.kernels.cpu.native import decode_kernel
 from llmserve.model_executor.layers.quantization import INT4_GROUP, QuantizedLinear
 from llmserve.model_executor.models.llama import DecoderLayer
@@ -32,6 +33,19 @@ MAX_NATIVE_TOKENS = 16
 # Where ATen packs for AVX2 (32-column blocks) the kernel is built for AVX2 too and
 # dequantises once per 4 tokens: the crossover measured there was 8.
 MAX_NATIVE_TOKENS_AVX2 = 8
+# Where the CPU has no bf16 arithmetic (AVX-512 without BF16), the per-op path has no
+# quant_gemm tiles (ATen's int4 kernel below 64 rows), and the C stack stays ahead
+# longer. Ice Lake Xeon, 2 cores, context 200, op by op / C: 2.39 at 1 row, 1.48 at 8
+# and 16, 1.42 at 24, 1.47 at 32, 0.87 at 48 (benchmarks/cpu_decoder.py): 32 streams
+# decode in C there.
+MAX_NATIVE_TOKENS_WITHOUT_BF16 = 32
+
+
+def max_native_tokens(block_n: int) -> int:
+    """The most rows a step may have to run in C, for ATen's int4 pack layout here."""
+    if block_n != 64:
+        return MAX_NATIVE_TOKENS_AVX2
+    return MAX_NATIVE_TOKENS_WITHOUT_BF16 if cpu_without_bf16() else MAX_NATIVE_TOKENS
 
 
 class NativeDecoder:
@@ -79,15 +93,15 @@ class NativeDecoder:
         return None
 
     def applies(self, num_tokens: int, meta) -> bool:
-        """A step of at most MAX_NATIVE_TOKENS rows, each a C-kernel row in order
+        """A step of at most ``max_native_tokens`` rows, each a C-kernel row in order
         (``all_rows_native``: row i is query i, with its own block-table row and causal
         context length, which is how the C side reads them): decodes, and drafted
         decodes' 1 + k rows under speculation."""
         plan = meta.plan if meta is not None else None
         if self.lora_state is not None and self.lora_state.step is not None:
             return False  # an adapter runs in this step: the per-op path applies it
-        limit = MAX_NATIVE_TOKENS if self.dims.block_n == 64 else MAX_NATIVE_TOKENS_AVX2
-        return plan is not None and plan.all_rows_native and num_tokens <= limit
+        return (plan is not None and plan.all_rows_native
+                and num_tokens <= max_native_tokens(self.dims.block_n))
 
     def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta) -> torch.Tensor:
         """The residual stream after the last layer, for ``x [tokens, hidden]``."""
