@@ -84,6 +84,19 @@ def test_a_range_of_columns_is_that_slice_of_the_whole():
     assert torch.equal(q4_weight_f32(q4, 128, 1024), whole[:, 128:1024])
 
 
+def test_a_weight_too_big_for_the_scratch_goes_in_chunks(monkeypatch):
+    """The same product, a few columns at a time, with the scratch never bigger."""
+    _, q4 = linear_pair(3072, 576, bias=True)
+    x = torch.randn(70, 576).to(torch.bfloat16)
+    whole = quant_dense_f32(x, q4)
+    monkeypatch.setattr(dequant, "MAX_SCRATCH_BYTES", 300 * 576 * 4)  # 256 columns
+    monkeypatch.setattr(dequant, "_local", type(dequant._local)())  # a fresh scratch
+    assert dequant.column_step(576, 3072) == 256
+    # equal up to a bf16 rounding that a differently blocked float32 sum may flip
+    torch.testing.assert_close(quant_dense_f32(x, q4), whole, rtol=BF16_ULP, atol=1e-3)
+    assert dequant._local.buf.numel() == 576 * 256
+
+
 def test_a_shape_off_the_pack_grid_is_refused():
     """80 columns are no whole number of either layout's blocks (64 or 32)."""
     _, q4 = linear_pair(80, 64)
