@@ -386,7 +386,7 @@ class EngineConfig:
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> EngineConfig:
-        known = {f.name for f in fields(cls)}
+        known = {f.name for f in fields(cls) if f.init}
         unknown = set(kwargs) - known
         if unknown:
             raise TypeError(f"unknown engine arguments: {sorted(unknown)}")

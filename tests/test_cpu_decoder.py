@@ -283,11 +283,12 @@ def test_rebinding_the_cache_drops_the_native_stack():
 
 
 def test_the_row_limit_follows_the_cpu_kind(monkeypatch):
-    """16 rows where quant_gemm's tiles take the per-op path (bf16 CPUs), 32 where the
-    CPU has no bf16 arithmetic (ATen's int4 kernel there), 8 for the AVX2 pack."""
-    monkeypatch.setattr(native_decoder, "cpu_without_bf16", lambda: False)
+    """16 rows where quant_gemm's tiles take the per-op path (bf16 CPUs), 32 where
+    they do not run (no bf16 arithmetic: ATen's int4 kernel there), 8 for the AVX2
+    pack."""
+    monkeypatch.setattr(native_decoder, "quant_tiled_available", lambda bits: True)
     assert native_decoder.max_native_tokens(64) == native_decoder.MAX_NATIVE_TOKENS == 16
     assert native_decoder.max_native_tokens(32) == native_decoder.MAX_NATIVE_TOKENS_AVX2 == 8
-    monkeypatch.setattr(native_decoder, "cpu_without_bf16", lambda: True)
+    monkeypatch.setattr(native_decoder, "quant_tiled_available", lambda bits: False)
     assert native_decoder.max_native_tokens(64) == 32
     assert native_decoder.max_native_tokens(32) == 8

@@ -89,7 +89,8 @@ def test_a_weight_too_big_for_the_scratch_goes_in_chunks(monkeypatch):
     _, q4 = linear_pair(3072, 576, bias=True)
     x = torch.randn(70, 576).to(torch.bfloat16)
     whole = quant_dense_f32(x, q4)
-    monkeypatch.setattr(dequant, "MAX_SCRATCH_BYTES", 300 * 576 * 4)  # 256 columns
+    # 256 columns: whole blocks of either layout (64 or 32 columns)
+    monkeypatch.setattr(dequant, "MAX_SCRATCH_BYTES", 256 * 576 * 4)
     monkeypatch.setattr(dequant, "_local", type(dequant._local)())  # a fresh scratch
     assert dequant.column_step(576, 3072) == 256
     # equal up to a bf16 rounding that a differently blocked float32 sum may flip
@@ -97,11 +98,13 @@ def test_a_weight_too_big_for_the_scratch_goes_in_chunks(monkeypatch):
     assert dequant._local.buf.numel() == 576 * 256
 
 
-def test_a_shape_off_the_pack_grid_is_refused():
+def test_a_shape_off_the_pack_grid_is_refused(monkeypatch):
     """80 columns are no whole number of either layout's blocks (64 or 32)."""
     _, q4 = linear_pair(80, 64)
     with pytest.raises(ValueError, match="shape unsupported"):
         q4_weight_f32(q4)
+    monkeypatch.setattr(dequant, "int4_runs_in_float32", lambda: True)
+    assert dequant.dequant_applies(torch.zeros(64, 64), linear_pair(64, 64)[1])
     assert not dequant.dequant_applies(torch.zeros(64, 64), q4)
 
 
@@ -109,7 +112,7 @@ def test_a_shape_off_the_pack_grid_is_refused():
 def calls(monkeypatch):
     """The layer on a CPU without bf16 arithmetic (quant_gemm's tiles never run there),
     with every call to the float32 path counted."""
-    monkeypatch.setattr(dequant, "cpu_without_bf16", lambda: True)
+    monkeypatch.setattr(dequant, "int4_runs_in_float32", lambda: True)
     monkeypatch.setattr(quantization, "quant_tiled", lambda x, linear: None)
     seen = []
 
@@ -130,7 +133,7 @@ def test_the_layer_takes_the_float32_gemm_from_its_row_threshold(calls):
 
 
 def test_cpus_with_bf16_arithmetic_never_take_it(calls, monkeypatch):
-    monkeypatch.setattr(dequant, "cpu_without_bf16", lambda: False)
+    monkeypatch.setattr(dequant, "int4_runs_in_float32", lambda: False)
     _, q4 = linear_pair(960, 576)
     q4(torch.randn(64, 576))
     assert calls == []
@@ -164,11 +167,11 @@ def test_bf16_storage_only_for_an_int4_served_gguf(monkeypatch, requested, types
 def test_the_dtype_is_the_cpus_choice_only_without_an_override(monkeypatch):
     """LLMSERVE_CPU_DTYPE (which the test suite sets) and an explicit --dtype are kept
     as they are: only the CPU's own choice may become bf16 storage for int4."""
-    assert not EngineConfig(dtype="auto").dtype_from_cpu  # the suite's float32 pin
-    assert not EngineConfig(dtype="float32").dtype_from_cpu
+    assert not EngineConfig(dtype="auto", device="cpu").dtype_from_cpu  # the suite's pin
+    assert not EngineConfig(dtype="float32", device="cpu").dtype_from_cpu
     monkeypatch.delenv("LLMSERVE_CPU_DTYPE")
-    assert EngineConfig(dtype="auto").dtype_from_cpu
-    assert not EngineConfig(dtype="bfloat16").dtype_from_cpu
+    assert EngineConfig(dtype="auto", device="cpu").dtype_from_cpu
+    assert not EngineConfig(dtype="bfloat16", device="cpu").dtype_from_cpu
 
 
 def test_the_builtin_model_is_served_int4_on_a_cpu_without_bf16(monkeypatch):
@@ -178,13 +181,13 @@ def test_the_builtin_model_is_served_int4_on_a_cpu_without_bf16(monkeypatch):
     monkeypatch.delenv("LLMSERVE_CPU_DTYPE")
     monkeypatch.setattr(quantization, "int4_runs_in_float32", lambda: True)
     monkeypatch.setattr("llmserve.platforms.cpu.auto_dtype", lambda device: "float32")
-    llm = LLM(max_num_seqs=4, kv_cache_memory=8 << 20)
-    config = llm.engine.config
-    assert (config.dtype, config.quantization) == ("bfloat16", "int4")
-    assert llm.engine.runner.native_decode is not None
-    out = llm.generate(["The capital of France is"],
-                       SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
-    assert len(out[0].outputs[0].token_ids) == 8
+    with LLM(max_num_seqs=4, kv_cache_memory=8 << 20, device="cpu") as llm:
+        config = llm.engine.config
+        assert (config.dtype, config.quantization) == ("bfloat16", "int4")
+        assert llm.engine.runner.model.model.native_decoder is not None  # the C stack
+        out = llm.generate(["The capital of France is"],
+                           SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+        assert len(out[0].outputs[0].token_ids) == 8
 
 
 AVX2_CHECK = """

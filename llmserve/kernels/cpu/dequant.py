@@ -1,7 +1,7 @@
 """int4 products of many rows on CPUs without bf16 arithmetic (``dequant.c``).
 
-Where neither AVX512-BF16 nor AMX is there (Ice Lake and older Xeons, AVX2-only
-CPUs), gemm.c's quant_gemm does not run, and ATen's weight-only int4 kernel re-reads
+Where neither AVX512-BF16 nor AMX is there (Ice Lake and older Xeons), gemm.c's
+quant_gemm does not run, and ATen's weight-only int4 kernel re-reads
 and re-dequantises the weight for each small tile of rows. From ``DEQUANT_MIN_ROWS``
 rows it is cheaper to write the weight out once in float32 (into a scratch reused from
 call to call) and let the float32 GEMM (oneDNN/MKL) multiply: the weight is still
@@ -46,34 +46,28 @@ def _scratch(k: int, n: int) -> torch.Tensor:
 
 
 @functools.cache
-def cpu_without_bf16() -> bool:
-    """No bf16 arithmetic here (nor told to act as if there were): where quant_gemm's
-    tiles do not run. Asked once: dequant_applies is asked by every int4 product."""
-    return not cpu_features().native_bf16
-
-
 def int4_runs_in_float32() -> bool:
     """Whether an int4 model runs at full speed here although the CPU has no bf16
     arithmetic: on AVX-512 (Ice Lake, Cascade Lake, Skylake-X Xeons), where ATen packs
     int4 in 64-column blocks, which the C decoder stack (8-token tiles) and dequant.c
     read, with the kernels built. Both compute in float32; bf16 is only the storage of
-    activations and the KV cache. AVX2-only CPUs are left out: not measured there."""
-    return (cpu_without_bf16() and cpu_features().aten_isa == "AVX512"
+    activations and the KV cache. AVX2-only CPUs are left out: not measured there.
+    Asked once (every int4 product of many rows asks)."""
+    features = cpu_features()
+    return (not features.native_bf16 and features.aten_isa == "AVX512"
             and int4_pack_block_n() == 64 and decode_kernel() is not None)
 
 
 def dequant_applies(x: torch.Tensor, linear) -> bool:
     """``quant_dense_f32``'s domain: an eager int4 CPU product of at least
-    DEQUANT_MIN_ROWS rows on a CPU without bf16 arithmetic, a shape on ATen's pack
-    grid, the kernels built."""
+    DEQUANT_MIN_ROWS rows where ``int4_runs_in_float32`` (AVX-512 without bf16
+    arithmetic: measured there only), a shape on ATen's pack grid."""
     k, n = linear.in_features, linear.out_features
     if (linear.bits != 4 or x.device.type != "cpu" or x.shape[-1] != k
             or x.numel() < DEQUANT_MIN_ROWS * k or torch.compiler.is_compiling()
-            or not cpu_without_bf16()):
+            or not int4_runs_in_float32()):
         return False
-    block_n = int4_pack_block_n()
-    return (block_n is not None and n % block_n == 0 and k % 32 == 0
-            and decode_kernel() is not None)
+    return n % int4_pack_block_n() == 0 and k % 32 == 0
 
 
 def q4_weight_f32(linear, c0: int = 0, c1: int | None = None) -> torch.Tensor:

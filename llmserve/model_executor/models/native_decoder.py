@@ -16,7 +16,7 @@ import logging
 import torch
 
 from llmserve.kernels.cpu.decoder import Q4Dims, Q4Layer, int4_pack_block_n, q4_struct
-from llmserve.kernels.cpu.dequant import cpu_without_bf16
+from llmserve.kernels.cpu.gemm import quant_tiled_available
 from llmserve.kernels.cpu.native import decode_kernel
 from llmserve.model_executor.layers.quantization import INT4_GROUP, QuantizedLinear
 from llmserve.model_executor.models.llama import DecoderLayer
@@ -33,8 +33,8 @@ MAX_NATIVE_TOKENS = 16
 # Where ATen packs for AVX2 (32-column blocks) the kernel is built for AVX2 too and
 # dequantises once per 4 tokens: the crossover measured there was 8.
 MAX_NATIVE_TOKENS_AVX2 = 8
-# Where the CPU has no bf16 arithmetic (AVX-512 without BF16), the per-op path has no
-# quant_gemm tiles (ATen's int4 kernel below 64 rows), and the C stack stays ahead
+# Where quant_gemm does not run (AVX-512 without BF16: no bf16 arithmetic), the per-op
+# path has ATen's int4 kernel below 64 rows instead, and the C stack stays ahead
 # longer. Ice Lake Xeon, 2 cores, context 200, op by op / C: 2.39 at 1 row, 1.48 at 8
 # and 16, 1.42 at 24, 1.47 at 32, 0.87 at 48 (benchmarks/cpu_decoder.py): 32 streams
 # decode in C there.
@@ -45,7 +45,7 @@ def max_native_tokens(block_n: int) -> int:
     """The most rows a step may have to run in C, for ATen's int4 pack layout here."""
     if block_n != 64:
         return MAX_NATIVE_TOKENS_AVX2
-    return MAX_NATIVE_TOKENS_WITHOUT_BF16 if cpu_without_bf16() else MAX_NATIVE_TOKENS
+    return MAX_NATIVE_TOKENS if quant_tiled_available(4) else MAX_NATIVE_TOKENS_WITHOUT_BF16
 
 
 class NativeDecoder:
