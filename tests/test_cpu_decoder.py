@@ -5,9 +5,6 @@ layer, and the engine using it only for the decode steps it covers."""
 from __future__ import annotations
 
 import ctypes
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -18,6 +15,7 @@ from llmserve.kernels.cpu.decoder import int4_pack_block_n, q4_matmul
 from llmserve.model_executor.layers.quantization import QuantizedLinear, weight_only_mm
 from llmserve.model_executor.models import native_decoder
 from llmserve.model_executor.models.native_decoder import NativeDecoder
+from tests.forced_isa import run_as
 
 pytestmark = pytest.mark.skipif(int4_pack_block_n() is None,
                                 reason="ATen's int4 pack here is not a layout the kernel reads")
@@ -70,11 +68,7 @@ print(((q4_matmul(x, lin).float() - want).abs() / want.abs().clamp(min=1)).max()
 def test_the_avx2_layout_is_read_on_an_avx2_machine():
     """ATEN_CPU_CAPABILITY=avx2 makes ATen pack int4 in blocks of 32 columns (and the
     kernel build for AVX2): the kernel finds that layout and still matches ATen."""
-    env = dict(os.environ, ATEN_CPU_CAPABILITY="avx2")
-    out = subprocess.run([sys.executable, "-c", AVX2_CHECK], env=env, capture_output=True,
-                         text=True, timeout=300)
-    assert out.returncode == 0, out.stderr
-    block_n, err = out.stdout.strip().splitlines()[-2:]
+    block_n, err = run_as("avx2", AVX2_CHECK)[-2:]
     assert block_n == "32"
     assert float(err) <= BF16_ULP
 

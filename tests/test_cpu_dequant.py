@@ -5,10 +5,6 @@ int4-served GGUF in bf16 there."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
@@ -24,6 +20,7 @@ from llmserve.model_executor.layers.quantization import (
     bf16_storage_for_int4,
     weight_only_mm,
 )
+from tests.forced_isa import run_as
 
 pytestmark = pytest.mark.skipif(int4_pack_block_n() is None or decode_kernel() is None,
                                 reason="no C kernels, or an int4 pack layout they do not read")
@@ -207,10 +204,6 @@ print(((q4_weight_f32(lin) - want).abs() / want.abs().clamp(min=1e-3)).max().ite
 def test_the_avx2_layout_is_read_on_an_avx2_machine():
     """ATEN_CPU_CAPABILITY=avx2: ATen packs in 32-column blocks, dequant.c reads them
     (against ATen's own product with the identity, rounded once to bf16)."""
-    env = dict(os.environ, ATEN_CPU_CAPABILITY="avx2")
-    out = subprocess.run([sys.executable, "-c", AVX2_CHECK], env=env, capture_output=True,
-                         text=True, timeout=300)
-    assert out.returncode == 0, out.stderr
-    block_n, err = out.stdout.strip().splitlines()[-2:]
+    block_n, err = run_as("avx2", AVX2_CHECK)[-2:]
     assert block_n == "32"
     assert float(err) <= BF16_ULP
