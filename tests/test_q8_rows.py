@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from llmserve.kernels.cpu import gemm
-from llmserve.kernels.cpu.gemm import Q8_ROWS_MAX, q8_rows
+from llmserve.kernels.cpu.gemm import Q8_ROWS_MAX, q8_rows, q8_rows_max
 from llmserve.kernels.cpu.native import decode_kernel
 from llmserve.model_executor.layers import quantization
 from llmserve.model_executor.layers.quantization import QuantizedLinear, weight_only_mm
@@ -42,19 +42,24 @@ def aten_int8(x: torch.Tensor, lin: QuantizedLinear) -> torch.Tensor:
 # k chunk, and a down projection's depth.
 @pytest.mark.parametrize("out_features, in_features", [(49152, 576), (960, 576), (101, 64),
                                                        (7, 16), (576, 1536)])
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 12, 13, 40])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("threads", [1, 3])
 def test_q8_rows_matches_atens_int8_kernel(out_features, in_features, rows, bias, threads,
                                            monkeypatch):
     """The same float32 products, summed in another order: nearly every output the same
-    bf16 value, the rest one rounding apart (a wrong row, scale or tile is ~100 % off).
-    One thread, and three (shares of 16-row units that do not divide evenly)."""
+    bf16 value, the rest one rounding of the product apart, plus one of the sum with the
+    bias (a wrong row, scale or tile is ~100 % off). One thread, and three (shares of
+    16-row units that do not divide evenly); 12 rows and more: the AVX-512 build's GEMM
+    over panels of 32 weight rows (40: groups of 12 and a rest; 101 and 7 outputs: rows
+    past the last whole panel)."""
     monkeypatch.setattr(torch, "get_num_threads", lambda: threads)  # what q8_rows asks
     lin = int8_linear(out_features, in_features, bias, seed=rows)
     x = torch.randn(rows, in_features).to(torch.bfloat16)
     want, got = aten_int8(x, lin).float(), q8_rows(x, lin).float()
-    torch.testing.assert_close(got, want, rtol=BF16_ULP, atol=1e-2)
+    product = weight_only_mm(x, lin.qweight, lin.scales, 8).float()
+    slack = BF16_ULP * (product.abs() + want.abs()) + 1e-2
+    assert ((got - want).abs() <= slack).all()
     assert (got == want).float().mean() > 0.95
 
 
@@ -70,12 +75,13 @@ def test_q8_rows_reads_strided_rows_and_leading_dims():
 
 @pytest.mark.parametrize("case", ["int4", "too many rows", "k not a multiple of 16",
                                   "float32 input"])
-def test_q8_rows_declines_what_it_does_not_compute(case):
+def test_q8_rows_declines_what_it_does_not_compute(case, monkeypatch):
     """Outside its domain it returns None, and the layer keeps ATen's kernel."""
     bits, rows, k, dtype = 8, 1, 64, torch.bfloat16
     if case == "int4":
         bits = 4
-    elif case == "too many rows":
+    elif case == "too many rows":  # the limit of builds without AVX-512
+        monkeypatch.setattr(gemm, "q8_rows_max", lambda: Q8_ROWS_MAX)
         rows = Q8_ROWS_MAX + 1
     elif case == "k not a multiple of 16":
         k = 24
@@ -101,9 +107,23 @@ def test_the_lm_head_of_a_decode_step_takes_q8_rows(monkeypatch):
     assert calls == [3]
     torch.testing.assert_close(got.float(), aten_int8(x, lin).float(), rtol=BF16_ULP, atol=1e-2)
     calls.clear()
-    lin(torch.randn(64, 64).to(torch.bfloat16))  # quant_gemm's tiles, or ATen's kernel
+    many = torch.randn(64, 64).to(torch.bfloat16)
+    got = lin(many)  # quant_gemm's tiles, or q8_rows (AVX-512), or ATen's kernel
     assert calls in ([], [64])  # asked only where the tiles did not take it...
-    assert gemm.q8_rows(torch.randn(64, 64).to(torch.bfloat16), lin) is None  # ...and declined
+    torch.testing.assert_close(got.float(), aten_int8(many, lin).float(), rtol=BF16_ULP,
+                               atol=1e-2)
+    if q8_rows_max() is None:  # ...and taken with AVX-512 (the GEMM over panels)...
+        assert gemm.q8_rows(many, lin) is not None
+    else:  # ...declined without
+        assert gemm.q8_rows(many, lin) is None
+
+
+def test_q8_rows_takes_any_number_of_rows_exactly_where_built_for_avx512():
+    """The panel GEMM (from 12 rows) exists only in the AVX-512 build; the limit follows
+    what ATen's dispatch reports, which is what the build's -march follows."""
+    from llmserve.platforms.cpu import cpu_features
+    avx512 = cpu_features().aten_isa == "AVX512"
+    assert q8_rows_max() == (None if avx512 else Q8_ROWS_MAX)
 
 
 OTHER_BUILD_CHECK = """
@@ -113,7 +133,7 @@ from llmserve.model_executor.layers.quantization import QuantizedLinear, weight_
 torch.manual_seed(0)
 lin = QuantizedLinear(torch.nn.Linear(576, 1001), 8)  # 1001: every tile width
 worst = 0.0
-for rows in (1, 3, 8):
+for rows in (1, 3, 8):  # the AVX2 and plain builds take at most Q8_ROWS_MAX
     x = torch.randn(rows, 576).to(torch.bfloat16)
     want = (weight_only_mm(x, lin.qweight, lin.scales, 8) + lin.bias).float()
     got = q8_rows(x, lin).float()

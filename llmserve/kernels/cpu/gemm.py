@@ -201,22 +201,32 @@ def quant_gemm(x: torch.Tensor, linear) -> torch.Tensor:
     return y.view(*x.shape[:-1], n)
 
 
-# At most this many rows go through q8_rows.c (more: ATen's kernel). Where quant_gemm's
-# tiles run (from quant_tiled_min_rows(): 8 on AMX and Zen 4) they take those rows
-# first, so q8_rows sees 1-7 there.
+# At most this many rows go through q8_rows.c where it is built without AVX-512 (more:
+# ATen's kernel). Built with AVX-512 it takes any number: from 12 rows as a GEMM over
+# converted panels of the weight (2.4x ATen's kernel at 32 rows on an Ice Lake Xeon;
+# docs/benchmarks.md). Where quant_gemm's tiles run (from quant_tiled_min_rows(): 8 on
+# AMX and Zen 4) they take those rows first, so q8_rows sees 1-7 there.
 Q8_ROWS_MAX = 8
+
+
+def q8_rows_max() -> int | None:
+    """The most rows q8_rows takes: no limit where the kernels are built for AVX-512
+    (what ATen's own dispatch reports), Q8_ROWS_MAX elsewhere."""
+    return None if cpu_features().aten_isa == "AVX512" else Q8_ROWS_MAX
 
 
 def q8_rows(x: torch.Tensor, linear) -> torch.Tensor | None:
     """``linear(x)`` of an int8 weight-only ``QuantizedLinear`` for a few rows of bf16
     CPU ``x`` by ``q8_rows.c`` (a decode step's LM head: 28 MB streamed at ~18.6 GB/s on
     a 2-core Xeon, ATen's one-row kernel ~12; docs/benchmarks.md), or None where it does not
-    apply: other bits, too many rows, a width off its grid, under torch.compile, no
-    kernel."""
+    apply: other bits, more rows than q8_rows_max(), a width off its grid, under
+    torch.compile, no kernel."""
     k, n = linear.in_features, linear.out_features
     if (linear.bits != 8 or x.device.type != "cpu" or x.dtype != torch.bfloat16
-            or x.shape[-1] != k or k % 16 or x.numel() > Q8_ROWS_MAX * k
-            or torch.compiler.is_compiling()):
+            or x.shape[-1] != k or k % 16 or torch.compiler.is_compiling()):
+        return None
+    limit = q8_rows_max()
+    if limit is not None and x.numel() > limit * k:
         return None
     lib = decode_kernel()
     if lib is None:

@@ -46,11 +46,11 @@ log = logging.getLogger(__name__)
 
 # Attention, rotary and norms; the int4 decoder stack built on them; int4 weights in
 # float32; bf16 GEMMs;
-# few-row int8 products; multi-LoRA: one library.
+# int8 products (the LM head); multi-LoRA: one library.
 SOURCES = [Path(__file__).with_name(name)
            for name in ("decode.c", "decoder.c", "dequant.c", "gemm.c", "q8_rows.c",
                         "lora.c")]
-HEADERS = [Path(__file__).with_name("kernels.h")]  # included by SOURCES: in the key
+HEADERS = [Path(__file__).with_name(name) for name in ("kernels.h", "panel.h")]  # in the key
 # Reassociation lets the compiler vectorise the dot products and sums; no
 # finite-math: softmax inputs are finite here, but the flag would change too much.
 CFLAGS = ["-O3", "-fPIC", "-shared", "-fopenmp", "-fno-math-errno", "-fno-trapping-math",

@@ -1,5 +1,4 @@
-/* Int8 weight-only products of a few rows (a decode step's LM head), streaming the
- * weight once.
+/* Int8 weight-only products (a decode step's LM head), streaming the weight once.
  *
  * The weight is QuantizedLinear's int8 layout, which ATen's _weight_int8pack_mm reads:
  * [N, K] int8 codes, row n scaled by scales[n] (bf16): y[m, n] = scales[n] *
@@ -8,8 +7,9 @@
  * stream's decode step; this one sign-extends 16 codes to float32 lanes and multiplies
  * them by up to 4 rows of x at once, 4 weight rows at a time (2 and 2 on AVX2), and a
  * second group of rows reads the weight tile again from L1, so the weight streams from
- * memory once. Built into the one
- * library by native.py; declared in kernels.h.
+ * memory once. From Q8_MANY_ROWS rows (a decode step of many sequences), the AVX-512
+ * build runs a GEMM over panels instead (q8_rows_many). Built into the one library by
+ * native.py; declared in kernels.h.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -18,6 +18,7 @@
 #include <immintrin.h>
 #endif
 #include "kernels.h"
+#include "panel.h"
 
 /* A tile: Q8_TOKENS rows of x sharing each weight load, Q8_WROWS weight rows at a time,
  * their sums in registers (16 on AVX-512's 32; AVX2's 16 half-width ones hold 4). */
@@ -28,6 +29,7 @@
 #define Q8_TOKENS 2
 #define Q8_WROWS 2
 #endif
+#define Q8_MANY_ROWS 12  /* rows from which q8_rows_many takes whole panels (AVX-512) */
 #define Q8_PREFETCH 4096  /* bytes: 18.6 GB/s streaming on a 2-core Xeon, 18.1 at 16K, 13.3 at 64K */
 
 /* 16 int8 codes as float32 lanes. */
@@ -58,6 +60,17 @@ static inline float sum16(v16f v) {
 #endif
 }
 
+/* The tile's sums acc[t][r] (token t, weight row n0 + r) scaled, rounded to bf16 (+
+ * bias, rounded again, as the torch path adds it) into y. A macro: the sums must stay
+ * in registers, which GCC gives up once their array's address is passed on. */
+#define Q8_STORE(acc, m, wr, scales, bias, n0, y, ldy)                              \
+    for (int t_ = 0; t_ < (m); t_++)                                                \
+        for (int r_ = 0; r_ < (wr); r_++) {                                         \
+            float v_ = sum16((acc)[t_][r_]) * bf16_to_f32((scales)[(n0) + r_]);     \
+            if ((bias) != NULL) v_ = bf16_to_f32(f32_to_bf16(v_)) + (bias)[(n0) + r_]; \
+            (y)[t_ * (ldy) + (n0) + r_] = f32_to_bf16(v_);                          \
+        }
+
 /* Weight rows [n0, n0 + wr) for tokens [0, m) (m <= Q8_TOKENS, wr <= Q8_WROWS), with m
  * and wr known to the compiler where it inlines. */
 static inline __attribute__((always_inline)) void q8_tile(
@@ -81,12 +94,7 @@ static inline __attribute__((always_inline)) void q8_tile(
             for (int r = 0; r < wr; r++) acc[t][r] += xv * w[r];
         }
     }
-    for (int t = 0; t < m; t++)
-        for (int r = 0; r < wr; r++) {
-            float v = sum16(acc[t][r]) * bf16_to_f32(scales[n0 + r]);
-            if (bias != NULL) v = bf16_to_f32(f32_to_bf16(v)) + bias[n0 + r];
-            y[t * ldy + n0 + r] = f32_to_bf16(v);
-        }
+    Q8_STORE(acc, m, wr, scales, bias, n0, y, ldy);
 }
 
 static void q8_tile_any(const float *xf, int m, int wr, const int8_t *q, const uint16_t *scales,
@@ -104,6 +112,92 @@ static void q8_tile_any(const float *xf, int m, int wr, const int8_t *q, const u
 #undef Q8_CASE
 }
 
+#if defined(__AVX512F__)
+/* Many rows (from Q8_MANY_ROWS, AVX-512 only): a GEMM over panels of the weight
+ * (panel.h), each converted to float32 and transposed once for all the rows. The few-row
+ * tile above converts the codes again for each 4 rows of x and reduces each sum across
+ * its lanes: at 32 rows those, not memory, bound it. */
+
+/* 16 rows of 16 floats (r[i]: row i) transposed in place (r[j]: column j). */
+static inline __attribute__((always_inline)) void transpose16(__m512 r[16]) {
+    __m512 t[16];
+    for (int i = 0; i < 8; i++) {  /* per 128-bit lane: pairs of rows interleaved */
+        t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++) {  /* r[4i + j], lane L: column 4L + j of rows 4i..4i+3 */
+        __m512d a = _mm512_castps_pd(t[4 * i]), b = _mm512_castps_pd(t[4 * i + 1]);
+        __m512d c = _mm512_castps_pd(t[4 * i + 2]), d = _mm512_castps_pd(t[4 * i + 3]);
+        r[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, c));
+        r[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, c));
+        r[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b, d));
+        r[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, d));
+    }
+    for (int j = 0; j < 4; j++) {  /* the four 128-bit lanes of column 4L + j gathered */
+        __m512 s0 = _mm512_shuffle_f32x4(r[j], r[4 + j], 0x88);
+        __m512 s1 = _mm512_shuffle_f32x4(r[j], r[4 + j], 0xdd);
+        __m512 s2 = _mm512_shuffle_f32x4(r[8 + j], r[12 + j], 0x88);
+        __m512 s3 = _mm512_shuffle_f32x4(r[8 + j], r[12 + j], 0xdd);
+        t[j] = _mm512_shuffle_f32x4(s0, s2, 0x88);
+        t[4 + j] = _mm512_shuffle_f32x4(s1, s3, 0x88);
+        t[8 + j] = _mm512_shuffle_f32x4(s0, s2, 0xdd);
+        t[12 + j] = _mm512_shuffle_f32x4(s1, s3, 0xdd);
+    }
+    for (int j = 0; j < 16; j++) r[j] = t[j];
+}
+
+/* panel [k1 - k0, PANEL_COLS] = columns [k0, k1) of weight rows [n0, n0 + PANEL_COLS),
+ * transposed, as float32 codes; the next panel's bytes (next, or NULL) asked for
+ * meanwhile, a line per 64 bytes read, spread over the panel's chunks. */
+static void q8_panel(const int8_t *q, int64_t n0, int64_t k, int64_t k0, int64_t k1,
+                     const int8_t *next, float *panel) {
+    for (int64_t kb = k0; kb < k1; kb += 16)
+        for (int h = 0; h < PANEL_COLS / 16; h++) {
+            __m512 r[16];
+            for (int i = 0; i < 16; i++) {
+                const int64_t row = h * 16 + i;
+                const int64_t step = (kb / 16 * (PANEL_COLS / 16) + h) * 16 + i;
+                if (next != NULL && step % 4 == 0)
+                    __builtin_prefetch(next + step * 16, 0, 3);
+                r[i] = (__m512)codes16(q + (n0 + row) * k + kb);
+            }
+            transpose16(r);
+            for (int j = 0; j < 16; j++)
+                _mm512_storeu_ps(panel + (kb - k0 + j) * PANEL_COLS + h * 16, r[j]);
+        }
+}
+
+/* Weight rows [first, last) (whole panels) for all m rows of xf; scratch:
+ * PANEL_CHUNK * PANEL_COLS + m * PANEL_COLS floats. Sums scaled and rounded as
+ * Q8_STORE does. */
+static void q8_rows_many(const float *xf, int64_t m, const int8_t *q, const uint16_t *scales,
+                         const float *bias, int64_t first, int64_t last, int64_t k,
+                         float *scratch, uint16_t *y, int64_t ldy) {
+    float *panel = scratch, *sums = scratch + PANEL_CHUNK * PANEL_COLS;
+    for (int64_t n0 = first; n0 < last; n0 += PANEL_COLS) {
+        const int8_t *next = n0 + 2 * PANEL_COLS <= last ? q + (n0 + PANEL_COLS) * k : NULL;
+        for (int64_t k0 = 0; k0 < k; k0 += PANEL_CHUNK) {
+            const int64_t k1 = k0 + PANEL_CHUNK < k ? k0 + PANEL_CHUNK : k;
+            q8_panel(q, n0, k, k0, k1, next, panel);
+            panel_rows(xf, k, m, panel, k0, k1, sums);
+        }
+        v16f scale[2], add[2];
+        for (int v = 0; v < 2; v++) {
+            scale[v] = load16_bf16(scales + n0 + 16 * v);
+            if (bias != NULL) memcpy(&add[v], bias + n0 + 16 * v, sizeof add[v]);
+        }
+        for (int64_t t = 0; t < m; t++)
+            for (int v = 0; v < 2; v++) {
+                v16f sum;
+                memcpy(&sum, sums + t * PANEL_COLS + 16 * v, sizeof sum);
+                uint16_t *out = y + t * ldy + n0 + 16 * v;
+                store16_bf16(out, sum * scale[v]);
+                if (bias != NULL) store16_bf16(out, load16_bf16(out) + add[v]);
+            }
+    }
+}
+#endif
+
 /* y [m, n] = x [m, k] (bf16, rows ldx apart) times the int8 weight, rounded to bf16;
  * bias (float32 [n], or NULL) added to the rounded product and rounded again, as the
  * torch path adds it. k a multiple of 16. Returns 0, -1 out of memory, -2 a shape it
@@ -120,10 +214,26 @@ int q8_rows_bf16(int num_threads, const uint16_t *x, int64_t m, int64_t ldx, con
     const int64_t units = (n + 15) / 16;
     int threads = num_threads < units ? num_threads : (int)units;
     if (threads < 1) threads = 1;
-    #pragma omp parallel for num_threads(threads) schedule(static, 1) if(threads > 1)
+    int failed = 0;
+    #pragma omp parallel for num_threads(threads) schedule(static, 1) if(threads > 1) \
+        reduction(|:failed)
     for (int s = 0; s < threads; s++) {
         int64_t first = units * s / threads * 16, last = units * (s + 1) / threads * 16;
         if (last > n) last = n;
+#if defined(__AVX512F__)
+        if (m >= Q8_MANY_ROWS) {  /* whole panels here, the rest below */
+            const int64_t end = first + (last - first) / PANEL_COLS * PANEL_COLS;
+            float *panel = end > first
+                ? malloc(sizeof(float) * PANEL_COLS * ((size_t)PANEL_CHUNK + (size_t)m)) : NULL;
+            if (end > first && panel == NULL) {
+                failed = 1;
+                continue;
+            }
+            if (end > first) q8_rows_many(xf, m, q, scales, bias, first, end, k, panel, y, ldy);
+            free(panel);
+            first = end;
+        }
+#endif
         for (int64_t n0 = first; n0 < last; n0 += Q8_WROWS) {
             int wr = last - n0 < Q8_WROWS ? (int)(last - n0) : Q8_WROWS;
             for (int64_t t0 = 0; t0 < m; t0 += Q8_TOKENS) {  /* the tile from L1 again */
@@ -133,5 +243,5 @@ int q8_rows_bf16(int num_threads, const uint16_t *x, int64_t m, int64_t ldx, con
         }
     }
     free(xf);
-    return 0;
+    return failed ? -1 : 0;
 }

@@ -1,0 +1,70 @@
+/* Rows of x times a panel of float32 weights: the inner loop of the CPU GEMMs that
+ * turn their weight into float32 a panel at a time (int8 codes in q8_rows.c, int4 in
+ * decoder.c), for products of many rows on CPUs whose bf16 tiles (gemm.c's quant_gemm)
+ * do not run. AVX-512 builds only.
+ *
+ * A panel is PANEL_COLS (32) output columns of the weight over a chunk of k of at most
+ * PANEL_CHUNK (128) values, stored [k, PANEL_COLS]: the 32 values of one k side by
+ * side, two vectors; 16 KB, so it stays in L1 while every group of rows reads it. A
+ * group of up to PANEL_GROUP (12) rows of x multiplies it as a GEMM's outer products:
+ * per k, one x value broadcast against the two vectors, the group's 24 sums in
+ * registers (with the two weight vectors and the broadcast, in AVX-512's 32). The
+ * weight is converted once for all the rows, where the few-row kernels convert it
+ * again for each small tile of rows.
+ */
+#ifndef LLMSERVE_PANEL_H
+#define LLMSERVE_PANEL_H
+
+#include <stdint.h>
+#include <string.h>
+#include "kernels.h"
+
+#define PANEL_COLS 32
+#define PANEL_GROUP 12
+#define PANEL_CHUNK 128
+
+/* sums [m, PANEL_COLS] (+)= rows [0, m) of x (float32, rows ldx apart; m <= PANEL_GROUP)
+ * times the panel over k in [k0, k1) (x's columns k0.., the panel's rows 0..): the sums
+ * start from zero where k0 is 0, else from those of the chunks before. */
+static inline __attribute__((always_inline)) void panel_group(
+        const float *x, int64_t ldx, int m, const float *panel, int64_t k0, int64_t k1,
+        float *sums) {
+    v16f acc[PANEL_GROUP][2];
+    _Pragma("GCC unroll 12") for (int t = 0; t < m; t++)
+        for (int v = 0; v < 2; v++) {
+            acc[t][v] = (v16f){0};
+            if (k0 > 0) memcpy(&acc[t][v], sums + t * PANEL_COLS + 16 * v, sizeof acc[t][v]);
+        }
+    for (int64_t kk = k0; kk < k1; kk++) {
+        v16f w0, w1;
+        memcpy(&w0, panel + (kk - k0) * PANEL_COLS, sizeof w0);
+        memcpy(&w1, panel + (kk - k0) * PANEL_COLS + 16, sizeof w1);
+        _Pragma("GCC unroll 12") for (int t = 0; t < m; t++) {
+            const float xv = x[t * ldx + kk];
+            acc[t][0] += xv * w0;
+            acc[t][1] += xv * w1;
+        }
+    }
+    _Pragma("GCC unroll 12") for (int t = 0; t < m; t++)
+        for (int v = 0; v < 2; v++)
+            memcpy(sums + t * PANEL_COLS + 16 * v, &acc[t][v], sizeof acc[t][v]);
+}
+
+/* All m rows of x (any number), a group at a time, with the group's size known to the
+ * compiler; sums [m, PANEL_COLS]. */
+static inline void panel_rows(const float *x, int64_t ldx, int64_t m, const float *panel,
+                              int64_t k0, int64_t k1, float *sums) {
+#define PANEL_CASE(M_) case M_: panel_group(xs, ldx, M_, panel, k0, k1, s); break;
+    for (int64_t t0 = 0; t0 < m; t0 += PANEL_GROUP) {
+        const float *xs = x + t0 * ldx;
+        float *s = sums + t0 * PANEL_COLS;
+        switch (m - t0 < PANEL_GROUP ? (int)(m - t0) : PANEL_GROUP) {
+            PANEL_CASE(1) PANEL_CASE(2) PANEL_CASE(3) PANEL_CASE(4) PANEL_CASE(5)
+            PANEL_CASE(6) PANEL_CASE(7) PANEL_CASE(8) PANEL_CASE(9) PANEL_CASE(10)
+            PANEL_CASE(11) PANEL_CASE(12)
+        }
+    }
+#undef PANEL_CASE
+}
+
+#endif
