@@ -1,7 +1,7 @@
 """int4 on CPUs without bf16 arithmetic (``kernels/cpu/dequant``): the weight written
 out in float32 from ATen's pack (both its layouts), products of many rows through the
-float32 GEMM over it, where the layer takes that path, and ``--dtype auto`` storing an
-int4-served GGUF in bf16 there."""
+C panel GEMM or the float32 GEMM over it, where the layer takes those paths, and
+``--dtype auto`` storing an int4-served GGUF in bf16 there."""
 
 from __future__ import annotations
 
@@ -11,7 +11,12 @@ import torch
 from llmserve.config import EngineConfig
 from llmserve.kernels.cpu import dequant
 from llmserve.kernels.cpu.decoder import int4_pack_block_n
-from llmserve.kernels.cpu.dequant import DEQUANT_MIN_ROWS, q4_weight_f32, quant_dense_f32
+from llmserve.kernels.cpu.dequant import (
+    DEQUANT_MIN_ROWS,
+    PANEL_MIN_ROWS,
+    q4_weight_f32,
+    quant_dense_f32,
+)
 from llmserve.kernels.cpu.native import decode_kernel
 from llmserve.model_executor.layers import quantization
 from llmserve.model_executor.layers.quantization import (
@@ -60,11 +65,12 @@ def test_the_weight_comes_back_in_float32(out_features, in_features):
 
 
 @pytest.mark.parametrize("out_features, in_features", SHAPES)
-@pytest.mark.parametrize("rows", [DEQUANT_MIN_ROWS, 77, 200])
+@pytest.mark.parametrize("rows", [PANEL_MIN_ROWS, 77, 200, DEQUANT_MIN_ROWS])
 @pytest.mark.parametrize("bias", [False, True])
 def test_many_rows_match_atens_kernel(out_features, in_features, rows, bias):
-    """The float32 GEMM over the dequantised weight and ATen's int4 kernel on the same
-    pack: the same products up to the float32 summation order and one bf16 rounding."""
+    """The panel GEMM (below DEQUANT_MIN_ROWS) or the float32 GEMM over the dequantised
+    weight, and ATen's int4 kernel on the same pack: the same products up to the
+    float32 summation order and one bf16 rounding."""
     _, q4 = linear_pair(out_features, in_features, bias, seed=rows)
     x = torch.randn(rows, in_features).to(torch.bfloat16)
     want = weight_only_mm(x, q4.qweight, q4.scales, 4).float()
@@ -84,7 +90,7 @@ def test_a_range_of_columns_is_that_slice_of_the_whole():
 def test_a_weight_too_big_for_the_scratch_goes_in_chunks(monkeypatch):
     """The same product, a few columns at a time, with the scratch never bigger."""
     _, q4 = linear_pair(3072, 576, bias=True)
-    x = torch.randn(70, 576).to(torch.bfloat16)
+    x = torch.randn(DEQUANT_MIN_ROWS, 576).to(torch.bfloat16)
     whole = quant_dense_f32(x, q4)
     # 256 columns: whole blocks of either layout (64 or 32 columns)
     monkeypatch.setattr(dequant, "MAX_SCRATCH_BYTES", 256 * 576 * 4)
@@ -120,13 +126,21 @@ def calls(monkeypatch):
     return seen
 
 
-def test_the_layer_takes_the_float32_gemm_from_its_row_threshold(calls):
+def test_the_layer_takes_the_many_row_paths_from_their_row_thresholds(calls, monkeypatch):
+    """From PANEL_MIN_ROWS the C panel GEMM, from DEQUANT_MIN_ROWS the float32 copy;
+    fewer rows keep ATen's kernel, which reads the packed bytes."""
+    copies = []
+    real_copy = dequant.q4_weight_f32
+    monkeypatch.setattr(dequant, "q4_weight_f32",
+                        lambda *a: copies.append(1) or real_copy(*a))
     _, q4 = linear_pair(960, 576)
     x = torch.randn(DEQUANT_MIN_ROWS, 576)
-    y = q4(x)
-    assert calls == [DEQUANT_MIN_ROWS] and y.dtype == torch.float32
-    q4(x[:DEQUANT_MIN_ROWS - 1])  # fewer rows: ATen's kernel reads the packed bytes
-    assert calls == [DEQUANT_MIN_ROWS]
+    y = q4(x[:PANEL_MIN_ROWS])
+    assert calls == [PANEL_MIN_ROWS] and y.dtype == torch.float32 and not copies
+    q4(x[:PANEL_MIN_ROWS - 1])
+    assert calls == [PANEL_MIN_ROWS]
+    q4(x)
+    assert calls == [PANEL_MIN_ROWS, DEQUANT_MIN_ROWS] and copies == [1]
 
 
 def test_cpus_with_bf16_arithmetic_never_take_it(calls, monkeypatch):

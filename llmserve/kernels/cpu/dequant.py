@@ -1,12 +1,14 @@
 """int4 products of many rows on CPUs without bf16 arithmetic (``dequant.c``).
 
 Where neither AVX512-BF16 nor AMX is there (Ice Lake and older Xeons), gemm.c's
-quant_gemm does not run, and ATen's weight-only int4 kernel re-reads
-and re-dequantises the weight for each small tile of rows. From ``DEQUANT_MIN_ROWS``
-rows it is cheaper to write the weight out once in float32 (into a scratch reused from
-call to call) and let the float32 GEMM (oneDNN/MKL) multiply: the weight is still
-stored, and streamed by decode steps, in int4. Fewer rows keep the kernels that read
-the packed bytes (the C decoder stack, ATen).
+quant_gemm does not run, and ATen's weight-only int4 kernel re-reads and
+re-dequantises the weight for each small tile of rows. From ``PANEL_MIN_ROWS`` rows the
+C kernel (decoder.c's q4_matmul) runs the product as a GEMM over panels of the weight
+dequantised to float32 in L1, each once for all the rows; from ``DEQUANT_MIN_ROWS``
+(long prefill chunks) it is cheaper still to write the weight out once in float32 (into
+a scratch reused from call to call) and let MKL's float32 GEMM multiply. Either way the
+weight is still stored, and streamed by decode steps, in int4. Fewer rows keep the
+kernels that read the packed bytes (the C decoder stack, ATen).
 """
 
 from __future__ import annotations
@@ -17,16 +19,18 @@ import threading
 
 import torch
 
-from llmserve.kernels.cpu.decoder import int4_pack_block_n, q4_struct
+from llmserve.kernels.cpu.decoder import int4_pack_block_n, q4_matmul, q4_struct
 from llmserve.kernels.cpu.native import decode_kernel
 from llmserve.platforms.cpu import cpu_features
 
-# From this many rows the dequantised float32 GEMM beats ATen's int4 kernel. Ice Lake
-# Xeon, 2 threads, all the built-in model's projections for one step
-# (benchmarks/cpu_linear.py --quantized), ATen / dequantised: 0.79x at 32 rows, 1.05x at
-# 64, 1.22x at 128, 1.40x at 512 (docs/benchmarks.md, "int4 on CPUs without bf16
-# arithmetic").
-DEQUANT_MIN_ROWS = 64
+# The int4 products of many rows, by row count: from PANEL_MIN_ROWS the C panel GEMM,
+# from DEQUANT_MIN_ROWS the float32 copy and MKL. Ice Lake Xeon, 2 threads, the built-in
+# model's four projections of a layer from L3, alternating (docs/benchmarks.md, "The
+# LM head and int4 products of many rows"), dequantised + MKL over the panel GEMM: 1.84x
+# at 32 rows, 2.0x at 64, 1.27x at 128, 1.10x at 256, 0.92x at 512; ATen's int4 kernel
+# over the panel GEMM: ~1.2x at 16 rows, 1.5x at 32.
+PANEL_MIN_ROWS = 16
+DEQUANT_MIN_ROWS = 384
 
 # The float32 copy is at most this big (a larger weight goes in chunks of columns): it
 # is memory the KV budget does not know of. The built-in model's largest, gate_up, is
@@ -60,11 +64,11 @@ def int4_runs_in_float32() -> bool:
 
 def dequant_applies(x: torch.Tensor, linear) -> bool:
     """``quant_dense_f32``'s domain: an eager int4 CPU product of at least
-    DEQUANT_MIN_ROWS rows where ``int4_runs_in_float32`` (AVX-512 without bf16
+    PANEL_MIN_ROWS rows where ``int4_runs_in_float32`` (AVX-512 without bf16
     arithmetic: measured there only), a shape on ATen's pack grid."""
     k, n = linear.in_features, linear.out_features
     if (linear.bits != 4 or x.device.type != "cpu" or x.shape[-1] != k
-            or x.numel() < DEQUANT_MIN_ROWS * k or torch.compiler.is_compiling()
+            or x.numel() < PANEL_MIN_ROWS * k or torch.compiler.is_compiling()
             or not int4_runs_in_float32()):
         return False
     return n % int4_pack_block_n() == 0 and k % 32 == 0
@@ -95,11 +99,14 @@ def column_step(k: int, n: int) -> int:
 
 
 def quant_dense_f32(x: torch.Tensor, linear) -> torch.Tensor:
-    """``linear(x)`` in ``x``'s dtype: the weight dequantised to float32, then the
-    float32 GEMM (plus the bias); ``dequant_applies`` checked by the caller. A weight
-    too big for the scratch goes a chunk of columns at a time (for small ones one
-    whole GEMM measured faster than chunks sized for L2: many narrow GEMMs)."""
+    """``linear(x)`` in ``x``'s dtype, ``dequant_applies`` checked by the caller: below
+    DEQUANT_MIN_ROWS rows the C panel GEMM; from there the weight dequantised to
+    float32, then the float32 GEMM (plus the bias). A weight too big for the scratch
+    goes a chunk of columns at a time (for small ones one whole GEMM measured faster
+    than chunks sized for L2: many narrow GEMMs)."""
     k, n = linear.in_features, linear.out_features
+    if x.numel() < DEQUANT_MIN_ROWS * k:
+        return q4_matmul(x.reshape(-1, k), linear).to(x.dtype).view(*x.shape[:-1], n)
     rows = x.reshape(-1, k).float()
     step = column_step(k, n)
     if step == n:

@@ -224,12 +224,14 @@ int q8_rows_bf16(int num_threads, const uint16_t *x, int64_t m, int64_t ldx, con
         if (m >= Q8_MANY_ROWS) {  /* whole panels here, the rest below */
             const int64_t end = first + (last - first) / PANEL_COLS * PANEL_COLS;
             float *panel = end > first
-                ? malloc(sizeof(float) * PANEL_COLS * ((size_t)PANEL_CHUNK + (size_t)m)) : NULL;
+                ? malloc(sizeof(float) * PANEL_COLS * (PANEL_CHUNK + PANEL_ROW_BLOCK)) : NULL;
             if (end > first && panel == NULL) {
                 failed = 1;
                 continue;
             }
-            if (end > first) q8_rows_many(xf, m, q, scales, bias, first, end, k, panel, y, ldy);
+            for (int64_t r0 = 0; end > first && r0 < m; r0 += PANEL_ROW_BLOCK)
+                q8_rows_many(xf + r0 * k, m - r0 < PANEL_ROW_BLOCK ? m - r0 : PANEL_ROW_BLOCK,
+                             q, scales, bias, first, end, k, panel, y + r0 * ldy, ldy);
             free(panel);
             first = end;
         }

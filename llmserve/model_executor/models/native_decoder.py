@@ -33,12 +33,13 @@ MAX_NATIVE_TOKENS = 16
 # Where ATen packs for AVX2 (32-column blocks) the kernel is built for AVX2 too and
 # dequantises once per 4 tokens: the crossover measured there was 8.
 MAX_NATIVE_TOKENS_AVX2 = 8
-# Where quant_gemm does not run (AVX-512 without BF16: no bf16 arithmetic), the per-op
-# path has ATen's int4 kernel below 64 rows instead, and the C stack stays ahead
-# longer. Ice Lake Xeon, 2 cores, context 200, op by op / C: 2.39 at 1 row, 1.48 at 8
-# and 16, 1.42 at 24, 1.47 at 32, 0.87 at 48 (benchmarks/cpu_decoder.py): 32 streams
-# decode in C there.
-MAX_NATIVE_TOKENS_WITHOUT_BF16 = 32
+# Where quant_gemm does not run (AVX-512 without BF16: no bf16 arithmetic), the C
+# stack's products of 16 rows and more are a GEMM over dequantised panels (decoder.c),
+# and it stays ahead of the per-op path up to the engine's default max_num_seqs. Ice
+# Lake Xeon, 2 cores, the default engine, decode steps at context ~200 alternating in
+# one process, op by op / C: 1.55 at 32 rows, 1.45 at 64, 1.25 at 128 (before the panels,
+# 0.87 at 48: the limit was 32).
+MAX_NATIVE_TOKENS_WITHOUT_BF16 = 128
 
 
 def max_native_tokens(block_n: int) -> int:
