@@ -200,8 +200,20 @@ def llmserve_spec(extra_args: list[str]) -> ServerSpec:
     port = free_port()
     cmd = [sys.executable, "-m", "llmserve", "serve", "--model", LLMSERVE_MODEL,
            *extra_args, "--host", "127.0.0.1", "--port", str(port)]
-    kv_tokens, notes = llmserve_kv(extra_args)
+    kv_tokens, notes = in_subprocess("llmserve_kv", extra_args)
     return ServerSpec("llmserve", cmd, port, kv_tokens, notes)
+
+
+def in_subprocess(name: str, *args):
+    """This script's function ``name`` on JSON arguments, run in a child process: the
+    client itself never imports torch, whose CUDA build maps its CUDA libraries, so
+    that the server's pages of those are its own, as in a pod of its own (pages that
+    two processes map stay resident after the server's start-up page-out)."""
+    code = ("import json, sys; sys.path.insert(0, sys.argv[1]); import vs_llamacpp as v; "
+            "print(json.dumps(getattr(v, sys.argv[2])(*json.loads(sys.argv[3]))))")
+    out = subprocess.run([sys.executable, "-c", code, str(Path(__file__).parent), name,
+                          json.dumps(args)], capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def llmserve_kv(extra_args: list[str]) -> tuple[int | None, dict]:
@@ -826,7 +838,8 @@ def main() -> None:
     sets_kv = any(a.split("=")[0] == "--kv-cache-memory" for a in llmserve_args)
     if args.equal_kv and not sets_kv and not args.skip_llmserve:
         llmserve_args += ["--kv-cache-memory",
-                          str(llmserve_kv_bytes(args.slots * args.ctx_per_slot, llmserve_args))]
+                          str(in_subprocess("llmserve_kv_bytes", args.slots * args.ctx_per_slot,
+                                            llmserve_args))]
     if args.idle_rss_rounds:
         if args.skip_llmserve or args.skip_llamacpp:
             ap.error("--idle-rss-rounds measures both servers: not with --skip-*")

@@ -15,7 +15,7 @@ import textwrap
 import pytest
 
 from llmserve.kernels.cpu.gemm import packing_available
-from llmserve.platforms.memory import release_freed_memory
+from llmserve.platforms.memory import gpu_library_ranges, release_freed_memory
 
 ENGINE_RUN = textwrap.dedent("""
     import sys
@@ -69,3 +69,62 @@ def test_release_freed_memory_returns_heap_pages_to_the_os():
     assert release_freed_memory()
     assert before - _rss_kib() > 64 << 10, (before, _rss_kib())
     del keep
+
+
+def test_gpu_library_ranges_are_the_cuda_librarys_mappings():
+    maps = textwrap.dedent("""\
+        7f0000000000-7f0000100000 r-xp 00000000 08:01 11 /v/site-packages/nvidia/cu13/lib/libcublasLt.so.13
+        7f0000100000-7f0000200000 rw-p 00000000 00:00 0
+        7f0000200000-7f0000201000 r--p 00000000 08:01 12 /v/site-packages/torch/lib/libtorch_cuda.so
+        7f0000300000-7f0000400000 r-xp 00000000 08:01 13 /v/site-packages/torch/lib/libtorch_cpu.so
+        7f0000400000-7f0000402000 r-xp 00000000 08:01 14 /v/site-packages/torch/lib/libc10_cuda.so
+        7f0000500000-7f0000501000 rw-s 00000000 00:01 15 /dev/zero (deleted)
+        """)
+    assert gpu_library_ranges(maps) == [(0x7F0000000000, 0x100000), (0x7F0000200000, 0x1000),
+                                        (0x7F0000400000, 0x2000)]
+
+
+PAGE_OUT_RUN = textwrap.dedent("""
+    import mmap, os, sys
+    from llmserve.platforms.memory import page_out_gpu_libraries
+
+    def rss_kib(path):
+        total, counting = 0, False
+        with open(f"/proc/{os.getpid()}/smaps") as f:
+            for line in f:
+                head = line.split()
+                if "-" in head[0] and ":" not in head[0]:  # a mapping's first line
+                    counting = head[-1] == path
+                elif counting and line.startswith("Rss:"):
+                    total += int(line.split()[1])
+        return total
+
+    path = sys.argv[1]  # a library file in an nvidia/ folder, mapped by this process only
+    with open(path, "rb") as f:
+        lib = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
+    touched = sum(lib[i] for i in range(0, len(lib), 4096))  # every page resident
+    before = rss_kib(path)
+    accepted = page_out_gpu_libraries()
+    print(before, rss_kib(path), accepted, sum(lib[i] for i in range(0, len(lib), 4096)) == touched)
+""")
+
+
+def test_a_cpu_process_hands_back_the_cuda_librarys_pages(tmp_path):
+    """PyPI's CUDA build of torch maps its CUDA libraries into every process, and the
+    loader leaves ~170 MB of their pages resident that a CPU process never touches
+    again. page_out_gpu_libraries has Linux reclaim them: a file mapped from an
+    nvidia/ folder (clean, mapped by this process only, as in a server's pod; pages
+    that other processes map too, like this test runner's torch, are kept) is no longer
+    resident, and reads the same afterwards."""
+    lib = tmp_path / "nvidia" / "libfake.so.1"
+    lib.parent.mkdir()
+    with open(lib, "wb") as f:
+        f.write(os.urandom(8 << 20))
+        f.flush()
+        os.fsync(f.fileno())  # clean pages: reclaim drops them without writing
+    out = subprocess.run([sys.executable, "-c", PAGE_OUT_RUN, str(lib)],
+                         capture_output=True, text=True, timeout=300, check=True)
+    before, after, accepted, same = out.stdout.split()
+    assert int(before) >= 8 << 10 and int(accepted) > 0
+    assert int(after) < int(before) / 4, (before, after)
+    assert same == "True"

@@ -5,6 +5,11 @@ tensors read at load, a burst of requests' temporaries) in its heaps, where it s
 counts as the process's resident memory: ~100 MB with the built-in model after its
 start-up. ``malloc_trim`` returns the free pages. It walks the heap, so the engine
 calls it at start-up and once when it has gone idle after work, never per step.
+
+PyPI's torch for Linux is a CUDA build: importing it maps the CUDA libraries (cuBLASLt,
+nvJitLink, NVRTC, libtorch_cuda, ...) and the loader touches ~170 MB of their code
+pages, which a process serving on the CPU never runs again. ``page_out_gpu_libraries``
+hands those clean, file-backed pages back (``MADV_PAGEOUT``), once, after start-up.
 """
 
 from __future__ import annotations
@@ -13,6 +18,11 @@ import ctypes
 import ctypes.util
 import functools
 import linecache
+import logging
+import os
+import re
+
+log = logging.getLogger(__name__)
 
 
 @functools.cache
@@ -41,3 +51,45 @@ def release_freed_memory(after_start_up: bool = False) -> bool:
         return False
     libc.malloc_trim(0)
     return True
+
+
+MADV_PAGEOUT = 21  # Linux 5.4+: reclaim the range's pages (clean file pages are dropped)
+# The CUDA libraries a CUDA build of torch loads: the nvidia-* wheels' folder, and
+# torch's own CUDA halves.
+GPU_LIBRARY = re.compile(r"/nvidia/|/libtorch_cuda[^/]*\.so|/libc10_cuda[^/]*\.so")
+
+
+def gpu_library_ranges(maps_text: str) -> list[tuple[int, int]]:
+    """(start, length) of each file-backed mapping of a CUDA library in a
+    /proc/PID/maps text."""
+    ranges = []
+    for line in maps_text.splitlines():
+        fields = line.split(maxsplit=5)
+        if len(fields) == 6 and GPU_LIBRARY.search(fields[5]):
+            start, end = (int(a, 16) for a in fields[0].split("-"))
+            ranges.append((start, end - start))
+    return ranges
+
+
+def page_out_gpu_libraries() -> int:
+    """Ask Linux to reclaim the CUDA libraries' pages in this process, which serves on
+    the CPU (the caller's check); returns how many ranges it accepted: 0 where CUDA
+    was initialised here after all, or the kernel or C library has no MADV_PAGEOUT.
+    Nothing is lost: a clean page comes back from the file if it is ever touched, and
+    a written one (relocated data) is kept where there is no swap."""
+    import torch  # noqa: PLC0415 - loaded already by the engine; kept out of imports
+    if torch.cuda.is_initialized():
+        return 0
+    libc = _libc()
+    try:
+        with open(f"/proc/{os.getpid()}/maps") as f:
+            ranges = gpu_library_ranges(f.read())
+    except OSError:
+        return 0
+    if libc is None or not hasattr(libc, "madvise"):
+        return 0
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    libc.madvise.restype = ctypes.c_int
+    accepted = sum(libc.madvise(start, length, MADV_PAGEOUT) == 0 for start, length in ranges)
+    log.debug("paged out %d of %d CUDA library mappings", accepted, len(ranges))
+    return accepted
