@@ -73,11 +73,11 @@ def test_release_freed_memory_returns_heap_pages_to_the_os():
 
 def test_gpu_library_ranges_are_the_cuda_librarys_mappings():
     maps = textwrap.dedent("""\
-        7f0000000000-7f0000100000 r-xp 00000000 08:01 11 /v/site-packages/nvidia/cu13/lib/libcublasLt.so.13
+        7f0000000000-7f0000100000 r-xp 00000000 08:01 11 /v/nvidia/cu13/lib/libcublasLt.so.13
         7f0000100000-7f0000200000 rw-p 00000000 00:00 0
-        7f0000200000-7f0000201000 r--p 00000000 08:01 12 /v/site-packages/torch/lib/libtorch_cuda.so
-        7f0000300000-7f0000400000 r-xp 00000000 08:01 13 /v/site-packages/torch/lib/libtorch_cpu.so
-        7f0000400000-7f0000402000 r-xp 00000000 08:01 14 /v/site-packages/torch/lib/libc10_cuda.so
+        7f0000200000-7f0000201000 r--p 00000000 08:01 12 /v/torch/lib/libtorch_cuda.so
+        7f0000300000-7f0000400000 r-xp 00000000 08:01 13 /v/torch/lib/libtorch_cpu.so
+        7f0000400000-7f0000402000 r-xp 00000000 08:01 14 /v/torch/lib/libc10_cuda.so
         7f0000500000-7f0000501000 rw-s 00000000 00:01 15 /dev/zero (deleted)
         """)
     assert gpu_library_ranges(maps) == [(0x7F0000000000, 0x100000), (0x7F0000200000, 0x1000),
