@@ -122,7 +122,8 @@ def run_layers(decoder: NativeDecoder, first: int, count: int, x, cos, sin,
     return x
 
 
-@pytest.mark.parametrize("prompts, draft", [(1, 0), (3, 0), (1, 4), (2, 2)])
+# 20 rows: the panel GEMM inside the stack, where built
+@pytest.mark.parametrize("prompts, draft", [(1, 0), (3, 0), (1, 4), (2, 2), (20, 0)])
 def test_each_layer_matches_the_torch_layer(int4_llm, prompts, draft):
     """Each layer in C computes what the model's torch layer does from the same input
     (norms, int4 projections, rotary and cache store, attention over the paged context,

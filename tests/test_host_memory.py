@@ -73,12 +73,13 @@ def test_release_freed_memory_returns_heap_pages_to_the_os():
 
 def test_gpu_library_ranges_are_the_cuda_librarys_mappings():
     maps = textwrap.dedent("""\
-        7f0000000000-7f0000100000 r-xp 00000000 08:01 11 /v/nvidia/cu13/lib/libcublasLt.so.13
+        7f0000000000-7f0000100000 r-xp 00000000 08:01 11 /s/site-packages/nvidia/cu13/lib/libx.so
         7f0000100000-7f0000200000 rw-p 00000000 00:00 0
-        7f0000200000-7f0000201000 r--p 00000000 08:01 12 /v/torch/lib/libtorch_cuda.so
-        7f0000300000-7f0000400000 r-xp 00000000 08:01 13 /v/torch/lib/libtorch_cpu.so
-        7f0000400000-7f0000402000 r-xp 00000000 08:01 14 /v/torch/lib/libc10_cuda.so
+        7f0000200000-7f0000201000 r--p 00000000 08:01 12 /s/torch/lib/libtorch_cuda.so
+        7f0000300000-7f0000400000 r-xp 00000000 08:01 13 /s/torch/lib/libtorch_cpu.so
+        7f0000400000-7f0000402000 r-xp 00000000 08:01 14 /s/torch/lib/libc10_cuda.so
         7f0000500000-7f0000501000 rw-s 00000000 00:01 15 /dev/zero (deleted)
+        7f0000600000-7f0000700000 r-xp 00000000 08:01 16 /home/nvidia/venv/torch/lib/libtorch_cpu.so
         """)
     assert gpu_library_ranges(maps) == [(0x7F0000000000, 0x100000), (0x7F0000200000, 0x1000),
                                         (0x7F0000400000, 0x2000)]
@@ -113,11 +114,11 @@ def test_a_cpu_process_hands_back_the_cuda_librarys_pages(tmp_path):
     """PyPI's CUDA build of torch maps its CUDA libraries into every process, and the
     loader leaves ~170 MB of their pages resident that a CPU process never touches
     again. page_out_gpu_libraries has Linux reclaim them: a file mapped from an
-    nvidia/ folder (clean, mapped by this process only, as in a server's pod; pages
+    nvidia wheel's lib/ folder (clean, mapped by this process only, as in a server's pod; pages
     that other processes map too, like this test runner's torch, are kept) is no longer
     resident, and reads the same afterwards."""
-    lib = tmp_path / "nvidia" / "libfake.so.1"
-    lib.parent.mkdir()
+    lib = tmp_path / "site-packages" / "nvidia" / "fake" / "lib" / "libfake.so.1"
+    lib.parent.mkdir(parents=True)
     with open(lib, "wb") as f:
         f.write(os.urandom(8 << 20))
         f.flush()
@@ -125,6 +126,8 @@ def test_a_cpu_process_hands_back_the_cuda_librarys_pages(tmp_path):
     out = subprocess.run([sys.executable, "-c", PAGE_OUT_RUN, str(lib)],
                          capture_output=True, text=True, timeout=300, check=True)
     before, after, accepted, same = out.stdout.split()
-    assert int(before) >= 8 << 10 and int(accepted) > 0
+    if int(accepted) == 0:
+        pytest.skip("this kernel has no MADV_PAGEOUT (Linux < 5.4), or refused it")
+    assert int(before) >= 8 << 10
     assert int(after) < int(before) / 4, (before, after)
     assert same == "True"

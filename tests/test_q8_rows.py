@@ -42,7 +42,7 @@ def aten_int8(x: torch.Tensor, lin: QuantizedLinear) -> torch.Tensor:
 # k chunk, and a down projection's depth.
 @pytest.mark.parametrize("out_features, in_features", [(49152, 576), (960, 576), (101, 64),
                                                        (7, 16), (576, 1536)])
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 12, 13, 40])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 12, 13, 40, 100])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("threads", [1, 3])
 def test_q8_rows_matches_atens_int8_kernel(out_features, in_features, rows, bias, threads,
@@ -50,9 +50,9 @@ def test_q8_rows_matches_atens_int8_kernel(out_features, in_features, rows, bias
     """The same float32 products, summed in another order: nearly every output the same
     bf16 value, the rest one rounding of the product apart, plus one of the sum with the
     bias (a wrong row, scale or tile is ~100 % off). One thread, and three (shares of
-    16-row units that do not divide evenly); 12 rows and more: the AVX-512 build's GEMM
-    over panels of 32 weight rows (40: groups of 12 and a rest; 101 and 7 outputs: rows
-    past the last whole panel)."""
+    16-row units that do not divide evenly); 12 rows and more: the panel GEMM where built
+    (40: groups of 12 and a rest; 100: past a block of 96 rows; 101 and 7 outputs, and
+    960 on 3 threads: rows past a thread's last whole panel)."""
     monkeypatch.setattr(torch, "get_num_threads", lambda: threads)  # what q8_rows asks
     lin = int8_linear(out_features, in_features, bias, seed=rows)
     x = torch.randn(rows, in_features).to(torch.bfloat16)
@@ -118,12 +118,15 @@ def test_the_lm_head_of_a_decode_step_takes_q8_rows(monkeypatch):
         assert gemm.q8_rows(many, lin) is None
 
 
-def test_q8_rows_takes_any_number_of_rows_exactly_where_built_for_avx512():
-    """The panel GEMM (from 12 rows) exists only in the AVX-512 build; the limit follows
-    what ATen's dispatch reports, which is what the build's -march follows."""
+def test_q8_rows_takes_any_number_of_rows_exactly_where_the_panel_gemm_is_built():
+    """The library says whether it has the panel GEMM (AVX-512 without AVX512-BF16);
+    the row limit follows it, and the CPU's own kind decides the build."""
+    from llmserve.kernels.cpu.native import panel_gemms_built
     from llmserve.platforms.cpu import cpu_features
-    avx512 = cpu_features().aten_isa == "AVX512"
-    assert q8_rows_max() == (None if avx512 else Q8_ROWS_MAX)
+    features = cpu_features()
+    assert panel_gemms_built() == (features.aten_isa == "AVX512" and not features.avx512_bf16
+                                   and not features.amx_bf16)
+    assert q8_rows_max() == (None if panel_gemms_built() else Q8_ROWS_MAX)
 
 
 OTHER_BUILD_CHECK = """

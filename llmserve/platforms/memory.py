@@ -54,9 +54,10 @@ def release_freed_memory(after_start_up: bool = False) -> bool:
 
 
 MADV_PAGEOUT = 21  # Linux 5.4+: reclaim the range's pages (clean file pages are dropped)
-# The CUDA libraries a CUDA build of torch loads: the nvidia-* wheels' folder, and
-# torch's own CUDA halves.
-GPU_LIBRARY = re.compile(r"/nvidia/|/libtorch_cuda[^/]*\.so|/libc10_cuda[^/]*\.so")
+# The CUDA libraries a CUDA build of torch loads: the nvidia-* wheels' libraries
+# (site-packages/nvidia/<package>/lib/), and torch's own CUDA halves.
+GPU_LIBRARY = re.compile(r"/site-packages/nvidia/[^/]+/lib/"
+                         r"|/torch/lib/lib(torch|c10)_cuda[^/]*\.so")
 
 
 def gpu_library_ranges(maps_text: str) -> list[tuple[int, int]]:
@@ -90,6 +91,8 @@ def page_out_gpu_libraries() -> int:
         return 0
     libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     libc.madvise.restype = ctypes.c_int
+    # Linux takes only pages this process may write to the file of, or owns: a server
+    # whose venv another user owns gets 0 back (and nothing is paged out).
     accepted = sum(libc.madvise(start, length, MADV_PAGEOUT) == 0 for start, length in ranges)
     log.debug("paged out %d of %d CUDA library mappings", accepted, len(ranges))
     return accepted

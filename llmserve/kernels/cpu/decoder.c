@@ -212,7 +212,7 @@ static void q4_chunks(const q4_linear *lin, int BN, int M, const float *xf, cons
     }
 }
 
-#if defined(__AVX512F__) && !defined(__AVX512BF16__)
+#if defined(PANEL_GEMMS)
 /* From Q4_PANEL_ROWS rows, on AVX-512 CPUs without bf16 arithmetic (Ice Lake and older
  * Xeons; where there is some, quant_gemm's bf16 tiles take these products): a GEMM over
  * panels of the weight dequantised to float32 (panel.h), each once for all the rows,
@@ -221,7 +221,6 @@ static void q4_chunks(const q4_linear *lin, int BN, int M, const float *xf, cons
  * ones (the last 32). Ice Lake Xeon, 2 threads (benchmarks/cpu_decoder.py): 1.2x the
  * tiles at 16-24 rows, 1.2-1.6x at 32; the decode step of 32 sequences ~1.1x. */
 #define Q4_PANEL_ROWS 16
-#define Q4_PANELS 1
 
 /* panel [k1 - k0, PANEL_COLS] = W^T's columns of half h of block nb over k in [k0, k1):
  * w = q scale + (zero - 8 scale), as dequant.c computes it. */
@@ -313,7 +312,7 @@ static void q4_matmul(int num_threads, const q4_linear *lin, int BN, const uint1
             for (int kk = 0; kk < GROUP; kk++) s += xf[t * K + g * GROUP + kk];
             xsum[t * groups + g] = s;
         }
-#if defined(Q4_PANELS)
+#if defined(PANEL_GEMMS)
     if (M >= Q4_PANEL_ROWS && BN == 64 && q4_matmul_panels(num_threads, lin, xf, M, y) == 0)
         return;  /* (out of memory for the panels: the tiles below need none) */
 #endif
@@ -328,7 +327,9 @@ static void q4_matmul(int num_threads, const q4_linear *lin, int BN, const uint1
 /* Exposed for tests: y [M, N] = x [M, K] times one int4 weight. */
 int q4_linear_bf16(int num_threads, const q4_linear *lin, int block_n, const uint16_t *x,
                    int M, uint16_t *y) {
-    if (lin->k % GROUP || lin->n % block_n || (block_n != 32 && block_n != 64)) return -2;
+    if (lin->k <= 0 || lin->k % GROUP || lin->n % block_n || (block_n != 32 && block_n != 64)
+            || M < 0)
+        return -2;
     float *xf = malloc(sizeof(float) * ((size_t)M * lin->k + (size_t)M * (lin->k / GROUP)));
     if (xf == NULL) return -1;
     q4_matmul(num_threads, lin, block_n, x, M, y, xf, xf + (size_t)M * lin->k);

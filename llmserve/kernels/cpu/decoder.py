@@ -60,7 +60,8 @@ def q4_struct(linear) -> Q4Linear:
 
 
 def q4_matmul(x: torch.Tensor, linear) -> torch.Tensor:
-    """``linear(x)`` by the C kernel (bf16 ``x [M, K]``): what tests compare with ATen."""
+    """``linear(x)`` by the C kernel (bf16 ``x [M, K]``): its tiles, or from 16 rows its
+    panel GEMM where built (dequant.quant_dense_f32 calls it for 16-383 rows)."""
     block_n = int4_pack_block_n()
     if block_n is None or decode_kernel() is None:
         raise RuntimeError("the C int4 kernel is not available here")
@@ -69,6 +70,8 @@ def q4_matmul(x: torch.Tensor, linear) -> torch.Tensor:
     lin = q4_struct(linear)
     rc = decode_kernel().q4_linear_bf16(torch.get_num_threads(), ctypes.byref(lin), block_n,
                                         x.data_ptr(), x.shape[0], y.data_ptr())
+    if rc == -1:
+        raise MemoryError("q4_linear_bf16: out of memory for its float32 copy of x")
     if rc != 0:
         raise ValueError(f"q4_linear_bf16: shapes unsupported ({rc})")
     return y

@@ -5,7 +5,8 @@
  * small tile of rows: at 512 rows it is 2.3x slower than the float32 GEMM of the same
  * weight (Ice Lake Xeon, AVX-512 without BF16). A product of many rows there is cheaper
  * as one pass that writes the weight out in float32 (~0.4 ms for the built-in model's
- * gate_up) and the float32 GEMM over it: dequant.py's quant_dense_f32, from 64 rows.
+ * gate_up) and the float32 GEMM over it: dequant.py's quant_dense_f32, from
+ * DEQUANT_MIN_ROWS (384; fewer rows take decoder.c's panel GEMM).
  *
  * Reads ATen's CPU int4 pack as decoder.c does (blocks of BN output columns,
  * [N / BN, K, BN / 2] bytes, byte j of row k holding column j in its low nibble and

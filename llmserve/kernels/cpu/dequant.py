@@ -20,7 +20,7 @@ import threading
 import torch
 
 from llmserve.kernels.cpu.decoder import int4_pack_block_n, q4_matmul, q4_struct
-from llmserve.kernels.cpu.native import decode_kernel
+from llmserve.kernels.cpu.native import decode_kernel, panel_gemms_built
 from llmserve.platforms.cpu import cpu_features
 
 # The int4 products of many rows, by row count: from PANEL_MIN_ROWS the C panel GEMM,
@@ -53,13 +53,14 @@ def _scratch(k: int, n: int) -> torch.Tensor:
 def int4_runs_in_float32() -> bool:
     """Whether an int4 model runs at full speed here although the CPU has no bf16
     arithmetic: on AVX-512 (Ice Lake, Cascade Lake, Skylake-X Xeons), where ATen packs
-    int4 in 64-column blocks, which the C decoder stack (8-token tiles) and dequant.c
-    read, with the kernels built. Both compute in float32; bf16 is only the storage of
-    activations and the KV cache. AVX2-only CPUs are left out: not measured there.
+    int4 in 64-column blocks, which the C decoder stack, its panel GEMM and dequant.c
+    read, with the kernels built for it (``panel_gemms_built``). All compute in
+    float32; bf16 is only the storage of activations and the KV cache. AVX2-only CPUs
+    are left out: not measured there.
     Asked once (every int4 product of many rows asks)."""
     features = cpu_features()
     return (not features.native_bf16 and features.aten_isa == "AVX512"
-            and int4_pack_block_n() == 64 and decode_kernel() is not None)
+            and int4_pack_block_n() == 64 and panel_gemms_built())
 
 
 def dequant_applies(x: torch.Tensor, linear) -> bool:

@@ -12,7 +12,7 @@ import os
 import torch
 
 from llmserve.kernels.cpu.decoder import int4_pack_block_n
-from llmserve.kernels.cpu.native import decode_kernel
+from llmserve.kernels.cpu.native import decode_kernel, panel_gemms_built
 from llmserve.platforms.cpu import cpu_features
 
 
@@ -201,18 +201,19 @@ def quant_gemm(x: torch.Tensor, linear) -> torch.Tensor:
     return y.view(*x.shape[:-1], n)
 
 
-# At most this many rows go through q8_rows.c where it is built without AVX-512 (more:
-# ATen's kernel). Built with AVX-512 it takes any number: from 12 rows as a GEMM over
-# converted panels of the weight (2.4x ATen's kernel at 32 rows on an Ice Lake Xeon;
-# docs/benchmarks.md). Where quant_gemm's tiles run (from quant_tiled_min_rows(): 8 on
-# AMX and Zen 4) they take those rows first, so q8_rows sees 1-7 there.
+# At most this many rows go through q8_rows.c where it is built without panel.h's GEMM
+# (more: ATen's kernel). With it (AVX-512 without bf16 arithmetic) it takes any number:
+# from 12 rows as a GEMM over converted panels of the weight (2.0x ATen's kernel at 32
+# rows on an Ice Lake Xeon; docs/benchmarks.md). Where quant_gemm's tiles run (from
+# quant_tiled_min_rows(): 8 on AMX and Zen 4) they take those rows first, so q8_rows
+# sees 1-7 there.
 Q8_ROWS_MAX = 8
 
 
 def q8_rows_max() -> int | None:
-    """The most rows q8_rows takes: no limit where the kernels are built for AVX-512
-    (what ATen's own dispatch reports), Q8_ROWS_MAX elsewhere."""
-    return None if cpu_features().aten_isa == "AVX512" else Q8_ROWS_MAX
+    """The most rows q8_rows takes: no limit where the library has the panel GEMM,
+    Q8_ROWS_MAX elsewhere."""
+    return None if panel_gemms_built() else Q8_ROWS_MAX
 
 
 def q8_rows(x: torch.Tensor, linear) -> torch.Tensor | None:

@@ -128,6 +128,7 @@ int gemm_use_amx(int want);
 
 /* q8_rows.c: y [m, n] = x [m, k] (bf16) times an int8 weight-only weight [n, k] with
  * per-row bf16 scales (a few rows: a decode step's LM head). */
+int panel_gemms(void);
 int q8_rows_bf16(int num_threads, const uint16_t *x, int64_t m, int64_t ldx, const int8_t *q,
                  const uint16_t *scales, int64_t n, int64_t k, const float *bias, uint16_t *y,
                  int64_t ldy);

@@ -1,7 +1,7 @@
 """The CPU kernels (``decode.c``: decode attention, rotary + K/V store, RMSNorm;
 ``decoder.c``: the int4 decoder stack built on them; ``dequant.c``: int4 weights in
 float32 for CPUs without bf16 arithmetic; ``gemm.c``: bf16 linears
-on AVX512-BF16; ``q8_rows.c``: int8 weight-only products of a few rows; ``lora.c``: a
+on AVX512-BF16; ``q8_rows.c``: int8 weight-only products (the LM head); ``lora.c``: a
 projection's multi-LoRA), compiled for this machine into one library.
 
 Compiled once with the system C compiler (``$CC`` or ``cc``, 1-3 s) for the CPU it
@@ -85,6 +85,7 @@ SIGNATURES: dict[str, list[type]] = {
     "quant_gemm": [_I32, _PTR, _I64, _I64, _PTR, _PTR, _I32, _I64, _I64, _PTR, _PTR, _I64],
     "gemm_use_amx": [_I32],
     # q8_rows.c
+    "panel_gemms": [],
     "q8_rows_bf16": [_I32, _PTR, _I64, _I64, _PTR, _PTR, _I64, _I64, _PTR, _PTR, _I64],
     # lora.c
     "lora_add_rows": [_I32, _PTR, _I64, _I64, _PTR, _I64, _I64, _I64, _I32, _PTR, _PTR, _I32,
@@ -171,6 +172,15 @@ def _compile(compiler: list[str], flags: list[str]) -> Path:
 
 
 @functools.cache
+@functools.cache
+def panel_gemms_built() -> bool:
+    """Whether the library has panel.h's GEMMs (AVX-512 builds without AVX512-BF16):
+    q8_rows of any number of rows, int4 products of 16+ rows, the C decoder stack to
+    128 rows. Asked once."""
+    lib = decode_kernel()
+    return lib is not None and lib.panel_gemms() == 1
+
+
 def decode_kernel():
     """The compiled library, its entry points typed (SIGNATURES), or None (the torch
     path is used)."""

@@ -1,7 +1,8 @@
 /* Rows of x times a panel of float32 weights: the inner loop of the CPU GEMMs that
  * turn their weight into float32 a panel at a time (int8 codes in q8_rows.c, int4 in
  * decoder.c), for products of many rows on CPUs whose bf16 tiles (gemm.c's quant_gemm)
- * do not run. AVX-512 builds only.
+ * do not run: AVX-512 builds without AVX512-BF16 only (PANEL_GEMMS; panel_gemms()
+ * tells Python).
  *
  * A panel is PANEL_COLS (32) output columns of the weight over a chunk of k of at most
  * PANEL_CHUNK (128) values, stored [k, PANEL_COLS]: the 32 values of one k side by
@@ -18,6 +19,12 @@
 #include <stdint.h>
 #include <string.h>
 #include "kernels.h"
+
+/* Built where the CPU has AVX-512 but no bf16 arithmetic (Ice Lake and older Xeons):
+ * where it has some, quant_gemm's bf16 tiles take these products (measured there). */
+#if defined(__AVX512F__) && !defined(__AVX512BF16__)
+#define PANEL_GEMMS 1
+#endif
 
 #define PANEL_COLS 32
 #define PANEL_GROUP 12

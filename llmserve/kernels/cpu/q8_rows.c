@@ -7,8 +7,8 @@
  * stream's decode step; this one sign-extends 16 codes to float32 lanes and multiplies
  * them by up to 4 rows of x at once, 4 weight rows at a time (2 and 2 on AVX2), and a
  * second group of rows reads the weight tile again from L1, so the weight streams from
- * memory once. From Q8_MANY_ROWS rows (a decode step of many sequences), the AVX-512
- * build runs a GEMM over panels instead (q8_rows_many). Built into the one library by
+ * memory once. From Q8_MANY_ROWS rows (a decode step of many sequences), an AVX-512
+ * build without bf16 arithmetic runs a GEMM over panels instead (q8_rows_many). Built into the one library by
  * native.py; declared in kernels.h.
  */
 #include <stdint.h>
@@ -29,7 +29,7 @@
 #define Q8_TOKENS 2
 #define Q8_WROWS 2
 #endif
-#define Q8_MANY_ROWS 12  /* rows from which q8_rows_many takes whole panels (AVX-512) */
+#define Q8_MANY_ROWS 12  /* rows from which q8_rows_many takes whole panels (PANEL_GEMMS) */
 #define Q8_PREFETCH 4096  /* bytes: 18.6 GB/s streaming on a 2-core Xeon, 18.1 at 16K, 13.3 at 64K */
 
 /* 16 int8 codes as float32 lanes. */
@@ -112,8 +112,8 @@ static void q8_tile_any(const float *xf, int m, int wr, const int8_t *q, const u
 #undef Q8_CASE
 }
 
-#if defined(__AVX512F__)
-/* Many rows (from Q8_MANY_ROWS, AVX-512 only): a GEMM over panels of the weight
+#if defined(PANEL_GEMMS)
+/* Many rows (from Q8_MANY_ROWS, where panel.h builds its GEMM): a GEMM over panels of the weight
  * (panel.h), each converted to float32 and transposed once for all the rows. The few-row
  * tile above converts the codes again for each 4 rows of x and reduces each sum across
  * its lanes: at 32 rows those, not memory, bound it. */
@@ -214,22 +214,18 @@ int q8_rows_bf16(int num_threads, const uint16_t *x, int64_t m, int64_t ldx, con
     const int64_t units = (n + 15) / 16;
     int threads = num_threads < units ? num_threads : (int)units;
     if (threads < 1) threads = 1;
-    int failed = 0;
-    #pragma omp parallel for num_threads(threads) schedule(static, 1) if(threads > 1) \
-        reduction(|:failed)
+    #pragma omp parallel for num_threads(threads) schedule(static, 1) if(threads > 1)
     for (int s = 0; s < threads; s++) {
         int64_t first = units * s / threads * 16, last = units * (s + 1) / threads * 16;
         if (last > n) last = n;
-#if defined(__AVX512F__)
-        if (m >= Q8_MANY_ROWS) {  /* whole panels here, the rest below */
-            const int64_t end = first + (last - first) / PANEL_COLS * PANEL_COLS;
-            float *panel = end > first
-                ? malloc(sizeof(float) * PANEL_COLS * (PANEL_CHUNK + PANEL_ROW_BLOCK)) : NULL;
-            if (end > first && panel == NULL) {
-                failed = 1;
-                continue;
-            }
-            for (int64_t r0 = 0; end > first && r0 < m; r0 += PANEL_ROW_BLOCK)
+#if defined(PANEL_GEMMS)
+        /* whole panels here, the rest below (and all of them, if out of memory for the
+         * panel: the tiles need none) */
+        const int64_t end = first + (last - first) / PANEL_COLS * PANEL_COLS;
+        float *panel = m >= Q8_MANY_ROWS && end > first
+            ? malloc(sizeof(float) * PANEL_COLS * (PANEL_CHUNK + PANEL_ROW_BLOCK)) : NULL;
+        if (panel != NULL) {
+            for (int64_t r0 = 0; r0 < m; r0 += PANEL_ROW_BLOCK)
                 q8_rows_many(xf + r0 * k, m - r0 < PANEL_ROW_BLOCK ? m - r0 : PANEL_ROW_BLOCK,
                              q, scales, bias, first, end, k, panel, y + r0 * ldy, ldy);
             free(panel);
@@ -245,5 +241,15 @@ int q8_rows_bf16(int num_threads, const uint16_t *x, int64_t m, int64_t ldx, con
         }
     }
     free(xf);
-    return failed ? -1 : 0;
+    return 0;
+}
+
+/* Whether this build has panel.h's GEMMs (q8_rows from Q8_MANY_ROWS, decoder.c's int4
+ * products from Q4_PANEL_ROWS): 1 or 0. */
+int panel_gemms(void) {
+#if defined(PANEL_GEMMS)
+    return 1;
+#else
+    return 0;
+#endif
 }

@@ -17,7 +17,7 @@ import torch
 
 from llmserve.kernels.cpu.decoder import Q4Dims, Q4Layer, int4_pack_block_n, q4_struct
 from llmserve.kernels.cpu.gemm import quant_tiled_available
-from llmserve.kernels.cpu.native import decode_kernel
+from llmserve.kernels.cpu.native import decode_kernel, panel_gemms_built
 from llmserve.model_executor.layers.quantization import INT4_GROUP, QuantizedLinear
 from llmserve.model_executor.models.llama import DecoderLayer
 
@@ -40,13 +40,18 @@ MAX_NATIVE_TOKENS_AVX2 = 8
 # one process, op by op / C: 1.55 at 32 rows, 1.45 at 64, 1.25 at 128 (before the panels,
 # 0.87 at 48: the limit was 32).
 MAX_NATIVE_TOKENS_WITHOUT_BF16 = 128
+# The same CPUs with a library built without the panel GEMM (its 8-row tiles only):
+# 0.87 at 48 rows, 1.47 at 32 (the limit before the panels).
+MAX_NATIVE_TOKENS_TILES_ONLY = 32
 
 
 def max_native_tokens(block_n: int) -> int:
     """The most rows a step may have to run in C, for ATen's int4 pack layout here."""
     if block_n != 64:
         return MAX_NATIVE_TOKENS_AVX2
-    return MAX_NATIVE_TOKENS if quant_tiled_available(4) else MAX_NATIVE_TOKENS_WITHOUT_BF16
+    if quant_tiled_available(4):
+        return MAX_NATIVE_TOKENS
+    return MAX_NATIVE_TOKENS_WITHOUT_BF16 if panel_gemms_built() else MAX_NATIVE_TOKENS_TILES_ONLY
 
 
 class NativeDecoder:
