@@ -8,7 +8,9 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import os
 import shutil
+import signal
 import subprocess
 import tempfile
 import time
@@ -32,7 +34,9 @@ class Chromium:
         self.binary = binary
         self.size = (width, height)
         self.problems: list[str] = []
-        self._profile = tempfile.TemporaryDirectory(prefix="chromium-")
+        self._profile = tempfile.TemporaryDirectory(prefix="chromium-", ignore_cleanup_errors=True)
+        # (Chromium's helper processes may still be writing their profile files as the
+        # directory goes: cleanup retries below, then leaves what it cannot remove.)
         self._proc: subprocess.Popen | None = None
         self._session: aiohttp.ClientSession | None = None
         self._ws: aiohttp.ClientWebSocketResponse | None = None
@@ -49,7 +53,8 @@ class Chromium:
              "--disable-gpu", "--disable-dev-shm-usage", "--no-first-run",
              "--no-default-browser-check", "--disable-extensions",
              f"--window-size={self.size[0]},{self.size[1]}", "about:blank"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            start_new_session=True)  # its helpers in its process group: ended with it
         port = await self._devtools_port(profile / "DevToolsActivePort")
         self._session = aiohttp.ClientSession()
         async with self._session.get(f"http://127.0.0.1:{port}/json/list") as r:
@@ -69,13 +74,28 @@ class Chromium:
         if self._session is not None:
             await self._session.close()
         if self._proc is not None:
-            self._proc.terminate()
+            self._signal_group(signal.SIGTERM)
             try:
                 self._proc.wait(10)
             except subprocess.TimeoutExpired:
                 self._proc.kill()
                 self._proc.wait()
-        self._profile.cleanup()
+            self._signal_group(signal.SIGKILL)  # helpers that outlived the browser
+        for _ in range(20):  # a helper's last write may land while the tree goes
+            try:
+                shutil.rmtree(self._profile.name)
+                break
+            except FileNotFoundError:
+                break
+            except OSError:
+                time.sleep(0.1)
+        self._profile.cleanup()  # marks it done (and removes nothing left: ignored)
+
+    def _signal_group(self, sig: int) -> None:
+        try:
+            os.killpg(self._proc.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
 
     async def _devtools_port(self, path: Path, timeout: float = 60.0) -> int:
         """The port Chromium chose, from the file it writes once it listens."""
