@@ -99,3 +99,17 @@ def test_min_tokens_still_bans_eos_for_greedy_rows():
               SamplingParams(temperature=0, max_tokens=8)]
     out = Sampler(vocab_size=50, eos_token_ids={2})(logits, _seqs(params))
     assert out.token_ids == [7, 2]
+
+
+def test_the_library_is_built_and_loaded_once_per_process(monkeypatch):
+    """Every bf16 op asks decode_kernel() for the library, several times a step: it must
+    be the one loaded object, not a compiler check, a hash of the sources and a dlopen
+    each time (a step of one stream took 3x as long when the cache was lost)."""
+    first = cpu_native.decode_kernel()
+
+    def no_compiler(*args, **kwargs):
+        raise AssertionError("decode_kernel() ran the compiler check again")
+
+    monkeypatch.setattr(cpu_native.subprocess, "run", no_compiler)
+    assert cpu_native.decode_kernel() is first
+    assert cpu_native.native_bf16_applies(torch.ones(2, 8, dtype=torch.bfloat16))

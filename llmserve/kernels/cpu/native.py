@@ -172,7 +172,6 @@ def _compile(compiler: list[str], flags: list[str]) -> Path:
 
 
 @functools.cache
-@functools.cache
 def panel_gemms_built() -> bool:
     """Whether the library has panel.h's GEMMs (AVX-512 builds without AVX512-BF16):
     q8_rows of any number of rows, int4 products of 16+ rows, the C decoder stack to
@@ -181,6 +180,7 @@ def panel_gemms_built() -> bool:
     return lib is not None and lib.panel_gemms() == 1
 
 
+@functools.cache
 def decode_kernel():
     """The compiled library, its entry points typed (SIGNATURES), or None (the torch
     path is used)."""
