@@ -15,7 +15,7 @@ import textwrap
 import pytest
 
 from llmserve.kernels.cpu.gemm import packing_available
-from llmserve.platforms.memory import gpu_library_ranges, release_freed_memory
+from llmserve.platforms.memory import library_ranges, release_freed_memory
 
 ENGINE_RUN = textwrap.dedent("""
     import sys
@@ -71,23 +71,28 @@ def test_release_freed_memory_returns_heap_pages_to_the_os():
     del keep
 
 
-def test_gpu_library_ranges_are_the_cuda_librarys_mappings():
+def test_library_ranges_are_the_shared_libraries_mappings():
+    """Libraries only (a weights file served from an mmap must stay resident), by the
+    file's name: lib.so, lib.so.13, an extension module; not a name that only holds
+    ".so", a deleted or anonymous mapping."""
     maps = textwrap.dedent("""\
-        7f0000000000-7f0000100000 r-xp 00000000 08:01 11 /s/site-packages/nvidia/cu13/lib/libx.so
+        7f0000000000-7f0000100000 r-xp 00000000 08:01 11 /s/site-packages/nvidia/cu13/lib/libx.so.13
         7f0000100000-7f0000200000 rw-p 00000000 00:00 0
-        7f0000200000-7f0000201000 r--p 00000000 08:01 12 /s/torch/lib/libtorch_cuda.so
-        7f0000300000-7f0000400000 r-xp 00000000 08:01 13 /s/torch/lib/libtorch_cpu.so
-        7f0000400000-7f0000402000 r-xp 00000000 08:01 14 /s/torch/lib/libc10_cuda.so
+        7f0000200000-7f0000201000 r--p 00000000 08:01 12 /s/torch/lib/libtorch_cpu.so
+        7f0000300000-7f0000400000 r--p 00000000 08:01 13 /models/m/model.safetensors
+        7f0000400000-7f0000402000 r-xp 00000000 08:01 14 /s/_C.cpython-311-x86_64-linux-gnu.so
         7f0000500000-7f0000501000 rw-s 00000000 00:01 15 /dev/zero (deleted)
-        7f0000600000-7f0000700000 r-xp 00000000 08:01 16 /home/nvidia/venv/torch/lib/libtorch_cpu.so
+        7f0000600000-7f0000700000 r--p 00000000 08:01 16 /data/a.so.d/weights.gguf
+        7f0000700000-7f0000701000 r-xp 00000000 08:01 17 /usr/lib/libpython3.11.so.1.0
+        7f0000800000-7f0000801000 r-xp 00000000 00:00 0  [vdso]
         """)
-    assert gpu_library_ranges(maps) == [(0x7F0000000000, 0x100000), (0x7F0000200000, 0x1000),
-                                        (0x7F0000400000, 0x2000)]
+    assert library_ranges(maps) == [(0x7F0000000000, 0x100000), (0x7F0000200000, 0x1000),
+                                    (0x7F0000400000, 0x2000), (0x7F0000700000, 0x1000)]
 
 
 PAGE_OUT_RUN = textwrap.dedent("""
     import mmap, os, sys
-    from llmserve.platforms.memory import page_out_gpu_libraries
+    from llmserve.platforms.memory import page_out_libraries
 
     def rss_kib(path):
         total, counting = 0, False
@@ -100,24 +105,24 @@ PAGE_OUT_RUN = textwrap.dedent("""
                     total += int(line.split()[1])
         return total
 
-    path = sys.argv[1]  # a library file in an nvidia/ folder, mapped by this process only
+    path = sys.argv[1]  # a library file, mapped by this process only
     with open(path, "rb") as f:
         lib = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
     touched = sum(lib[i] for i in range(0, len(lib), 4096))  # every page resident
     before = rss_kib(path)
-    accepted = page_out_gpu_libraries()
+    accepted = page_out_libraries()
     print(before, rss_kib(path), accepted, sum(lib[i] for i in range(0, len(lib), 4096)) == touched)
 """)
 
 
-def test_a_cpu_process_hands_back_the_cuda_librarys_pages(tmp_path):
-    """PyPI's CUDA build of torch maps its CUDA libraries into every process, and the
-    loader leaves ~170 MB of their pages resident that a CPU process never touches
-    again. page_out_gpu_libraries has Linux reclaim them: a file mapped from an
-    nvidia wheel's lib/ folder (clean, mapped by this process only, as in a server's pod; pages
-    that other processes map too, like this test runner's torch, are kept) is no longer
+def test_a_cpu_process_hands_back_its_librarys_pages(tmp_path):
+    """Importing torch and loading a model leave ~250 MB of library pages resident
+    (PyPI's CUDA build's CUDA libraries, libtorch_cpu's initialisers) that a CPU
+    process never touches again. page_out_libraries has Linux reclaim them: a library
+    file (clean, mapped by this process only, as in a server's pod; pages that other
+    processes map too, like this test runner's torch, are kept) is no longer
     resident, and reads the same afterwards."""
-    lib = tmp_path / "site-packages" / "nvidia" / "fake" / "lib" / "libfake.so.1"
+    lib = tmp_path / "site-packages" / "fake" / "lib" / "libfake.so.1"
     lib.parent.mkdir(parents=True)
     with open(lib, "wb") as f:
         f.write(os.urandom(8 << 20))

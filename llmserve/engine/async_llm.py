@@ -38,7 +38,7 @@ from llmserve.engine.llm_engine import LLMEngine, check_cache_salt
 from llmserve.engine.metrics import EngineMetrics
 from llmserve.engine.output import RequestOutput
 from llmserve.errors import EngineDeadError, EngineStartError  # noqa: F401 - re-exported
-from llmserve.platforms.memory import page_out_gpu_libraries, release_freed_memory
+from llmserve.platforms.memory import page_out_libraries, release_freed_memory
 
 log = logging.getLogger(__name__)
 
@@ -285,6 +285,10 @@ class AsyncLLMEngine:
     def _run(self) -> None:
         try:
             self.engine = LLMEngine(self.config)
+            if self.engine.config.device == "cpu":
+                # Loading ran far more library code than serving does: hand it back,
+                # and let the warm-up bring back what a step runs.
+                page_out_libraries()
             self._warm_up()
             self.metrics = EngineMetrics(self.engine.model_name,
                                          max_num_seqs=self.config.max_num_seqs)
@@ -295,8 +299,6 @@ class AsyncLLMEngine:
             self._ready.set()
             return
         release_freed_memory(after_start_up=True)  # what loading and warm-up freed
-        if self.engine.config.device == "cpu":
-            page_out_gpu_libraries()  # a CUDA build's libraries, never run here
         self._ready.set()
         worked_since_trim = False
         try:

@@ -6,10 +6,12 @@ counts as the process's resident memory: ~100 MB with the built-in model after i
 start-up. ``malloc_trim`` returns the free pages. It walks the heap, so the engine
 calls it at start-up and once when it has gone idle after work, never per step.
 
-PyPI's torch for Linux is a CUDA build: importing it maps the CUDA libraries (cuBLASLt,
-nvJitLink, NVRTC, libtorch_cuda, ...) and the loader touches ~170 MB of their code
-pages, which a process serving on the CPU never runs again. ``page_out_gpu_libraries``
-hands those clean, file-backed pages back (``MADV_PAGEOUT``), once, after start-up.
+Importing torch and loading a model touch far more library code than serving runs:
+PyPI's torch for Linux is a CUDA build whose CUDA libraries (cuBLASLt, nvJitLink,
+NVRTC, libtorch_cuda, ...: ~170 MB of pages) a process serving on the CPU never runs
+again, and libtorch_cpu's static initialisers alone touch ~65 MB of it.
+``page_out_libraries`` hands those clean, file-backed pages back (``MADV_PAGEOUT``),
+once, after loading and before the warm-up, which brings back what a step runs.
 """
 
 from __future__ import annotations
@@ -54,37 +56,38 @@ def release_freed_memory(after_start_up: bool = False) -> bool:
 
 
 MADV_PAGEOUT = 21  # Linux 5.4+: reclaim the range's pages (clean file pages are dropped)
-# The CUDA libraries a CUDA build of torch loads: the nvidia-* wheels' libraries
-# (site-packages/nvidia/<package>/lib/), and torch's own CUDA halves.
-GPU_LIBRARY = re.compile(r"/site-packages/nvidia/[^/]+/lib/"
-                         r"|/torch/lib/lib(torch|c10)_cuda[^/]*\.so")
+# A shared library's path: libtorch_cpu.so, libcublasLt.so.13, _C.cpython-311-....so.
+# Only libraries: a checkpoint served from an mmap (its weights) must stay resident.
+SHARED_LIBRARY = re.compile(r"\.so(\.\d+)*$")
 
 
-def gpu_library_ranges(maps_text: str) -> list[tuple[int, int]]:
-    """(start, length) of each file-backed mapping of a CUDA library in a
-    /proc/PID/maps text."""
+def library_ranges(maps_text: str) -> list[tuple[int, int]]:
+    """(start, length) of each mapping of a shared library file in a /proc/PID/maps
+    text."""
     ranges = []
     for line in maps_text.splitlines():
         fields = line.split(maxsplit=5)
-        if len(fields) == 6 and GPU_LIBRARY.search(fields[5]):
+        if len(fields) == 6 and fields[5].startswith("/") and SHARED_LIBRARY.search(fields[5]):
             start, end = (int(a, 16) for a in fields[0].split("-"))
             ranges.append((start, end - start))
     return ranges
 
 
-def page_out_gpu_libraries() -> int:
-    """Ask Linux to reclaim the CUDA libraries' pages in this process, which serves on
-    the CPU (the caller's check); returns how many ranges it accepted: 0 where CUDA
-    was initialised here after all, or the kernel or C library has no MADV_PAGEOUT.
-    Nothing is lost: a clean page comes back from the file if it is ever touched, and
-    a written one (relocated data) is kept where there is no swap."""
+def page_out_libraries() -> int:
+    """Ask Linux to reclaim the shared libraries' pages in this process, which serves
+    on the CPU (the caller's check), before its warm-up; returns how many ranges it
+    accepted: 0 where CUDA was initialised here after all, or the kernel or C library
+    has no MADV_PAGEOUT. Nothing is lost: a clean page comes back from the file when
+    it is touched (the warm-up brings back what a step runs, the first request what
+    serving HTTP runs), and a written one (relocated data) is kept where there is no
+    swap."""
     import torch  # noqa: PLC0415 - loaded already by the engine; kept out of imports
     if torch.cuda.is_initialized():
         return 0
     libc = _libc()
     try:
         with open(f"/proc/{os.getpid()}/maps") as f:
-            ranges = gpu_library_ranges(f.read())
+            ranges = library_ranges(f.read())
     except OSError:
         return 0
     if libc is None or not hasattr(libc, "madvise"):
@@ -94,5 +97,5 @@ def page_out_gpu_libraries() -> int:
     # Linux takes only pages this process may write to the file of, or owns: a server
     # whose venv another user owns gets 0 back (and nothing is paged out).
     accepted = sum(libc.madvise(start, length, MADV_PAGEOUT) == 0 for start, length in ranges)
-    log.debug("paged out %d of %d CUDA library mappings", accepted, len(ranges))
+    log.debug("paged out %d of %d library mappings", accepted, len(ranges))
     return accepted
