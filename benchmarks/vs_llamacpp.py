@@ -18,6 +18,7 @@ prints a table with the ratios (>1 means llmserve is better) and the CPU's flags
     .venv/bin/python benchmarks/vs_llamacpp.py --quick         # check the script
     .venv/bin/python benchmarks/vs_llamacpp.py --skip-llamacpp --llmserve-args "--dtype bfloat16"
     .venv/bin/python benchmarks/vs_llamacpp.py --build-only    # just build llama-server
+    .venv/bin/python benchmarks/vs_llamacpp.py --isa avx2      # both as on an AVX2-only CPU
 """
 
 from __future__ import annotations
@@ -59,6 +60,14 @@ RELEVANT_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx
                   "avx512_bf16", "avx_vnni", "amx_tile", "amx_int8", "amx_bf16")
 # ggml's AMX matmul segfaults on Q4_1 on AMX Xeons; compile without it on those CPUs
 NO_AMX_FLAGS = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+# --isa avx2: both servers as on an AVX2-only CPU (AMD Zen 2/3, Haswell-Broadwell
+# Xeons) emulated on a newer one: llama.cpp built for AVX2 (no AVX-512 kernel), and
+# llmserve with ATen, MKL, oneDNN and its own kernels held to AVX2 (the server and the
+# sizing child inherit these).
+AVX2_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+            "ONEDNN_MAX_CPU_ISA": "AVX2"}
+AVX2_CMAKE = ["-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON",
+              "-DGGML_F16C=ON", "-DGGML_BMI2=ON", "-DGGML_AVX512=OFF"]
 
 
 # --- the CPU ------------------------------------------------------------------------------
@@ -78,15 +87,18 @@ def cpu_info() -> dict:
 
 
 # --- building llama-server ------------------------------------------------------------------
-def build_config(cpu: dict) -> dict:
-    """The compiler flags for this CPU and the cache folder they (and the version) key."""
-    extra = NO_AMX_FLAGS if "amx_tile" in cpu["flags"] else ""
+def build_config(cpu: dict, isa: str = "native") -> dict:
+    """The compiler flags for this CPU (or for ``isa``) and the cache folder they (and
+    the version) key."""
+    extra = NO_AMX_FLAGS if "amx_tile" in cpu["flags"] and isa == "native" else ""
     key_src = json.dumps({"version": LLAMA_CPP_PYTHON_VERSION, "native": True,
                           "cpu_model": cpu["model"], "cpu_flags": cpu["flags"],
                           "extra_cflags": extra}, sort_keys=True)
-    key = f"{LLAMA_CPP_PYTHON_VERSION}-native-{hashlib.sha256(key_src.encode()).hexdigest()[:10]}"
+    if isa != "native":  # (the native key is kept as it was: its builds stay cached)
+        key_src = json.dumps({"version": LLAMA_CPP_PYTHON_VERSION, "isa": isa})
+    key = f"{LLAMA_CPP_PYTHON_VERSION}-{isa}-{hashlib.sha256(key_src.encode()).hexdigest()[:10]}"
     return {"version": LLAMA_CPP_PYTHON_VERSION, "extra_cflags": extra, "cpu": cpu,
-            "dir": str(CACHE_ROOT / key)}
+            "isa": isa, "dir": str(CACHE_ROOT / key)}
 
 
 def fetch_source(workdir: Path) -> Path:
@@ -103,8 +115,9 @@ def fetch_source(workdir: Path) -> Path:
     return src
 
 
-def cmake_args(src: Path, extra_cflags: str) -> list[str]:
-    args = ["-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DLLAMA_BUILD_SERVER=ON",
+def cmake_args(src: Path, extra_cflags: str, isa: str = "native") -> list[str]:
+    args = ["-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_BUILD_SERVER=ON",
+            *(["-DGGML_NATIVE=ON"] if isa == "native" else AVX2_CMAKE),
             # only the server: no tests/examples, no HTTPS (it listens on 127.0.0.1)
             "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_OPENSSL=OFF",
             # one static binary, so that the cache folder holds a single relocatable file
@@ -133,7 +146,7 @@ def build_llama_server(cfg: dict, jobs: int = 2) -> Path:
             open(log_path, "w") as log:
         src = fetch_source(Path(tmp))
         build = Path(tmp) / "build"
-        args = cmake_args(src, cfg["extra_cflags"])
+        args = cmake_args(src, cfg["extra_cflags"], cfg.get("isa", "native"))
         for cmd in (["cmake", "-S", str(src), "-B", str(build), *args],
                     ["cmake", "--build", str(build), "--target", "llama-server",
                      "-j", str(jobs)]):
@@ -821,12 +834,18 @@ def main() -> None:
                     help="before each server and each workload, wait up to this many "
                          "seconds for other processes to leave the cores idle (0: do not "
                          "wait)")
+    ap.add_argument("--isa", choices=("native", "avx2"), default="native",
+                    help="avx2: emulate an AVX2-only CPU (llama.cpp built for AVX2, "
+                         "llmserve's ATen/MKL/oneDNN and kernels held to AVX2)")
     ap.add_argument("--out", type=Path, default=RESULTS / "vs_llamacpp.json",
                     help="JSON report; the server logs go beside it")
     args = ap.parse_args()
 
     cpu = cpu_info()
-    cfg = build_config(cpu)
+    cfg = build_config(cpu, args.isa)
+    if args.isa == "avx2":
+        os.environ.update(AVX2_ENV)
+        cpu["emulated_isa"] = "avx2"
     binary = args.llama_server
     if binary is None and not args.skip_llamacpp:
         binary = build_llama_server(cfg, args.build_jobs)
@@ -867,7 +886,7 @@ def main() -> None:
                                            args.contended_retries)
         servers["llmserve"]["source"] = llmserve_source()
     servers = {k: v for k, v in servers.items() if v}
-    report = {"cpu": cpu, "quick": args.quick, "seed": args.seed,
+    report = {"cpu": cpu, "isa": args.isa, "quick": args.quick, "seed": args.seed,
               "argv": sys.argv, "time": time.strftime("%Y-%m-%d %H:%M:%S"),
               "servers": servers, "table": table_rows(servers, loads)}
     print_table(report)

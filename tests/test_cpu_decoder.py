@@ -56,23 +56,33 @@ def aten_int4(x: torch.Tensor, lin: QuantizedLinear) -> torch.Tensor:
 
 AVX2_CHECK = """
 import torch
-from llmserve.model_executor.layers.quantization import QuantizedLinear
+from llmserve.model_executor.layers.quantization import QuantizedLinear, weight_only_mm
 from llmserve.kernels.cpu.decoder import int4_pack_block_n, q4_matmul
+from llmserve.kernels.cpu.dequant import int4_runs_in_float32
 torch.manual_seed(0)
-lin = QuantizedLinear(torch.nn.Linear(576, 960), 4)
-x = torch.randn(3, 576).to(torch.bfloat16)
-print(int4_pack_block_n())
-want = lin(x).float()
-print(((q4_matmul(x, lin).float() - want).abs() / want.abs().clamp(min=1)).max().item())
+print(int4_pack_block_n(), int4_runs_in_float32())
+worst = 0.0
+for out_features, in_features in ((960, 576), (576, 1536)):
+    lin = QuantizedLinear(torch.nn.Linear(in_features, out_features), 4)
+    # the 4-row tiles (3, 5); from 16 the panel GEMM of 16-column panels: a group of 6
+    # and a rest (17), past its block of 96 rows (100)
+    for rows in (3, 5, 16, 17, 100):
+        x = torch.randn(rows, in_features).to(torch.bfloat16)
+        want = (weight_only_mm(x, lin.qweight, lin.scales, 4) + lin.bias).float()
+        err = (q4_matmul(x, lin).float() - want).abs() / want.abs().clamp(min=1)
+        worst = max(worst, err.max().item())
+print(worst)
 """
 
 
 def test_the_avx2_layout_is_read_on_an_avx2_machine():
     """ATEN_CPU_CAPABILITY=avx2 makes ATen pack int4 in blocks of 32 columns (and the
-    kernel build for AVX2): the kernel finds that layout and still matches ATen."""
-    block_n, err = run_as("avx2", AVX2_CHECK)[-2:]
-    assert block_n == "32"
-    assert float(err) <= BF16_ULP
+    kernel build for AVX2, with its panel GEMM): the kernel finds that layout and still
+    matches ATen, tiles and panels, and int4 models run in float32 there."""
+    lines = run_as("avx2", AVX2_CHECK)
+    block_n, in_float32 = lines[-2].split()
+    assert (block_n, in_float32) == ("32", "True")
+    assert float(lines[-1]) <= BF16_ULP
 
 
 @pytest.fixture(scope="module")
@@ -284,11 +294,14 @@ def test_rebinding_the_cache_drops_the_native_stack():
 
 def test_the_row_limit_follows_the_cpu_kind(monkeypatch):
     """16 rows where quant_gemm's tiles take the per-op path (bf16 CPUs), 128 where
-    they do not run (no bf16 arithmetic: the C stack's panel GEMM), 8 for the AVX2
-    pack."""
+    they do not run and the library has its panel GEMM (AVX-512 without bf16, and AVX2
+    with its 32-column pack); without the panels, 32 and (AVX2) 8."""
     monkeypatch.setattr(native_decoder, "quant_tiled_available", lambda bits: True)
     assert native_decoder.max_native_tokens(64) == native_decoder.MAX_NATIVE_TOKENS == 16
-    assert native_decoder.max_native_tokens(32) == native_decoder.MAX_NATIVE_TOKENS_AVX2 == 8
     monkeypatch.setattr(native_decoder, "quant_tiled_available", lambda bits: False)
+    monkeypatch.setattr(native_decoder, "panel_gemms_built", lambda: True)
     assert native_decoder.max_native_tokens(64) == 128
-    assert native_decoder.max_native_tokens(32) == 8
+    assert native_decoder.max_native_tokens(32) == 128
+    monkeypatch.setattr(native_decoder, "panel_gemms_built", lambda: False)
+    assert native_decoder.max_native_tokens(64) == native_decoder.MAX_NATIVE_TOKENS_TILES_ONLY
+    assert native_decoder.max_native_tokens(32) == native_decoder.MAX_NATIVE_TOKENS_AVX2 == 8

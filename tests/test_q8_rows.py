@@ -119,24 +119,26 @@ def test_the_lm_head_of_a_decode_step_takes_q8_rows(monkeypatch):
 
 
 def test_q8_rows_takes_any_number_of_rows_exactly_where_the_panel_gemm_is_built():
-    """The library says whether it has the panel GEMM (AVX-512 without AVX512-BF16);
-    the row limit follows it, and the CPU's own kind decides the build."""
+    """The library says whether it has the panel GEMM (AVX-512 without AVX512-BF16, or
+    AVX2); the row limit follows it, and the CPU's own kind decides the build."""
     from llmserve.kernels.cpu.native import panel_gemms_built
     from llmserve.platforms.cpu import cpu_features
     features = cpu_features()
-    assert panel_gemms_built() == (features.aten_isa == "AVX512" and not features.avx512_bf16
-                                   and not features.amx_bf16)
+    without_bf16 = features.aten_isa == "AVX512" and not features.avx512_bf16 \
+        and not features.amx_bf16
+    assert panel_gemms_built() == (without_bf16 or features.aten_isa == "AVX2")
     assert q8_rows_max() == (None if panel_gemms_built() else Q8_ROWS_MAX)
 
 
 OTHER_BUILD_CHECK = """
+import sys
 import torch
 from llmserve.kernels.cpu.gemm import q8_rows
 from llmserve.model_executor.layers.quantization import QuantizedLinear, weight_only_mm
 torch.manual_seed(0)
 lin = QuantizedLinear(torch.nn.Linear(576, 1001), 8)  # 1001: every tile width
 worst = 0.0
-for rows in (1, 3, 8):  # the AVX2 and plain builds take at most Q8_ROWS_MAX
+for rows in map(int, sys.argv[1:]):
     x = torch.randn(rows, 576).to(torch.bfloat16)
     want = (weight_only_mm(x, lin.qweight, lin.scales, 8) + lin.bias).float()
     got = q8_rows(x, lin).float()
@@ -145,12 +147,16 @@ print(worst)
 """
 
 
-@pytest.mark.parametrize("isa", ["avx2", "default"])
-def test_the_avx2_and_plain_builds_compute_the_same(isa):
+# The plain build takes at most Q8_ROWS_MAX rows; the AVX2 one any number, from 12 as a
+# GEMM over 16-column panels (8 x 8 transposes): a group of 6 and a rest (13), past the
+# block of 96 rows (100).
+@pytest.mark.parametrize("isa, rows", [("avx2", (1, 3, 8, 12, 13, 40, 100)),
+                                       ("default", (1, 3, 8))])
+def test_the_avx2_and_plain_builds_compute_the_same(isa, rows):
     """ATEN_CPU_CAPABILITY=avx2 builds the kernels for AVX2 + FMA, =default for the
     architecture's baseline (no vector intrinsics): both take their own code paths."""
     env = dict(os.environ, ATEN_CPU_CAPABILITY=isa)
-    out = subprocess.run([sys.executable, "-c", OTHER_BUILD_CHECK], env=env,
+    out = subprocess.run([sys.executable, "-c", OTHER_BUILD_CHECK, *map(str, rows)], env=env,
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert float(out.stdout.strip().splitlines()[-1]) <= BF16_ULP

@@ -152,6 +152,62 @@ static inline __attribute__((always_inline)) void q4_pass(
     }
 }
 
+#if defined(__AVX2__) && !defined(__AVX512F__)
+/* q4_pass for AVX2 builds and ATen's AVX2 pack (BN 32: one chunk is the whole block),
+ * m <= 2 tokens, in AVX2's own 8-lane registers: q4_pass's 16-lane vectors are two
+ * registers each, and GCC keeps arrays of them on the stack (8x slower than ATen at
+ * one token). The same arithmetic in the same order as q4_pass (the per-group sums
+ * of q x, then scale and zero), so the results are the same bits; the running sums
+ * stay in memory (L1), touched once a group, so the group's 4 m sums, the 4 column
+ * vectors and a broadcast fit the 16 registers. */
+static inline __attribute__((always_inline)) void q4_pass_avx2(
+        const float *xf, const float *xsum, const int m, int64_t K, int64_t N,
+        const uint8_t *w, const uint16_t *sz, int64_t col0, v16f acc[][4]) {
+    const int groups = (int)(K / GROUP);
+    const __m256i low4 = _mm256_set1_epi32(15), high16 = _mm256_set1_epi32((int)0xFFFF0000u);
+    float sums[2][32] = {{0}};  /* token t: the block's 16 low columns, then its 16 high */
+    for (int g = 0; g < groups; g++) {
+        __m256 part[2][4];
+        for (int t = 0; t < m; t++)
+            for (int v = 0; v < 4; v++) part[t][v] = _mm256_setzero_ps();
+        const uint8_t *b = w + (int64_t)g * GROUP * 16;
+        const float *xg = xf + g * GROUP;
+        for (int kk = 0; kk < GROUP; kk++, b += 16) {
+            if ((kk & 3) == 0)  /* a line per 64 bytes, Q4_PREFETCH ahead (never faults) */
+                __builtin_prefetch((const void *)((uintptr_t)b + Q4_PREFETCH), 0, 3);
+            const __m256i b0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)b));
+            const __m256i b1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(b + 8)));
+            const __m256 col[4] = {
+                _mm256_cvtepi32_ps(_mm256_and_si256(b0, low4)),
+                _mm256_cvtepi32_ps(_mm256_and_si256(b1, low4)),
+                _mm256_cvtepi32_ps(_mm256_srli_epi32(b0, 4)),
+                _mm256_cvtepi32_ps(_mm256_srli_epi32(b1, 4))};
+            for (int t = 0; t < m; t++) {
+                const __m256 x = _mm256_broadcast_ss(&xg[t * K + kk]);
+                for (int v = 0; v < 4; v++) part[t][v] = _mm256_fmadd_ps(x, col[v], part[t][v]);
+            }
+        }
+        const uint16_t *szg = sz + ((int64_t)g * N + col0) * 2;  /* (scale, zero) words */
+        for (int v = 0; v < 4; v++) {
+            const __m256i pair = _mm256_loadu_si256((const __m256i *)(szg + 16 * v));
+            const __m256 scale = _mm256_castsi256_ps(_mm256_slli_epi32(pair, 16));
+            const __m256 zero = _mm256_castsi256_ps(_mm256_and_si256(pair, high16));
+            const __m256 offset = _mm256_sub_ps(zero, _mm256_mul_ps(_mm256_set1_ps(8.0f), scale));
+            for (int t = 0; t < m; t++) {
+                const __m256 offset_x = _mm256_mul_ps(offset, _mm256_set1_ps(xsum[t * groups + g]));
+                float *out = sums[t] + 8 * v;
+                _mm256_storeu_ps(out, _mm256_add_ps(_mm256_loadu_ps(out),
+                                                    _mm256_fmadd_ps(scale, part[t][v], offset_x)));
+            }
+        }
+    }
+    for (int t = 0; t < m; t++) {
+        memcpy(&acc[t][0], sums[t], sizeof acc[t][0]);
+        memcpy(&acc[t][1], sums[t] + 16, sizeof acc[t][1]);
+    }
+}
+#endif
+
 /* Most tokens a two-chunk pass takes: 4 m sums + 4 columns + a broadcast in registers. */
 #define TILE2 (TILE < 6 ? TILE : 6)
 
@@ -159,6 +215,18 @@ static inline __attribute__((always_inline)) void q4_pass(
 static void q4_tile(const float *xf, const float *xsum, int m, int nc, int64_t K, int64_t N,
                     int BN, const uint8_t *w, const uint16_t *sz, int64_t col0,
                     v16f acc[TILE][4]) {
+#if defined(__AVX2__) && !defined(__AVX512F__)
+    if (BN == 32) {  /* (nc is 1: a chunk is the whole block) tokens two at a time */
+        const int64_t groups = K / GROUP;
+        for (int t0 = 0; t0 < m; t0 += 2) {
+            if (m - t0 == 1)
+                q4_pass_avx2(xf + t0 * K, xsum + t0 * groups, 1, K, N, w, sz, col0, acc + t0);
+            else
+                q4_pass_avx2(xf + t0 * K, xsum + t0 * groups, 2, K, N, w, sz, col0, acc + t0);
+        }
+        return;
+    }
+#endif
 #define Q4_CASE(M_, NC_)                                                        \
     case M_ * 2 + NC_ - 1:                                                      \
         q4_pass(xf, xsum, M_, NC_, K, N, BN, w, sz, col0, acc);                 \
@@ -213,38 +281,65 @@ static void q4_chunks(const q4_linear *lin, int BN, int M, const float *xf, cons
 }
 
 #if defined(PANEL_GEMMS)
-/* From Q4_PANEL_ROWS rows, on AVX-512 CPUs without bf16 arithmetic (Ice Lake and older
- * Xeons; where there is some, quant_gemm's bf16 tiles take these products): a GEMM over
- * panels of the weight dequantised to float32 (panel.h), each once for all the rows,
- * where q4_pass dequantises it again for each tile of TILE rows. A panel is one half
- * of a 64-column block: its low nibbles (the block's first 32 columns) or its high
- * ones (the last 32). Ice Lake Xeon, 2 threads (benchmarks/cpu_decoder.py): 1.2x the
- * tiles at 16-24 rows, 1.2-1.6x at 32; the decode step of 32 sequences ~1.1x. */
+/* From Q4_PANEL_ROWS rows, on CPUs without bf16 arithmetic (AVX-512 Ice Lake and older
+ * Xeons, AVX2; where there is some, quant_gemm's bf16 tiles take these products): a
+ * GEMM over panels of the weight dequantised to float32 (panel.h), each once for all
+ * the rows, where q4_pass dequantises it again for each tile of TILE rows. A panel is
+ * one half of a block of Q4_PANEL_BN (2 PANEL_COLS) columns, ATen's block on the ISA
+ * panel.h is built for: its low nibbles (the block's first PANEL_COLS columns) or its
+ * high ones. Ice Lake Xeon, 2 threads (benchmarks/cpu_decoder.py): 1.2x the tiles at
+ * 16-24 rows, 1.2-1.6x at 32; the decode step of 32 sequences ~1.1x. */
 #define Q4_PANEL_ROWS 16
+#define Q4_PANEL_BN (2 * PANEL_COLS)
 
 /* panel [k1 - k0, PANEL_COLS] = W^T's columns of half h of block nb over k in [k0, k1):
  * w = q scale + (zero - 8 scale), as dequant.c computes it. */
 static void q4_panel(const q4_linear *lin, int64_t nb, int h, int64_t k0, int64_t k1,
                      float *panel) {
-    const int64_t K = lin->k, N = lin->n, col0 = nb * 64 + 32 * h;
-    const uint8_t *w = lin->weight + nb * K * 32;
-    v16f scale[2], offset[2];
+    const int64_t K = lin->k, N = lin->n, col0 = nb * Q4_PANEL_BN + PANEL_COLS * h;
+    const uint8_t *w = lin->weight + nb * K * PANEL_COLS;
+#if PANEL_VECS == 2
+    v16f scale[PANEL_VECS], offset[PANEL_VECS];
     for (int64_t kk = k0; kk < k1; kk++) {
         if (kk == k0 || kk % GROUP == 0) {  /* the group's (scale, zero) pairs as words */
             const uint16_t *sz = lin->scale_zero + ((kk / GROUP) * N + col0) * 2;
-            for (int v = 0; v < 2; v++) {
+            for (int v = 0; v < PANEL_VECS; v++) {
                 v16u32 pair;
                 memcpy(&pair, sz + 32 * v, sizeof pair);
                 scale[v] = (v16f)(pair << 16);
                 offset[v] = (v16f)(pair & 0xFFFF0000u) - 8.0f * scale[v];
             }
         }
-        for (int v = 0; v < 2; v++) {
-            v16i bytes = widen16(w + kk * 32 + 16 * v);
+        for (int v = 0; v < PANEL_VECS; v++) {
+            v16i bytes = widen16(w + kk * PANEL_COLS + 16 * v);
             v16f value = nibble_values(h ? bytes >> 4 : bytes) * scale[v] + offset[v];
             memcpy(panel + (kk - k0) * PANEL_COLS + 16 * v, &value, sizeof value);
         }
     }
+#else
+    /* AVX2, in its own 8-lane registers (16-lane vectors would live on the stack): the
+     * panel's 16 columns are the 16 bytes' low nibbles (h 0) or high ones (h 1). */
+    const __m256i low4 = _mm256_set1_epi32(15), high16 = _mm256_set1_epi32((int)0xFFFF0000u);
+    __m256 scale[2], offset[2];
+    for (int64_t kk = k0; kk < k1; kk++) {
+        if (kk == k0 || kk % GROUP == 0) {  /* the group's (scale, zero) pairs as words */
+            const uint16_t *sz = lin->scale_zero + ((kk / GROUP) * N + col0) * 2;
+            for (int v = 0; v < 2; v++) {
+                __m256i pair = _mm256_loadu_si256((const __m256i *)(sz + 16 * v));
+                scale[v] = _mm256_castsi256_ps(_mm256_slli_epi32(pair, 16));
+                offset[v] = _mm256_fnmadd_ps(_mm256_set1_ps(8.0f), scale[v],
+                                             _mm256_castsi256_ps(_mm256_and_si256(pair, high16)));
+            }
+        }
+        for (int v = 0; v < 2; v++) {
+            __m256i bytes = _mm256_cvtepu8_epi32(
+                _mm_loadl_epi64((const __m128i *)(w + kk * PANEL_COLS + 8 * v)));
+            bytes = h ? _mm256_srli_epi32(bytes, 4) : _mm256_and_si256(bytes, low4);
+            __m256 value = _mm256_fmadd_ps(_mm256_cvtepi32_ps(bytes), scale[v], offset[v]);
+            _mm256_storeu_ps(panel + (kk - k0) * PANEL_COLS + 8 * v, value);
+        }
+    }
+#endif
 }
 
 /* Panels [first, last) (panel p: half p % 2 of block p / 2) for M rows of x (float32
@@ -262,7 +357,7 @@ static void q4_panels(const q4_linear *lin, const float *xf, int M, int64_t firs
         }
         const int64_t col0 = p * PANEL_COLS;
         for (int t = 0; t < M; t++)
-            for (int v = 0; v < 2; v++) {
+            for (int v = 0; v < PANEL_VECS; v++) {
                 v16f sum;
                 memcpy(&sum, sums + t * PANEL_COLS + 16 * v, sizeof sum);
                 uint16_t *out = y + t * ldy + col0 + 16 * v;
@@ -306,16 +401,16 @@ static void q4_matmul(int num_threads, const q4_linear *lin, int BN, const uint1
                       uint16_t *y, float *xf, float *xsum) {
     const int64_t K = lin->k, N = lin->n, groups = K / GROUP;
     for (int64_t i = 0; i < (int64_t)M * K; i++) xf[i] = bf16_to_f32(x[i]);
-    for (int t = 0; t < M; t++)
+#if defined(PANEL_GEMMS)
+    if (M >= Q4_PANEL_ROWS && BN == Q4_PANEL_BN && q4_matmul_panels(num_threads, lin, xf, M, y) == 0)
+        return;  /* (out of memory for the panels: the tiles below need none) */
+#endif
+    for (int t = 0; t < M; t++)  /* the tiles' zero terms: sum_k x_k per group */
         for (int64_t g = 0; g < groups; g++) {
             float s = 0.0f;
             for (int kk = 0; kk < GROUP; kk++) s += xf[t * K + g * GROUP + kk];
             xsum[t * groups + g] = s;
         }
-#if defined(PANEL_GEMMS)
-    if (M >= Q4_PANEL_ROWS && BN == 64 && q4_matmul_panels(num_threads, lin, xf, M, y) == 0)
-        return;  /* (out of memory for the panels: the tiles below need none) */
-#endif
     const int64_t chunks = N / BN * (BN / 32);
     int shares = num_threads < chunks ? num_threads : (int)chunks;
     if (shares < 1) shares = 1;

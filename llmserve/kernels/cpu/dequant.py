@@ -49,24 +49,30 @@ def _scratch(k: int, n: int) -> torch.Tensor:
     return buf[:k * n].view(k, n)
 
 
+# ATen's int4 pack block on each ISA it vectorises for, which the C decoder stack, its
+# panel GEMM and dequant.c read (their panels are half a block: panel.h's PANEL_COLS).
+PACK_BLOCK_BY_ISA = {"AVX512": 64, "AVX2": 32}
+
+
 @functools.cache
 def int4_runs_in_float32() -> bool:
     """Whether an int4 model runs at full speed here although the CPU has no bf16
-    arithmetic: on AVX-512 (Ice Lake, Cascade Lake, Skylake-X Xeons), where ATen packs
-    int4 in 64-column blocks, which the C decoder stack, its panel GEMM and dequant.c
-    read, with the kernels built for it (``panel_gemms_built``). All compute in
-    float32; bf16 is only the storage of activations and the KV cache. AVX2-only CPUs
-    are left out: not measured there.
-    Asked once (every int4 product of many rows asks)."""
+    arithmetic: on AVX-512 (Ice Lake, Cascade Lake, Skylake-X Xeons) and AVX2 (AMD Zen
+    2/3, Haswell to Broadwell Xeons), where ATen packs int4 in the block the C decoder
+    stack, its panel GEMM and dequant.c read (``PACK_BLOCK_BY_ISA``), with the kernels
+    built for it (``panel_gemms_built``). All compute in float32; bf16 is only the
+    storage of activations and the KV cache. Asked once (every int4 product of many
+    rows asks)."""
     features = cpu_features()
-    return (not features.native_bf16 and features.aten_isa == "AVX512"
-            and int4_pack_block_n() == 64 and panel_gemms_built())
+    block_n = PACK_BLOCK_BY_ISA.get(features.aten_isa)
+    return (not features.native_bf16 and block_n is not None
+            and int4_pack_block_n() == block_n and panel_gemms_built())
 
 
 def dequant_applies(x: torch.Tensor, linear) -> bool:
     """``quant_dense_f32``'s domain: an eager int4 CPU product of at least
     PANEL_MIN_ROWS rows where ``int4_runs_in_float32`` (AVX-512 without bf16
-    arithmetic: measured there only), a shape on ATen's pack grid."""
+    arithmetic, AVX2), a shape on ATen's pack grid."""
     k, n = linear.in_features, linear.out_features
     if (linear.bits != 4 or x.device.type != "cpu" or x.shape[-1] != k
             or x.numel() < PANEL_MIN_ROWS * k or torch.compiler.is_compiling()

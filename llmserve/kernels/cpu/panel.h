@@ -1,17 +1,18 @@
 /* Rows of x times a panel of float32 weights: the inner loop of the CPU GEMMs that
  * turn their weight into float32 a panel at a time (int8 codes in q8_rows.c, int4 in
  * decoder.c), for products of many rows on CPUs whose bf16 tiles (gemm.c's quant_gemm)
- * do not run: AVX-512 builds without AVX512-BF16 only (PANEL_GEMMS; panel_gemms()
- * tells Python).
+ * do not run: AVX-512 builds without AVX512-BF16, and AVX2 builds (PANEL_GEMMS;
+ * panel_gemms() tells Python).
  *
- * A panel is PANEL_COLS (32) output columns of the weight over a chunk of k of at most
- * PANEL_CHUNK (128) values, stored [k, PANEL_COLS]: the 32 values of one k side by
- * side, two vectors; 16 KB, so it stays in L1 while every group of rows reads it. A
- * group of up to PANEL_GROUP (12) rows of x multiplies it as a GEMM's outer products:
- * per k, one x value broadcast against the two vectors, the group's 24 sums in
- * registers (with the two weight vectors and the broadcast, in AVX-512's 32). The
- * weight is converted once for all the rows, where the few-row kernels convert it
- * again for each small tile of rows.
+ * A panel is PANEL_COLS output columns of the weight (PANEL_VECS 16-lane vectors: 32
+ * on AVX-512, 16 on AVX2) over a chunk of k of at most PANEL_CHUNK (128) values, stored
+ * [k, PANEL_COLS]: the values of one k side by side; 16 KB (8 on AVX2), so it stays in
+ * L1 while every group of rows reads it. A group of up to PANEL_GROUP rows of x
+ * multiplies it as a GEMM's outer products: per k, one x value broadcast against the
+ * panel's vectors, the group's sums in registers (AVX-512: 12 rows x 2 vectors = 24 of
+ * its 32 registers; AVX2: 6 rows x 2 half-width registers = 12 of its 16, with the
+ * weight's two and the broadcast). The weight is converted once for all the rows, where
+ * the few-row kernels convert it again for each small tile of rows.
  */
 #ifndef LLMSERVE_PANEL_H
 #define LLMSERVE_PANEL_H
@@ -20,15 +21,32 @@
 #include <string.h>
 #include "kernels.h"
 
-/* Built where the CPU has AVX-512 but no bf16 arithmetic (Ice Lake and older Xeons):
- * where it has some, quant_gemm's bf16 tiles take these products (measured there). */
+/* Built where the CPU has AVX-512 but no bf16 arithmetic (Ice Lake and older Xeons),
+ * and for AVX2 (Zen 2/3, Haswell to Broadwell): where it has some, quant_gemm's bf16
+ * tiles take these products (measured there). */
 #if defined(__AVX512F__) && !defined(__AVX512BF16__)
 #define PANEL_GEMMS 1
+#define PANEL_VECS 2
+#define PANEL_GROUP 12
+#elif defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+#define PANEL_GEMMS 1
+#define PANEL_VECS 1
+#define PANEL_GROUP 6
 #endif
 
-#define PANEL_COLS 32
-#define PANEL_GROUP 12
+#if defined(PANEL_GEMMS)
+#define PANEL_COLS (16 * PANEL_VECS)
 #define PANEL_CHUNK 128
+/* The registers of a panel's row inside the GEMM: two of the ISA's own width (16 lanes
+ * or 8). kernels.h's 16-lane type would be two AVX2 registers, which GCC keeps on the
+ * stack when they are 12 sums (10x slower). */
+#if PANEL_VECS == 2
+typedef v16f panel_vec;
+#else
+typedef float panel_vec __attribute__((vector_size(32)));
+#endif
+#define PANEL_LANES ((int)(sizeof(panel_vec) / sizeof(float)))
+#define PANEL_REGS (PANEL_COLS / PANEL_LANES)
 /* Rows of x a GEMM takes at a time: 96 rows of a 576-wide x are 221 KB of float32,
  * in L2 while each panel reads them; all 512 rows of a prefill chunk would spill to L3
  * (1.5x slower at 512 rows on an Ice Lake Xeon). */
@@ -40,25 +58,25 @@
 static inline __attribute__((always_inline)) void panel_group(
         const float *x, int64_t ldx, int m, const float *panel, int64_t k0, int64_t k1,
         float *sums) {
-    v16f acc[PANEL_GROUP][2];
+    panel_vec acc[PANEL_GROUP][PANEL_REGS];
     _Pragma("GCC unroll 12") for (int t = 0; t < m; t++)
-        for (int v = 0; v < 2; v++) {
-            acc[t][v] = (v16f){0};
-            if (k0 > 0) memcpy(&acc[t][v], sums + t * PANEL_COLS + 16 * v, sizeof acc[t][v]);
+        for (int v = 0; v < PANEL_REGS; v++) {
+            acc[t][v] = (panel_vec){0};
+            if (k0 > 0)
+                memcpy(&acc[t][v], sums + t * PANEL_COLS + PANEL_LANES * v, sizeof acc[t][v]);
         }
     for (int64_t kk = k0; kk < k1; kk++) {
-        v16f w0, w1;
-        memcpy(&w0, panel + (kk - k0) * PANEL_COLS, sizeof w0);
-        memcpy(&w1, panel + (kk - k0) * PANEL_COLS + 16, sizeof w1);
+        panel_vec w[PANEL_REGS];
+        for (int v = 0; v < PANEL_REGS; v++)
+            memcpy(&w[v], panel + (kk - k0) * PANEL_COLS + PANEL_LANES * v, sizeof w[v]);
         _Pragma("GCC unroll 12") for (int t = 0; t < m; t++) {
             const float xv = x[t * ldx + kk];
-            acc[t][0] += xv * w0;
-            acc[t][1] += xv * w1;
+            for (int v = 0; v < PANEL_REGS; v++) acc[t][v] += xv * w[v];
         }
     }
     _Pragma("GCC unroll 12") for (int t = 0; t < m; t++)
-        for (int v = 0; v < 2; v++)
-            memcpy(sums + t * PANEL_COLS + 16 * v, &acc[t][v], sizeof acc[t][v]);
+        for (int v = 0; v < PANEL_REGS; v++)
+            memcpy(sums + t * PANEL_COLS + PANEL_LANES * v, &acc[t][v], sizeof acc[t][v]);
 }
 
 /* All m rows of x (any number), a group at a time, with the group's size known to the
@@ -71,11 +89,15 @@ static inline void panel_rows(const float *x, int64_t ldx, int64_t m, const floa
         float *s = sums + t0 * PANEL_COLS;
         switch (m - t0 < PANEL_GROUP ? (int)(m - t0) : PANEL_GROUP) {
             PANEL_CASE(1) PANEL_CASE(2) PANEL_CASE(3) PANEL_CASE(4) PANEL_CASE(5)
-            PANEL_CASE(6) PANEL_CASE(7) PANEL_CASE(8) PANEL_CASE(9) PANEL_CASE(10)
-            PANEL_CASE(11) PANEL_CASE(12)
+            PANEL_CASE(6)
+#if PANEL_GROUP == 12
+            PANEL_CASE(7) PANEL_CASE(8) PANEL_CASE(9) PANEL_CASE(10) PANEL_CASE(11)
+            PANEL_CASE(12)
+#endif
         }
     }
 #undef PANEL_CASE
 }
+#endif
 
 #endif

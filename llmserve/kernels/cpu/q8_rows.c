@@ -7,9 +7,10 @@
  * stream's decode step; this one sign-extends 16 codes to float32 lanes and multiplies
  * them by up to 4 rows of x at once, 4 weight rows at a time (2 and 2 on AVX2), and a
  * second group of rows reads the weight tile again from L1, so the weight streams from
- * memory once. From Q8_MANY_ROWS rows (a decode step of many sequences), an AVX-512
- * build without bf16 arithmetic runs a GEMM over panels instead (q8_rows_many). Built into the one library by
- * native.py; declared in kernels.h.
+ * memory once. From Q8_MANY_ROWS rows (a decode step of many sequences), a build
+ * without bf16 arithmetic (AVX-512 without AVX512-BF16, or AVX2) runs a GEMM over
+ * panels instead (q8_rows_many). Built into the one library by native.py; declared in
+ * kernels.h.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -50,7 +51,26 @@ static inline v16f codes16(const int8_t *p) {
 #endif
 }
 
-static inline float sum16(v16f v) {
+/* The tiles' registers: 16 lanes, except on AVX2, where they are its own 8 (16-lane
+ * vectors, two AVX2 registers each, would live on the stack: 3x slower than ATen). */
+#if defined(__AVX2__) && !defined(__AVX512F__)
+typedef float q8_vec __attribute__((vector_size(32)));
+
+static inline q8_vec q8_codes(const int8_t *p) {  /* 8 int8 codes as float32 lanes */
+    return (q8_vec)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+
+static inline float q8_sum(q8_vec v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128((__m256)v), _mm256_extractf128_ps((__m256)v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+#else
+typedef v16f q8_vec;
+
+static inline q8_vec q8_codes(const int8_t *p) { return codes16(p); }
+
+static inline float q8_sum(v16f v) {
 #if defined(__AVX512F__)
     return _mm512_reduce_add_ps((__m512)v);
 #else
@@ -59,6 +79,8 @@ static inline float sum16(v16f v) {
     return s;
 #endif
 }
+#endif
+#define Q8_LANES ((int)(sizeof(q8_vec) / sizeof(float)))
 
 /* The tile's sums acc[t][r] (token t, weight row n0 + r) scaled, rounded to bf16 (+
  * bias, rounded again, as the torch path adds it) into y. A macro: the sums must stay
@@ -66,7 +88,7 @@ static inline float sum16(v16f v) {
 #define Q8_STORE(acc, m, wr, scales, bias, n0, y, ldy)                              \
     for (int t_ = 0; t_ < (m); t_++)                                                \
         for (int r_ = 0; r_ < (wr); r_++) {                                         \
-            float v_ = sum16((acc)[t_][r_]) * bf16_to_f32((scales)[(n0) + r_]);     \
+            float v_ = q8_sum((acc)[t_][r_]) * bf16_to_f32((scales)[(n0) + r_]);     \
             if ((bias) != NULL) v_ = bf16_to_f32(f32_to_bf16(v_)) + (bias)[(n0) + r_]; \
             (y)[t_ * (ldy) + (n0) + r_] = f32_to_bf16(v_);                          \
         }
@@ -76,20 +98,20 @@ static inline float sum16(v16f v) {
 static inline __attribute__((always_inline)) void q8_tile(
         const float *xf, int m, int wr, const int8_t *q, const uint16_t *scales,
         const float *bias, int64_t n0, int64_t k, uint16_t *y, int64_t ldy) {
-    v16f acc[Q8_TOKENS][Q8_WROWS];
+    q8_vec acc[Q8_TOKENS][Q8_WROWS];
     for (int t = 0; t < m; t++)
-        for (int r = 0; r < wr; r++) acc[t][r] = (v16f){0};
+        for (int r = 0; r < wr; r++) acc[t][r] = (q8_vec){0};
     /* Q8_PREFETCH bytes on in the thread's stream, a line per 64 bytes of this tile:
      * the hardware prefetcher alone kept a thread at ~7 GB/s on a Xeon. */
     const uintptr_t ahead = (uintptr_t)(q + n0 * k) + Q8_PREFETCH;  /* may lie past q */
-    for (int64_t k0 = 0; k0 < k; k0 += 16) {
+    for (int64_t k0 = 0; k0 < k; k0 += Q8_LANES) {
         if ((k0 & 63) == 0)
             for (int r = 0; r < wr; r++)
                 __builtin_prefetch((const void *)(ahead + (uintptr_t)(r * k + k0)), 0, 3);
-        v16f w[Q8_WROWS];
-        for (int r = 0; r < wr; r++) w[r] = codes16(q + (n0 + r) * k + k0);
+        q8_vec w[Q8_WROWS];
+        for (int r = 0; r < wr; r++) w[r] = q8_codes(q + (n0 + r) * k + k0);
         for (int t = 0; t < m; t++) {
-            v16f xv;
+            q8_vec xv;
             memcpy(&xv, xf + t * k + k0, sizeof xv);
             for (int r = 0; r < wr; r++) acc[t][r] += xv * w[r];
         }
@@ -118,6 +140,7 @@ static void q8_tile_any(const float *xf, int m, int wr, const int8_t *q, const u
  * tile above converts the codes again for each 4 rows of x and reduces each sum across
  * its lanes: at 32 rows those, not memory, bound it. */
 
+#if PANEL_VECS == 2
 /* 16 rows of 16 floats (r[i]: row i) transposed in place (r[j]: column j). */
 static inline __attribute__((always_inline)) void transpose16(__m512 r[16]) {
     __m512 t[16];
@@ -146,25 +169,73 @@ static inline __attribute__((always_inline)) void transpose16(__m512 r[16]) {
     for (int j = 0; j < 16; j++) r[j] = t[j];
 }
 
+/* The 16 x 16 block of codes at (weight row n0 + 16h, column kb), transposed into the
+ * panel; the next panel's line for each 4 rows asked for (see q8_panel). */
+static inline __attribute__((always_inline)) void q8_block(
+        const int8_t *q, int64_t n0, int64_t k, int64_t kb, int64_t k0, int h,
+        const int8_t *next, float *panel) {
+    __m512 r[16];
+    for (int i = 0; i < 16; i++) {
+        const int64_t row = h * 16 + i, step = kb / 16 * PANEL_COLS + row;
+        if (next != NULL && step % 4 == 0) __builtin_prefetch(next + step * 16, 0, 3);
+        r[i] = (__m512)codes16(q + (n0 + row) * k + kb);
+    }
+    transpose16(r);
+    for (int j = 0; j < 16; j++)
+        _mm512_storeu_ps(panel + (kb - k0 + j) * PANEL_COLS + h * 16, r[j]);
+}
+#else
+/* 8 rows of 8 floats (r[i]: row i) transposed in place (r[j]: column j). */
+static inline __attribute__((always_inline)) void transpose8(__m256 r[8]) {
+    __m256 t[8], u[8];
+    for (int i = 0; i < 4; i++) {  /* per 128-bit lane: pairs of rows interleaved */
+        t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 2; i++) {  /* u[4i + j], lane L: column 4L + j of rows 4i..4i+3 */
+        u[4 * i] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+        u[4 * i + 1] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
+        u[4 * i + 2] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+        u[4 * i + 3] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
+    }
+    for (int j = 0; j < 4; j++) {  /* the two 128-bit lanes of column j (and j + 4) */
+        r[j] = _mm256_permute2f128_ps(u[j], u[4 + j], 0x20);
+        r[4 + j] = _mm256_permute2f128_ps(u[j], u[4 + j], 0x31);
+    }
+}
+
+/* q8_block for AVX2 (16-column panels): the 16 x 16 block of codes at (weight row n0,
+ * column kb) as four 8 x 8 transposes. */
+static inline __attribute__((always_inline)) void q8_block(
+        const int8_t *q, int64_t n0, int64_t k, int64_t kb, int64_t k0, int h,
+        const int8_t *next, float *panel) {
+    (void)h;  /* one block of 16 rows per panel */
+    for (int rh = 0; rh < 2; rh++) {
+        __m256 lo[8], hi[8];  /* columns kb..kb+7 and kb+8..kb+15 of 8 weight rows */
+        for (int i = 0; i < 8; i++) {
+            const int64_t row = rh * 8 + i, step = kb / 16 * PANEL_COLS + row;
+            if (next != NULL && step % 4 == 0) __builtin_prefetch(next + step * 16, 0, 3);
+            v16f codes = codes16(q + (n0 + row) * k + kb);
+            memcpy(&lo[i], &codes, sizeof lo[i]);
+            memcpy(&hi[i], (const char *)&codes + sizeof lo[i], sizeof hi[i]);
+        }
+        transpose8(lo);
+        transpose8(hi);
+        for (int j = 0; j < 8; j++) {
+            _mm256_storeu_ps(panel + (kb - k0 + j) * PANEL_COLS + rh * 8, lo[j]);
+            _mm256_storeu_ps(panel + (kb - k0 + 8 + j) * PANEL_COLS + rh * 8, hi[j]);
+        }
+    }
+}
+#endif
+
 /* panel [k1 - k0, PANEL_COLS] = columns [k0, k1) of weight rows [n0, n0 + PANEL_COLS),
  * transposed, as float32 codes; the next panel's bytes (next, or NULL) asked for
  * meanwhile, a line per 64 bytes read, spread over the panel's chunks. */
 static void q8_panel(const int8_t *q, int64_t n0, int64_t k, int64_t k0, int64_t k1,
                      const int8_t *next, float *panel) {
     for (int64_t kb = k0; kb < k1; kb += 16)
-        for (int h = 0; h < PANEL_COLS / 16; h++) {
-            __m512 r[16];
-            for (int i = 0; i < 16; i++) {
-                const int64_t row = h * 16 + i;
-                const int64_t step = (kb / 16 * (PANEL_COLS / 16) + h) * 16 + i;
-                if (next != NULL && step % 4 == 0)
-                    __builtin_prefetch(next + step * 16, 0, 3);
-                r[i] = (__m512)codes16(q + (n0 + row) * k + kb);
-            }
-            transpose16(r);
-            for (int j = 0; j < 16; j++)
-                _mm512_storeu_ps(panel + (kb - k0 + j) * PANEL_COLS + h * 16, r[j]);
-        }
+        for (int h = 0; h < PANEL_VECS; h++) q8_block(q, n0, k, kb, k0, h, next, panel);
 }
 
 /* Weight rows [first, last) (whole panels) for all m rows of xf; scratch:
@@ -181,13 +252,13 @@ static void q8_rows_many(const float *xf, int64_t m, const int8_t *q, const uint
             q8_panel(q, n0, k, k0, k1, next, panel);
             panel_rows(xf, k, m, panel, k0, k1, sums);
         }
-        v16f scale[2], add[2];
-        for (int v = 0; v < 2; v++) {
+        v16f scale[PANEL_VECS], add[PANEL_VECS];
+        for (int v = 0; v < PANEL_VECS; v++) {
             scale[v] = load16_bf16(scales + n0 + 16 * v);
             if (bias != NULL) memcpy(&add[v], bias + n0 + 16 * v, sizeof add[v]);
         }
         for (int64_t t = 0; t < m; t++)
-            for (int v = 0; v < 2; v++) {
+            for (int v = 0; v < PANEL_VECS; v++) {
                 v16f sum;
                 memcpy(&sum, sums + t * PANEL_COLS + 16 * v, sizeof sum);
                 uint16_t *out = y + t * ldy + n0 + 16 * v;
