@@ -152,7 +152,7 @@ static inline __attribute__((always_inline)) void q4_pass(
     }
 }
 
-#if defined(__AVX2__) && !defined(__AVX512F__)
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
 /* q4_pass for AVX2 builds and ATen's AVX2 pack (BN 32: one chunk is the whole block),
  * m <= 2 tokens, in AVX2's own 8-lane registers: q4_pass's 16-lane vectors are two
  * registers each, and GCC keeps arrays of them on the stack (8x slower than ATen at
@@ -215,7 +215,7 @@ static inline __attribute__((always_inline)) void q4_pass_avx2(
 static void q4_tile(const float *xf, const float *xsum, int m, int nc, int64_t K, int64_t N,
                     int BN, const uint8_t *w, const uint16_t *sz, int64_t col0,
                     v16f acc[TILE][4]) {
-#if defined(__AVX2__) && !defined(__AVX512F__)
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
     if (BN == 32) {  /* (nc is 1: a chunk is the whole block) tokens two at a time */
         const int64_t groups = K / GROUP;
         for (int t0 = 0; t0 < m; t0 += 2) {
