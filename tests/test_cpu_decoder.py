@@ -294,14 +294,14 @@ def test_rebinding_the_cache_drops_the_native_stack():
 
 def test_the_row_limit_follows_the_cpu_kind(monkeypatch):
     """16 rows where quant_gemm's tiles take the per-op path (bf16 CPUs), 128 where
-    they do not run and the library has its panel GEMM (AVX-512 without bf16, and AVX2
-    with its 32-column pack); without the panels, 32 and (AVX2) 8."""
+    they do not run and the library has its panel GEMM (AVX-512 without bf16; 32 for
+    AVX2's 32-column pack); without the panels, 32 and (AVX2) 8."""
     monkeypatch.setattr(native_decoder, "quant_tiled_available", lambda bits: True)
     assert native_decoder.max_native_tokens(64) == native_decoder.MAX_NATIVE_TOKENS == 16
     monkeypatch.setattr(native_decoder, "quant_tiled_available", lambda bits: False)
     monkeypatch.setattr(native_decoder, "panel_gemms_built", lambda: True)
     assert native_decoder.max_native_tokens(64) == 128
-    assert native_decoder.max_native_tokens(32) == 128
+    assert native_decoder.max_native_tokens(32) == native_decoder.MAX_NATIVE_TOKENS_AVX2_PANELS == 32
     monkeypatch.setattr(native_decoder, "panel_gemms_built", lambda: False)
     assert native_decoder.max_native_tokens(64) == native_decoder.MAX_NATIVE_TOKENS_TILES_ONLY
     assert native_decoder.max_native_tokens(32) == native_decoder.MAX_NATIVE_TOKENS_AVX2 == 8

@@ -31,9 +31,13 @@ log = logging.getLogger(__name__)
 # steps (1 + k rows each) run in C too.
 MAX_NATIVE_TOKENS = 16
 # Where ATen packs for AVX2 (32-column blocks) the kernel is built for AVX2 too and
-# dequantises once per 4 tokens: the crossover measured there was 8, before the panel
+# dequantises once per 2 tokens: the crossover measured there was 8, before the panel
 # GEMM (a library built without it keeps that limit).
 MAX_NATIVE_TOKENS_AVX2 = 8
+# With the panel GEMM from 16 rows (emulated AVX2 on an Ice Lake Xeon, 2 cores,
+# benchmarks/cpu_decoder.py, context 200), op by op / C: 1.91 at 1 row, 1.53 at 4,
+# 1.22 at 8, 1.13 at 16, 1.16 at 32, 0.85 at 64, 0.32 at 128.
+MAX_NATIVE_TOKENS_AVX2_PANELS = 32
 # Where quant_gemm does not run (AVX-512 without BF16: no bf16 arithmetic), the C
 # stack's products of 16 rows and more are a GEMM over dequantised panels (decoder.c),
 # and it stays ahead of the per-op path up to the engine's default max_num_seqs. Ice
@@ -49,7 +53,7 @@ MAX_NATIVE_TOKENS_TILES_ONLY = 32
 def max_native_tokens(block_n: int) -> int:
     """The most rows a step may have to run in C, for ATen's int4 pack layout here."""
     if block_n != 64:
-        return MAX_NATIVE_TOKENS_WITHOUT_BF16 if panel_gemms_built() else MAX_NATIVE_TOKENS_AVX2
+        return MAX_NATIVE_TOKENS_AVX2_PANELS if panel_gemms_built() else MAX_NATIVE_TOKENS_AVX2
     if quant_tiled_available(4):
         return MAX_NATIVE_TOKENS
     return MAX_NATIVE_TOKENS_WITHOUT_BF16 if panel_gemms_built() else MAX_NATIVE_TOKENS_TILES_ONLY
