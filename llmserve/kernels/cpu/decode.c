@@ -355,6 +355,56 @@ static inline __attribute__((always_inline)) void scores_dpbf16(
 #define USE_DPBF16 0
 #endif
 
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+/* Lane j: the sum of d[j]'s 8 lanes (a tree of horizontal adds). */
+static inline __attribute__((always_inline)) __m256 sum_lanes8(const __m256 d[8]) {
+    const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(d[0], d[1]), _mm256_hadd_ps(d[2], d[3]));
+    const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(d[4], d[5]), _mm256_hadd_ps(d[6], d[7]));
+    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20),
+                         _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+/* scores_fp32 for a bf16 cache on AVX2, in its own 8-lane registers (tile_scores's 16
+ * sums of 16 lanes would be 32 of its 16 registers): 8 keys' sums at a time, each K
+ * chunk of 16 values widened to its 8 even and 8 odd ones (pair order: see
+ * weighted_values_avx2), q read from L1. */
+static inline __attribute__((always_inline)) void scores_avx2(
+        const void *q, int64_t q_off, const void *kv, const int64_t *off, int padded,
+        int64_t v_offset, int row_bytes, const int head_dim, const int group, float scale,
+        float *scores) {
+    float qs[MAX_GROUP][128];  /* scaled, in pair order */
+    for (int g = 0; g < group; g++) {
+        float row[128];
+        load_row(q, q_off + g * head_dim, DTYPE_BF16, head_dim, row);
+        for (int d = 0; d < head_dim; d++) qs[g][pair_pos(d, DTYPE_BF16)] = row[d] * scale;
+    }
+    const uint16_t *cache = (const uint16_t *)kv;
+    const __m256i high16 = _mm256_set1_epi32((int)0xFFFF0000u);
+    for (int t = 0; t < padded; t += TILE) {
+        if (t + TILE < padded)
+            prefetch_tile(kv, off + t + TILE, v_offset, row_bytes, head_dim, DTYPE_BF16);
+        for (int g = 0; g < group; g++)
+            for (int h = 0; h < TILE / 8; h++) {
+                __m256 dots[8];
+                for (int j = 0; j < 8; j++) {
+                    __m256 s = _mm256_setzero_ps();
+                    for (int c = 0; c < head_dim / 16; c++) {
+                        const __m256i w = _mm256_loadu_si256(
+                            (const __m256i *)(cache + off[t + 8 * h + j] + 16 * c));
+                        const float *qc = qs[g] + 32 * (c / 2) + 8 * (c % 2);
+                        s = _mm256_fmadd_ps(_mm256_loadu_ps(qc),
+                                            _mm256_castsi256_ps(_mm256_slli_epi32(w, 16)), s);
+                        s = _mm256_fmadd_ps(_mm256_loadu_ps(qc + 16),
+                                            _mm256_castsi256_ps(_mm256_and_si256(w, high16)), s);
+                    }
+                    dots[j] = s;
+                }
+                _mm256_storeu_ps(scores + (int64_t)g * padded + t + 8 * h, sum_lanes8(dots));
+            }
+    }
+}
+#endif
+
 /* The scores pass specialised on head_dim and dtype only: the group is a loop here
  * (its q rows are read from L1 with the keys), which costs little and keeps the
  * build fast (fully unrolled tiles for every group size took seconds to compile). */
@@ -371,6 +421,11 @@ static __attribute__((noinline)) void score_tiles(
     else if (dtype == DTYPE_BF16)
         scores_dpbf16(q, q_off, kv, off, padded, v_offset, row_bytes, 128, group, scale,
                       scores);
+#elif defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+    if (dtype == DTYPE_BF16 && head_dim == 64)
+        scores_avx2(q, q_off, kv, off, padded, v_offset, row_bytes, 64, group, scale, scores);
+    else if (dtype == DTYPE_BF16)
+        scores_avx2(q, q_off, kv, off, padded, v_offset, row_bytes, 128, group, scale, scores);
 #else
     if (dtype == DTYPE_BF16 && head_dim == 64) SCORES_FP32(64, DTYPE_BF16);
     else if (dtype == DTYPE_BF16) SCORES_FP32(128, DTYPE_BF16);
