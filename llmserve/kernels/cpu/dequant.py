@@ -1,6 +1,6 @@
 """int4 products of many rows on CPUs without bf16 arithmetic (``dequant.c``).
 
-Where neither AVX512-BF16 nor AMX is there (Ice Lake and older Xeons), gemm.c's
+Where neither AVX512-BF16 nor AMX is there (Ice Lake and older Xeons, AVX2-only CPUs), gemm.c's
 quant_gemm does not run, and ATen's weight-only int4 kernel re-reads and
 re-dequantises the weight for each small tile of rows. From ``PANEL_MIN_ROWS`` rows the
 C kernel (decoder.c's q4_matmul) runs the product as a GEMM over panels of the weight

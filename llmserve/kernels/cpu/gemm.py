@@ -202,11 +202,11 @@ def quant_gemm(x: torch.Tensor, linear) -> torch.Tensor:
 
 
 # At most this many rows go through q8_rows.c where it is built without panel.h's GEMM
-# (more: ATen's kernel). With it (AVX-512 without bf16 arithmetic) it takes any number:
-# from 12 rows as a GEMM over converted panels of the weight (2.0x ATen's kernel at 32
-# rows on an Ice Lake Xeon; docs/benchmarks.md). Where quant_gemm's tiles run (from
-# quant_tiled_min_rows(): 8 on AMX and Zen 4) they take those rows first, so q8_rows
-# sees 1-7 there.
+# (more: ATen's kernel). With it (AVX-512 without bf16 arithmetic, AVX2) it takes any
+# number: from 12 rows as a GEMM over converted panels of the weight (2.0x ATen's kernel
+# at 32 rows on an Ice Lake Xeon, 1.6x in its AVX2 build; docs/benchmarks.md). Where
+# quant_gemm's tiles run (from quant_tiled_min_rows(): 8 on AMX and Zen 4) they take
+# those rows first, so q8_rows sees 1-7 there.
 Q8_ROWS_MAX = 8
 
 
