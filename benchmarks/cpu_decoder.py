@@ -70,6 +70,8 @@ def step_section(batches: list[int], context: int, steps: int) -> dict:
     # measure past the engine's limits
     native_decoder.MAX_NATIVE_TOKENS = native_decoder.MAX_NATIVE_TOKENS_AVX2 = max(batches)
     native_decoder.MAX_NATIVE_TOKENS_WITHOUT_BF16 = max(batches)
+    native_decoder.MAX_NATIVE_TOKENS_AVX2_PANELS = max(batches)
+    native_decoder.MAX_NATIVE_TOKENS_TILES_ONLY = max(batches)
     print(f"decode step of the built-in model (bf16 + int4, context {context}), ms: "
           f"op by op vs C, ratio = op by op / C (> 1: C faster)")
     out = {}

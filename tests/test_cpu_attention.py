@@ -183,11 +183,12 @@ rng = random.Random(1)
 num_blocks, tables = 64, [rng.sample(range(64), 20) for _ in range(4)]
 lens = [300, 17, 1, 250]
 starts = [0, 1, 2, 3, 4]
-# GQA groups 4, 3, 1 and 6, both head sizes of the fast path: float32, and bf16, whose
-# value pass has AVX2 code of its own
+# GQA groups 4, 3, 1, 6, 7 and 8, both head sizes of the fast path: float32, and bf16,
+# whose scores and value passes have AVX2 code of their own
 for dtype in (torch.float32, torch.bfloat16):
     worst = 0.0
-    for heads, kv_heads, head_dim in ((8, 2, 64), (9, 3, 64), (4, 4, 64), (6, 1, 128)):
+    for heads, kv_heads, head_dim in ((8, 2, 64), (9, 3, 64), (4, 4, 64), (6, 1, 128),
+                                      (14, 2, 64), (8, 1, 128)):
         cache = torch.randn(2, num_blocks, 16, kv_heads, head_dim).to(dtype)
         q = torch.randn(4, heads, head_dim).to(dtype)
         native = paged_attention_cpu(q, cache, make_cpu_plan(starts, lens, tables, 16, 64, True),

@@ -138,9 +138,10 @@ static inline __attribute__((always_inline)) void attend_one(
 }
 
 /* ---- The fast path (attend_tiled): head_dim 64 or 128, GQA group 1..8. Scores a
- * tile of 16 keys at a time, their 16 dot products reduced together; K and V rows
- * widened from bf16 straight into registers; the group's accumulators in registers
- * (group and head_dim compile-time constants in the value pass). ---- */
+ * tile of 16 keys at a time, their 16 dot products reduced together (8 and 8 on AVX2);
+ * K and V rows widened from bf16 straight into registers; the group's accumulators in
+ * registers (group and head_dim compile-time constants in the value pass; on AVX2,
+ * the group, 16 values of head_dim a pass). ---- */
 
 #define TILE 16     /* keys whose scores are reduced together */
 #define MAX_GROUP 8 /* the largest GQA group specialised */
@@ -355,7 +356,7 @@ static inline __attribute__((always_inline)) void scores_dpbf16(
 #define USE_DPBF16 0
 #endif
 
-#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+#if defined(AVX2_ONLY)
 /* Lane j: the sum of d[j]'s 8 lanes (a tree of horizontal adds). */
 static inline __attribute__((always_inline)) __m256 sum_lanes8(const __m256 d[8]) {
     const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(d[0], d[1]), _mm256_hadd_ps(d[2], d[3]));
@@ -421,7 +422,7 @@ static __attribute__((noinline)) void score_tiles(
     else if (dtype == DTYPE_BF16)
         scores_dpbf16(q, q_off, kv, off, padded, v_offset, row_bytes, 128, group, scale,
                       scores);
-#elif defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+#elif defined(AVX2_ONLY)
     if (dtype == DTYPE_BF16 && head_dim == 64)
         scores_avx2(q, q_off, kv, off, padded, v_offset, row_bytes, 64, group, scale, scores);
     else if (dtype == DTYPE_BF16)
@@ -487,14 +488,15 @@ static inline __attribute__((always_inline)) void weighted_values(
         memcpy(acc_out + g * head_dim, acc[g], sizeof(float) * head_dim);
 }
 
-#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+#if defined(AVX2_ONLY)
 /* weighted_values for a bf16 cache on AVX2, in its own 8-lane registers: 16 values of
  * each row at a time (a pass over the context per 16 of head_dim), so that the
- * group's sums fit its 16 registers (the 16-lane vectors of weighted_values would be
- * two registers each, kept on the stack: a quarter of a 32-stream decode step went
- * there). A load of 16 bf16 values widens to 8 even and 8 odd ones: in pair order
- * (load_pair), positions 32p + 8h + i and 32p + 16 + 8h + i of the row's pair block p,
- * half h. The same sums in the same order as weighted_values. */
+ * group's sums fit its 16 registers up to a group of 6 (7 and 8 spill a few; the
+ * 16-lane vectors of weighted_values would be two registers each, kept on the stack:
+ * a quarter of a 32-stream decode step went there). A load of 16 bf16 values widens
+ * to 8 even and 8 odd ones: in pair order (load_pair), positions 32p + 8h + i and
+ * 32p + 16 + 8h + i of the row's pair block p, half h. The same sums in the same
+ * order as weighted_values. */
 static inline __attribute__((always_inline)) void weighted_values_avx2(
         const void *kv, const int64_t *off, int seq_len, int64_t v_offset,
         const float *probs, int padded, const int head_dim, const int group,
@@ -532,8 +534,8 @@ static inline __attribute__((always_inline)) void weighted_values_avx2(
 #endif
 
 /* weighted_values for each (head_dim, group, dtype) the fast path takes (each group
- * size only with AVX-512's 32 registers: elsewhere it would only spill, and compile
- * for long). */
+ * size with AVX-512's 32 registers, and with AVX2's 16 for bf16 caches by
+ * weighted_values_avx2: elsewhere it would only spill, and compile for long). */
 static __attribute__((noinline)) void value_pass(
         const void *kv, const int64_t *off, int seq_len, int64_t v_offset,
         const float *probs, int padded, int head_dim, int group, int dtype,
@@ -555,7 +557,7 @@ static __attribute__((noinline)) void value_pass(
 #else  /* 16 vector registers or fewer: the accumulators would not fit anyway */
 #define VALUES_G(HD, DT) { VALUES(HD, group, DT); return; }
 #endif
-#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+#if defined(AVX2_ONLY)
 #define VALUES_AVX2(G) \
     weighted_values_avx2(kv, off, seq_len, v_offset, probs, padded, head_dim, G, la, acc)
     if (dtype == DTYPE_BF16) {  /* the group a constant: its sums stay in registers */
@@ -567,7 +569,8 @@ static __attribute__((noinline)) void value_pass(
         case 5: VALUES_AVX2(5); return;
         case 6: VALUES_AVX2(6); return;
         case 7: VALUES_AVX2(7); return;
-        default: VALUES_AVX2(8); return;
+        case 8: VALUES_AVX2(8); return;  /* (attend_tiled takes groups up to MAX_GROUP) */
+        default: break;
         }
     }
 #undef VALUES_AVX2

@@ -26,8 +26,8 @@
 
 #define GROUP 32  /* int4 group size along K (quantization.INT4_GROUP) */
 /* Tokens sharing one read of a weight chunk (q4_pass): their 2 TILE vectors of sums,
- * the 2 columns and a broadcast x fill AVX-512's 32 registers; AVX2's 16 (of half the
- * width) hold half as many tokens. */
+ * the 2 columns and a broadcast x fill AVX-512's 32 registers; on AVX2 a tile of 4 is
+ * taken 2 tokens a pass (q4_pass_avx2). */
 #if defined(__AVX512F__)
 #define TILE 8
 #else
@@ -152,12 +152,12 @@ static inline __attribute__((always_inline)) void q4_pass(
     }
 }
 
-#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+#if defined(AVX2_ONLY)
 /* q4_pass for AVX2 builds and ATen's AVX2 pack (BN 32: one chunk is the whole block),
  * m <= 2 tokens, in AVX2's own 8-lane registers: q4_pass's 16-lane vectors are two
  * registers each, and GCC keeps arrays of them on the stack (8x slower than ATen at
  * one token). The same arithmetic in the same order as q4_pass (the per-group sums
- * of q x, then scale and zero), so the results are the same bits; the running sums
+ * of q x, then scale and zero); the running sums
  * stay in memory (L1), touched once a group, so the group's 4 m sums, the 4 column
  * vectors and a broadcast fit the 16 registers. */
 static inline __attribute__((always_inline)) void q4_pass_avx2(
@@ -215,7 +215,7 @@ static inline __attribute__((always_inline)) void q4_pass_avx2(
 static void q4_tile(const float *xf, const float *xsum, int m, int nc, int64_t K, int64_t N,
                     int BN, const uint8_t *w, const uint16_t *sz, int64_t col0,
                     v16f acc[TILE][4]) {
-#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+#if defined(AVX2_ONLY)
     if (BN == 32) {  /* (nc is 1: a chunk is the whole block) tokens two at a time */
         const int64_t groups = K / GROUP;
         for (int t0 = 0; t0 < m; t0 += 2) {

@@ -28,6 +28,14 @@ static inline uint16_t f32_to_bf16(float f) {  /* round to nearest even */
     return (uint16_t)(u >> 16);
 }
 
+/* A build for AVX2 + FMA without AVX-512 (Zen 2/3, Haswell to Broadwell; or any CPU
+ * with ATEN_CPU_CAPABILITY=avx2): where the kernels keep their hot loops in AVX2's own
+ * 8-lane registers, as the 16-lane vectors below are two AVX2 registers each, and GCC
+ * keeps arrays of them (a tile's sums) on the stack. */
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+#define AVX2_ONLY 1
+#endif
+
 /* 16 lanes, whatever the ISA: one AVX-512 register, two AVX2 ones (GCC vector types). */
 typedef float v16f __attribute__((vector_size(64)));
 typedef int32_t v16i __attribute__((vector_size(64)));

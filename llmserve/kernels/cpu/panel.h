@@ -28,7 +28,7 @@
 #define PANEL_GEMMS 1
 #define PANEL_VECS 2
 #define PANEL_GROUP 12
-#elif defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+#elif defined(AVX2_ONLY)
 #define PANEL_GEMMS 1
 #define PANEL_VECS 1
 #define PANEL_GROUP 6

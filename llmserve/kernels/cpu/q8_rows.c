@@ -53,7 +53,7 @@ static inline v16f codes16(const int8_t *p) {
 
 /* The tiles' registers: 16 lanes, except on AVX2, where they are its own 8 (16-lane
  * vectors, two AVX2 registers each, would live on the stack: 3x slower than ATen). */
-#if defined(__AVX2__) && !defined(__AVX512F__)
+#if defined(AVX2_ONLY)
 typedef float q8_vec __attribute__((vector_size(32)));
 
 static inline q8_vec q8_codes(const int8_t *p) {  /* 8 int8 codes as float32 lanes */
@@ -215,9 +215,8 @@ static inline __attribute__((always_inline)) void q8_block(
         for (int i = 0; i < 8; i++) {
             const int64_t row = rh * 8 + i, step = kb / 16 * PANEL_COLS + row;
             if (next != NULL && step % 4 == 0) __builtin_prefetch(next + step * 16, 0, 3);
-            v16f codes = codes16(q + (n0 + row) * k + kb);
-            memcpy(&lo[i], &codes, sizeof lo[i]);
-            memcpy(&hi[i], (const char *)&codes + sizeof lo[i], sizeof hi[i]);
+            lo[i] = (__m256)q8_codes(q + (n0 + row) * k + kb);
+            hi[i] = (__m256)q8_codes(q + (n0 + row) * k + kb + 8);
         }
         transpose8(lo);
         transpose8(hi);
