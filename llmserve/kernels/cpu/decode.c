@@ -380,7 +380,6 @@ static inline __attribute__((always_inline)) void scores_avx2(
         for (int d = 0; d < head_dim; d++) qs[g][pair_pos(d, DTYPE_BF16)] = row[d] * scale;
     }
     const uint16_t *cache = (const uint16_t *)kv;
-    const __m256i high16 = _mm256_set1_epi32((int)0xFFFF0000u);
     for (int t = 0; t < padded; t += TILE) {
         if (t + TILE < padded)
             prefetch_tile(kv, off + t + TILE, v_offset, row_bytes, head_dim, DTYPE_BF16);
@@ -393,10 +392,10 @@ static inline __attribute__((always_inline)) void scores_avx2(
                         const __m256i w = _mm256_loadu_si256(
                             (const __m256i *)(cache + off[t + 8 * h + j] + 16 * c));
                         const float *qc = qs[g] + 32 * (c / 2) + 8 * (c % 2);
-                        s = _mm256_fmadd_ps(_mm256_loadu_ps(qc),
-                                            _mm256_castsi256_ps(_mm256_slli_epi32(w, 16)), s);
-                        s = _mm256_fmadd_ps(_mm256_loadu_ps(qc + 16),
-                                            _mm256_castsi256_ps(_mm256_and_si256(w, high16)), s);
+                        __m256 even, odd;
+                        bf16_halves8(w, &even, &odd);
+                        s = _mm256_fmadd_ps(_mm256_loadu_ps(qc), even, s);
+                        s = _mm256_fmadd_ps(_mm256_loadu_ps(qc + 16), odd, s);
                     }
                     dots[j] = s;
                 }
@@ -502,7 +501,6 @@ static inline __attribute__((always_inline)) void weighted_values_avx2(
         const float *probs, int padded, const int head_dim, const int group,
         struct lookahead *la, float *acc_out) {
     const uint16_t *cache = (const uint16_t *)kv + v_offset;
-    const __m256i high16 = _mm256_set1_epi32((int)0xFFFF0000u);
     prefetch_rows(kv, v_offset, off, PREFETCH_AHEAD < seq_len ? PREFETCH_AHEAD : seq_len,
                   head_dim, DTYPE_BF16);
     for (int c = 0; c < head_dim / 16; c++) {
@@ -516,8 +514,8 @@ static inline __attribute__((always_inline)) void weighted_values_avx2(
                 lookahead_row(la);
             }
             const __m256i w = _mm256_loadu_si256((const __m256i *)(cache + off[t] + 16 * c));
-            const __m256 lo = _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
-            const __m256 hi = _mm256_castsi256_ps(_mm256_and_si256(w, high16));
+            __m256 lo, hi;
+            bf16_halves8(w, &lo, &hi);
             for (int g = 0; g < group; g++) {
                 const __m256 p = _mm256_broadcast_ss(&probs[(int64_t)g * padded + t]);
                 even[g] = _mm256_fmadd_ps(p, lo, even[g]);

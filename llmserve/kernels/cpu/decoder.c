@@ -164,7 +164,7 @@ static inline __attribute__((always_inline)) void q4_pass_avx2(
         const float *xf, const float *xsum, const int m, int64_t K, int64_t N,
         const uint8_t *w, const uint16_t *sz, int64_t col0, v16f acc[][4]) {
     const int groups = (int)(K / GROUP);
-    const __m256i low4 = _mm256_set1_epi32(15), high16 = _mm256_set1_epi32((int)0xFFFF0000u);
+    const __m256i low4 = _mm256_set1_epi32(15);
     float sums[2][32] = {{0}};  /* token t: the block's 16 low columns, then its 16 high */
     for (int g = 0; g < groups; g++) {
         __m256 part[2][4];
@@ -190,8 +190,8 @@ static inline __attribute__((always_inline)) void q4_pass_avx2(
         const uint16_t *szg = sz + ((int64_t)g * N + col0) * 2;  /* (scale, zero) words */
         for (int v = 0; v < 4; v++) {
             const __m256i pair = _mm256_loadu_si256((const __m256i *)(szg + 16 * v));
-            const __m256 scale = _mm256_castsi256_ps(_mm256_slli_epi32(pair, 16));
-            const __m256 zero = _mm256_castsi256_ps(_mm256_and_si256(pair, high16));
+            __m256 scale, zero;
+            bf16_halves8(pair, &scale, &zero);
             const __m256 offset = _mm256_sub_ps(zero, _mm256_mul_ps(_mm256_set1_ps(8.0f), scale));
             for (int t = 0; t < m; t++) {
                 const __m256 offset_x = _mm256_mul_ps(offset, _mm256_set1_ps(xsum[t * groups + g]));
@@ -319,16 +319,16 @@ static void q4_panel(const q4_linear *lin, int64_t nb, int h, int64_t k0, int64_
 #else
     /* AVX2, in its own 8-lane registers (16-lane vectors would live on the stack): the
      * panel's 16 columns are the 16 bytes' low nibbles (h 0) or high ones (h 1). */
-    const __m256i low4 = _mm256_set1_epi32(15), high16 = _mm256_set1_epi32((int)0xFFFF0000u);
+    const __m256i low4 = _mm256_set1_epi32(15);
     __m256 scale[2], offset[2];
     for (int64_t kk = k0; kk < k1; kk++) {
         if (kk == k0 || kk % GROUP == 0) {  /* the group's (scale, zero) pairs as words */
             const uint16_t *sz = lin->scale_zero + ((kk / GROUP) * N + col0) * 2;
             for (int v = 0; v < 2; v++) {
                 __m256i pair = _mm256_loadu_si256((const __m256i *)(sz + 16 * v));
-                scale[v] = _mm256_castsi256_ps(_mm256_slli_epi32(pair, 16));
-                offset[v] = _mm256_fnmadd_ps(_mm256_set1_ps(8.0f), scale[v],
-                                             _mm256_castsi256_ps(_mm256_and_si256(pair, high16)));
+                __m256 zero;
+                bf16_halves8(pair, &scale[v], &zero);
+                offset[v] = _mm256_fnmadd_ps(_mm256_set1_ps(8.0f), scale[v], zero);
             }
         }
         for (int v = 0; v < 2; v++) {

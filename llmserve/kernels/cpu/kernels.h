@@ -34,6 +34,16 @@ static inline uint16_t f32_to_bf16(float f) {  /* round to nearest even */
  * keeps arrays of them (a tile's sums) on the stack. */
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
 #define AVX2_ONLY 1
+#include <immintrin.h>
+
+/* 8 32-bit words of two bf16 each as float32 lanes: their low halves (the even
+ * elements of a bf16 row; a (scale, zero) pair's scale) and their high halves (the odd
+ * elements; the zero). A bf16 is a float's top half: one shift, one mask. */
+static inline __attribute__((always_inline)) void bf16_halves8(__m256i words, __m256 *low,
+                                                               __m256 *high) {
+    *low = _mm256_castsi256_ps(_mm256_slli_epi32(words, 16));
+    *high = _mm256_castsi256_ps(_mm256_and_si256(words, _mm256_set1_epi32((int)0xFFFF0000u)));
+}
 #endif
 
 /* 16 lanes, whatever the ISA: one AVX-512 register, two AVX2 ones (GCC vector types). */
