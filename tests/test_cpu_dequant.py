@@ -30,6 +30,14 @@ from tests.forced_isa import run_as
 pytestmark = pytest.mark.skipif(int4_pack_block_n() is None or decode_kernel() is None,
                                 reason="no C kernels, or an int4 pack layout they do not read")
 
+
+@pytest.fixture(autouse=True)
+def x_in_float32(monkeypatch):
+    """These paths with x in float32 (rounded to int8 where the CPU has VNNI by default:
+    tests/test_cpu_int8_panels.py)."""
+    monkeypatch.setenv("LLMSERVE_CPU_INT8_ACTIVATIONS", "0")
+
+
 BF16_ULP = 2 ** -7  # relative spacing of bf16 numbers
 SHAPES = [(960, 576), (128, 64), (3072, 576), (576, 1536)]
 

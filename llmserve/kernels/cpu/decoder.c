@@ -23,6 +23,7 @@
 #endif
 #include "kernels.h"
 #include "panel.h"
+#include "panel_int8.h"
 
 #define GROUP 32  /* int4 group size along K (quantization.INT4_GROUP) */
 /* Tokens sharing one read of a weight chunk (q4_pass): their 2 TILE vectors of sums,
@@ -342,6 +343,21 @@ static void q4_panel(const q4_linear *lin, int64_t nb, int h, int64_t k0, int64_
 #endif
 }
 
+/* A panel's sums [M, cols] rounded to bf16 into y's columns col0.. (rows ldy apart;
+ * + bias, rounded again, as q4_store does). */
+static void panel_store(const q4_linear *lin, const float *sums, int M, int cols,
+                        int64_t col0, uint16_t *y, int64_t ldy) {
+    for (int t = 0; t < M; t++)
+        for (int c = 0; c < cols; c += 16) {
+            v16f sum;
+            memcpy(&sum, sums + t * cols + c, sizeof sum);
+            uint16_t *out = y + t * ldy + col0 + c;
+            store16_bf16(out, sum);
+            if (lin->bias != NULL)
+                store16_bf16(out, load16_bf16(out) + load16_bf16(lin->bias + col0 + c));
+        }
+}
+
 /* Panels [first, last) (panel p: half p % 2 of block p / 2) for M rows of x (float32
  * xf), rounded to bf16 into y (rows ldy apart; + bias, rounded again, as q4_store
  * does). scratch: (PANEL_CHUNK + M) * PANEL_COLS floats. */
@@ -355,16 +371,7 @@ static void q4_panels(const q4_linear *lin, const float *xf, int M, int64_t firs
             q4_panel(lin, p / 2, (int)(p % 2), k0, k1, panel);
             panel_rows(xf, K, M, panel, k0, k1, sums);
         }
-        const int64_t col0 = p * PANEL_COLS;
-        for (int t = 0; t < M; t++)
-            for (int v = 0; v < PANEL_VECS; v++) {
-                v16f sum;
-                memcpy(&sum, sums + t * PANEL_COLS + 16 * v, sizeof sum);
-                uint16_t *out = y + t * ldy + col0 + 16 * v;
-                store16_bf16(out, sum);
-                if (lin->bias != NULL)
-                    store16_bf16(out, load16_bf16(out) + load16_bf16(lin->bias + col0 + 16 * v));
-            }
+        panel_store(lin, sums, M, PANEL_COLS, p * PANEL_COLS, y, ldy);
     }
 }
 
@@ -394,12 +401,86 @@ static int q4_matmul_panels(int num_threads, const q4_linear *lin, const float *
 }
 #endif
 
+#if defined(PANEL_INT8)
+/* From 3 rows (dequant.py's INT8_MIN_ROWS): at 1 row the tiles stream the weight
+ * faster (0.12 against 0.14 ms for a layer's four products), at 2 they tie, at 3
+ * the int8 panels take 0.18 ms against 0.23 (Ice Lake Xeon, 2 threads). */
+#define Q4_INT8_ROWS 3
+/* q4_panels with x rounded to int8 (panel_int8.h): M rows of x as codes, their steps
+ * and code sums (xq_rows); panel: PANEL8_CHUNK * 32 bytes; sums: M * 32 floats. */
+static void q4_panels_int8(const q4_linear *lin, const int8_t *codes, const float *step,
+                           const float *csum, int M, int64_t first, int64_t last,
+                           uint8_t *panel, float *sums, uint16_t *y, int64_t ldy) {
+    const int64_t K = lin->k, N = lin->n;
+    for (int64_t p = first; p < last; p++) {
+        const int64_t col0 = p * PANEL8_COLS;
+        for (int64_t k0 = 0; k0 < K; k0 += PANEL8_CHUNK) {
+            const int64_t k1 = k0 + PANEL8_CHUNK < K ? k0 + PANEL8_CHUNK : K;
+            q4_panel_u8(lin->weight + (p / 2) * K * PANEL8_COLS, (int)(p % 2), k0, k1, panel);
+            panel8_rows(codes, step, csum, K, M, panel, lin->scale_zero + col0 * 2, N, k0, k1,
+                        sums);
+        }
+        panel_store(lin, sums, M, PANEL8_COLS, col0, y, ldy);
+    }
+}
+
+/* y = x times the int4 weight with x rounded to int8 (q4_matmul_panels' split over
+ * threads and rows); scratch: M * K / 4 + 2 M * K / 32 floats for the codes, steps and
+ * code sums. Each thread's panel and sums (20 KB) are on its stack: nothing to fail. */
+static void q4_matmul_int8(int num_threads, const q4_linear *lin, const uint16_t *x, int M,
+                           uint16_t *y, void *scratch) {
+    const int64_t K = lin->k, groups = K / PANEL8_Q, panels = lin->n / PANEL8_COLS;
+    int8_t *codes = scratch;
+    float *step = (float *)(codes + (int64_t)M * K), *csum = step + (int64_t)M * groups;
+    xq_rows(x, M, K, codes, step, csum);
+    int shares = num_threads < panels ? num_threads : (int)panels;
+    if (shares < 1) shares = 1;
+    #pragma omp parallel for num_threads(shares) schedule(static, 1)
+    for (int s = 0; s < shares; s++) {
+        uint8_t panel[PANEL8_CHUNK * PANEL8_COLS] __attribute__((aligned(64)));
+        float sums[PANEL_ROW_BLOCK * PANEL8_COLS] __attribute__((aligned(64)));
+        for (int r0 = 0; r0 < M; r0 += PANEL_ROW_BLOCK) {
+            const int rows = M - r0 < PANEL_ROW_BLOCK ? M - r0 : PANEL_ROW_BLOCK;
+            q4_panels_int8(lin, codes + (int64_t)r0 * K, step + r0 * groups, csum + r0 * groups,
+                           rows, panels * s / shares, panels * (s + 1) / shares, panel, sums,
+                           y + (int64_t)r0 * lin->n, lin->n);
+        }
+    }
+}
+#endif
+
+/* Whether the library rounds x to int8 for int4 products of many rows where asked
+ * (PANEL_INT8: AVX-512 VNNI without bf16 arithmetic); 1 or 0. */
+int panel_int8(void) {
+#if defined(PANEL_INT8)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* Whether q4_matmul rounds x to int8 for a product of M rows (where asked). */
+static int q4_int8_applies(int int8_x, int M, int BN) {
+#if defined(PANEL_INT8)
+    return int8_x && M >= Q4_INT8_ROWS && BN == Q4_PANEL_BN;
+#else
+    (void)int8_x, (void)M, (void)BN;
+    return 0;
+#endif
+}
+
 /* y [M, N] = x [M, K] (bf16) times the int4 weight, rounded to bf16 (+ bias). Each
  * thread takes an even share of the chunks, not of the blocks: 9 blocks split 9/9
  * chunks, not 5/4 blocks. */
 static void q4_matmul(int num_threads, const q4_linear *lin, int BN, const uint16_t *x, int M,
-                      uint16_t *y, float *xf, float *xsum) {
+                      uint16_t *y, float *xf, float *xsum, int int8_x) {
     const int64_t K = lin->k, N = lin->n, groups = K / GROUP;
+#if defined(PANEL_INT8)
+    if (q4_int8_applies(int8_x, M, BN)) {  /* xf: room for the codes (M * K / 4 floats +) */
+        q4_matmul_int8(num_threads, lin, x, M, y, xf);
+        return;
+    }
+#endif
     for (int64_t i = 0; i < (int64_t)M * K; i++) xf[i] = bf16_to_f32(x[i]);
 #if defined(PANEL_GEMMS)
     if (M >= Q4_PANEL_ROWS && BN == Q4_PANEL_BN && q4_matmul_panels(num_threads, lin, xf, M, y) == 0)
@@ -421,13 +502,17 @@ static void q4_matmul(int num_threads, const q4_linear *lin, int BN, const uint1
 
 /* Exposed for tests: y [M, N] = x [M, K] times one int4 weight. */
 int q4_linear_bf16(int num_threads, const q4_linear *lin, int block_n, const uint16_t *x,
-                   int M, uint16_t *y) {
+                   int M, uint16_t *y, int int8_x) {
     if (lin->k <= 0 || lin->k % GROUP || lin->n % block_n || (block_n != 32 && block_n != 64)
             || M < 0)
         return -2;
-    float *xf = malloc(sizeof(float) * ((size_t)M * lin->k + (size_t)M * (lin->k / GROUP)));
+    /* the int8 codes, steps and code sums, or the float32 copy of x and its group sums */
+    const size_t floats = q4_int8_applies(int8_x, M, block_n)
+        ? (size_t)M * lin->k / 4 + 2 * (size_t)M * (lin->k / GROUP)
+        : (size_t)M * lin->k + (size_t)M * (lin->k / GROUP);
+    float *xf = malloc(sizeof(float) * floats);
     if (xf == NULL) return -1;
-    q4_matmul(num_threads, lin, block_n, x, M, y, xf, xf + (size_t)M * lin->k);
+    q4_matmul(num_threads, lin, block_n, x, M, y, xf, xf + (size_t)M * lin->k, int8_x);
     free(xf);
     return 0;
 }
@@ -469,7 +554,7 @@ int q4_decode_layers(int num_threads, const q4_dims *d, const q4_layer *layers, 
         rc = add_rms_norm_bf16(num_threads, x, NULL, L->input_norm, h, NULL, M, (int)hidden,
                                d->eps);
         if (rc != 0) break;
-        q4_matmul(num_threads, &L->qkv, d->block_n, h, M, qkv, xf, xsum);
+        q4_matmul(num_threads, &L->qkv, d->block_n, h, M, qkv, xf, xsum, d->int8_x);
         rc = rope_and_cache(num_threads, qkv, qkv_dim, q, L->kv_cache, cos, sin, slots, M,
                             d->num_cache_blocks, d->block_size, d->num_heads, d->kv_heads,
                             d->head_dim, DTYPE_BF16);
@@ -479,12 +564,12 @@ int q4_decode_layers(int num_threads, const q4_dims *d, const q4_layer *layers, 
                               d->num_heads, d->kv_heads, d->head_dim, d->scale, NULL, 0.0f,
                               DTYPE_BF16);
         if (rc != 0) break;
-        q4_matmul(num_threads, &L->o, d->block_n, attn, M, o, xf, xsum);
+        q4_matmul(num_threads, &L->o, d->block_n, attn, M, o, xf, xsum, d->int8_x);
         rc = add_rms_norm_bf16(num_threads, x, o, L->post_norm, h, x, M, (int)hidden, d->eps);
         if (rc != 0) break;
-        q4_matmul(num_threads, &L->gate_up, d->block_n, h, M, gate_up, xf, xsum);
+        q4_matmul(num_threads, &L->gate_up, d->block_n, h, M, gate_up, xf, xsum, d->int8_x);
         silu_and_mul_bf16(num_threads, gate_up, M, inter, act);
-        q4_matmul(num_threads, &L->down, d->block_n, act, M, o, xf, xsum);
+        q4_matmul(num_threads, &L->down, d->block_n, act, M, o, xf, xsum, d->int8_x);
         for (int64_t i = 0; i < (int64_t)M * hidden; i++)
             x[i] = f32_to_bf16(bf16_to_f32(x[i]) + bf16_to_f32(o[i]));
     }

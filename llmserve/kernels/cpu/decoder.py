@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import os
 
 import torch
 
-from llmserve.kernels.cpu.native import decode_kernel
+from llmserve.kernels.cpu.native import decode_kernel, panel_int8_built
 
 
 class Q4Linear(ctypes.Structure):
@@ -31,7 +32,8 @@ class Q4Dims(ctypes.Structure):
                 ("kv_heads", ctypes.c_int), ("head_dim", ctypes.c_int),
                 ("intermediate", ctypes.c_int), ("block_n", ctypes.c_int),
                 ("eps", ctypes.c_float), ("scale", ctypes.c_float),
-                ("num_cache_blocks", ctypes.c_int64), ("block_size", ctypes.c_int)]
+                ("num_cache_blocks", ctypes.c_int64), ("block_size", ctypes.c_int),
+                ("int8_x", ctypes.c_int)]
 
 
 @functools.cache
@@ -59,9 +61,20 @@ def q4_struct(linear) -> Q4Linear:
                     linear.out_features, linear.in_features)
 
 
-def q4_matmul(x: torch.Tensor, linear) -> torch.Tensor:
+def int8_activations() -> bool:
+    """Whether int4 products of many rows (16 and more) round x to int8 per group of 32,
+    as llama.cpp does for its Q4 models (``panel_int8.h``: 2-3x the float32 panel GEMM's
+    multiplies per instruction): wherever the library has that kernel (AVX-512 VNNI
+    without bf16 arithmetic: Ice Lake, Cascade Lake Xeons), unless
+    ``LLMSERVE_CPU_INT8_ACTIVATIONS=0`` keeps x in float32."""
+    return os.environ.get("LLMSERVE_CPU_INT8_ACTIVATIONS", "1") != "0" and panel_int8_built()
+
+
+def q4_matmul(x: torch.Tensor, linear, int8_x: bool | None = None) -> torch.Tensor:
     """``linear(x)`` by the C kernel (bf16 ``x [M, K]``): its tiles, or from 16 rows its
-    panel GEMM where built (dequant.quant_dense_f32 calls it for 16-383 rows)."""
+    panel GEMM where built (dequant.quant_dense_f32 calls it for 16-383 rows), with x
+    rounded to int8 where ``int8_x`` (default: ``int8_activations()``) and built."""
+    int8_x = int8_activations() if int8_x is None else int8_x
     block_n = int4_pack_block_n()
     if block_n is None or decode_kernel() is None:
         raise RuntimeError("the C int4 kernel is not available here")
@@ -69,7 +82,7 @@ def q4_matmul(x: torch.Tensor, linear) -> torch.Tensor:
     y = torch.empty(x.shape[0], linear.out_features, dtype=torch.bfloat16)
     lin = q4_struct(linear)
     rc = decode_kernel().q4_linear_bf16(torch.get_num_threads(), ctypes.byref(lin), block_n,
-                                        x.data_ptr(), x.shape[0], y.data_ptr())
+                                        x.data_ptr(), x.shape[0], y.data_ptr(), int(int8_x))
     if rc == -1:
         raise MemoryError("q4_linear_bf16: out of memory for its float32 copy of x")
     if rc != 0:

@@ -9,6 +9,10 @@ dequantised to float32 in L1, each once for all the rows; from ``DEQUANT_MIN_ROW
 a scratch reused from call to call) and let MKL's float32 GEMM multiply. Either way the
 weight is still stored, and streamed by decode steps, in int4. Fewer rows keep the
 kernels that read the packed bytes (the C decoder stack, ATen).
+
+Where the CPU has AVX-512 VNNI (Ice Lake, Cascade Lake), x is rounded to int8 instead
+(``decoder.int8_activations``, ``panel_int8.h``), and the C kernel's int8 panels take
+every product from ``INT8_MIN_ROWS`` rows, long prefill chunks included.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import threading
 
 import torch
 
-from llmserve.kernels.cpu.decoder import int4_pack_block_n, q4_matmul, q4_struct
+from llmserve.kernels.cpu.decoder import int4_pack_block_n, int8_activations, q4_matmul, q4_struct
 from llmserve.kernels.cpu.native import decode_kernel, panel_gemms_built
 from llmserve.platforms.cpu import cpu_features
 
@@ -31,6 +35,11 @@ from llmserve.platforms.cpu import cpu_features
 # over the panel GEMM: ~1.2x at 16 rows, 1.5x at 32.
 PANEL_MIN_ROWS = 16
 DEQUANT_MIN_ROWS = 384
+# Where x is rounded to int8 (decoder.int8_activations), the C kernel's int8 panels take
+# every product from this many rows (decoder.c's Q4_INT8_ROWS): the same layers, 2 threads,
+# over the float32 panels 2.2-2.9x at 16-512 rows, over the float32 copy and MKL 2.3x at
+# 512; over ATen's and the C tiles 1.3x at 3 rows, 1.8-3.5x at 4-14.
+INT8_MIN_ROWS = 3
 
 # The float32 copy is at most this big (a larger weight goes in chunks of columns): it
 # is memory the KV budget does not know of. The built-in model's largest, gate_up, is
@@ -71,12 +80,15 @@ def int4_runs_in_float32() -> bool:
 
 def dequant_applies(x: torch.Tensor, linear) -> bool:
     """``quant_dense_f32``'s domain: an eager int4 CPU product of at least
-    PANEL_MIN_ROWS rows where ``int4_runs_in_float32`` (AVX-512 without bf16
-    arithmetic, AVX2), a shape on ATen's pack grid."""
+    PANEL_MIN_ROWS rows (INT8_MIN_ROWS where x is rounded to int8) where
+    ``int4_runs_in_float32`` (AVX-512 without bf16 arithmetic, AVX2), a shape on ATen's
+    pack grid."""
     k, n = linear.in_features, linear.out_features
     if (linear.bits != 4 or x.device.type != "cpu" or x.shape[-1] != k
-            or x.numel() < PANEL_MIN_ROWS * k or torch.compiler.is_compiling()
+            or x.numel() < INT8_MIN_ROWS * k or torch.compiler.is_compiling()
             or not int4_runs_in_float32()):
+        return False
+    if x.numel() < PANEL_MIN_ROWS * k and not int8_activations():
         return False
     return n % int4_pack_block_n() == 0 and k % 32 == 0
 
@@ -106,13 +118,14 @@ def column_step(k: int, n: int) -> int:
 
 
 def quant_dense_f32(x: torch.Tensor, linear) -> torch.Tensor:
-    """``linear(x)`` in ``x``'s dtype, ``dequant_applies`` checked by the caller: below
-    DEQUANT_MIN_ROWS rows the C panel GEMM; from there the weight dequantised to
+    """``linear(x)`` in ``x``'s dtype, ``dequant_applies`` checked by the caller: the C
+    kernel's int8 panels where x is rounded to int8 (``int8_activations``), else below
+    DEQUANT_MIN_ROWS rows its float32 panel GEMM; from there the weight dequantised to
     float32, then the float32 GEMM (plus the bias). A weight too big for the scratch
     goes a chunk of columns at a time (for small ones one whole GEMM measured faster
     than chunks sized for L2: many narrow GEMMs)."""
     k, n = linear.in_features, linear.out_features
-    if x.numel() < DEQUANT_MIN_ROWS * k:
+    if x.numel() < DEQUANT_MIN_ROWS * k or int8_activations():
         return q4_matmul(x.reshape(-1, k), linear).to(x.dtype).view(*x.shape[:-1], n)
     rows = x.reshape(-1, k).float()
     step = column_step(k, n)

@@ -93,6 +93,7 @@ typedef struct {
     float eps, scale;
     int64_t num_cache_blocks;
     int block_size;
+    int int8_x;  /* 1: products of many rows round x to int8 where built (panel_int8.h) */
 } q4_dims;
 
 /* The entry points (what each computes and returns: at its definition). */
@@ -117,8 +118,9 @@ int argmax_rows_bf16(int num_threads, const uint16_t *x, int rows, int64_t n, in
                      int64_t *out);
 
 /* decoder.c: the int4 decoder stack, and one int4 product for tests. */
+int panel_int8(void);
 int q4_linear_bf16(int num_threads, const q4_linear *lin, int block_n, const uint16_t *x,
-                   int M, uint16_t *y);
+                   int M, uint16_t *y, int int8_x);
 int q4_decode_layers(int num_threads, const q4_dims *d, const q4_layer *layers, int num_layers,
                      uint16_t *x, int M, const float *cos, const float *sin,
                      const int64_t *slots, const int32_t *tables, int table_stride,

@@ -1,12 +1,14 @@
 """The CPU kernels (``decode.c``: decode attention, rotary + K/V store, RMSNorm;
-``decoder.c``: the int4 decoder stack built on them; ``dequant.c``: int4 weights in
+``decoder.c``: the int4 decoder stack built on them, with ``panel.h``'s float32 and
+``panel_int8.h``'s int8 panel GEMMs; ``dequant.c``: int4 weights in
 float32 for CPUs without bf16 arithmetic; ``gemm.c``: bf16 linears
 on AVX512-BF16; ``q8_rows.c``: int8 weight-only products (the LM head); ``lora.c``: a
 projection's multi-LoRA), compiled for this machine into one library.
 
 Compiled once with the system C compiler (``$CC`` or ``cc``, 1-3 s) for the CPU it
 runs on (``-march=native``; AVX2 + FMA when ``ATEN_CPU_CAPABILITY=avx2`` asks torch to
-act as an AVX2 machine, the baseline ISA for ``default``), cached under the llmserve
+act as an AVX2 machine, the baseline ISA for ``default``; ``$LLMSERVE_CPU_MARCH``, for
+tests, another kind the CPU can run, e.g. ``icelake-server``), cached under the llmserve
 cache folder keyed by the sources and header, the compiler, the flags and the CPU, and
 called through ctypes (which releases the GIL), typed by one table (SIGNATURES, checked
 against ``kernels.h``). Each call runs on torch's thread count; with torch's own
@@ -50,7 +52,8 @@ log = logging.getLogger(__name__)
 SOURCES = [Path(__file__).with_name(name)
            for name in ("decode.c", "decoder.c", "dequant.c", "gemm.c", "q8_rows.c",
                         "lora.c")]
-HEADERS = [Path(__file__).with_name(name) for name in ("kernels.h", "panel.h")]  # in the key
+HEADERS = [Path(__file__).with_name(name)  # in the key
+           for name in ("kernels.h", "panel.h", "panel_int8.h")]
 # Reassociation lets the compiler vectorise the dot products and sums; no
 # finite-math: softmax inputs are finite here, but the flag would change too much.
 CFLAGS = ["-O3", "-fPIC", "-shared", "-fopenmp", "-fno-math-errno", "-fno-trapping-math",
@@ -73,7 +76,8 @@ SIGNATURES: dict[str, list[type]] = {
     "silu_and_mul_bf16": [_I32, _PTR, _I32, _I64, _PTR],
     "argmax_rows_bf16": [_I32, _PTR, _I32, _I64, _I64, _PTR],
     # decoder.c
-    "q4_linear_bf16": [_I32, _PTR, _I32, _PTR, _I32, _PTR],
+    "panel_int8": [],
+    "q4_linear_bf16": [_I32, _PTR, _I32, _PTR, _I32, _PTR, _I32],
     "q4_decode_layers": [_I32, _PTR, _PTR, _I32, _PTR, _I32, _PTR, _PTR, _PTR, _PTR, _I32,
                          _PTR],
     # dequant.c
@@ -102,6 +106,8 @@ def _bind(lib: ctypes.CDLL) -> None:
 
 
 def _march() -> list[str]:
+    if os.environ.get("LLMSERVE_CPU_MARCH"):  # tests: another CPU kind this one can run
+        return [f"-march={os.environ['LLMSERVE_CPU_MARCH']}"]  # (icelake-server on an AMX Xeon)
     isa = os.environ.get("ATEN_CPU_CAPABILITY", "").lower()
     if isa == "avx2":
         return ["-march=haswell"]  # AVX2 + FMA, what torch's AVX2 kernels assume
@@ -178,6 +184,14 @@ def panel_gemms_built() -> bool:
     decoder stack to 128 rows (32 on AVX2). Asked once."""
     lib = decode_kernel()
     return lib is not None and lib.panel_gemms() == 1
+
+
+@functools.cache
+def panel_int8_built() -> bool:
+    """Whether the library can round x to int8 for int4 products of many rows
+    (panel_int8.h: AVX-512 VNNI builds without AVX512-BF16). Asked once."""
+    lib = decode_kernel()
+    return lib is not None and lib.panel_int8() == 1
 
 
 @functools.cache

@@ -15,7 +15,13 @@ import logging
 
 import torch
 
-from llmserve.kernels.cpu.decoder import Q4Dims, Q4Layer, int4_pack_block_n, q4_struct
+from llmserve.kernels.cpu.decoder import (
+    Q4Dims,
+    Q4Layer,
+    int4_pack_block_n,
+    int8_activations,
+    q4_struct,
+)
 from llmserve.kernels.cpu.gemm import quant_tiled_available
 from llmserve.kernels.cpu.native import decode_kernel, panel_gemms_built
 from llmserve.model_executor.layers.quantization import INT4_GROUP, QuantizedLinear
@@ -74,7 +80,7 @@ class NativeDecoder:
         self.dims = Q4Dims(c.hidden_size, first.num_heads, first.num_kv_heads, first.head_dim,
                            layers[0].mlp.intermediate, block_n,
                            layers[0].input_layernorm.eps, first.scale, cache.shape[1],
-                           cache.shape[2])
+                           cache.shape[2], int(int8_activations()))
         self.layers = (Q4Layer * len(layers))(*(
             Q4Layer(layer.input_layernorm.weight.data_ptr(),
                     layer.post_attention_layernorm.weight.data_ptr(),

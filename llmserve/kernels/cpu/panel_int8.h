@@ -1,0 +1,160 @@
+/* int4 products of many rows with x rounded to int8, on AVX-512 CPUs with VNNI but no
+ * bf16 arithmetic (Ice Lake and Cascade Lake Xeons): decoder.c's q4_matmul takes them
+ * where PANEL_INT8 is built and the caller asks (q4_linear_bf16's int8_x, q4_dims').
+ *
+ * panel.h's GEMM multiplies float32: 16 products per FMA. VPDPBUSD multiplies 4
+ * unsigned bytes by 4 signed bytes and adds them into each of its 16 int32 lanes: 64
+ * products per instruction, and an int4 code is already an unsigned byte. So, as
+ * llama.cpp does for its Q4 x Q8 dot products:
+ *   - each row of x is rounded to int8 per group of 32 (the weight's group): codes
+ *     c = round(x / d) with d = max|x| / 127, kept with d and d * sum(c) (xq_rows);
+ *   - a group's product is then exact in int32, sum_k q_k c_k, and
+ *     sum_k w_k d c_k = d (scale sum_k q_k c_k + (zero - 8 scale) sum_k c_k)
+ *     (w = (q - 8) scale + zero): the product of the int8-rounded x with the weight.
+ * The rounding of x is the only change from the float32 path: per element at most half
+ * a step, 1/254 of its group's largest value.
+ *
+ * A panel is the 32 columns of one half of an int4 block (panel.h's), over a chunk of
+ * k, as bytes [k / 4][32][4]: the codes of 4 consecutive k of a column side by side,
+ * one int32 lane of VPDPBUSD (q4_panel_u8 rearranges ATen's pack into it). Rows of x
+ * go PANEL8_GROUP at a time: their 2 int32 sums of a group and 2 float32 running sums
+ * each, 24 of the 32 registers.
+ */
+#ifndef LLMSERVE_PANEL_INT8_H
+#define LLMSERVE_PANEL_INT8_H
+
+#include <stdint.h>
+#include <string.h>
+#include "kernels.h"
+
+#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__) \
+    && !defined(__AVX512BF16__)
+#define PANEL_INT8 1
+#include <immintrin.h>
+
+#define PANEL8_COLS 32
+#define PANEL8_GROUP 6
+#define PANEL8_CHUNK 256  /* k a panel holds: 8 KB, in L1 while every row reads it */
+#define PANEL8_Q 32       /* the weight's group along k: one scale per 32 values */
+
+/* Row t of x [M, K] (bf16) as int8 codes (codes [M, K]), with per group g of 32 its
+ * step d (step[t * G + g]) and d * sum(codes) (csum): d = max|x| / 127 (0 for a group
+ * of zeros), code = x * (1 / d) rounded to nearest even. */
+static void xq_rows(const uint16_t *x, int64_t M, int64_t K, int8_t *codes, float *step,
+                    float *csum) {
+    const int64_t groups = K / PANEL8_Q;
+    for (int64_t t = 0; t < M; t++)
+        for (int64_t g = 0; g < groups; g++) {
+            const int64_t at = t * K + g * PANEL8_Q;
+            const __m512 lo = (__m512)load16_bf16(x + at), hi = (__m512)load16_bf16(x + at + 16);
+            const float amax = _mm512_reduce_max_ps(
+                _mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+            const float d = amax / 127.0f, inv = d > 0.0f ? 1.0f / d : 0.0f;
+            const __m512i c_lo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, _mm512_set1_ps(inv)));
+            const __m512i c_hi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, _mm512_set1_ps(inv)));
+            _mm_storeu_si128((__m128i *)(codes + at), _mm512_cvtsepi32_epi8(c_lo));
+            _mm_storeu_si128((__m128i *)(codes + at + 16), _mm512_cvtsepi32_epi8(c_hi));
+            step[t * groups + g] = d;
+            csum[t * groups + g] = d * (float)_mm512_reduce_add_epi32(
+                _mm512_add_epi32(c_lo, c_hi));
+        }
+}
+
+/* panel [(k1 - k0) / 4][32][4] = the int4 codes of 32 columns over k in [k0, k1)
+ * (multiples of 4): rows k..k+3 of the pack (32 bytes each, `rows` 32 bytes apart), low
+ * nibbles (high 0) or high ones, transposed so that each column's 4 codes are one
+ * int32. Byte unpacks interleave within 128-bit lanes, so the last step puts the
+ * column quads back in order. */
+static inline void q4_panel_u8(const uint8_t *rows, int high, int64_t k0, int64_t k1,
+                               uint8_t *panel) {
+    const __m256i low4 = _mm256_set1_epi8(15);
+    for (int64_t k = k0; k < k1; k += 4, panel += 4 * PANEL8_COLS) {
+        __m256i r[4];
+        for (int i = 0; i < 4; i++) {
+            r[i] = _mm256_loadu_si256((const __m256i *)(rows + (k + i) * PANEL8_COLS));
+            r[i] = _mm256_and_si256(high ? _mm256_srli_epi16(r[i], 4) : r[i], low4);
+        }
+        /* a, b: rows k, k+1 interleaved, columns 0-7 | 16-23 and 8-15 | 24-31 */
+        const __m256i a = _mm256_unpacklo_epi8(r[0], r[1]), b = _mm256_unpackhi_epi8(r[0], r[1]);
+        const __m256i c = _mm256_unpacklo_epi8(r[2], r[3]), d = _mm256_unpackhi_epi8(r[2], r[3]);
+        /* quads of columns 0-3 | 16-19, 4-7 | 20-23, 8-11 | 24-27, 12-15 | 28-31 */
+        const __m256i e0 = _mm256_unpacklo_epi16(a, c), e1 = _mm256_unpackhi_epi16(a, c);
+        const __m256i e2 = _mm256_unpacklo_epi16(b, d), e3 = _mm256_unpackhi_epi16(b, d);
+        _mm256_storeu_si256((__m256i *)panel, _mm256_permute2x128_si256(e0, e1, 0x20));
+        _mm256_storeu_si256((__m256i *)(panel + 32), _mm256_permute2x128_si256(e2, e3, 0x20));
+        _mm256_storeu_si256((__m256i *)(panel + 64), _mm256_permute2x128_si256(e0, e1, 0x31));
+        _mm256_storeu_si256((__m256i *)(panel + 96), _mm256_permute2x128_si256(e2, e3, 0x31));
+    }
+}
+
+/* sums [m, 32] (+)= rows [0, m) of x (codes rows K apart; their steps and code sums
+ * rows `groups` apart) times the panel over k in [k0, k1) (multiples of 32; the sums
+ * start from zero where k0 is 0). sz: the panel's first (scale, zero) pair of group 0
+ * (bf16 words, groups N pairs apart). */
+static inline __attribute__((always_inline)) void panel8_group(
+        const int8_t *codes, const float *step, const float *csum, int64_t K, int64_t groups,
+        int m, const uint8_t *panel, const uint16_t *sz, int64_t N, int64_t k0, int64_t k1,
+        float *sums) {
+    __m512 acc[PANEL8_GROUP][2];
+    for (int t = 0; t < m; t++)
+        for (int v = 0; v < 2; v++)
+            acc[t][v] = k0 > 0 ? _mm512_loadu_ps(sums + t * PANEL8_COLS + 16 * v)
+                               : _mm512_setzero_ps();
+    for (int64_t g = k0 / PANEL8_Q; g < k1 / PANEL8_Q; g++) {
+        __m512i dot[PANEL8_GROUP][2];
+        for (int t = 0; t < m; t++)
+            for (int v = 0; v < 2; v++) dot[t][v] = _mm512_setzero_si512();
+        const uint8_t *p = panel + (g * PANEL8_Q - k0) * PANEL8_COLS;
+        for (int quad = 0; quad < PANEL8_Q / 4; quad++, p += 4 * PANEL8_COLS) {
+            const __m512i w0 = _mm512_loadu_si512(p), w1 = _mm512_loadu_si512(p + 64);
+            for (int t = 0; t < m; t++) {
+                int32_t four;
+                memcpy(&four, codes + t * K + g * PANEL8_Q + 4 * quad, sizeof four);
+                const __m512i xb = _mm512_set1_epi32(four);
+                dot[t][0] = _mm512_dpbusd_epi32(dot[t][0], w0, xb);
+                dot[t][1] = _mm512_dpbusd_epi32(dot[t][1], w1, xb);
+            }
+        }
+        __m512 scale[2], offset[2];  /* (scale, zero) bf16 pairs as words: see q4_pass */
+        for (int v = 0; v < 2; v++) {
+            const __m512i pair = _mm512_loadu_si512(sz + (g * N + 16 * v) * 2);
+            scale[v] = _mm512_castsi512_ps(_mm512_slli_epi32(pair, 16));
+            const __m512 zero = _mm512_castsi512_ps(
+                _mm512_and_si512(pair, _mm512_set1_epi32((int)0xFFFF0000u)));
+            offset[v] = _mm512_fnmadd_ps(_mm512_set1_ps(8.0f), scale[v], zero);
+        }
+        for (int t = 0; t < m; t++) {
+            const __m512 d = _mm512_set1_ps(step[t * groups + g]);
+            const __m512 cs = _mm512_set1_ps(csum[t * groups + g]);
+            for (int v = 0; v < 2; v++)
+                acc[t][v] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[t][v]),
+                                            _mm512_mul_ps(scale[v], d),
+                                            _mm512_fmadd_ps(offset[v], cs, acc[t][v]));
+        }
+    }
+    for (int t = 0; t < m; t++)
+        for (int v = 0; v < 2; v++) _mm512_storeu_ps(sums + t * PANEL8_COLS + 16 * v, acc[t][v]);
+}
+
+/* All m rows (any number), PANEL8_GROUP at a time with the group's size known to the
+ * compiler; sums [m, 32]. */
+static inline void panel8_rows(const int8_t *codes, const float *step, const float *csum,
+                               int64_t K, int64_t m, const uint8_t *panel, const uint16_t *sz,
+                               int64_t N, int64_t k0, int64_t k1, float *sums) {
+    const int64_t groups = K / PANEL8_Q;
+#define PANEL8_CASE(M_)                                                                     \
+    case M_:                                                                                \
+        panel8_group(codes + t0 * K, step + t0 * groups, csum + t0 * groups, K, groups, M_, \
+                     panel, sz, N, k0, k1, sums + t0 * PANEL8_COLS);                        \
+        break;
+    for (int64_t t0 = 0; t0 < m; t0 += PANEL8_GROUP) {
+        switch (m - t0 < PANEL8_GROUP ? (int)(m - t0) : PANEL8_GROUP) {
+            PANEL8_CASE(1) PANEL8_CASE(2) PANEL8_CASE(3) PANEL8_CASE(4) PANEL8_CASE(5)
+            PANEL8_CASE(6)
+        }
+    }
+#undef PANEL8_CASE
+}
+#endif
+
+#endif

@@ -1,0 +1,180 @@
+"""int4 products with x rounded to int8 (``panel_int8.h``, AVX-512 VNNI without bf16
+arithmetic): the C kernel's result is the product of the int8-rounded x with the
+dequantised weight, where it applies and only there.
+
+The oracle rounds x as the kernel documents it (per row and group of 32: d = max|x| /
+127, codes round(x / d) to nearest even) and multiplies in float64: the kernel sums the
+same products exactly in int32 and scales them in float32, so the two agree but for a
+rare last-bit rounding of the bf16 output. Where the library is not built with the
+kernel (an AMX or Zen 4 machine builds for its bf16 tiles), the checks run in a
+subprocess whose build targets an Ice Lake Xeon (``LLMSERVE_CPU_MARCH``); a CPU without
+AVX-512 VNNI cannot run them at all."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from llmserve.kernels.cpu import decoder, dequant
+from llmserve.kernels.cpu.decoder import int4_pack_block_n, q4_matmul
+from llmserve.kernels.cpu.dequant import INT8_MIN_ROWS, q4_weight_f32, quant_dense_f32
+from llmserve.kernels.cpu.native import decode_kernel, panel_int8_built
+from llmserve.model_executor.layers.quantization import QuantizedLinear
+from llmserve.platforms.cpu import cpu_features
+
+SHAPES = [(960, 576), (128, 64), (3072, 576), (576, 1536)]
+
+
+def has_vnni() -> bool:
+    with open("/proc/cpuinfo") as f:
+        flags = next((line for line in f if line.startswith("flags")), "").split()
+    return {"avx512_vnni", "avx512bw", "avx512f"} <= set(flags)
+
+
+pytestmark = [
+    pytest.mark.skipif(int4_pack_block_n() != 64 or decode_kernel() is None,
+                       reason="needs the C kernels and ATen's AVX-512 int4 pack"),
+    pytest.mark.skipif(not has_vnni(), reason="the CPU has no AVX-512 VNNI"),
+]
+
+
+def quantized(out_features: int, in_features: int, bias: bool, seed: int) -> QuantizedLinear:
+    torch.manual_seed(seed)
+    linear = torch.nn.Linear(in_features, out_features, bias=bias)
+    if bias:
+        linear.bias.data.normal_()
+    return QuantizedLinear(linear, 4)
+
+
+def rounded_to_int8(x: torch.Tensor) -> torch.Tensor:
+    """x as the kernel sees it: each group of 32 of a row as int8 codes times its step."""
+    rows, k = x.shape
+    groups = x.float().view(rows, k // 32, 32)
+    step = groups.abs().amax(-1) / 127
+    inverse = torch.where(step > 0, 1 / step, torch.zeros_like(step))
+    codes = torch.round(groups * inverse[..., None])
+    assert codes.abs().max() <= 127
+    return (codes.double() * step[..., None].double()).view(rows, k)
+
+
+def int8_oracle(x: torch.Tensor, lin: QuantizedLinear) -> torch.Tensor:
+    """The product of the rounded x with the dequantised weight (float64), rounded to
+    bf16, then + bias rounded again, as the kernel stores it."""
+    y = (rounded_to_int8(x) @ q4_weight_f32(lin).double()).float().to(torch.bfloat16)
+    return y if lin.bias is None else y + lin.bias
+
+
+def check_products(cases) -> list[float]:
+    """For each (out, in, rows, bias): the share of outputs bit-identical to the oracle,
+    the largest difference from it in bf16 steps, and the share identical to the
+    float32 path's (the rounding of x must show)."""
+    results = []
+    for out_features, in_features, rows, bias in cases:
+        lin = quantized(out_features, in_features, bias, seed=rows)
+        x = torch.randn(rows, in_features).to(torch.bfloat16)
+        x[0, :32] = 0  # a group of zeros: step 0, codes 0
+        x[-1, 32:64] *= 1000  # a group far larger than its neighbours
+        got, want = q4_matmul(x, lin, int8_x=True), int8_oracle(x, lin)
+        steps = (bf16_order(got) - bf16_order(want)).abs()
+        # Where a sum cancels (the large group's row), float32's own rounding of its
+        # terms may reach past one bf16 step of the small result; with a bias, one
+        # step of the product (rounded before the bias is added) and the second
+        # rounding may be two or more of the result.
+        product = rounded_to_int8(x) @ q4_weight_f32(lin).double()
+        magnitude = rounded_to_int8(x).abs() @ q4_weight_f32(lin).double().abs()
+        cancelled = ((got.double() - want.double()).abs()
+                     <= torch.maximum(1e-6 * magnitude, product.abs() * 2 ** -6))
+        steps = torch.where(cancelled, torch.zeros_like(steps), steps).max().item()
+        float_path = q4_matmul(x, lin, int8_x=False)
+        results.append(((got == want).float().mean().item(), steps,
+                        (got == float_path).float().mean().item()))
+    return results
+
+
+def bf16_order(y: torch.Tensor) -> torch.Tensor:
+    """bf16 values as integers in the order of the values: neighbours differ by 1."""
+    bits = y.view(torch.int16).int()
+    return torch.where(bits < 0, -(bits & 0x7FFF), bits)
+
+
+# 3 rows (the fewest it takes), a group of 6 and a rest, past the block of 96 rows, and a
+# long prefill chunk
+CASES = [(n, k, rows, bias) for n, k in SHAPES for rows in (3, 6, 17, 100, 500)
+         for bias in (False, True)]
+
+SUBPROCESS_CHECK = """
+import json, sys
+sys.path.insert(0, {root!r})
+from tests.test_cpu_int8_panels import CASES, check_products
+from llmserve.kernels.cpu.native import panel_int8_built
+assert panel_int8_built(), "the Ice Lake build has no int8 panels"
+print(json.dumps(check_products(CASES)))
+"""
+
+
+def products_here_or_as_ice_lake():
+    if panel_int8_built():
+        return check_products(CASES)
+    env = dict(os.environ, LLMSERVE_CPU_MARCH="icelake-server")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "-c", SUBPROCESS_CHECK.format(root=root)], env=env,
+                         capture_output=True, text=True, timeout=600, cwd=root)
+    assert out.returncode == 0, out.stderr
+    import json
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_the_product_is_that_of_x_rounded_to_int8():
+    """Nearly every output bit-identical to the oracle, none more than one bf16 step
+    off; and far from bit-identical to the float32 path (a missed scale, group or
+    nibble is off by many steps; a kernel that skipped the rounding would match the
+    float32 path)."""
+    for case, (identical, steps, as_float) in zip(CASES, products_here_or_as_ice_lake()):
+        assert identical > 0.99 and steps <= 1, (case, identical, steps)
+        assert as_float < 0.9, (case, as_float)
+
+
+needs_kernel_here = pytest.mark.skipif(not panel_int8_built(),
+                                       reason="this build has no int8 panels (checked above "
+                                              "as an Ice Lake build)")
+
+
+@needs_kernel_here
+@pytest.mark.parametrize("rows", [1, INT8_MIN_ROWS - 1])
+def test_fewer_rows_keep_x_in_float32(rows):
+    """1 and 2 rows stream the weight with the tiles: exactly the float32 path."""
+    lin = quantized(960, 576, False, seed=rows)
+    x = torch.randn(rows, 576).to(torch.bfloat16)
+    assert torch.equal(q4_matmul(x, lin, int8_x=True), q4_matmul(x, lin, int8_x=False))
+
+
+@needs_kernel_here
+def test_it_is_the_default_unless_switched_off(monkeypatch):
+    lin = quantized(960, 576, True, seed=0)
+    x = torch.randn(40, 576).to(torch.bfloat16)
+    monkeypatch.delenv("LLMSERVE_CPU_INT8_ACTIVATIONS", raising=False)
+    assert decoder.int8_activations()
+    assert torch.equal(q4_matmul(x, lin), q4_matmul(x, lin, int8_x=True))
+    monkeypatch.setenv("LLMSERVE_CPU_INT8_ACTIVATIONS", "0")
+    assert not decoder.int8_activations()
+    assert torch.equal(q4_matmul(x, lin), q4_matmul(x, lin, int8_x=False))
+
+
+@needs_kernel_here
+@pytest.mark.parametrize("rows", [INT8_MIN_ROWS, 16, 384, 600])
+def test_the_layer_rounds_x_from_int8_min_rows_on(rows, monkeypatch):
+    """The torch layer takes the int8 panels for any number of rows from INT8_MIN_ROWS
+    (long prefill chunks too, where x in float32 goes to MKL); the C decoder stack
+    reads the same setting, so prefill and decode steps round alike."""
+    monkeypatch.delenv("LLMSERVE_CPU_INT8_ACTIVATIONS", raising=False)
+    assert cpu_features().native_bf16 is False and dequant.int4_runs_in_float32()
+    lin = quantized(960, 576, False, seed=rows)
+    x = torch.randn(rows, 576).to(torch.bfloat16)
+    assert dequant.dequant_applies(x, lin)
+    assert torch.equal(lin(x), q4_matmul(x, lin, int8_x=True))
+    assert torch.equal(quant_dense_f32(x, lin), q4_matmul(x, lin, int8_x=True))
+    assert not dequant.dequant_applies(x[:INT8_MIN_ROWS - 1], lin)
