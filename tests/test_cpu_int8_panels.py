@@ -1,6 +1,7 @@
-"""int4 products with x rounded to int8 (``panel_int8.h``, AVX-512 VNNI without bf16
-arithmetic): the C kernel's result is the product of the int8-rounded x with the
-dequantised weight, where it applies and only there.
+"""int4 and int8 products with x rounded to int8 (``panel_int8.h``, AVX-512 VNNI
+without bf16 arithmetic): the C kernels' result (decoder.c's int4 products, q8_rows.c's
+int8 LM head) is the product of the int8-rounded x with the dequantised weight, where it
+applies and only there.
 
 The oracle rounds x as the kernel documents it (per row and group of 32: d = max|x| /
 127, codes round(x / d) to nearest even) and multiplies in float64: the kernel sums the
@@ -22,11 +23,13 @@ import torch
 from llmserve.kernels.cpu import decoder, dequant
 from llmserve.kernels.cpu.decoder import int4_pack_block_n, q4_matmul
 from llmserve.kernels.cpu.dequant import INT8_MIN_ROWS, q4_weight_f32, quant_dense_f32
+from llmserve.kernels.cpu.gemm import q8_rows
 from llmserve.kernels.cpu.native import decode_kernel, panel_int8_built
 from llmserve.model_executor.layers.quantization import QuantizedLinear
 from llmserve.platforms.cpu import cpu_features
 
-SHAPES = [(960, 576), (128, 64), (3072, 576), (576, 1536)]
+SHAPES = {4: [(960, 576), (128, 64), (3072, 576), (576, 1536)],
+          8: [(4096, 576), (128, 64), (960, 1536)]}  # int8: an LM head's rows
 
 
 def has_vnni() -> bool:
@@ -42,12 +45,25 @@ pytestmark = [
 ]
 
 
-def quantized(out_features: int, in_features: int, bias: bool, seed: int) -> QuantizedLinear:
+def quantized(out_features: int, in_features: int, bias: bool, seed: int,
+              bits: int = 4) -> QuantizedLinear:
     torch.manual_seed(seed)
     linear = torch.nn.Linear(in_features, out_features, bias=bias)
     if bias:
         linear.bias.data.normal_()
-    return QuantizedLinear(linear, 4)
+    return QuantizedLinear(linear, bits)
+
+
+def product(x: torch.Tensor, lin: QuantizedLinear, int8_x: bool) -> torch.Tensor:
+    """The C kernel's product: decoder.c's for int4, q8_rows.c's for int8."""
+    return q4_matmul(x, lin, int8_x=int8_x) if lin.bits == 4 else q8_rows(x, lin, int8_x=int8_x)
+
+
+def weight_t(lin: QuantizedLinear) -> torch.Tensor:
+    """W^T in float64: int4 dequantised by dequant.c, int8 codes times their row's scale."""
+    if lin.bits == 4:
+        return q4_weight_f32(lin).double()
+    return (lin.qweight.double() * lin.scales.double()[:, None]).t()
 
 
 def rounded_to_int8(x: torch.Tensor) -> torch.Tensor:
@@ -63,33 +79,33 @@ def rounded_to_int8(x: torch.Tensor) -> torch.Tensor:
 
 def int8_oracle(x: torch.Tensor, lin: QuantizedLinear) -> torch.Tensor:
     """The product of the rounded x with the dequantised weight (float64), rounded to
-    bf16, then + bias rounded again, as the kernel stores it."""
-    y = (rounded_to_int8(x) @ q4_weight_f32(lin).double()).float().to(torch.bfloat16)
+    bf16, then + bias rounded again, as the kernels store it."""
+    y = (rounded_to_int8(x) @ weight_t(lin)).float().to(torch.bfloat16)
     return y if lin.bias is None else y + lin.bias
 
 
 def check_products(cases) -> list[float]:
-    """For each (out, in, rows, bias): the share of outputs bit-identical to the oracle,
-    the largest difference from it in bf16 steps, and the share identical to the
-    float32 path's (the rounding of x must show)."""
+    """For each (bits, out, in, rows, bias): the share of outputs bit-identical to the
+    oracle, the largest difference from it in bf16 steps, and the share identical to
+    the float32 path's (the rounding of x must show)."""
     results = []
-    for out_features, in_features, rows, bias in cases:
-        lin = quantized(out_features, in_features, bias, seed=rows)
+    for bits, out_features, in_features, rows, bias in cases:
+        lin = quantized(out_features, in_features, bias, seed=rows, bits=bits)
         x = torch.randn(rows, in_features).to(torch.bfloat16)
         x[0, :32] = 0  # a group of zeros: step 0, codes 0
         x[-1, 32:64] *= 1000  # a group far larger than its neighbours
-        got, want = q4_matmul(x, lin, int8_x=True), int8_oracle(x, lin)
+        got, want = product(x, lin, int8_x=True), int8_oracle(x, lin)
         steps = (bf16_order(got) - bf16_order(want)).abs()
         # Where a sum cancels (the large group's row), float32's own rounding of its
         # terms may reach past one bf16 step of the small result; with a bias, one
         # step of the product (rounded before the bias is added) and the second
         # rounding may be two or more of the result.
-        product = rounded_to_int8(x) @ q4_weight_f32(lin).double()
-        magnitude = rounded_to_int8(x).abs() @ q4_weight_f32(lin).double().abs()
+        exact = rounded_to_int8(x) @ weight_t(lin)
+        magnitude = rounded_to_int8(x).abs() @ weight_t(lin).abs()
         cancelled = ((got.double() - want.double()).abs()
-                     <= torch.maximum(1e-6 * magnitude, product.abs() * 2 ** -6))
+                     <= torch.maximum(1e-6 * magnitude, exact.abs() * 2 ** -6))
         steps = torch.where(cancelled, torch.zeros_like(steps), steps).max().item()
-        float_path = q4_matmul(x, lin, int8_x=False)
+        float_path = product(x, lin, int8_x=False)
         results.append(((got == want).float().mean().item(), steps,
                         (got == float_path).float().mean().item()))
     return results
@@ -103,8 +119,8 @@ def bf16_order(y: torch.Tensor) -> torch.Tensor:
 
 # 3 rows (the fewest it takes), a group of 6 and a rest, past the block of 96 rows, and a
 # long prefill chunk
-CASES = [(n, k, rows, bias) for n, k in SHAPES for rows in (3, 6, 17, 100, 500)
-         for bias in (False, True)]
+CASES = [(bits, n, k, rows, bias) for bits in SHAPES for n, k in SHAPES[bits]
+         for rows in (3, 6, 17, 100, 500) for bias in (False, True)]
 
 SUBPROCESS_CHECK = """
 import json, sys
@@ -130,9 +146,9 @@ def products_here_or_as_ice_lake():
 
 def test_the_product_is_that_of_x_rounded_to_int8():
     """Nearly every output bit-identical to the oracle, none more than one bf16 step
-    off; and far from bit-identical to the float32 path (a missed scale, group or
-    nibble is off by many steps; a kernel that skipped the rounding would match the
-    float32 path)."""
+    off; and far from bit-identical to the float32 path (a missed scale, group,
+    nibble or int8 offset is off by many steps; a kernel that skipped the rounding
+    would match the float32 path)."""
     for case, (identical, steps, as_float) in zip(CASES, products_here_or_as_ice_lake()):
         assert identical > 0.99 and steps <= 1, (case, identical, steps)
         assert as_float < 0.9, (case, as_float)
@@ -144,24 +160,38 @@ needs_kernel_here = pytest.mark.skipif(not panel_int8_built(),
 
 
 @needs_kernel_here
+@pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("rows", [1, INT8_MIN_ROWS - 1])
-def test_fewer_rows_keep_x_in_float32(rows):
+def test_fewer_rows_keep_x_in_float32(rows, bits):
     """1 and 2 rows stream the weight with the tiles: exactly the float32 path."""
-    lin = quantized(960, 576, False, seed=rows)
+    lin = quantized(960, 576, False, seed=rows, bits=bits)
     x = torch.randn(rows, 576).to(torch.bfloat16)
-    assert torch.equal(q4_matmul(x, lin, int8_x=True), q4_matmul(x, lin, int8_x=False))
+    assert torch.equal(product(x, lin, True), product(x, lin, False))
+
+
+@needs_kernel_here
+@pytest.mark.parametrize("out_features, in_features", [(960, 48), (944, 576)])
+def test_an_int8_weight_off_the_panels_grid_keeps_x_in_float32(out_features, in_features):
+    """The int8 panels take k in multiples of 64 and n of 32; other shapes keep the
+    float32 path, whole."""
+    lin = quantized(out_features, in_features, False, seed=0, bits=8)
+    x = torch.randn(20, in_features).to(torch.bfloat16)
+    assert torch.equal(q8_rows(x, lin, int8_x=True), q8_rows(x, lin, int8_x=False))
 
 
 @needs_kernel_here
 def test_it_is_the_default_unless_switched_off(monkeypatch):
     lin = quantized(960, 576, True, seed=0)
     x = torch.randn(40, 576).to(torch.bfloat16)
+    head = quantized(960, 576, True, seed=0, bits=8)
     monkeypatch.delenv("LLMSERVE_CPU_INT8_ACTIVATIONS", raising=False)
     assert decoder.int8_activations()
     assert torch.equal(q4_matmul(x, lin), q4_matmul(x, lin, int8_x=True))
+    assert torch.equal(q8_rows(x, head), q8_rows(x, head, int8_x=True))
     monkeypatch.setenv("LLMSERVE_CPU_INT8_ACTIVATIONS", "0")
     assert not decoder.int8_activations()
     assert torch.equal(q4_matmul(x, lin), q4_matmul(x, lin, int8_x=False))
+    assert torch.equal(q8_rows(x, head), q8_rows(x, head, int8_x=False))
 
 
 @needs_kernel_here

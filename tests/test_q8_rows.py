@@ -19,6 +19,14 @@ from llmserve.model_executor.layers.quantization import QuantizedLinear, weight_
 
 pytestmark = pytest.mark.skipif(decode_kernel() is None, reason="no C compiler here")
 
+
+@pytest.fixture(autouse=True)
+def x_in_float32(monkeypatch):
+    """q8_rows with x in float32 (rounded to int8 where the CPU has VNNI by default:
+    tests/test_cpu_int8_panels.py)."""
+    monkeypatch.setenv("LLMSERVE_CPU_INT8_ACTIVATIONS", "0")
+
+
 BF16_ULP = 2 ** -7
 
 

@@ -432,7 +432,7 @@ static void q4_matmul_int8(int num_threads, const q4_linear *lin, const uint16_t
     const int64_t K = lin->k, groups = K / PANEL8_Q, panels = lin->n / PANEL8_COLS;
     int8_t *codes = scratch;
     float *step = (float *)(codes + (int64_t)M * K), *csum = step + (int64_t)M * groups;
-    xq_rows(x, M, K, codes, step, csum);
+    xq_rows(x, K, M, K, codes, step, csum);
     int shares = num_threads < panels ? num_threads : (int)panels;
     if (shares < 1) shares = 1;
     #pragma omp parallel for num_threads(shares) schedule(static, 1)

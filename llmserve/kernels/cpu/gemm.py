@@ -11,7 +11,7 @@ import os
 
 import torch
 
-from llmserve.kernels.cpu.decoder import int4_pack_block_n
+from llmserve.kernels.cpu.decoder import int4_pack_block_n, int8_activations
 from llmserve.kernels.cpu.native import decode_kernel, panel_gemms_built
 from llmserve.platforms.cpu import cpu_features
 
@@ -216,12 +216,13 @@ def q8_rows_max() -> int | None:
     return None if panel_gemms_built() else Q8_ROWS_MAX
 
 
-def q8_rows(x: torch.Tensor, linear) -> torch.Tensor | None:
+def q8_rows(x: torch.Tensor, linear, int8_x: bool | None = None) -> torch.Tensor | None:
     """``linear(x)`` of an int8 weight-only ``QuantizedLinear`` for a few rows of bf16
     CPU ``x`` by ``q8_rows.c`` (a decode step's LM head: 28 MB streamed at ~18.6 GB/s on
     a 2-core Xeon, ATen's one-row kernel ~12; docs/benchmarks.md), or None where it does not
     apply: other bits, more rows than q8_rows_max(), a width off its grid, under
-    torch.compile, no kernel."""
+    torch.compile, no kernel. From 3 rows x is rounded to int8 where ``int8_x`` (default:
+    ``decoder.int8_activations()``) and the kernel is built (``panel_int8.h``)."""
     k, n = linear.in_features, linear.out_features
     if (linear.bits != 8 or x.device.type != "cpu" or x.dtype != torch.bfloat16
             or x.shape[-1] != k or k % 16 or torch.compiler.is_compiling()):
@@ -232,6 +233,7 @@ def q8_rows(x: torch.Tensor, linear) -> torch.Tensor | None:
     lib = decode_kernel()
     if lib is None:
         return None
+    int8_x = int8_activations() if int8_x is None else int8_x
     rows = _kernel_rows(x, k)
     bias = None if linear.bias is None else linear.bias.float()
     y = torch.empty(rows.shape[0], n, dtype=torch.bfloat16)
@@ -239,7 +241,8 @@ def q8_rows(x: torch.Tensor, linear) -> torch.Tensor | None:
         rc = lib.q8_rows_bf16(torch.get_num_threads(), rows.data_ptr(), rows.shape[0],
                               rows.stride(0), linear.qweight.data_ptr(),
                               linear.scales.data_ptr(), n, k,
-                              None if bias is None else bias.data_ptr(), y.data_ptr(), n)
+                              None if bias is None else bias.data_ptr(), y.data_ptr(), n,
+                              int(int8_x))
         if rc == -1:
             raise MemoryError("q8_rows: out of memory for its float32 copy of x")
         if rc != 0:  # shapes checked above: never expected

@@ -151,7 +151,7 @@ int gemm_use_amx(int want);
 int panel_gemms(void);
 int q8_rows_bf16(int num_threads, const uint16_t *x, int64_t m, int64_t ldx, const int8_t *q,
                  const uint16_t *scales, int64_t n, int64_t k, const float *bias, uint16_t *y,
-                 int64_t ldy);
+                 int64_t ldy, int int8_x);
 
 /* lora.c: one projection's multi-LoRA (shrink and expand of every group of rows). */
 int lora_add_rows(int num_threads, const void *x, int64_t ldx, int64_t x_cols, void *y,

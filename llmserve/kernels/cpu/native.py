@@ -90,7 +90,7 @@ SIGNATURES: dict[str, list[type]] = {
     "gemm_use_amx": [_I32],
     # q8_rows.c
     "panel_gemms": [],
-    "q8_rows_bf16": [_I32, _PTR, _I64, _I64, _PTR, _PTR, _I64, _I64, _PTR, _PTR, _I64],
+    "q8_rows_bf16": [_I32, _PTR, _I64, _I64, _PTR, _PTR, _I64, _I64, _PTR, _PTR, _I64, _I32],
     # lora.c
     "lora_add_rows": [_I32, _PTR, _I64, _I64, _PTR, _I64, _I64, _I64, _I32, _PTR, _PTR, _I32,
                       _PTR, _PTR, _I32, _I32, _I32, _I64, _PTR],

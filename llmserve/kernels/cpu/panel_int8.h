@@ -37,16 +37,17 @@
 #define PANEL8_CHUNK 256  /* k a panel holds: 8 KB, in L1 while every row reads it */
 #define PANEL8_Q 32       /* the weight's group along k: one scale per 32 values */
 
-/* Row t of x [M, K] (bf16) as int8 codes (codes [M, K]), with per group g of 32 its
- * step d (step[t * G + g]) and d * sum(codes) (csum): d = max|x| / 127 (0 for a group
- * of zeros), code = x * (1 / d) rounded to nearest even. */
-static void xq_rows(const uint16_t *x, int64_t M, int64_t K, int8_t *codes, float *step,
-                    float *csum) {
+/* Row t of x [M, K] (bf16, rows ldx apart) as int8 codes (codes [M, K]), with per
+ * group g of 32 its step d (step[t * G + g]) and d * sum(codes) (csum): d = max|x| /
+ * 127 (0 for a group of zeros), code = x * (1 / d) rounded to nearest even. */
+static void xq_rows(const uint16_t *x, int64_t ldx, int64_t M, int64_t K, int8_t *codes,
+                    float *step, float *csum) {
     const int64_t groups = K / PANEL8_Q;
     for (int64_t t = 0; t < M; t++)
         for (int64_t g = 0; g < groups; g++) {
             const int64_t at = t * K + g * PANEL8_Q;
-            const __m512 lo = (__m512)load16_bf16(x + at), hi = (__m512)load16_bf16(x + at + 16);
+            const uint16_t *xg = x + t * ldx + g * PANEL8_Q;
+            const __m512 lo = (__m512)load16_bf16(xg), hi = (__m512)load16_bf16(xg + 16);
             const float amax = _mm512_reduce_max_ps(
                 _mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
             const float d = amax / 127.0f, inv = d > 0.0f ? 1.0f / d : 0.0f;
@@ -89,8 +90,10 @@ static inline void q4_panel_u8(const uint8_t *rows, int high, int64_t k0, int64_
 
 /* sums [m, 32] (+)= rows [0, m) of x (codes rows K apart; their steps and code sums
  * rows `groups` apart) times the panel over k in [k0, k1) (multiples of 32; the sums
- * start from zero where k0 is 0). sz: the panel's first (scale, zero) pair of group 0
- * (bf16 words, groups N pairs apart). */
+ * start from zero where k0 is 0). sz: for an int4 panel, its first (scale, zero) pair
+ * of group 0 (bf16 words, groups N pairs apart), and each group's sum is
+ * d (scale dot + (zero - 8 scale) sum(codes)); NULL for an int8 panel (codes + 128,
+ * see q8_rows.c), whose weight scales come after: each group adds d dot. */
 static inline __attribute__((always_inline)) void panel8_group(
         const int8_t *codes, const float *step, const float *csum, int64_t K, int64_t groups,
         int m, const uint8_t *panel, const uint16_t *sz, int64_t N, int64_t k0, int64_t k1,
@@ -115,6 +118,14 @@ static inline __attribute__((always_inline)) void panel8_group(
                 dot[t][1] = _mm512_dpbusd_epi32(dot[t][1], w1, xb);
             }
         }
+        if (sz == NULL) {  /* int8 weight */
+            for (int t = 0; t < m; t++) {
+                const __m512 d = _mm512_set1_ps(step[t * groups + g]);
+                for (int v = 0; v < 2; v++)
+                    acc[t][v] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[t][v]), d, acc[t][v]);
+            }
+            continue;
+        }
         __m512 scale[2], offset[2];  /* (scale, zero) bf16 pairs as words: see q4_pass */
         for (int v = 0; v < 2; v++) {
             const __m512i pair = _mm512_loadu_si512(sz + (g * N + 16 * v) * 2);
@@ -137,8 +148,8 @@ static inline __attribute__((always_inline)) void panel8_group(
 }
 
 /* All m rows (any number), PANEL8_GROUP at a time with the group's size known to the
- * compiler; sums [m, 32]. */
-static inline void panel8_rows(const int8_t *codes, const float *step, const float *csum,
+ * compiler; sums [m, 32]. Inlined, so that sz's NULL (int8) or not is known too. */
+static inline __attribute__((always_inline)) void panel8_rows(const int8_t *codes, const float *step, const float *csum,
                                int64_t K, int64_t m, const uint8_t *panel, const uint16_t *sz,
                                int64_t N, int64_t k0, int64_t k1, float *sums) {
     const int64_t groups = K / PANEL8_Q;

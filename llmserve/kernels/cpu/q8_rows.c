@@ -9,8 +9,9 @@
  * second group of rows reads the weight tile again from L1, so the weight streams from
  * memory once. From Q8_MANY_ROWS rows (a decode step of many sequences), a build
  * without bf16 arithmetic (AVX-512 without AVX512-BF16, or AVX2) runs a GEMM over
- * panels instead (q8_rows_many). Built into the one library by native.py; declared in
- * kernels.h.
+ * panels instead (q8_rows_many); where the CPU has AVX-512 VNNI and the caller asks, from
+ * Q8_INT8_ROWS rows a GEMM over int8 panels with x rounded to int8 (q8_rows_int8). Built
+ * into the one library by native.py; declared in kernels.h.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -20,6 +21,7 @@
 #endif
 #include "kernels.h"
 #include "panel.h"
+#include "panel_int8.h"
 
 /* A tile: Q8_TOKENS rows of x sharing each weight load, Q8_WROWS weight rows at a time,
  * their sums in registers (16 on AVX-512's 32; AVX2's 16 half-width ones hold 4). */
@@ -268,14 +270,120 @@ static void q8_rows_many(const float *xf, int64_t m, const int8_t *q, const uint
 }
 #endif
 
+#if defined(PANEL_INT8)
+/* From Q8_INT8_ROWS rows, where the caller asks (int8_x), x rounded to int8 as for the
+ * int4 products (panel_int8.h's xq_rows, per group of 32) and the weight multiplied by
+ * VPDPBUSD over panels of its codes. VPDPBUSD multiplies an unsigned byte by a signed
+ * one: the panel holds the codes + 128 (the sign bit flipped), so a row's sum is
+ * sum_g d_g dot_g - 128 sum_g d_g sum(codes_g), the second term the same for every
+ * column (q8_rows_int8 subtracts it once). Each weight row's 4 consecutive codes are
+ * already one int32 lane's bytes: a panel is 16 x 16 transposes of int32s (transpose16).
+ * From 3 rows, as the int4 products (dequant.py's INT8_MIN_ROWS): the built-in model's
+ * LM head [49152 x 576], Ice Lake Xeon, 2 threads, float32 path / int8: 1.0-1.1x at 3
+ * rows, 1.2x at 4, 1.6x at 5, 2.3x at 12, 2.3-2.6x at 16-32, 2.7x at 64. */
+#define Q8_INT8_ROWS 3
+
+/* panel [(k1 - k0) / 4][32][4] = weight rows n0..n0+31 over columns [k0, k1) (multiples
+ * of 64), + 128, as bytes; the next panel's rows (next, or NULL) asked for meanwhile, a
+ * line per row per 64 columns. */
+static void q8_panel_u8(const int8_t *q, int64_t n0, int64_t k, int64_t k0, int64_t k1,
+                        const int8_t *next, uint8_t *panel) {
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
+    for (int64_t kb = k0; kb < k1; kb += 64)
+        for (int h = 0; h < 2; h++) {
+            __m512 r[16];
+            for (int i = 0; i < 16; i++) {
+                const int64_t row = 16 * h + i;
+                if (next != NULL) __builtin_prefetch(next + row * k + kb, 0, 3);
+                r[i] = _mm512_castsi512_ps(_mm512_xor_si512(
+                    _mm512_loadu_si512(q + (n0 + row) * k + kb), flip));
+            }
+            transpose16(r);  /* r[j]: the int32 of columns kb + 4j.. of the 16 rows */
+            for (int j = 0; j < 16; j++)
+                _mm512_storeu_si512(panel + ((kb - k0) / 4 + j) * 4 * PANEL8_COLS + 64 * h,
+                                    _mm512_castps_si512(r[j]));
+        }
+}
+
+/* Weight rows [first, last) (whole 32-row panels) for m rows of x as codes (xq_rows;
+ * shift: 128 sum_g d_g sum(codes_g) per row); panel and sums on the caller's stack.
+ * Sums scaled, rounded and biased as q8_rows_many stores them. */
+static void q8_rows_int8(const int8_t *codes, const float *step, const float *csum,
+                         const float *shift, int64_t m, const int8_t *q,
+                         const uint16_t *scales, const float *bias, int64_t first,
+                         int64_t last, int64_t k, uint8_t *panel, float *sums, uint16_t *y,
+                         int64_t ldy) {
+    for (int64_t n0 = first; n0 < last; n0 += PANEL8_COLS) {
+        const int8_t *next = n0 + 2 * PANEL8_COLS <= last ? q + (n0 + PANEL8_COLS) * k : NULL;
+        for (int64_t k0 = 0; k0 < k; k0 += PANEL8_CHUNK) {
+            const int64_t k1 = k0 + PANEL8_CHUNK < k ? k0 + PANEL8_CHUNK : k;
+            q8_panel_u8(q, n0, k, k0, k1, next, panel);
+            panel8_rows(codes, step, csum, k, m, panel, NULL, 0, k0, k1, sums);
+        }
+        v16f scale[2], add[2];
+        for (int v = 0; v < 2; v++) {
+            scale[v] = load16_bf16(scales + n0 + 16 * v);
+            if (bias != NULL) memcpy(&add[v], bias + n0 + 16 * v, sizeof add[v]);
+        }
+        for (int64_t t = 0; t < m; t++)
+            for (int v = 0; v < 2; v++) {
+                v16f sum;
+                memcpy(&sum, sums + t * PANEL8_COLS + 16 * v, sizeof sum);
+                uint16_t *out = y + t * ldy + n0 + 16 * v;
+                store16_bf16(out, (sum - shift[t]) * scale[v]);
+                if (bias != NULL) store16_bf16(out, load16_bf16(out) + add[v]);
+            }
+    }
+}
+
+/* q8_rows_bf16 with x rounded to int8 (k a multiple of 64, n of 32): the threads take
+ * even shares of the panels, PANEL_ROW_BLOCK rows of x at a time. -1: out of memory. */
+static int q8_rows_bf16_int8(int num_threads, const uint16_t *x, int64_t m, int64_t ldx,
+                             const int8_t *q, const uint16_t *scales, int64_t n, int64_t k,
+                             const float *bias, uint16_t *y, int64_t ldy) {
+    const int64_t groups = k / PANEL8_Q, panels = n / PANEL8_COLS;
+    int8_t *codes = malloc((size_t)(m * k) + sizeof(float) * (size_t)(m * (2 * groups + 1)));
+    if (codes == NULL) return -1;
+    float *step = (float *)(codes + m * k), *csum = step + m * groups, *shift = csum + m * groups;
+    xq_rows(x, ldx, m, k, codes, step, csum);
+    for (int64_t t = 0; t < m; t++) {
+        float s = 0.0f;
+        for (int64_t g = 0; g < groups; g++) s += csum[t * groups + g];
+        shift[t] = 128.0f * s;
+    }
+    int shares = num_threads < panels ? num_threads : (int)panels;
+    if (shares < 1) shares = 1;
+    #pragma omp parallel for num_threads(shares) schedule(static, 1)
+    for (int s = 0; s < shares; s++) {
+        uint8_t panel[PANEL8_CHUNK * PANEL8_COLS] __attribute__((aligned(64)));
+        float sums[PANEL_ROW_BLOCK * PANEL8_COLS] __attribute__((aligned(64)));
+        const int64_t first = panels * s / shares * PANEL8_COLS;
+        const int64_t last = panels * (s + 1) / shares * PANEL8_COLS;
+        for (int64_t r0 = 0; r0 < m; r0 += PANEL_ROW_BLOCK)
+            q8_rows_int8(codes + r0 * k, step + r0 * groups, csum + r0 * groups, shift + r0,
+                         m - r0 < PANEL_ROW_BLOCK ? m - r0 : PANEL_ROW_BLOCK, q, scales, bias,
+                         first, last, k, panel, sums, y + r0 * ldy, ldy);
+    }
+    free(codes);
+    return 0;
+}
+#endif
+
 /* y [m, n] = x [m, k] (bf16, rows ldx apart) times the int8 weight, rounded to bf16;
  * bias (float32 [n], or NULL) added to the rounded product and rounded again, as the
- * torch path adds it. k a multiple of 16. Returns 0, -1 out of memory, -2 a shape it
- * does not take. */
+ * torch path adds it. k a multiple of 16. int8_x: from Q8_INT8_ROWS rows round x to
+ * int8 where built (k a multiple of 64, n of 32). Returns 0, -1 out of memory, -2 a
+ * shape it does not take. */
 int q8_rows_bf16(int num_threads, const uint16_t *x, int64_t m, int64_t ldx, const int8_t *q,
                  const uint16_t *scales, int64_t n, int64_t k, const float *bias, uint16_t *y,
-                 int64_t ldy) {
+                 int64_t ldy, int int8_x) {
     if (k % 16 || k <= 0 || n <= 0 || m < 0) return -2;
+#if defined(PANEL_INT8)
+    if (int8_x && m >= Q8_INT8_ROWS && k % 64 == 0 && n % PANEL8_COLS == 0)
+        return q8_rows_bf16_int8(num_threads, x, m, ldx, q, scales, n, k, bias, y, ldy);
+#else
+    (void)int8_x;
+#endif
     float *xf = malloc(sizeof(float) * (size_t)(m > 0 ? m : 1) * (size_t)k);
     if (xf == NULL) return -1;
     for (int64_t t = 0; t < m; t++)
