@@ -23,11 +23,12 @@ import torch
 from llmserve.kernels.cpu import decoder, dequant
 from llmserve.kernels.cpu.decoder import int4_pack_block_n, q4_matmul
 from llmserve.kernels.cpu.dequant import INT8_MIN_ROWS, q4_weight_f32, quant_dense_f32
-from llmserve.kernels.cpu.gemm import q8_rows
+from llmserve.kernels.cpu.gemm import Q8_INT8_MIN_ROWS, q8_rows
 from llmserve.kernels.cpu.native import decode_kernel, panel_int8_built
 from llmserve.model_executor.layers.quantization import QuantizedLinear
 from llmserve.platforms.cpu import cpu_features
 
+MIN_ROWS = {4: INT8_MIN_ROWS, 8: Q8_INT8_MIN_ROWS}
 SHAPES = {4: [(960, 576), (128, 64), (3072, 576), (576, 1536)],
           8: [(4096, 576), (128, 64), (960, 1536)]}  # int8: an LM head's rows
 
@@ -117,10 +118,10 @@ def bf16_order(y: torch.Tensor) -> torch.Tensor:
     return torch.where(bits < 0, -(bits & 0x7FFF), bits)
 
 
-# 3 rows (the fewest it takes), a group of 6 and a rest, past the block of 96 rows, and a
+# the fewest rows each takes, a group of 6 and a rest, past the block of 96 rows, and a
 # long prefill chunk
 CASES = [(bits, n, k, rows, bias) for bits in SHAPES for n, k in SHAPES[bits]
-         for rows in (3, 6, 17, 100, 500) for bias in (False, True)]
+         for rows in (MIN_ROWS[bits], 6, 17, 100, 500) for bias in (False, True)]
 
 SUBPROCESS_CHECK = """
 import json, sys
@@ -160,10 +161,10 @@ needs_kernel_here = pytest.mark.skipif(not panel_int8_built(),
 
 
 @needs_kernel_here
-@pytest.mark.parametrize("bits", [4, 8])
-@pytest.mark.parametrize("rows", [1, INT8_MIN_ROWS - 1])
-def test_fewer_rows_keep_x_in_float32(rows, bits):
-    """1 and 2 rows stream the weight with the tiles: exactly the float32 path."""
+@pytest.mark.parametrize("bits, rows", [(bits, rows) for bits in MIN_ROWS
+                                        for rows in range(1, MIN_ROWS[bits])])
+def test_fewer_rows_keep_x_in_float32(bits, rows):
+    """Below MIN_ROWS the tiles stream the weight: exactly the float32 path."""
     lin = quantized(960, 576, False, seed=rows, bits=bits)
     x = torch.randn(rows, 576).to(torch.bfloat16)
     assert torch.equal(product(x, lin, True), product(x, lin, False))

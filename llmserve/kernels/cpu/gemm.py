@@ -216,12 +216,19 @@ def q8_rows_max() -> int | None:
     return None if panel_gemms_built() else Q8_ROWS_MAX
 
 
+# From this many rows q8_rows rounds x to int8 where asked and built (q8_rows.c's
+# Q8_INT8_ROWS; the int4 products from dequant.INT8_MIN_ROWS, 3): at 3 the LM head's
+# float32 tiles and the int8 panels are even.
+Q8_INT8_MIN_ROWS = 4
+
+
 def q8_rows(x: torch.Tensor, linear, int8_x: bool | None = None) -> torch.Tensor | None:
     """``linear(x)`` of an int8 weight-only ``QuantizedLinear`` for a few rows of bf16
     CPU ``x`` by ``q8_rows.c`` (a decode step's LM head: 28 MB streamed at ~18.6 GB/s on
     a 2-core Xeon, ATen's one-row kernel ~12; docs/benchmarks.md), or None where it does not
     apply: other bits, more rows than q8_rows_max(), a width off its grid, under
-    torch.compile, no kernel. From 3 rows x is rounded to int8 where ``int8_x`` (default:
+    torch.compile, no kernel. From Q8_INT8_MIN_ROWS rows x is rounded to int8 where
+    ``int8_x`` (default:
     ``decoder.int8_activations()``) and the kernel is built (``panel_int8.h``)."""
     k, n = linear.in_features, linear.out_features
     if (linear.bits != 8 or x.device.type != "cpu" or x.dtype != torch.bfloat16

@@ -278,10 +278,10 @@ static void q8_rows_many(const float *xf, int64_t m, const int8_t *q, const uint
  * sum_g d_g dot_g - 128 sum_g d_g sum(codes_g), the second term the same for every
  * column (q8_rows_int8 subtracts it once). Each weight row's 4 consecutive codes are
  * already one int32 lane's bytes: a panel is 16 x 16 transposes of int32s (transpose16).
- * From 3 rows, as the int4 products (dequant.py's INT8_MIN_ROWS): the built-in model's
- * LM head [49152 x 576], Ice Lake Xeon, 2 threads, float32 path / int8: 1.0-1.1x at 3
- * rows, 1.2x at 4, 1.6x at 5, 2.3x at 12, 2.3-2.6x at 16-32, 2.7x at 64. */
-#define Q8_INT8_ROWS 3
+ * From 4 rows (gemm.py's Q8_INT8_MIN_ROWS): the built-in model's LM head [49152 x 576],
+ * Ice Lake Xeon, 2 threads, float32 path / int8 (benchmarks/int8_products.py): 0.85-1.13x
+ * at 3 rows, 1.2x at 4, 1.6x at 5, 2.3x at 12, 2.3-2.6x at 16-32, 2.7-3.0x at 64-96. */
+#define Q8_INT8_ROWS 4
 
 /* panel [(k1 - k0) / 4][32][4] = weight rows n0..n0+31 over columns [k0, k1) (multiples
  * of 64), + 128, as bytes; the next panel's rows (next, or NULL) asked for meanwhile, a

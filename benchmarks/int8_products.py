@@ -1,0 +1,78 @@
+"""The int4 and int8 products of many rows with x rounded to int8 (``panel_int8.h``)
+against the same products with x in float32, same process, alternating.
+
+For each row count: the built-in model's four int4 projections of a layer ([1728,
+3072, 576, 576] outputs x [576, 576, 576, 1536] inputs, random weights) through the C
+kernel with x in float32 (its tiles below 16 rows, float32 panels above) and rounded to
+int8, plus, from the float32 copy of the weight, MKL's float32 GEMM (what long prefill
+chunks took before); and the int8 LM head [49152 x 576] through q8_rows both ways.
+Prints best-of times and the ratios (>1: int8 faster). Needs a CPU with AVX-512 VNNI
+and no bf16 arithmetic (else both columns are the float32 path).
+
+    python benchmarks/int8_products.py --rows 3,16,32,96,512
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from llmserve.kernels.cpu.decoder import q4_matmul
+from llmserve.kernels.cpu.dequant import q4_weight_f32
+from llmserve.kernels.cpu.gemm import q8_rows
+from llmserve.kernels.cpu.native import panel_int8_built
+from llmserve.model_executor.layers.quantization import QuantizedLinear
+
+LAYER = [(1728, 576), (3072, 576), (576, 576), (576, 1536)]  # (out, in) of qkv, gate_up, o, down
+LM_HEAD = (49152, 576)
+
+
+def best(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def sides(xs, xh, layer, head, repeats: int) -> dict[str, float]:
+    """One best-of time for each side, in turn."""
+    return {name: best(fn, repeats) for name, fn in {
+        "f32": lambda: [q4_matmul(x, lin, int8_x=False) for x, lin in zip(xs, layer)],
+        "int8": lambda: [q4_matmul(x, lin, int8_x=True) for x, lin in zip(xs, layer)],
+        "mkl": lambda: [torch.mm(x.float(), q4_weight_f32(lin)) for x, lin in zip(xs, layer)],
+        "head_f32": lambda: q8_rows(xh, head, int8_x=False),
+        "head_int8": lambda: q8_rows(xh, head, int8_x=True),
+    }.items()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", default="3,6,16,32,96,512")
+    ap.add_argument("--repeats", type=int, default=7)
+    args = ap.parse_args()
+    if not panel_int8_built():
+        print("note: no int8 panels in this build: both columns are the float32 path")
+    torch.manual_seed(0)
+    layer = [QuantizedLinear(torch.nn.Linear(k, n, bias=False), 4) for n, k in LAYER]
+    head = QuantizedLinear(torch.nn.Linear(LM_HEAD[1], LM_HEAD[0], bias=False), 8)
+    print("rows | layer float32 x | int8 x | MKL copy | float32/int8 | MKL/int8 "
+          "| LM head float32 x | int8 x | float32/int8")
+    for m in (int(r) for r in args.rows.split(",")):
+        xs = [torch.randn(m, lin.in_features).to(torch.bfloat16) for lin in layer]
+        xh = torch.randn(m, LM_HEAD[1]).to(torch.bfloat16)
+        t = {}
+        for _ in range(2):  # alternate the sides, keep each side's best
+            for name, seconds in sides(xs, xh, layer, head, args.repeats).items():
+                t[name] = min(t.get(name, 1e9), seconds)
+        print(f"{m} | {t['f32'] * 1e3:.2f} ms | {t['int8'] * 1e3:.2f} | {t['mkl'] * 1e3:.2f} "
+              f"| {t['f32'] / t['int8']:.2f}x | {t['mkl'] / t['int8']:.2f}x "
+              f"| {t['head_f32'] * 1e3:.2f} ms | {t['head_int8'] * 1e3:.2f} "
+              f"| {t['head_f32'] / t['head_int8']:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
