@@ -229,3 +229,19 @@ def test_the_avx2_layout_is_read_on_an_avx2_machine():
     block_n, err = run_as("avx2", AVX2_CHECK)[-2:]
     assert block_n == "32"
     assert float(err) <= BF16_ULP
+
+
+def test_the_int8_row_thresholds_are_the_c_kernels():
+    """dequant.INT8_MIN_ROWS routes the layer's int4 products to the C kernel from the
+    row count its int8 path starts at (decoder.c's Q4_INT8_ROWS), and
+    gemm.Q8_INT8_MIN_ROWS states q8_rows.c's: a C change alone would misroute quietly."""
+    import re
+    from pathlib import Path
+
+    from llmserve.kernels.cpu import gemm
+
+    def define(source: str, name: str) -> int:
+        text = (Path(dequant.__file__).parent / source).read_text()
+        return int(re.search(rf"#define {name} (\d+)", text).group(1))
+    assert define("decoder.c", "Q4_INT8_ROWS") == dequant.INT8_MIN_ROWS
+    assert define("q8_rows.c", "Q8_INT8_ROWS") == gemm.Q8_INT8_MIN_ROWS

@@ -29,7 +29,7 @@ from llmserve.model_executor.layers.quantization import QuantizedLinear
 from llmserve.platforms.cpu import cpu_features
 
 MIN_ROWS = {4: INT8_MIN_ROWS, 8: Q8_INT8_MIN_ROWS}
-SHAPES = {4: [(960, 576), (128, 64), (3072, 576), (576, 1536)],
+SHAPES = {4: [(960, 576), (128, 64), (3072, 576), (576, 1536), (192, 96)],  # 96: k % 64 == 32
           8: [(4096, 576), (128, 64), (960, 1536)]}  # int8: an LM head's rows
 
 

@@ -512,7 +512,8 @@ int q4_linear_bf16(int num_threads, const q4_linear *lin, int block_n, const uin
         : (size_t)M * lin->k + (size_t)M * (lin->k / GROUP);
     float *xf = malloc(sizeof(float) * floats);
     if (xf == NULL) return -1;
-    q4_matmul(num_threads, lin, block_n, x, M, y, xf, xf + (size_t)M * lin->k, int8_x);
+    float *xsum = q4_int8_applies(int8_x, M, block_n) ? NULL : xf + (size_t)M * lin->k;
+    q4_matmul(num_threads, lin, block_n, x, M, y, xf, xsum, int8_x);
     free(xf);
     return 0;
 }

@@ -62,12 +62,14 @@ def q4_struct(linear) -> Q4Linear:
 
 
 def int8_activations() -> bool:
-    """Whether int4 products of many rows (16 and more) round x to int8 per group of 32,
-    as llama.cpp does for its Q4 models (``panel_int8.h``: 2-3x the float32 panel GEMM's
-    multiplies per instruction): wherever the library has that kernel (AVX-512 VNNI
-    without bf16 arithmetic: Ice Lake, Cascade Lake Xeons), unless
-    ``LLMSERVE_CPU_INT8_ACTIVATIONS=0`` keeps x in float32."""
-    return os.environ.get("LLMSERVE_CPU_INT8_ACTIVATIONS", "1") != "0" and panel_int8_built()
+    """Whether int4 products of 3 rows and more (the int8 LM head: 4) round x to int8
+    per group of 32, as llama.cpp does for its Q4 models (``panel_int8.h``: 2-3x the
+    float32 panel GEMM's multiplies per instruction): wherever the library has that
+    kernel (AVX-512 VNNI without bf16 arithmetic: Ice Lake, Cascade Lake Xeons) and
+    ATen packs int4 in the 64-column blocks it reads (a forced AVX2 ATen does not: the
+    products keep their float32 routes), unless ``LLMSERVE_CPU_INT8_ACTIVATIONS=0``."""
+    return (os.environ.get("LLMSERVE_CPU_INT8_ACTIVATIONS", "1") != "0" and panel_int8_built()
+            and int4_pack_block_n() == 64)
 
 
 def q4_matmul(x: torch.Tensor, linear, int8_x: bool | None = None) -> torch.Tensor:
@@ -84,7 +86,7 @@ def q4_matmul(x: torch.Tensor, linear, int8_x: bool | None = None) -> torch.Tens
     rc = decode_kernel().q4_linear_bf16(torch.get_num_threads(), ctypes.byref(lin), block_n,
                                         x.data_ptr(), x.shape[0], y.data_ptr(), int(int8_x))
     if rc == -1:
-        raise MemoryError("q4_linear_bf16: out of memory for its float32 copy of x")
+        raise MemoryError("q4_linear_bf16: out of memory for its copy of x")
     if rc != 0:
         raise ValueError(f"q4_linear_bf16: shapes unsupported ({rc})")
     return y

@@ -251,7 +251,7 @@ def q8_rows(x: torch.Tensor, linear, int8_x: bool | None = None) -> torch.Tensor
                               None if bias is None else bias.data_ptr(), y.data_ptr(), n,
                               int(int8_x))
         if rc == -1:
-            raise MemoryError("q8_rows: out of memory for its float32 copy of x")
+            raise MemoryError("q8_rows: out of memory for its copy of x")
         if rc != 0:  # shapes checked above: never expected
             raise RuntimeError(f"q8_rows.c failed with code {rc}")
     return y.view(*x.shape[:-1], n)
