@@ -73,7 +73,8 @@ for out_features, in_features in ((960, 576), (576, 1536)):
     for rows in (3, 5, 16, 17, 100):
         x = torch.randn(rows, in_features).to(torch.bfloat16)
         want = (weight_only_mm(x, lin.qweight, lin.scales, 4) + lin.bias).float()
-        err = (q4_matmul(x, lin).float() - want).abs() / want.abs().clamp(min=1)
+        got = q4_matmul(x, lin, int8_x=False).float()  # (x rounded: test_cpu_int8_panels)
+        err = (got - want).abs() / want.abs().clamp(min=1)
         worst = max(worst, err.max().item())
 print(worst)
 """

@@ -1,18 +1,20 @@
-"""int4 and int8 products with x rounded to int8 (``panel_int8.h``, AVX-512 VNNI
-without bf16 arithmetic): the C kernels' result (decoder.c's int4 products, q8_rows.c's
-int8 LM head) is the product of the int8-rounded x with the dequantised weight, where it
-applies and only there.
+"""int4 and int8 products with x rounded to int8 (``panel_int8.h``, on CPUs without bf16
+arithmetic: AVX-512 VNNI, and AVX2 for int4): the C kernels' result (decoder.c's int4
+products, q8_rows.c's int8 LM head) is the product of the int8-rounded x with the
+dequantised weight, where it applies and only there.
 
 The oracle rounds x as the kernel documents it (per row and group of 32: d = max|x| /
 127, codes round(x / d) to nearest even) and multiplies in float64: the kernel sums the
-same products exactly in int32 and scales them in float32, so the two agree but for a
-rare last-bit rounding of the bf16 output. Where the library is not built with the
-kernel (an AMX or Zen 4 machine builds for its bf16 tiles), the checks run in a
-subprocess whose build targets an Ice Lake Xeon (``LLMSERVE_CPU_MARCH``); a CPU without
-AVX-512 VNNI cannot run them at all."""
+same products exactly in integers and scales them in float32, so the two agree but for
+a rare last-bit rounding of the bf16 output. Each build is checked where the machine
+can run it: the one at hand in-process, the others in a subprocess, the VNNI kernels
+built for an Ice Lake Xeon (``LLMSERVE_CPU_MARCH``; an AMX or Zen 4 machine builds for
+its bf16 tiles, and a CPU without AVX-512 VNNI cannot run them) and the AVX2 ones under
+``ATEN_CPU_CAPABILITY=avx2`` (every x86 machine here can)."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -24,7 +26,12 @@ from llmserve.kernels.cpu import decoder, dequant
 from llmserve.kernels.cpu.decoder import int4_pack_block_n, q4_matmul
 from llmserve.kernels.cpu.dequant import INT8_MIN_ROWS, q4_weight_f32, quant_dense_f32
 from llmserve.kernels.cpu.gemm import Q8_INT8_MIN_ROWS, q8_rows
-from llmserve.kernels.cpu.native import decode_kernel, panel_int8_built
+from llmserve.kernels.cpu.native import (
+    decode_kernel,
+    panel_int8_block_n,
+    panel_int8_built,
+    q8_rows_int8_built,
+)
 from llmserve.model_executor.layers.quantization import QuantizedLinear
 from llmserve.platforms.cpu import cpu_features
 
@@ -39,11 +46,15 @@ def has_vnni() -> bool:
     return {"avx512_vnni", "avx512bw", "avx512f"} <= set(flags)
 
 
-pytestmark = [
-    pytest.mark.skipif(int4_pack_block_n() != 64 or decode_kernel() is None,
-                       reason="needs the C kernels and ATen's AVX-512 int4 pack"),
-    pytest.mark.skipif(not has_vnni(), reason="the CPU has no AVX-512 VNNI"),
-]
+def has_avx2() -> bool:
+    with open("/proc/cpuinfo") as f:
+        flags = next((line for line in f if line.startswith("flags")), "").split()
+    return {"avx2", "fma"} <= set(flags)
+
+
+pytestmark = pytest.mark.skipif(decode_kernel() is None or int4_pack_block_n() is None
+                                or not has_avx2(),
+                                reason="needs the C kernels, ATen's int4 pack and AVX2")
 
 
 def quantized(out_features: int, in_features: int, bias: bool, seed: int,
@@ -118,46 +129,103 @@ def bf16_order(y: torch.Tensor) -> torch.Tensor:
     return torch.where(bits < 0, -(bits & 0x7FFF), bits)
 
 
-# the fewest rows each takes, a group of 6 and a rest, past the block of 96 rows, and a
-# long prefill chunk
+# the fewest rows each takes, a group of 6 (AVX2: 4) and a rest, past the block of 96
+# rows, and a long prefill chunk
 CASES = [(bits, n, k, rows, bias) for bits in SHAPES for n, k in SHAPES[bits]
          for rows in (MIN_ROWS[bits], 6, 17, 100, 500) for bias in (False, True)]
+
+
+def cases_of_this_build() -> list[tuple]:
+    """CASES this process's build rounds x for: the int8 LM head's only where built."""
+    return [case for case in CASES if case[0] == 4 or q8_rows_int8_built()]
+
 
 SUBPROCESS_CHECK = """
 import json, sys
 sys.path.insert(0, {root!r})
-from tests.test_cpu_int8_panels import CASES, check_products
-from llmserve.kernels.cpu.native import panel_int8_built
-assert panel_int8_built(), "the Ice Lake build has no int8 panels"
-print(json.dumps(check_products(CASES)))
+from tests.test_cpu_int8_panels import cases_of_this_build, check_products
+from llmserve.kernels.cpu.native import panel_int8_block_n
+assert panel_int8_block_n() == {block_n}, panel_int8_block_n()
+cases = cases_of_this_build()
+print(json.dumps([cases, check_products(cases)]))
 """
 
+# each build's int8 panels: the int4 block they read, and how a machine that does not
+# build them by default builds them
+BUILDS = {"vnni": (64, {"LLMSERVE_CPU_MARCH": "icelake-server"}),
+          "avx2": (32, {"ATEN_CPU_CAPABILITY": "avx2"})}
 
-def products_here_or_as_ice_lake():
-    if panel_int8_built():
-        return check_products(CASES)
-    env = dict(os.environ, LLMSERVE_CPU_MARCH="icelake-server")
+
+def run_build(build: str, script: str) -> str:
+    """``script``'s last output line, run where the library is the ``build`` kind."""
+    env = dict(os.environ, **BUILDS[build][1])
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    out = subprocess.run([sys.executable, "-c", SUBPROCESS_CHECK.format(root=root)], env=env,
-                         capture_output=True, text=True, timeout=600, cwd=root)
+    out = subprocess.run([sys.executable, "-c", script.format(root=root,
+                                                              block_n=BUILDS[build][0])],
+                         env=env, capture_output=True, text=True, timeout=600, cwd=root)
     assert out.returncode == 0, out.stderr
-    import json
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return out.stdout.strip().splitlines()[-1]
 
 
-def test_the_product_is_that_of_x_rounded_to_int8():
+def products_of(build: str):
+    """(cases, results) of check_products on the ``build`` kind: here where the library
+    is that kind, else in a subprocess (skipped where the CPU cannot run it)."""
+    if panel_int8_block_n() == BUILDS[build][0]:
+        cases = cases_of_this_build()
+        return cases, check_products(cases)
+    if build == "vnni" and not has_vnni():
+        pytest.skip("the CPU has no AVX-512 VNNI")
+    cases, results = json.loads(run_build(build, SUBPROCESS_CHECK))
+    return [tuple(case) for case in cases], results
+
+
+@pytest.mark.parametrize("build", BUILDS)
+def test_the_product_is_that_of_x_rounded_to_int8(build):
     """Nearly every output bit-identical to the oracle, none more than one bf16 step
     off; and far from bit-identical to the float32 path (a missed scale, group,
     nibble or int8 offset is off by many steps; a kernel that skipped the rounding
-    would match the float32 path)."""
-    for case, (identical, steps, as_float) in zip(CASES, products_here_or_as_ice_lake()):
+    would match the float32 path). The int8 LM head too where built (VNNI)."""
+    cases, results = products_of(build)
+    assert {case[0] for case in cases} == ({4, 8} if build == "vnni" else {4})
+    for case, (identical, steps, as_float) in zip(cases, results):
         assert identical > 0.99 and steps <= 1, (case, identical, steps)
         assert as_float < 0.9, (case, as_float)
 
 
+SAME_BITS = """
+import sys, torch
+sys.path.insert(0, {root!r})
+from tests.test_cpu_int8_panels import quantized
+from llmserve.kernels.cpu.decoder import q4_matmul
+from llmserve.kernels.cpu.gemm import q8_rows
+from llmserve.kernels.cpu.native import q8_rows_int8_built
+torch.manual_seed(0)
+outputs = []
+for n, k, rows in ((960, 576, 3), (3072, 576, 37), (576, 1536, 200)):
+    lin = quantized(n, k, True, seed=rows)
+    outputs.append(q4_matmul(torch.randn(rows, k).to(torch.bfloat16), lin, int8_x=True))
+head = quantized(4096, 576, False, seed=0, bits=8)
+x = torch.randn(20, 576).to(torch.bfloat16)
+assert q8_rows_int8_built() == ({block_n} == 64)
+assert {block_n} == 64 or torch.equal(q8_rows(x, head, int8_x=True),
+                                      q8_rows(x, head, int8_x=False))
+print(torch.cat([y.view(torch.int16).flatten() for y in outputs]).tolist())
+"""
+
+
+def test_the_avx2_and_vnni_builds_compute_the_same_bits():
+    """Both builds sum the same integers and scale them by the same float32 operations
+    in the same order: their int4 products are bit-identical (3 rows; 37: groups of 6
+    and of 4 and their rests; 200: past the block of 96). On AVX2 the int8 LM head keeps
+    x in float32, whatever is asked."""
+    if not has_vnni():
+        pytest.skip("the CPU has no AVX-512 VNNI: the VNNI build cannot run here")
+    assert run_build("vnni", SAME_BITS) == run_build("avx2", SAME_BITS)
+
+
 needs_kernel_here = pytest.mark.skipif(not panel_int8_built(),
                                        reason="this build has no int8 panels (checked above "
-                                              "as an Ice Lake build)")
+                                              "as the other builds)")
 
 
 @needs_kernel_here

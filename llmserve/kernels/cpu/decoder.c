@@ -450,10 +450,11 @@ static void q4_matmul_int8(int num_threads, const q4_linear *lin, const uint16_t
 #endif
 
 /* Whether the library rounds x to int8 for int4 products of many rows where asked
- * (PANEL_INT8: AVX-512 VNNI without bf16 arithmetic); 1 or 0. */
+ * (PANEL_INT8: AVX-512 VNNI without bf16 arithmetic, or AVX2): the column block of
+ * ATen's int4 pack its panels read (64 or 32), or 0. */
 int panel_int8(void) {
 #if defined(PANEL_INT8)
-    return 1;
+    return Q4_PANEL_BN;
 #else
     return 0;
 #endif

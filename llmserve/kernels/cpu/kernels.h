@@ -118,7 +118,7 @@ int argmax_rows_bf16(int num_threads, const uint16_t *x, int rows, int64_t n, in
                      int64_t *out);
 
 /* decoder.c: the int4 decoder stack, and one int4 product for tests. */
-int panel_int8(void);
+int panel_int8(void);  /* the int4 block its int8 panels read, or 0 */
 int q4_linear_bf16(int num_threads, const q4_linear *lin, int block_n, const uint16_t *x,
                    int M, uint16_t *y, int int8_x);
 int q4_decode_layers(int num_threads, const q4_dims *d, const q4_layer *layers, int num_layers,
@@ -149,6 +149,7 @@ int gemm_use_amx(int want);
 /* q8_rows.c: y [m, n] = x [m, k] (bf16) times an int8 weight-only weight [n, k] with
  * per-row bf16 scales (a few rows: a decode step's LM head). */
 int panel_gemms(void);
+int q8_int8_built(void);
 int q8_rows_bf16(int num_threads, const uint16_t *x, int64_t m, int64_t ldx, const int8_t *q,
                  const uint16_t *scales, int64_t n, int64_t k, const float *bias, uint16_t *y,
                  int64_t ldy, int int8_x);

@@ -90,6 +90,7 @@ SIGNATURES: dict[str, list[type]] = {
     "gemm_use_amx": [_I32],
     # q8_rows.c
     "panel_gemms": [],
+    "q8_int8_built": [],
     "q8_rows_bf16": [_I32, _PTR, _I64, _I64, _PTR, _PTR, _I64, _I64, _PTR, _PTR, _I64, _I32],
     # lora.c
     "lora_add_rows": [_I32, _PTR, _I64, _I64, _PTR, _I64, _I64, _I64, _I32, _PTR, _PTR, _I32,
@@ -187,11 +188,25 @@ def panel_gemms_built() -> bool:
 
 
 @functools.cache
-def panel_int8_built() -> bool:
-    """Whether the library can round x to int8 for int4 products of many rows
-    (panel_int8.h: AVX-512 VNNI builds without AVX512-BF16). Asked once."""
+def panel_int8_block_n() -> int:
+    """The column block of ATen's int4 pack that the library's int8 panels read (64: an
+    AVX-512 VNNI build without AVX512-BF16; 32: an AVX2 build), or 0: no such panels
+    (panel_int8.h). Asked once."""
     lib = decode_kernel()
-    return lib is not None and lib.panel_int8() == 1
+    return 0 if lib is None else lib.panel_int8()
+
+
+def panel_int8_built() -> bool:
+    """Whether the library can round x to int8 for int4 products of many rows."""
+    return panel_int8_block_n() > 0
+
+
+@functools.cache
+def q8_rows_int8_built() -> bool:
+    """Whether q8_rows.c can round x to int8 for the int8 LM head (AVX-512 VNNI builds
+    only: AVX2's int16 sums would overflow). Asked once."""
+    lib = decode_kernel()
+    return lib is not None and lib.q8_int8_built() == 1
 
 
 @functools.cache

@@ -1,24 +1,27 @@
-/* int4 products of many rows with x rounded to int8, on AVX-512 CPUs with VNNI but no
- * bf16 arithmetic (Ice Lake and Cascade Lake Xeons): decoder.c's q4_matmul takes them
- * where PANEL_INT8 is built and the caller asks (q4_linear_bf16's int8_x, q4_dims').
+/* int4 products of many rows with x rounded to int8, on CPUs without bf16 arithmetic:
+ * AVX-512 with VNNI (Ice Lake and Cascade Lake Xeons) and AVX2 (Zen 2/3, Haswell to
+ * Broadwell). decoder.c's q4_matmul takes them where PANEL_INT8 is built and the caller
+ * asks (q4_linear_bf16's int8_x, q4_dims'); q8_rows.c's int8 LM head where
+ * PANEL_INT8_VNNI is.
  *
- * panel.h's GEMM multiplies float32: 16 products per FMA. VPDPBUSD multiplies 4
- * unsigned bytes by 4 signed bytes and adds them into each of its 16 int32 lanes: 64
- * products per instruction, and an int4 code is already an unsigned byte. So, as
- * llama.cpp does for its Q4 x Q8 dot products:
+ * panel.h's GEMM multiplies float32: 16 products per FMA (8 on AVX2). VPDPBUSD
+ * multiplies 4 unsigned bytes by 4 signed bytes and adds them into each of its 16
+ * int32 lanes: 64 products per instruction, and an int4 code is already an unsigned
+ * byte. AVX2's VPMADDUBSW multiplies 32 such pairs and adds each two into an int16
+ * lane: 32 products per instruction. So, as llama.cpp does for its Q4 x Q8 dot products:
  *   - each row of x is rounded to int8 per group of 32 (the weight's group): codes
  *     c = round(x / d) with d = max|x| / 127, kept with d and d * sum(c) (xq_rows);
- *   - a group's product is then exact in int32, sum_k q_k c_k, and
+ *   - a group's product is then exact in integers, sum_k q_k c_k, and
  *     sum_k w_k d c_k = d (scale sum_k q_k c_k + (zero - 8 scale) sum_k c_k)
  *     (w = (q - 8) scale + zero): the product of the int8-rounded x with the weight.
  * The rounding of x is the only change from the float32 path: per element at most half
- * a step, 1/254 of its group's largest value.
+ * a step, 1/254 of its group's largest value. Both builds compute the same integers and
+ * the same float32 operations in the same order: their results are bit-identical.
  *
- * A panel is the 32 columns of one half of an int4 block (panel.h's), over a chunk of
- * k, as bytes [k / 4][32][4]: the codes of 4 consecutive k of a column side by side,
- * one int32 lane of VPDPBUSD (q4_panel_u8 rearranges ATen's pack into it). Rows of x
- * go PANEL8_GROUP at a time: their 2 int32 sums of a group and 2 float32 running sums
- * each, 24 of the 32 registers.
+ * A panel is the columns of one half of an int4 block (panel.h's: 32 on AVX-512, 16 on
+ * AVX2), over a chunk of k, as bytes [k / 4][PANEL8_COLS][4]: the codes of 4
+ * consecutive k of a column side by side, one int32 lane (q4_panel_u8 rearranges
+ * ATen's pack into it). Rows of x go PANEL8_GROUP at a time.
  */
 #ifndef LLMSERVE_PANEL_INT8_H
 #define LLMSERVE_PANEL_INT8_H
@@ -30,13 +33,25 @@
 #if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__) \
     && !defined(__AVX512BF16__)
 #define PANEL_INT8 1
-#include <immintrin.h>
-
+#define PANEL_INT8_VNNI 1  /* VPDPBUSD: also the int8 LM head (q8_rows.c) */
 #define PANEL8_COLS 32
 #define PANEL8_GROUP 6
-#define PANEL8_CHUNK 256  /* k a panel holds: 8 KB, in L1 while every row reads it */
+#elif defined(AVX2_ONLY)
+/* int4 only: an int8 weight's codes (+ 128) by VPMADDUBSW would overflow its int16
+ * sums (2 x 255 x 127), and the sign trick llama.cpp uses costs as many instructions
+ * as the float32 FMAs it would replace. */
+#define PANEL_INT8 1
+#define PANEL8_COLS 16
+#define PANEL8_GROUP 4  /* 8 int16 sums: 6 rows' 12 leave no register for constants */
+#endif
+
+#if defined(PANEL_INT8)
+#include <immintrin.h>
+
+#define PANEL8_CHUNK 256  /* k a panel holds: 8 KB (4 on AVX2), in L1 while every row reads it */
 #define PANEL8_Q 32       /* the weight's group along k: one scale per 32 values */
 
+#if defined(PANEL_INT8_VNNI)
 /* Row t of x [M, K] (bf16, rows ldx apart) as int8 codes (codes [M, K]), with per
  * group g of 32 its step d (step[t * G + g]) and d * sum(codes) (csum): d = max|x| /
  * 127 (0 for a group of zeros), code = x * (1 / d) rounded to nearest even. */
@@ -93,7 +108,8 @@ static inline void q4_panel_u8(const uint8_t *rows, int high, int64_t k0, int64_
  * start from zero where k0 is 0). sz: for an int4 panel, its first (scale, zero) pair
  * of group 0 (bf16 words, groups N pairs apart), and each group's sum is
  * d (scale dot + (zero - 8 scale) sum(codes)); NULL for an int8 panel (codes + 128,
- * see q8_rows.c), whose weight scales come after: each group adds d dot. */
+ * see q8_rows.c), whose weight scales come after: each group adds d dot. The m <= 6
+ * rows' 2 int32 sums of a group and 2 float32 running sums each: 24 of the 32 registers. */
 static inline __attribute__((always_inline)) void panel8_group(
         const int8_t *codes, const float *step, const float *csum, int64_t K, int64_t groups,
         int m, const uint8_t *panel, const uint16_t *sz, int64_t N, int64_t k0, int64_t k1,
@@ -146,6 +162,133 @@ static inline __attribute__((always_inline)) void panel8_group(
     for (int t = 0; t < m; t++)
         for (int v = 0; v < 2; v++) _mm512_storeu_ps(sums + t * PANEL8_COLS + 16 * v, acc[t][v]);
 }
+
+#else  /* AVX2 */
+
+/* xq_rows (above) in 8-lane registers: the same codes, steps and code sums. */
+static void xq_rows(const uint16_t *x, int64_t ldx, int64_t M, int64_t K, int8_t *codes,
+                    float *step, float *csum) {
+    const int64_t groups = K / PANEL8_Q;
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    /* packs leave 4-byte runs in the order 0, 2, 4, 6, 1, 3, 5, 7 of the group */
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    for (int64_t t = 0; t < M; t++)
+        for (int64_t g = 0; g < groups; g++) {
+            const int64_t at = t * K + g * PANEL8_Q;
+            const uint16_t *xg = x + t * ldx + g * PANEL8_Q;
+            __m256 v[4];
+            for (int i = 0; i < 4; i++)
+                v[i] = _mm256_castsi256_ps(_mm256_slli_epi32(
+                    _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(xg + 8 * i))), 16));
+            __m256 big = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]),
+                                                     _mm256_andnot_ps(sign, v[1])),
+                                       _mm256_max_ps(_mm256_andnot_ps(sign, v[2]),
+                                                     _mm256_andnot_ps(sign, v[3])));
+            __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(big), _mm256_extractf128_ps(big, 1));
+            m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+            m4 = _mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1));
+            const float amax = _mm_cvtss_f32(m4);
+            const float d = amax / 127.0f, inv = d > 0.0f ? 1.0f / d : 0.0f;
+            __m256i c[4];
+            for (int i = 0; i < 4; i++)
+                c[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], _mm256_set1_ps(inv)));
+            const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(c[0], c[1]),
+                                                     _mm256_packs_epi32(c[2], c[3]));
+            _mm256_storeu_si256((__m256i *)(codes + at),
+                                _mm256_permutevar8x32_epi32(bytes, order));
+            const __m256i total = _mm256_add_epi32(_mm256_add_epi32(c[0], c[1]),
+                                                   _mm256_add_epi32(c[2], c[3]));
+            __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(total),
+                                       _mm256_extracti128_si256(total, 1));
+            s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+            s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
+            step[t * groups + g] = d;
+            csum[t * groups + g] = d * (float)_mm_cvtsi128_si32(s4);
+        }
+}
+
+/* panel [(k1 - k0) / 4][16][4]: q4_panel_u8 (above) for ATen's AVX2 pack, whose rows
+ * are 16 bytes (a block's 32 columns, the second 16 in the high nibbles). Two quads of
+ * k at a time, one per 128-bit lane: rows k..k+3 in the low lanes, k+4..k+7 in the
+ * high ones. */
+static inline void q4_panel_u8(const uint8_t *rows, int high, int64_t k0, int64_t k1,
+                               uint8_t *panel) {
+    const __m256i low4 = _mm256_set1_epi8(15);
+    for (int64_t k = k0; k < k1; k += 8, panel += 8 * PANEL8_COLS) {
+        __m256i r[4];
+        for (int i = 0; i < 4; i++) {
+            r[i] = _mm256_inserti128_si256(
+                _mm256_castsi128_si256(
+                    _mm_loadu_si128((const __m128i *)(rows + (k + i) * PANEL8_COLS))),
+                _mm_loadu_si128((const __m128i *)(rows + (k + 4 + i) * PANEL8_COLS)), 1);
+            r[i] = _mm256_and_si256(high ? _mm256_srli_epi16(r[i], 4) : r[i], low4);
+        }
+        /* a, b: rows k, k+1 (and k+4, k+5) interleaved, columns 0-7 and 8-15 */
+        const __m256i a = _mm256_unpacklo_epi8(r[0], r[1]), b = _mm256_unpackhi_epi8(r[0], r[1]);
+        const __m256i c = _mm256_unpacklo_epi8(r[2], r[3]), d = _mm256_unpackhi_epi8(r[2], r[3]);
+        /* quads of columns 0-3, 4-7, 8-11, 12-15: the first quad of k | the second */
+        const __m256i e0 = _mm256_unpacklo_epi16(a, c), e1 = _mm256_unpackhi_epi16(a, c);
+        const __m256i e2 = _mm256_unpacklo_epi16(b, d), e3 = _mm256_unpackhi_epi16(b, d);
+        _mm256_storeu_si256((__m256i *)panel, _mm256_permute2x128_si256(e0, e1, 0x20));
+        _mm256_storeu_si256((__m256i *)(panel + 32), _mm256_permute2x128_si256(e2, e3, 0x20));
+        _mm256_storeu_si256((__m256i *)(panel + 64), _mm256_permute2x128_si256(e0, e1, 0x31));
+        _mm256_storeu_si256((__m256i *)(panel + 96), _mm256_permute2x128_si256(e2, e3, 0x31));
+    }
+}
+
+/* panel8_group (above) for an int4 panel of 16 columns, by VPMADDUBSW: each quad of k
+ * adds two int16 sums of two products per column (at most 2 x 15 x 127), and a
+ * group's 8 quads fit int16 (30,480), summed into int32 once per group (VPMADDWD by
+ * ones). The 4 rows' int16 sums, the panel's 2 registers, the broadcast and a product
+ * take 12 of the 16 registers: the float32 running sums stay in `sums` (in L1), read
+ * and written once per group. */
+static inline __attribute__((always_inline)) void panel8_group(
+        const int8_t *codes, const float *step, const float *csum, int64_t K, int64_t groups,
+        int m, const uint8_t *panel, const uint16_t *sz, int64_t N, int64_t k0, int64_t k1,
+        float *sums) {
+    if (k0 == 0) memset(sums, 0, sizeof(float) * (size_t)m * PANEL8_COLS);
+    for (int64_t g = k0 / PANEL8_Q; g < k1 / PANEL8_Q; g++) {
+        __m256i dot[PANEL8_GROUP][2];
+        for (int t = 0; t < m; t++)
+            for (int v = 0; v < 2; v++) dot[t][v] = _mm256_setzero_si256();
+        const uint8_t *p = panel + (g * PANEL8_Q - k0) * PANEL8_COLS;
+        /* not unrolled: GCC would then sum the products as a tree, out of registers */
+        _Pragma("GCC unroll 1")
+        for (int quad = 0; quad < PANEL8_Q / 4; quad++, p += 4 * PANEL8_COLS) {
+            const __m256i w0 = _mm256_loadu_si256((const __m256i *)p);
+            const __m256i w1 = _mm256_loadu_si256((const __m256i *)(p + 32));
+            for (int t = 0; t < m; t++) {
+                int32_t four;
+                memcpy(&four, codes + t * K + g * PANEL8_Q + 4 * quad, sizeof four);
+                const __m256i xb = _mm256_set1_epi32(four);
+                dot[t][0] = _mm256_add_epi16(dot[t][0], _mm256_maddubs_epi16(w0, xb));
+                dot[t][1] = _mm256_add_epi16(dot[t][1], _mm256_maddubs_epi16(w1, xb));
+            }
+        }
+        __m256 scale[2], offset[2];
+        for (int v = 0; v < 2; v++) {
+            __m256 zero;
+            bf16_halves8(_mm256_loadu_si256((const __m256i *)(sz + (g * N + 8 * v) * 2)),
+                         &scale[v], &zero);
+            offset[v] = _mm256_fnmadd_ps(_mm256_set1_ps(8.0f), scale[v], zero);
+        }
+        for (int t = 0; t < m; t++) {
+            const __m256 d = _mm256_set1_ps(step[t * groups + g]);
+            const __m256 cs = _mm256_set1_ps(csum[t * groups + g]);
+            for (int v = 0; v < 2; v++) {
+                float *acc = sums + t * PANEL8_COLS + 8 * v;
+                const __m256i dot32 = _mm256_madd_epi16(dot[t][v], _mm256_set1_epi16(1));
+                _mm256_storeu_ps(acc, _mm256_fmadd_ps(
+                    _mm256_cvtepi32_ps(dot32), _mm256_mul_ps(scale[v], d),
+                    _mm256_fmadd_ps(offset[v], cs, _mm256_loadu_ps(acc))));
+            }
+        }
+        /* The sums live in memory: GCC would otherwise keep them in registers across
+         * groups and spill the int16 sums of the loop above instead (measured 3x slower). */
+        __asm__ __volatile__("" ::: "memory");
+    }
+}
+#endif
 
 /* All m rows (any number), PANEL8_GROUP at a time with the group's size known to the
  * compiler; sums [m, 32]. Inlined, so that sz's NULL (int8) or not is known too. */

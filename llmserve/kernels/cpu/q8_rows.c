@@ -270,7 +270,7 @@ static void q8_rows_many(const float *xf, int64_t m, const int8_t *q, const uint
 }
 #endif
 
-#if defined(PANEL_INT8)
+#if defined(PANEL_INT8_VNNI)
 /* From Q8_INT8_ROWS rows, where the caller asks (int8_x), x rounded to int8 as for the
  * int4 products (panel_int8.h's xq_rows, per group of 32) and the weight multiplied by
  * VPDPBUSD over panels of its codes. VPDPBUSD multiplies an unsigned byte by a signed
@@ -378,7 +378,7 @@ int q8_rows_bf16(int num_threads, const uint16_t *x, int64_t m, int64_t ldx, con
                  const uint16_t *scales, int64_t n, int64_t k, const float *bias, uint16_t *y,
                  int64_t ldy, int int8_x) {
     if (k % 16 || k <= 0 || n <= 0 || m < 0) return -2;
-#if defined(PANEL_INT8)
+#if defined(PANEL_INT8_VNNI)
     if (int8_x && m >= Q8_INT8_ROWS && k % 64 == 0 && n % PANEL8_COLS == 0)
         return q8_rows_bf16_int8(num_threads, x, m, ldx, q, scales, n, k, bias, y, ldy);
 #else
@@ -426,6 +426,15 @@ int q8_rows_bf16(int num_threads, const uint16_t *x, int64_t m, int64_t ldx, con
  * products from Q4_PANEL_ROWS): 1 or 0. */
 int panel_gemms(void) {
 #if defined(PANEL_GEMMS)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* Whether q8_rows_bf16 rounds x to int8 where asked (AVX-512 VNNI builds); 1 or 0. */
+int q8_int8_built(void) {
+#if defined(PANEL_INT8_VNNI)
     return 1;
 #else
     return 0;
