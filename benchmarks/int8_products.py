@@ -6,10 +6,12 @@ For each row count: the built-in model's four int4 projections of a layer ([1728
 kernel with x in float32 (its tiles below 16 rows, float32 panels above) and rounded to
 int8, plus, from the float32 copy of the weight, MKL's float32 GEMM (what long prefill
 chunks took before); and the int8 LM head [49152 x 576] through q8_rows both ways.
-Prints best-of times and the ratios (>1: int8 faster). Needs a CPU with AVX-512 VNNI
-and no bf16 arithmetic (else both columns are the float32 path).
+Prints best-of times and the ratios (>1: int8 faster). Needs a build with the int8
+panels: AVX-512 VNNI without bf16 arithmetic, or AVX2 (there the int4 layer only: both
+LM head columns are its float32 path). Elsewhere both columns are the float32 path.
 
     python benchmarks/int8_products.py --rows 3,16,32,96,512
+    ATEN_CPU_CAPABILITY=avx2 python benchmarks/int8_products.py   # as an AVX2-only CPU
 """
 
 from __future__ import annotations
