@@ -6,7 +6,8 @@ Three engines, one after the other, in this process:
   * float32, unquantised: the reference;
   * int4 (``--quantization auto``), x in float32 (``LLMSERVE_CPU_INT8_ACTIVATIONS=0``);
   * int4, x rounded to int8 per group of 32 (the default where the CPU has AVX-512 VNNI
-    but no bf16 arithmetic).
+    but no bf16 arithmetic, and on AVX2 builds; there the int8 LM head keeps x in
+    float32, so this engine is the table's "int4 products only" row).
 Each scores the 40 questions of the task the repository ships (benchmarks/data/lm_eval:
 the log-likelihood of every choice after "Answer:", prompt logprobs) and continues 16 of
 them greedily for 48 tokens, all at once (decode steps of 16 rows: the C decoder stack,

@@ -33,8 +33,8 @@ pytestmark = pytest.mark.skipif(int4_pack_block_n() is None or decode_kernel() i
 
 @pytest.fixture(autouse=True)
 def x_in_float32(monkeypatch):
-    """These paths with x in float32 (rounded to int8 where the CPU has VNNI by default:
-    tests/test_cpu_int8_panels.py)."""
+    """These paths with x in float32 (rounded to int8 by default on AVX-512 VNNI and AVX2
+    builds: tests/test_cpu_int8_panels.py)."""
     monkeypatch.setenv("LLMSERVE_CPU_INT8_ACTIVATIONS", "0")
 
 

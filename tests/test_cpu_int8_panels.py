@@ -140,87 +140,141 @@ def cases_of_this_build() -> list[tuple]:
     return [case for case in CASES if case[0] == 4 or q8_rows_int8_built()]
 
 
-SUBPROCESS_CHECK = """
+# each build's int8 panels: the int4 block they read, and how a machine that does not
+# build them by default builds them (an outer ATEN_CPU_CAPABILITY or LLMSERVE_CPU_MARCH,
+# as when the whole suite acts as an AVX2 machine, must not change which)
+BUILDS = {"vnni": (64, {"LLMSERVE_CPU_MARCH": "icelake-server",
+                        "ATEN_CPU_CAPABILITY": "avx512"}),
+          "avx2": (32, {"ATEN_CPU_CAPABILITY": "avx2"})}
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SUBPROCESS = """
 import json, sys
 sys.path.insert(0, {root!r})
-from tests.test_cpu_int8_panels import cases_of_this_build, check_products
-from llmserve.kernels.cpu.native import panel_int8_block_n
-assert panel_int8_block_n() == {block_n}, panel_int8_block_n()
-cases = cases_of_this_build()
-print(json.dumps([cases, check_products(cases)]))
+import tests.test_cpu_int8_panels as here
+print(json.dumps(here.{check}()))
 """
 
-# each build's int8 panels: the int4 block they read, and how a machine that does not
-# build them by default builds them
-BUILDS = {"vnni": (64, {"LLMSERVE_CPU_MARCH": "icelake-server"}),
-          "avx2": (32, {"ATEN_CPU_CAPABILITY": "avx2"})}
 
-
-def run_build(build: str, script: str) -> str:
-    """``script``'s last output line, run where the library is the ``build`` kind."""
-    env = dict(os.environ, **BUILDS[build][1])
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    out = subprocess.run([sys.executable, "-c", script.format(root=root,
-                                                              block_n=BUILDS[build][0])],
-                         env=env, capture_output=True, text=True, timeout=600, cwd=root)
+def run_with(env_changes: dict, check: str):
+    """This module's ``check()`` in a fresh Python with ``env_changes`` (its JSON), the
+    switch LLMSERVE_CPU_INT8_ACTIVATIONS at its default."""
+    env = {key: value for key, value in os.environ.items()
+           if key not in ("LLMSERVE_CPU_MARCH", "LLMSERVE_CPU_INT8_ACTIVATIONS")}
+    env.update(env_changes)
+    out = subprocess.run([sys.executable, "-c", SUBPROCESS.format(root=ROOT, check=check)],
+                         env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert out.returncode == 0, out.stderr
-    return out.stdout.strip().splitlines()[-1]
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def products_of(build: str):
-    """(cases, results) of check_products on the ``build`` kind: here where the library
-    is that kind, else in a subprocess (skipped where the CPU cannot run it)."""
-    if panel_int8_block_n() == BUILDS[build][0]:
-        cases = cases_of_this_build()
-        return cases, check_products(cases)
+def in_build(build: str, check: str, monkeypatch):
+    """This module's ``check()`` where the library is the ``build`` kind: here if it is,
+    else in a subprocess (skipped where the CPU cannot run that build)."""
+    block_n, env_changes = BUILDS[build]
+    if panel_int8_block_n() == block_n:
+        monkeypatch.delenv("LLMSERVE_CPU_INT8_ACTIVATIONS", raising=False)
+        return json.loads(json.dumps(globals()[check]()))
     if build == "vnni" and not has_vnni():
         pytest.skip("the CPU has no AVX-512 VNNI")
-    cases, results = json.loads(run_build(build, SUBPROCESS_CHECK))
-    return [tuple(case) for case in cases], results
+    return run_with(env_changes, check)
+
+
+def products_check() -> list:
+    """(cases, check_products of them) on this process's build."""
+    cases = cases_of_this_build()
+    return [cases, check_products(cases)]
 
 
 @pytest.mark.parametrize("build", BUILDS)
-def test_the_product_is_that_of_x_rounded_to_int8(build):
+def test_the_product_is_that_of_x_rounded_to_int8(build, monkeypatch):
     """Nearly every output bit-identical to the oracle, none more than one bf16 step
     off; and far from bit-identical to the float32 path (a missed scale, group,
     nibble or int8 offset is off by many steps; a kernel that skipped the rounding
     would match the float32 path). The int8 LM head too where built (VNNI)."""
-    cases, results = products_of(build)
+    cases, results = in_build(build, "products_check", monkeypatch)
     assert {case[0] for case in cases} == ({4, 8} if build == "vnni" else {4})
     for case, (identical, steps, as_float) in zip(cases, results):
         assert identical > 0.99 and steps <= 1, (case, identical, steps)
         assert as_float < 0.9, (case, as_float)
 
 
-SAME_BITS = """
-import sys, torch
-sys.path.insert(0, {root!r})
-from tests.test_cpu_int8_panels import quantized
-from llmserve.kernels.cpu.decoder import q4_matmul
-from llmserve.kernels.cpu.gemm import q8_rows
-from llmserve.kernels.cpu.native import q8_rows_int8_built
-torch.manual_seed(0)
-outputs = []
-for n, k, rows in ((960, 576, 3), (3072, 576, 37), (576, 1536, 200)):
-    lin = quantized(n, k, True, seed=rows)
-    outputs.append(q4_matmul(torch.randn(rows, k).to(torch.bfloat16), lin, int8_x=True))
-head = quantized(4096, 576, False, seed=0, bits=8)
-x = torch.randn(20, 576).to(torch.bfloat16)
-assert q8_rows_int8_built() == ({block_n} == 64)
-assert {block_n} == 64 or torch.equal(q8_rows(x, head, int8_x=True),
-                                      q8_rows(x, head, int8_x=False))
-print(torch.cat([y.view(torch.int16).flatten() for y in outputs]).tolist())
-"""
+def int16_limit_check() -> bool:
+    """A group at the AVX2 build's int16 limit: every int16 lane of the first pair of k
+    sums 16 products of 15 x 127 (30,480 of 32,767: a group of 64 would wrap). The
+    weight is 1 along k but for -1 at each group's last k (int4 codes 15 and 0), x all
+    ones (codes 127)."""
+    weight = torch.ones(64, 576)
+    weight[:, 31::32] = -1
+    linear = torch.nn.Linear(576, 64, bias=False)
+    linear.weight.data.copy_(weight)
+    lin = QuantizedLinear(linear, 4)
+    assert weight_t(lin).unique().numel() == 2  # codes 0 and 15 only
+    x = torch.ones(3, 576).to(torch.bfloat16)
+    return torch.equal(q4_matmul(x, lin, int8_x=True), int8_oracle(x, lin))
 
 
-def test_the_avx2_and_vnni_builds_compute_the_same_bits():
+@pytest.mark.parametrize("build", BUILDS)
+def test_a_group_at_the_int16_limit_sums_exactly(build, monkeypatch):
+    assert in_build(build, "int16_limit_check", monkeypatch)
+
+
+def same_bits_check() -> list[int]:
+    """Int4 products of 3 rows; 37 (groups of 6 and of 4 and their rests); 200 (past
+    the block of 96), as bf16 bit patterns."""
+    torch.manual_seed(0)
+    outputs = []
+    for n, k, rows in ((960, 576, 3), (3072, 576, 37), (576, 1536, 200)):
+        lin = quantized(n, k, True, seed=rows)
+        outputs.append(q4_matmul(torch.randn(rows, k).to(torch.bfloat16), lin, int8_x=True))
+    return torch.cat([y.view(torch.int16).flatten() for y in outputs]).tolist()
+
+
+def test_the_avx2_and_vnni_builds_compute_the_same_bits(monkeypatch):
     """Both builds sum the same integers and scale them by the same float32 operations
-    in the same order: their int4 products are bit-identical (3 rows; 37: groups of 6
-    and of 4 and their rests; 200: past the block of 96). On AVX2 the int8 LM head keeps
-    x in float32, whatever is asked."""
+    in the same order: their int4 products are bit-identical."""
+    assert (in_build("vnni", "same_bits_check", monkeypatch)
+            == in_build("avx2", "same_bits_check", monkeypatch))
+
+
+def avx2_routing_check() -> dict:
+    """What an AVX2 build does by default: the int4 products of 3 rows and more round x
+    (the torch layer and q4_matmul alike), fewer do not; the int8 LM head never does."""
+    lin = quantized(960, 576, False, seed=1)
+    head = quantized(4096, 576, False, seed=0, bits=8)
+    x = torch.randn(400, 576).to(torch.bfloat16)
+    return {
+        "int8_activations": decoder.int8_activations(),
+        "q8_rows_int8_built": q8_rows_int8_built(),
+        "layer rounds from 3 rows": all(
+            dequant.dequant_applies(x[:rows], lin)
+            and torch.equal(lin(x[:rows]), q4_matmul(x[:rows], lin, int8_x=True))
+            and torch.equal(q4_matmul(x[:rows], lin), q4_matmul(x[:rows], lin, int8_x=True))
+            for rows in (INT8_MIN_ROWS, 16, 400)),
+        "2 rows keep float32": torch.equal(q4_matmul(x[:2], lin, int8_x=True),
+                                           q4_matmul(x[:2], lin, int8_x=False)),
+        "LM head keeps float32": torch.equal(q8_rows(x[:20], head, int8_x=True),
+                                             q8_rows(x[:20], head, int8_x=False)),
+    }
+
+
+def test_an_avx2_build_rounds_x_by_default(monkeypatch):
+    assert in_build("avx2", "avx2_routing_check", monkeypatch) == {
+        "int8_activations": True, "q8_rows_int8_built": False,
+        "layer rounds from 3 rows": True, "2 rows keep float32": True,
+        "LM head keeps float32": True}
+
+
+def mismatch_check() -> list:
+    return [decoder.int8_activations(), panel_int8_block_n(), int4_pack_block_n()]
+
+
+def test_a_vnni_build_under_atens_avx2_pack_keeps_x_in_float32():
+    """The VNNI panels read 64-column blocks: where ATen packs 32 (a forced AVX2 ATen
+    with an AVX-512 build) nothing rounds, in Python's routing as in C's."""
     if not has_vnni():
         pytest.skip("the CPU has no AVX-512 VNNI: the VNNI build cannot run here")
-    assert run_build("vnni", SAME_BITS) == run_build("avx2", SAME_BITS)
+    assert run_with({"LLMSERVE_CPU_MARCH": "icelake-server", "ATEN_CPU_CAPABILITY": "avx2"},
+                    "mismatch_check") == [False, 64, 32]
 
 
 needs_kernel_here = pytest.mark.skipif(not panel_int8_built(),

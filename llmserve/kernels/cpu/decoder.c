@@ -404,10 +404,12 @@ static int q4_matmul_panels(int num_threads, const q4_linear *lin, const float *
 #if defined(PANEL_INT8)
 /* From 3 rows (dequant.py's INT8_MIN_ROWS): at 1 row the tiles stream the weight
  * faster (0.12 against 0.14 ms for a layer's four products), at 2 they tie, at 3
- * the int8 panels take 0.18 ms against 0.23 (Ice Lake Xeon, 2 threads). */
+ * the int8 panels take 0.18 ms against 0.23 (Ice Lake Xeon, 2 threads); the AVX2
+ * build's, 0.51 against 0.69 at 3 rows (the same Xeon as an AVX2 machine). */
 #define Q4_INT8_ROWS 3
 /* q4_panels with x rounded to int8 (panel_int8.h): M rows of x as codes, their steps
- * and code sums (xq_rows); panel: PANEL8_CHUNK * 32 bytes; sums: M * 32 floats. */
+ * and code sums (xq_rows); panel: PANEL8_CHUNK * PANEL8_COLS bytes; sums: M *
+ * PANEL8_COLS floats. */
 static void q4_panels_int8(const q4_linear *lin, const int8_t *codes, const float *step,
                            const float *csum, int M, int64_t first, int64_t last,
                            uint8_t *panel, float *sums, uint16_t *y, int64_t ldy) {
@@ -426,7 +428,8 @@ static void q4_panels_int8(const q4_linear *lin, const int8_t *codes, const floa
 
 /* y = x times the int4 weight with x rounded to int8 (q4_matmul_panels' split over
  * threads and rows); scratch: M * K / 4 + 2 M * K / 32 floats for the codes, steps and
- * code sums. Each thread's panel and sums (20 KB) are on its stack: nothing to fail. */
+ * code sums. Each thread's panel and sums (20 KB; 10 on AVX2) are on its stack:
+ * nothing to fail. */
 static void q4_matmul_int8(int num_threads, const q4_linear *lin, const uint16_t *x, int M,
                            uint16_t *y, void *scratch) {
     const int64_t K = lin->k, groups = K / PANEL8_Q, panels = lin->n / PANEL8_COLS;

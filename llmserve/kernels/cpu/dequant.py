@@ -10,9 +10,10 @@ a scratch reused from call to call) and let MKL's float32 GEMM multiply. Either 
 weight is still stored, and streamed by decode steps, in int4. Fewer rows keep the
 kernels that read the packed bytes (the C decoder stack, ATen).
 
-Where the CPU has AVX-512 VNNI (Ice Lake, Cascade Lake), x is rounded to int8 instead
-(``decoder.int8_activations``, ``panel_int8.h``), and the C kernel's int8 panels take
-every product from ``INT8_MIN_ROWS`` rows, long prefill chunks included.
+Where the CPU has AVX-512 VNNI (Ice Lake, Cascade Lake) or only AVX2 (Zen 2/3, Haswell
+to Broadwell), x is rounded to int8 instead (``decoder.int8_activations``,
+``panel_int8.h``), and the C kernel's int8 panels take every product from
+``INT8_MIN_ROWS`` rows, long prefill chunks included.
 """
 
 from __future__ import annotations

@@ -228,8 +228,8 @@ def q8_rows(x: torch.Tensor, linear, int8_x: bool | None = None) -> torch.Tensor
     a 2-core Xeon, ATen's one-row kernel ~12; docs/benchmarks.md), or None where it does not
     apply: other bits, more rows than q8_rows_max(), a width off its grid, under
     torch.compile, no kernel. From Q8_INT8_MIN_ROWS rows x is rounded to int8 where
-    ``int8_x`` (default:
-    ``decoder.int8_activations()``) and the kernel is built (``panel_int8.h``)."""
+    ``int8_x`` (default: ``decoder.int8_activations()``) and the library has that path
+    (``native.q8_rows_int8_built()``: AVX-512 VNNI builds; an AVX2 build ignores int8_x)."""
     k, n = linear.in_features, linear.out_features
     if (linear.bits != 8 or x.device.type != "cpu" or x.dtype != torch.bfloat16
             or x.shape[-1] != k or k % 16 or torch.compiler.is_compiling()):

@@ -55,7 +55,7 @@
 /* Row t of x [M, K] (bf16, rows ldx apart) as int8 codes (codes [M, K]), with per
  * group g of 32 its step d (step[t * G + g]) and d * sum(codes) (csum): d = max|x| /
  * 127 (0 for a group of zeros), code = x * (1 / d) rounded to nearest even. */
-static void xq_rows(const uint16_t *x, int64_t ldx, int64_t M, int64_t K, int8_t *codes,
+static inline void xq_rows(const uint16_t *x, int64_t ldx, int64_t M, int64_t K, int8_t *codes,
                     float *step, float *csum) {
     const int64_t groups = K / PANEL8_Q;
     for (int64_t t = 0; t < M; t++)
@@ -103,7 +103,7 @@ static inline void q4_panel_u8(const uint8_t *rows, int high, int64_t k0, int64_
     }
 }
 
-/* sums [m, 32] (+)= rows [0, m) of x (codes rows K apart; their steps and code sums
+/* sums [m, PANEL8_COLS] (+)= rows [0, m) of x (codes rows K apart; their steps and code sums
  * rows `groups` apart) times the panel over k in [k0, k1) (multiples of 32; the sums
  * start from zero where k0 is 0). sz: for an int4 panel, its first (scale, zero) pair
  * of group 0 (bf16 words, groups N pairs apart), and each group's sum is
@@ -166,7 +166,7 @@ static inline __attribute__((always_inline)) void panel8_group(
 #else  /* AVX2 */
 
 /* xq_rows (above) in 8-lane registers: the same codes, steps and code sums. */
-static void xq_rows(const uint16_t *x, int64_t ldx, int64_t M, int64_t K, int8_t *codes,
+static inline void xq_rows(const uint16_t *x, int64_t ldx, int64_t M, int64_t K, int8_t *codes,
                     float *step, float *csum) {
     const int64_t groups = K / PANEL8_Q;
     const __m256 sign = _mm256_set1_ps(-0.0f);
@@ -291,7 +291,7 @@ static inline __attribute__((always_inline)) void panel8_group(
 #endif
 
 /* All m rows (any number), PANEL8_GROUP at a time with the group's size known to the
- * compiler; sums [m, 32]. Inlined, so that sz's NULL (int8) or not is known too. */
+ * compiler; sums [m, PANEL8_COLS]. Inlined, so that sz's NULL (int8) or not is known too. */
 static inline __attribute__((always_inline)) void panel8_rows(const int8_t *codes, const float *step, const float *csum,
                                int64_t K, int64_t m, const uint8_t *panel, const uint16_t *sz,
                                int64_t N, int64_t k0, int64_t k1, float *sums) {
@@ -303,8 +303,10 @@ static inline __attribute__((always_inline)) void panel8_rows(const int8_t *code
         break;
     for (int64_t t0 = 0; t0 < m; t0 += PANEL8_GROUP) {
         switch (m - t0 < PANEL8_GROUP ? (int)(m - t0) : PANEL8_GROUP) {
-            PANEL8_CASE(1) PANEL8_CASE(2) PANEL8_CASE(3) PANEL8_CASE(4) PANEL8_CASE(5)
-            PANEL8_CASE(6)
+            PANEL8_CASE(1) PANEL8_CASE(2) PANEL8_CASE(3) PANEL8_CASE(4)
+#if PANEL8_GROUP == 6
+            PANEL8_CASE(5) PANEL8_CASE(6)
+#endif
         }
     }
 #undef PANEL8_CASE
