@@ -51,6 +51,23 @@
 #define PANEL8_CHUNK 256  /* k a panel holds: 8 KB (4 on AVX2), in L1 while every row reads it */
 #define PANEL8_Q 32       /* the weight's group along k: one scale per 32 values */
 
+/* 4 registers of codes, r[i] the bytes of row k + i of the pack (per 128-bit lane: on
+ * AVX-512, columns 0-15 | 16-31 of one quad of k; on AVX2, columns 0-15 of quad k |
+ * quad k + 1), stored as 128 bytes of column quads: each column's 4 codes one int32,
+ * the columns in order. Byte and word unpacks interleave within lanes (quads of columns
+ * 0-3, 4-7, 8-11, 12-15 of each lane); the permutes put the lanes back in order. */
+static inline __attribute__((always_inline)) void quads_store(const __m256i r[4],
+                                                              uint8_t *panel) {
+    const __m256i a = _mm256_unpacklo_epi8(r[0], r[1]), b = _mm256_unpackhi_epi8(r[0], r[1]);
+    const __m256i c = _mm256_unpacklo_epi8(r[2], r[3]), d = _mm256_unpackhi_epi8(r[2], r[3]);
+    const __m256i e0 = _mm256_unpacklo_epi16(a, c), e1 = _mm256_unpackhi_epi16(a, c);
+    const __m256i e2 = _mm256_unpacklo_epi16(b, d), e3 = _mm256_unpackhi_epi16(b, d);
+    _mm256_storeu_si256((__m256i *)panel, _mm256_permute2x128_si256(e0, e1, 0x20));
+    _mm256_storeu_si256((__m256i *)(panel + 32), _mm256_permute2x128_si256(e2, e3, 0x20));
+    _mm256_storeu_si256((__m256i *)(panel + 64), _mm256_permute2x128_si256(e0, e1, 0x31));
+    _mm256_storeu_si256((__m256i *)(panel + 96), _mm256_permute2x128_si256(e2, e3, 0x31));
+}
+
 #if defined(PANEL_INT8_VNNI)
 /* Row t of x [M, K] (bf16, rows ldx apart) as int8 codes (codes [M, K]), with per
  * group g of 32 its step d (step[t * G + g]) and d * sum(codes) (csum): d = max|x| /
@@ -90,16 +107,7 @@ static inline void q4_panel_u8(const uint8_t *rows, int high, int64_t k0, int64_
             r[i] = _mm256_loadu_si256((const __m256i *)(rows + (k + i) * PANEL8_COLS));
             r[i] = _mm256_and_si256(high ? _mm256_srli_epi16(r[i], 4) : r[i], low4);
         }
-        /* a, b: rows k, k+1 interleaved, columns 0-7 | 16-23 and 8-15 | 24-31 */
-        const __m256i a = _mm256_unpacklo_epi8(r[0], r[1]), b = _mm256_unpackhi_epi8(r[0], r[1]);
-        const __m256i c = _mm256_unpacklo_epi8(r[2], r[3]), d = _mm256_unpackhi_epi8(r[2], r[3]);
-        /* quads of columns 0-3 | 16-19, 4-7 | 20-23, 8-11 | 24-27, 12-15 | 28-31 */
-        const __m256i e0 = _mm256_unpacklo_epi16(a, c), e1 = _mm256_unpackhi_epi16(a, c);
-        const __m256i e2 = _mm256_unpacklo_epi16(b, d), e3 = _mm256_unpackhi_epi16(b, d);
-        _mm256_storeu_si256((__m256i *)panel, _mm256_permute2x128_si256(e0, e1, 0x20));
-        _mm256_storeu_si256((__m256i *)(panel + 32), _mm256_permute2x128_si256(e2, e3, 0x20));
-        _mm256_storeu_si256((__m256i *)(panel + 64), _mm256_permute2x128_si256(e0, e1, 0x31));
-        _mm256_storeu_si256((__m256i *)(panel + 96), _mm256_permute2x128_si256(e2, e3, 0x31));
+        quads_store(r, panel);
     }
 }
 
@@ -223,16 +231,7 @@ static inline void q4_panel_u8(const uint8_t *rows, int high, int64_t k0, int64_
                 _mm_loadu_si128((const __m128i *)(rows + (k + 4 + i) * PANEL8_COLS)), 1);
             r[i] = _mm256_and_si256(high ? _mm256_srli_epi16(r[i], 4) : r[i], low4);
         }
-        /* a, b: rows k, k+1 (and k+4, k+5) interleaved, columns 0-7 and 8-15 */
-        const __m256i a = _mm256_unpacklo_epi8(r[0], r[1]), b = _mm256_unpackhi_epi8(r[0], r[1]);
-        const __m256i c = _mm256_unpacklo_epi8(r[2], r[3]), d = _mm256_unpackhi_epi8(r[2], r[3]);
-        /* quads of columns 0-3, 4-7, 8-11, 12-15: the first quad of k | the second */
-        const __m256i e0 = _mm256_unpacklo_epi16(a, c), e1 = _mm256_unpackhi_epi16(a, c);
-        const __m256i e2 = _mm256_unpacklo_epi16(b, d), e3 = _mm256_unpackhi_epi16(b, d);
-        _mm256_storeu_si256((__m256i *)panel, _mm256_permute2x128_si256(e0, e1, 0x20));
-        _mm256_storeu_si256((__m256i *)(panel + 32), _mm256_permute2x128_si256(e2, e3, 0x20));
-        _mm256_storeu_si256((__m256i *)(panel + 64), _mm256_permute2x128_si256(e0, e1, 0x31));
-        _mm256_storeu_si256((__m256i *)(panel + 96), _mm256_permute2x128_si256(e2, e3, 0x31));
+        quads_store(r, panel);
     }
 }
 
