@@ -5,7 +5,7 @@
 #     bash benchmarks/gpu_check.sh              # $OUT set by the device tool
 #     bash benchmarks/gpu_check.sh --dry-run    # here, on a CPU: the plumbing, tiny models
 #
-# (device tool: run with timeout_s=480 and the command above; nothing to carry.)
+# (device tool: run with timeout_s=560 and the command above; nothing to carry.)
 # It needs only what that machine's image has: torch, triton, transformers (tokenizers
 # with it), safetensors; pytest if present. Nothing is installed (no registry there) and
 # the built-in model is not used: the models are random-weight checkpoints written at run
@@ -16,8 +16,10 @@
 # Under $OUT (default ./gpu_results), three files: summary.json (every step's exit code,
 # time and results; rewritten after each step, so a run cut short keeps what it measured;
 # see benchmarks/gpu_summary.py), gpu_check.log (all output, unbuffered) and kernels.md.
-# Every step runs under `timeout`, capped by what is left of GPU_CHECK_BUDGET (400 s on a
-# GPU: about 6 minutes of work in the 8 a call may take, machine start excluded); the
+# GPU_CHECK_STEPS="a b" runs only those steps (plus env and models), e.g. a rerun of the
+# ones that failed.
+# Every step runs under `timeout`, capped by what is left of GPU_CHECK_BUDGET (480 s on a
+# GPU: 8 minutes of work in the 9 or so a call may take, machine start excluded); the
 # script goes on after a failed step. Exit status: 0 when every step passed, 1 when one
 # failed, 2 when it refused to start (no CUDA device without --dry-run, no Python).
 set -u
@@ -41,7 +43,7 @@ export LLMSERVE_CACHE="$SCRATCH/cache"  # so nothing needs platformdirs (not in 
 STARTED=$(date +%s)
 if [ "$MODE" = gpu ]; then
     unset TRITON_INTERPRET  # kernels on the GPU, not in Triton's CPU interpreter
-    BUDGET=${GPU_CHECK_BUDGET:-400}
+    BUDGET=${GPU_CHECK_BUDGET:-480}
     RUN=()  # the steps' Python runs as is
     SMOKE=()
 else
@@ -66,6 +68,8 @@ step() {
     local name=$1 limit=$2 start=$SECONDS rc left
     [ "$MODE" = dry-run ] && limit=$3
     shift 3
+    if [ -n "${GPU_CHECK_STEPS:-}" ] && [[ " env models $GPU_CHECK_STEPS " != *" $name "* ]]
+    then return; fi  # not among the steps asked for (env and models always run)
     left=$((BUDGET - ($(date +%s) - STARTED)))
     if [ "$left" -lt 15 ]; then
         log "=== $name: skipped, ${left}s of the ${BUDGET}s budget left"
@@ -159,17 +163,23 @@ step bench_kernels 110 300 "$PY" "${RUN[@]}" benchmarks/bench_kernels.py "${SMOK
 step engine_bf16 60 300 "$PY" "${RUN[@]}" benchmarks/engine_gpu_smoke.py "${SMOKE[@]}" \
     --model "$MODELS/big" --out "$SCRATCH/engine_bf16.json"
 
-# --- 6. The GPU fast-path flags against the default on the 135M shape (where the host's
+# --- 6. The GPU fast-path flags against eager steps on the 135M shape (where the host's
 # per-step work shows): greedy agreement, decode step time at batch 1/32/128 with 2k
-# contexts and its share of the HBM roofline, for CUDA graphs, staging + device block
-# tables, --async-scheduling, --fused-kernels and all together; start-up time (graph
-# capture), KV blocks with --profile-kv-cache ------------------------------------------
-FAST_CONFIGS=()  # the dry run's interpreter: the default and every flag at once
-[ "$MODE" = dry-run ] && FAST_CONFIGS=(--configs off all)
+# contexts and its share of the HBM roofline, for the default (CUDA graphs), and with
+# the graphs: staging + device block tables, --async-scheduling, --fused-kernels and all
+# together; start-up time (graph capture), KV blocks with --profile-kv-cache ----------
+FAST_CONFIGS=()  # the dry run's interpreter: eager steps and every flag at once
+[ "$MODE" = dry-run ] && FAST_CONFIGS=(--configs eager all)
 step gpu_fast_path 110 400 "$PY" "${RUN[@]}" benchmarks/gpu_fast_path.py "${SMOKE[@]}" \
     --model "$MODELS/small" --out "$SCRATCH/gpu_fast_path.json" "${FAST_CONFIGS[@]}"
 
-# --- 7. Tensor parallelism, only with two GPUs or more (NCCL cannot put two ranks on one
+# --- 7. CUDA graphs (on by default) on every model family: captured or, for a host-side
+# expert loop, left off (and an explicit --cuda-graphs refused); greedy tokens against
+# eager steps (differences within the rounding noise), decode step time at batch 8 ----
+step graph_families 240 400 "$PY" "${RUN[@]}" benchmarks/gpu_graph_families.py \
+    "${SMOKE[@]}" --out "$SCRATCH/graph_families.json"
+
+# --- 8. Tensor parallelism, only with two GPUs or more (NCCL cannot put two ranks on one
 # GPU; the lent machines have one): TP=1 vs TP=2 decode throughput, memory per rank ----
 NGPU=$("$PY" -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)
 if [ "$MODE" = gpu ] && [ "${NGPU:-0}" -ge 2 ]; then

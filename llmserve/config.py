@@ -39,7 +39,7 @@ def flag(default: Any, help: str = "", *, choices: tuple[str, ...] | None = None
                                             **argparse_extras})
 
 
-GPU_GROUP = "GPU fast path (CUDA only; off until validated on a GPU)"
+GPU_GROUP = "GPU fast path (CUDA only)"
 
 
 @dataclass
@@ -108,10 +108,15 @@ class EngineConfig:
     # Raises KVIntegrityError on a mismatch; costs a hash of every moved block.
     check_kv_integrity: bool = flag(False, "debug: hash KV blocks across swaps and "
                                     "copy-on-write, fail loudly on a mismatch (slow)")
-    # GPU fast path (engine/cuda_graphs.py, step_buffers.py, kv_sizing.py). Each piece is
-    # CUDA-only and off until a GPU run validates it (docs/architecture.md).
-    cuda_graphs: bool = flag(
-        False, "replay CUDA graphs for decode steps, one per batch-size bucket",
+    # GPU fast path (worker/cuda_graphs.py, step_buffers.py, kv_sizing.py), CUDA only.
+    # CUDA graphs are on by default where they apply (validated on an H200: 5-7x a small
+    # model's decode step, greedy tokens leaving the eager path's only at bf16 ties);
+    # None until resolved in __post_init__ (``_resolve_cuda_graphs``); the other pieces
+    # stay off until a GPU run makes them pay (docs/architecture.md).
+    cuda_graphs: bool | None = flag(
+        None, "replay CUDA graphs for decode steps, one per batch-size bucket (default: "
+        "on where they apply: CUDA, one rank, Triton attention, no --compile, a model "
+        "with no host-side expert loop); --no-cuda-graphs runs every step eagerly",
         group=GPU_GROUP)
     # A list once validated; None: 1, 2, 4 and multiples of 8 up to max_num_seqs.
     cuda_graph_sizes: str | list[int] | None = flag(
@@ -187,6 +192,10 @@ class EngineConfig:
     # activations in bf16 on a CPU without bf16 arithmetic (quantization.py's
     # bf16_storage_for_int4). Not a flag.
     dtype_from_cpu: bool = field(default=False, init=False, repr=False)
+    # Set by _resolve_cuda_graphs: whether --cuda-graphs was asked for explicitly, and why
+    # the default left graphs off (None when it did not).
+    cuda_graphs_explicit: bool = field(default=False, init=False, repr=False)
+    cuda_graphs_off_because: str | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         import torch
@@ -335,10 +344,13 @@ class EngineConfig:
 
     def _check_gpu_fast_path(self) -> None:
         """The GPU fast-path flags: CUDA only, one rank, and consistent with the rest."""
+        self._resolve_cuda_graphs()
         if self.cuda_graph_sizes is not None:
             self.cuda_graph_sizes = _parse_sizes(self.cuda_graph_sizes, self.max_num_seqs)
             if not self.cuda_graphs:
-                raise ValueError("--cuda-graph-sizes is given without --cuda-graphs")
+                raise ValueError("--cuda-graph-sizes is given with CUDA graphs off ("
+                                 + (self.cuda_graphs_off_because or "--no-cuda-graphs")
+                                 + ")")
         if self.fused_kernels and not self.uses_triton:
             raise ValueError("--fused-kernels are Triton kernels: give --attention-backend "
                              "triton (on a CPU they run under TRITON_INTERPRET=1)")
@@ -358,8 +370,7 @@ class EngineConfig:
             return
         if not self.device.startswith("cuda"):
             raise ValueError(f"{', '.join(flags)}: GPU optimisations that need --device cuda "
-                             f"(this engine runs on {self.device!r}); they are off by "
-                             f"default until a GPU run validates them")
+                             f"(this engine runs on {self.device!r})")
         if self.tensor_parallel_size > 1:
             raise ValueError(f"{', '.join(flags)}: not supported with "
                              f"--tensor-parallel-size > 1 yet")
@@ -371,6 +382,18 @@ class EngineConfig:
         if self.profile_kv_cache and self.kv_cache_memory is not None:
             raise ValueError("--profile-kv-cache sizes the KV cache and --kv-cache-memory "
                              "fixes it: give one of them")
+
+    def _resolve_cuda_graphs(self) -> None:
+        """``cuda_graphs=None`` (the default) becomes True where graphs apply, else False
+        with the reason kept in ``cuda_graphs_off_because``. ``cuda_graphs_explicit``
+        remembers an explicit True, which the model runner refuses with an error (rather
+        than running eagerly) when the model cannot be captured."""
+        self.cuda_graphs_explicit = self.cuda_graphs is True
+        if self.cuda_graphs is not None:
+            return
+        self.cuda_graphs_off_because = cuda_graphs_off_because(
+            self.device, self.tensor_parallel_size, self.uses_triton, self.compile)
+        self.cuda_graphs = self.cuda_graphs_off_because is None
 
     @property
     def uses_triton(self) -> bool:
@@ -391,6 +414,21 @@ class EngineConfig:
         if unknown:
             raise TypeError(f"unknown engine arguments: {sorted(unknown)}")
         return cls(**kwargs)
+
+
+def cuda_graphs_off_because(device: str, tensor_parallel_size: int, uses_triton: bool,
+                            compile: bool) -> str | None:
+    """Why CUDA graphs do not apply to an engine of these settings by default, or None
+    where they do (the model itself is checked at load: ``cuda_graphs.uncapturable``)."""
+    if not device.startswith("cuda"):
+        return f"the engine runs on {device!r}, not CUDA"
+    if tensor_parallel_size > 1:
+        return "--tensor-parallel-size > 1"
+    if not uses_triton:
+        return "--attention-backend torch (the graphs capture the Triton kernels)"
+    if compile:
+        return "--compile"
+    return None
 
 
 def _parse_sizes(sizes: str | list[int], max_num_seqs: int) -> list[int]:

@@ -14,7 +14,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "benchmarks" / "gpu_check.sh"
-STEPS = ["env", "models", "pytest_kernels", "bench_kernels", "engine_bf16", "gpu_fast_path"]
+STEPS = ["env", "models", "pytest_kernels", "bench_kernels", "engine_bf16", "gpu_fast_path",
+         "graph_families"]
 
 
 def check_env(**extra) -> dict:
@@ -48,10 +49,13 @@ def test_dry_run_goes_through_every_step_and_returns_one_summary(tmp_path):
     # was built right after `del engine`, with the first engine's memory still cached).
     assert engine["engines_alive_after_release"] == [0, 0]
     fast = results["gpu_fast_path"]["configs"]
-    assert set(fast) == {"off", "all"}  # the dry run's subset: every flag at once
+    assert set(fast) == {"eager", "all"}  # the dry run's subset: every flag at once
     assert fast["all"]["flags"]["async_scheduling"] and fast["all"]["flags"]["fused_kernels"]
     assert "error" not in fast["all"] and set(fast["all"]["hbm_fraction"]) == {"1", "3"}
     assert results["bench_kernels"]["failed_sections"] == []
+    families = results["graph_families"]  # the smoke's two: dense and grouped experts
+    assert {f: r["verdict"] for f, r in families.items()} == {"llama": "ok", "mixtral": "ok"}
+    assert families["mixtral"]["default"]["graphs"] == [1, 2, 4]
     log = (out / "gpu_check.log").read_text()
     for name in STEPS:  # every step's output reached the log
         assert f"{name}: rc=0" in log

@@ -6,18 +6,25 @@ a GPU run (benchmarks/gpu_check.sh)."""
 
 from __future__ import annotations
 
+import logging
 import random
 from contextlib import contextmanager
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from llmserve import SamplingParams
-from llmserve.config import EngineConfig
+from llmserve.config import EngineConfig, cuda_graphs_off_because
 from llmserve.engine.llm_engine import LLMEngine
-from llmserve.worker.cuda_graphs import default_sizes
+from llmserve.worker.cuda_graphs import default_sizes, uncapturable
 from llmserve.worker.kv_sizing import kv_budget_from_profile
-from llmserve.worker.step_buffers import DeviceBlockTables, StagingBuffer, enable_fast_path
+from llmserve.worker.step_buffers import (
+    DeviceBlockTables,
+    StagingBuffer,
+    enable_fast_path,
+    enable_fast_path_from_config,
+)
 
 CPU = torch.device("cpu")
 
@@ -293,13 +300,70 @@ def test_gpu_flags_are_refused_on_cpu(flag):
 
 
 def test_cuda_graph_sizes_are_checked():
-    with pytest.raises(ValueError, match="without --cuda-graphs"):
+    with pytest.raises(ValueError, match=r"with CUDA graphs off \(the engine runs on 'cpu'"):
         EngineConfig(model="none", device="cpu", cuda_graph_sizes="1,2")
     with pytest.raises(ValueError, match=r"in \[1, max_num_seqs=4\]"):
         EngineConfig(model="none", device="cpu", cuda_graphs=True, cuda_graph_sizes="1,8",
                      max_num_seqs=4)
     with pytest.raises(ValueError, match="comma-separated integers"):
         EngineConfig(model="none", device="cpu", cuda_graphs=True, cuda_graph_sizes="1,x")
+
+
+# --- CUDA graphs by default, where they apply ---------------------------------------------
+def test_cuda_graphs_apply_by_default_to_one_cuda_rank_with_triton_attention():
+    assert cuda_graphs_off_because("cuda", 1, True, False) is None
+    assert cuda_graphs_off_because("cuda:1", 1, True, False) is None
+    assert "'cpu', not CUDA" in cuda_graphs_off_because("cpu", 1, True, False)
+    assert "--tensor-parallel-size" in cuda_graphs_off_because("cuda", 2, True, False)
+    assert "--attention-backend torch" in cuda_graphs_off_because("cuda", 1, False, False)
+    assert "--compile" in cuda_graphs_off_because("cuda", 1, True, True)
+
+
+def test_the_default_resolves_off_on_cpu_with_its_reason():
+    default = EngineConfig(model="none", device="cpu")
+    assert default.cuda_graphs is False and not default.cuda_graphs_explicit
+    assert "not CUDA" in default.cuda_graphs_off_because
+    asked_off = EngineConfig(model="none", device="cpu", cuda_graphs=False)
+    assert asked_off.cuda_graphs is False and asked_off.cuda_graphs_off_because is None
+
+
+@pytest.mark.parametrize("argv, value", [([], None), (["--cuda-graphs"], True),
+                                         (["--no-cuda-graphs"], False)])
+def test_cli_cuda_graphs_on_off_or_the_default_and_what_up_hands_on(argv, value):
+    import argparse
+
+    from llmserve.entrypoints.cli import add_engine_args, engine_argv
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    args = p.parse_args(argv)
+    assert args.cuda_graphs is value
+    assert [a for a in engine_argv(args) if "cuda-graphs" in a] == argv
+
+
+def test_a_host_side_expert_loop_keeps_graphs_off_or_refuses_an_explicit_ask(caplog):
+    from llmserve.model_executor.layers.fused_moe.layer import SparseMoeBlock
+
+    def expert():  # what use_triton_kernel stacks: bias-free gate_up and down Linears
+        return SimpleNamespace(gate_up_proj=torch.nn.Linear(16, 16, bias=False),
+                               down_proj=torch.nn.Linear(8, 16, bias=False))
+
+    block = SparseMoeBlock(16, 4, 2, True, make_expert=lambda: torch.nn.Module())
+    for module, parts in zip(block.experts, (expert() for _ in range(4))):
+        module.gate_up_proj, module.down_proj = parts.gate_up_proj, parts.down_proj
+    model = torch.nn.Sequential(block)
+    assert "in a loop on the host" in uncapturable(model)
+    config = EngineConfig(model="none", device="cpu")
+    config.cuda_graphs = True  # as the default resolves on CUDA
+    runner = SimpleNamespace(config=config, model=model, device=CPU, graphs=None,
+                             step_builder=None)
+    with caplog.at_level(logging.INFO, "llmserve.worker.step_buffers"):
+        enable_fast_path_from_config(runner, 256)
+    assert runner.graphs is None and "CUDA graphs off: SparseMoeBlock" in caplog.text
+    config.cuda_graphs_explicit = True  # --cuda-graphs
+    with pytest.raises(ValueError, match="serve this model with --no-cuda-graphs"):
+        enable_fast_path_from_config(runner, 256)
+    assert block.use_triton_kernel()  # experts routed on the device: capturable
+    assert uncapturable(model) is None
 
 
 def test_gpu_flags_reach_the_engine_config_from_the_cli():

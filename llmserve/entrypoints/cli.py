@@ -51,6 +51,8 @@ def _add_engine_flag(group, f: Field, hint) -> None:
     kwargs = {"dest": _dest(f), "default": f.default, "help": meta["help"] or None}
     if isinstance(f.default, bool):
         kwargs["action"] = "store_false" if f.default else "store_true"
+    elif hint == bool | None:  # default None (decided by the engine): --x and --no-x
+        kwargs["action"] = argparse.BooleanOptionalAction
     else:
         kwargs.update(type=_value_type(hint), choices=meta["choices"],
                       metavar=meta.get("metavar"), nargs=meta.get("nargs"))
@@ -79,7 +81,9 @@ def engine_argv(args) -> list[str]:
     argv = []
     for f in ENGINE_FIELDS:
         value = getattr(args, _dest(f))
-        if isinstance(value, bool):  # switches: given when not at their default
+        if isinstance(value, bool) and f.default is None:  # --x / --no-x: given when set
+            argv += ["--" + ("" if value else "no-") + f.name.replace("_", "-")]
+        elif isinstance(value, bool):  # switches: given when not at their default
             argv += [_flag_name(f)] if value != f.default else []
         elif isinstance(value, list):  # nargs="+": --lora-modules a=X b=Y
             argv += [_flag_name(f), *map(str, value)] if value else []

@@ -1,4 +1,5 @@
-"""CUDA graphs for decode steps (``--cuda-graphs``; off until a GPU run validates it).
+"""CUDA graphs for decode steps (``--cuda-graphs``: on by default on CUDA where they
+apply, ``--no-cuda-graphs`` to run eagerly).
 
 A decode step of a small model on a GPU is mostly kernel-launch time: ~10 launches a
 layer, each a few microseconds of Python and driver work for a few microseconds of GPU
@@ -33,6 +34,19 @@ import torch
 
 from llmserve.model_executor.layers.attention import AttentionMetadata
 from llmserve.utils import cdiv
+
+
+def uncapturable(model: torch.nn.Module) -> str | None:
+    """Why a graph cannot record ``model``'s forward, or None. A capture forbids host
+    syncs: a mixture-of-experts layer that loops over its experts on the host (reading
+    their token counts back each step) cannot be recorded; the grouped Triton kernel
+    (``fused_moe``), which routes on the device, can."""
+    from llmserve.model_executor.layers.fused_moe.layer import SparseMoeBlock
+    for module in model.modules():
+        if isinstance(module, SparseMoeBlock) and module.w13 is None:
+            return (f"{type(module).__name__} computes its experts in a loop on the host "
+                    f"(a host sync a layer, which a capture forbids)")
+    return None
 
 
 def default_sizes(max_num_seqs: int) -> list[int]:

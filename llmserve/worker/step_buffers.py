@@ -1,6 +1,6 @@
 """Per-step inputs on a GPU without per-field host-to-device copies.
 
-Two pieces, each behind its own engine flag (off until a GPU run validates them):
+Two pieces, each behind its own engine flag (off until a GPU run makes them pay):
 
 * ``StagingBuffer`` (``--pinned-staging``): all of a step's integer metadata is packed
   into one host buffer (pinned on CUDA) and moved with one non-blocking copy; the
@@ -18,14 +18,18 @@ no CUDA calls except the pinning and the copy event, so they are tested on CPU.
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import torch
 
 from llmserve.kernels.cpu.attention import make_cpu_plan
 from llmserve.model_executor.layers.attention import AttentionMetadata
 from llmserve.utils import cdiv
-from llmserve.worker.cuda_graphs import DecodeGraphs, default_sizes
+from llmserve.worker.cuda_graphs import DecodeGraphs, default_sizes, uncapturable
 from llmserve.worker.step_inputs import StepInputs
+
+log = logging.getLogger(__name__)
 
 _NUMPY = {torch.int64: np.int64, torch.int32: np.int32}
 _ALIGN = 8  # every field starts 8-byte aligned, so any int view of the bytes is legal
@@ -217,11 +221,20 @@ def enable_fast_path(runner, max_model_len: int, *, pinned_staging: bool = False
 
 
 def enable_fast_path_from_config(runner, max_model_len: int) -> None:
-    """``enable_fast_path`` with the engine flags of ``runner.config``."""
+    """``enable_fast_path`` with the engine flags of ``runner.config``. CUDA graphs,
+    on by default where the config allows them, stay off for a model whose forward a
+    graph cannot record: an error if ``--cuda-graphs`` was asked for, else a log line."""
     c = runner.config
     sizes = None
     if c.cuda_graphs:
-        sizes = c.cuda_graph_sizes or default_sizes(c.max_num_seqs)
+        reason = uncapturable(runner.model)
+        if reason is None:
+            sizes = c.cuda_graph_sizes or default_sizes(c.max_num_seqs)
+        elif c.cuda_graphs_explicit:
+            raise ValueError(f"--cuda-graphs: {reason}; serve this model with "
+                             f"--no-cuda-graphs")
+        else:
+            log.info("CUDA graphs off: %s", reason)
     enable_fast_path(runner, max_model_len, pinned_staging=c.pinned_staging,
                      device_block_tables=c.device_block_tables, graph_sizes=sizes,
                      capture=runner.device.type == "cuda")

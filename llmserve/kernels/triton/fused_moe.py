@@ -38,7 +38,10 @@ def align_by_expert(chosen: torch.Tensor, num_experts: int,
     last). Every expert's run starts at a multiple of ``block_m``."""
     flat = chosen.flatten()
     num_pairs = flat.numel()
-    counts = torch.bincount(flat, minlength=num_experts)
+    # Not torch.bincount: on CUDA it reads the largest id back to size its output, a
+    # host sync that a CUDA graph's capture forbids.
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m
     ends = padded.cumsum(0)
     starts = ends - padded
