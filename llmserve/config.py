@@ -109,10 +109,10 @@ class EngineConfig:
     check_kv_integrity: bool = flag(False, "debug: hash KV blocks across swaps and "
                                     "copy-on-write, fail loudly on a mismatch (slow)")
     # GPU fast path (worker/cuda_graphs.py, step_buffers.py, kv_sizing.py), CUDA only.
-    # CUDA graphs are on by default where they apply (validated on an H200: 5-7x a small
-    # model's decode step, greedy tokens leaving the eager path's only at bf16 ties);
-    # None until resolved in __post_init__ (``_resolve_cuda_graphs``); the other pieces
-    # stay off until a GPU run makes them pay (docs/architecture.md).
+    # CUDA graphs are on by default where they apply (measured on an H200: decode steps
+    # 3.5-11x faster on every model family, greedy tokens leaving eager steps' only at
+    # bf16 ties); None (the default) is decided in __post_init__ into use_cuda_graphs.
+    # The other pieces stay off until a GPU run makes them pay (docs/architecture.md).
     cuda_graphs: bool | None = flag(
         None, "replay CUDA graphs for decode steps, one per batch-size bucket (default: "
         "on where they apply: CUDA, one rank, Triton attention, no --compile, a model "
@@ -192,9 +192,10 @@ class EngineConfig:
     # activations in bf16 on a CPU without bf16 arithmetic (quantization.py's
     # bf16_storage_for_int4). Not a flag.
     dtype_from_cpu: bool = field(default=False, init=False, repr=False)
-    # Set by _resolve_cuda_graphs: whether --cuda-graphs was asked for explicitly, and why
-    # the default left graphs off (None when it did not).
-    cuda_graphs_explicit: bool = field(default=False, init=False, repr=False)
+    # Decided by _resolve_cuda_graphs from cuda_graphs (kept as given, so a rebuilt config
+    # decides again): whether the engine captures CUDA graphs, and why the default left
+    # them off (None when it did not). Not flags.
+    use_cuda_graphs: bool = field(default=False, init=False, repr=False)
     cuda_graphs_off_because: str | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -347,7 +348,7 @@ class EngineConfig:
         self._resolve_cuda_graphs()
         if self.cuda_graph_sizes is not None:
             self.cuda_graph_sizes = _parse_sizes(self.cuda_graph_sizes, self.max_num_seqs)
-            if not self.cuda_graphs:
+            if not self.use_cuda_graphs:
                 raise ValueError("--cuda-graph-sizes is given with CUDA graphs off ("
                                  + (self.cuda_graphs_off_because or "--no-cuda-graphs")
                                  + ")")
@@ -384,16 +385,18 @@ class EngineConfig:
                              "fixes it: give one of them")
 
     def _resolve_cuda_graphs(self) -> None:
-        """``cuda_graphs=None`` (the default) becomes True where graphs apply, else False
-        with the reason kept in ``cuda_graphs_off_because``. ``cuda_graphs_explicit``
-        remembers an explicit True, which the model runner refuses with an error (rather
-        than running eagerly) when the model cannot be captured."""
-        self.cuda_graphs_explicit = self.cuda_graphs is True
+        """``use_cuda_graphs``: ``cuda_graphs`` where given (an explicit True is checked
+        below, and refused by the model runner if the model cannot be captured); by
+        default, wherever graphs apply, else off with the reason in
+        ``cuda_graphs_off_because`` (the runner then only logs a model it cannot
+        capture)."""
         if self.cuda_graphs is not None:
+            self.use_cuda_graphs, self.cuda_graphs_off_because = self.cuda_graphs, None
             return
         self.cuda_graphs_off_because = cuda_graphs_off_because(
-            self.device, self.tensor_parallel_size, self.uses_triton, self.compile)
-        self.cuda_graphs = self.cuda_graphs_off_because is None
+            self.device, self.tensor_parallel_size, self.uses_triton, self.compile,
+            self.kv_role)
+        self.use_cuda_graphs = self.cuda_graphs_off_because is None
 
     @property
     def uses_triton(self) -> bool:
@@ -417,11 +420,17 @@ class EngineConfig:
 
 
 def cuda_graphs_off_because(device: str, tensor_parallel_size: int, uses_triton: bool,
-                            compile: bool) -> str | None:
+                            compile: bool, kv_role: str = "both") -> str | None:
     """Why CUDA graphs do not apply to an engine of these settings by default, or None
     where they do (the model itself is checked at load: ``cuda_graphs.uncapturable``)."""
     if not device.startswith("cuda"):
         return f"the engine runs on {device!r}, not CUDA"
+    if device not in ("cuda", "cuda:0"):
+        # A capture records on the current device, which a one-rank engine leaves at 0.
+        return (f"--device {device}: graphs are captured on the current device (cuda:0); "
+                f"choose the GPU with CUDA_VISIBLE_DEVICES and --device cuda")
+    if kv_role == "prefill":
+        return "--kv-role prefill (a prefill engine runs no decode steps)"
     if tensor_parallel_size > 1:
         return "--tensor-parallel-size > 1"
     if not uses_triton:

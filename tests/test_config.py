@@ -26,10 +26,10 @@ def test_importing_the_config_and_the_cli_loads_neither_torch_nor_pydantic():
 
 def test_every_field_but_the_deliberate_ones_is_a_flag():
     """A new field is a flag unless it says otherwise (watermark: a tuning constant;
-    seed: `generate`'s --seed is the sampling seed; dtype_from_cpu and the cuda_graphs_
-    pair: how a default was decided, not settings)."""
+    seed: `generate`'s --seed is the sampling seed; dtype_from_cpu, use_cuda_graphs and
+    cuda_graphs_off_because: how a default was decided, not settings)."""
     assert {f.name for f in fields(EngineConfig)} - set(ENGINE_KEYS) == {
-        "watermark", "seed", "dtype_from_cpu", "cuda_graphs_explicit", "cuda_graphs_off_because"}
+        "watermark", "seed", "dtype_from_cpu", "use_cuda_graphs", "cuda_graphs_off_because"}
 
 
 def test_flags_take_their_defaults_and_choices_from_the_fields():

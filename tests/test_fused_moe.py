@@ -31,6 +31,17 @@ def test_alignment_puts_every_pair_once_in_its_experts_blocks(tokens, experts, t
     assert (used.diff() >= 0).all()  # experts in order, each run whole blocks
 
 
+def test_alignment_needs_no_values_on_the_host():
+    """On meta tensors (shapes, no values) the alignment runs only if no step reads a
+    value back, as a CUDA graph's capture requires (torch.bincount would: it sizes its
+    output by the largest id)."""
+    chosen = torch.zeros(5, 2, dtype=torch.int64, device="meta")
+    pairs, block_expert = align_by_expert(chosen, 8)
+    capacity = (10 + 8 * (BLOCK_M - 1) + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    assert pairs.shape == (capacity,) and pairs.device.type == "meta"
+    assert block_expert.shape == (pairs.shape[0] // BLOCK_M,)
+
+
 def per_expert_block(hidden, inter, experts, top_k, renormalize, seed):
     torch.manual_seed(seed)
 

@@ -312,19 +312,63 @@ def test_cuda_graph_sizes_are_checked():
 # --- CUDA graphs by default, where they apply ---------------------------------------------
 def test_cuda_graphs_apply_by_default_to_one_cuda_rank_with_triton_attention():
     assert cuda_graphs_off_because("cuda", 1, True, False) is None
-    assert cuda_graphs_off_because("cuda:1", 1, True, False) is None
+    assert cuda_graphs_off_because("cuda:0", 1, True, False) is None
     assert "'cpu', not CUDA" in cuda_graphs_off_because("cpu", 1, True, False)
+    assert "CUDA_VISIBLE_DEVICES" in cuda_graphs_off_because("cuda:1", 1, True, False)
     assert "--tensor-parallel-size" in cuda_graphs_off_because("cuda", 2, True, False)
     assert "--attention-backend torch" in cuda_graphs_off_because("cuda", 1, False, False)
     assert "--compile" in cuda_graphs_off_because("cuda", 1, True, True)
+    assert "--kv-role prefill" in cuda_graphs_off_because("cuda", 1, True, False, "prefill")
+    assert cuda_graphs_off_because("cuda", 1, True, False, "decode") is None
+
+
+@pytest.fixture
+def cuda_config(monkeypatch):
+    """EngineConfig as on a CUDA machine: its checks ask only is_available()."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    return lambda **kw: EngineConfig(model="none", device="cuda", **kw)
+
+
+def test_on_cuda_the_default_turns_graphs_on_and_a_rebuilt_config_decides_again(cuda_config):
+    import dataclasses
+    default = cuda_config()
+    assert default.cuda_graphs is None and default.use_cuda_graphs
+    assert default.cuda_graphs_off_because is None
+    # The field keeps what was asked (None), so a rebuilt config with another backend
+    # turns graphs off instead of holding an "explicit" True against it.
+    torch_attention = dataclasses.replace(default, attention_backend="torch")
+    assert not torch_attention.use_cuda_graphs
+    assert "--attention-backend torch" in torch_attention.cuda_graphs_off_because
+    assert not cuda_config(cuda_graphs=False).use_cuda_graphs
+    assert cuda_config(cuda_graphs=True, cuda_graph_sizes="1,2").use_cuda_graphs
+    with pytest.raises(ValueError, match="cannot run with --attention-backend torch"):
+        cuda_config(cuda_graphs=True, attention_backend="torch")
+    with pytest.raises(ValueError, match=r"CUDA graphs off \(--no-cuda-graphs\)"):
+        cuda_config(cuda_graphs=False, cuda_graph_sizes="1,2")
 
 
 def test_the_default_resolves_off_on_cpu_with_its_reason():
     default = EngineConfig(model="none", device="cpu")
-    assert default.cuda_graphs is False and not default.cuda_graphs_explicit
+    assert default.cuda_graphs is None and not default.use_cuda_graphs
     assert "not CUDA" in default.cuda_graphs_off_because
     asked_off = EngineConfig(model="none", device="cpu", cuda_graphs=False)
-    assert asked_off.cuda_graphs is False and asked_off.cuda_graphs_off_because is None
+    assert not asked_off.use_cuda_graphs and asked_off.cuda_graphs_off_because is None
+
+
+def test_graphs_the_config_decided_on_are_attached_at_load(tiny_llama):
+    """What the runner does with use_cuda_graphs (as decided on CUDA): its buckets, the
+    default ones or --cuda-graph-sizes; on a CPU without capture."""
+    engine = LLMEngine(EngineConfig(model=str(tiny_llama), device="cpu", dtype="float32",
+                                    attention_backend="triton", kv_cache_memory=4 << 20,
+                                    max_num_seqs=8, max_model_len=128, num_threads=1))
+    runner = engine.runner
+    assert runner.graphs is None
+    runner.config.use_cuda_graphs = True
+    enable_fast_path_from_config(runner, engine.max_model_len)
+    assert runner.graphs.sizes == [1, 2, 4, 8] and not runner.graphs.capture
+    runner.config.cuda_graph_sizes = [1, 2]
+    enable_fast_path_from_config(runner, engine.max_model_len)
+    assert runner.graphs.sizes == [1, 2]
 
 
 @pytest.mark.parametrize("argv, value", [([], None), (["--cuda-graphs"], True),
@@ -353,13 +397,13 @@ def test_a_host_side_expert_loop_keeps_graphs_off_or_refuses_an_explicit_ask(cap
     model = torch.nn.Sequential(block)
     assert "in a loop on the host" in uncapturable(model)
     config = EngineConfig(model="none", device="cpu")
-    config.cuda_graphs = True  # as the default resolves on CUDA
+    config.use_cuda_graphs = True  # as the default decides on CUDA
     runner = SimpleNamespace(config=config, model=model, device=CPU, graphs=None,
                              step_builder=None)
     with caplog.at_level(logging.INFO, "llmserve.worker.step_buffers"):
         enable_fast_path_from_config(runner, 256)
     assert runner.graphs is None and "CUDA graphs off: SparseMoeBlock" in caplog.text
-    config.cuda_graphs_explicit = True  # --cuda-graphs
+    config.cuda_graphs = True  # --cuda-graphs
     with pytest.raises(ValueError, match="serve this model with --no-cuda-graphs"):
         enable_fast_path_from_config(runner, 256)
     assert block.use_triton_kernel()  # experts routed on the device: capturable

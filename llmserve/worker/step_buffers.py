@@ -226,11 +226,11 @@ def enable_fast_path_from_config(runner, max_model_len: int) -> None:
     graph cannot record: an error if ``--cuda-graphs`` was asked for, else a log line."""
     c = runner.config
     sizes = None
-    if c.cuda_graphs:
+    if c.use_cuda_graphs:
         reason = uncapturable(runner.model)
         if reason is None:
             sizes = c.cuda_graph_sizes or default_sizes(c.max_num_seqs)
-        elif c.cuda_graphs_explicit:
+        elif c.cuda_graphs:  # asked for: --cuda-graphs
             raise ValueError(f"--cuda-graphs: {reason}; serve this model with "
                              f"--no-cuda-graphs")
         else:
