@@ -5,7 +5,7 @@
 #     bash benchmarks/gpu_check.sh              # $OUT set by the device tool
 #     bash benchmarks/gpu_check.sh --dry-run    # here, on a CPU: the plumbing, tiny models
 #
-# (device tool: run with timeout_s=560 and the command above; nothing to carry.)
+# (device tool: run with timeout_s=600 and the command above; nothing to carry.)
 # It needs only what that machine's image has: torch, triton, transformers (tokenizers
 # with it), safetensors; pytest if present. Nothing is installed (no registry there) and
 # the built-in model is not used: the models are random-weight checkpoints written at run
@@ -18,8 +18,8 @@
 # see benchmarks/gpu_summary.py), gpu_check.log (all output, unbuffered) and kernels.md.
 # GPU_CHECK_STEPS="a b" runs only those steps (plus env and models), e.g. a rerun of the
 # ones that failed.
-# Every step runs under `timeout`, capped by what is left of GPU_CHECK_BUDGET (480 s on a
-# GPU: 8 minutes of work in the 9 or so a call may take, machine start excluded); the
+# Every step runs under `timeout`, capped by what is left of GPU_CHECK_BUDGET (540 s on a
+# GPU: 9 minutes of work in the 10 a call may take, machine start excluded); the
 # script goes on after a failed step. Exit status: 0 when every step passed, 1 when one
 # failed, 2 when it refused to start (no CUDA device without --dry-run, no Python).
 set -u
@@ -43,7 +43,7 @@ export LLMSERVE_CACHE="$SCRATCH/cache"  # so nothing needs platformdirs (not in 
 STARTED=$(date +%s)
 if [ "$MODE" = gpu ]; then
     unset TRITON_INTERPRET  # kernels on the GPU, not in Triton's CPU interpreter
-    BUDGET=${GPU_CHECK_BUDGET:-480}
+    BUDGET=${GPU_CHECK_BUDGET:-540}
     RUN=()  # the steps' Python runs as is
     SMOKE=()
 else
@@ -179,7 +179,12 @@ step gpu_fast_path 110 400 "$PY" "${RUN[@]}" benchmarks/gpu_fast_path.py "${SMOK
 step graph_families 240 400 "$PY" "${RUN[@]}" benchmarks/gpu_graph_families.py \
     "${SMOKE[@]}" --out "$SCRATCH/graph_families.json"
 
-# --- 8. Tensor parallelism, only with two GPUs or more (NCCL cannot put two ranks on one
+# --- 8. CUDA graphs with the features whose steps run eagerly: speculative decoding (a
+# draft model) and multi-LoRA; greedy tokens against eager steps, graph replays -------
+step graph_features 90 300 "$PY" "${RUN[@]}" benchmarks/gpu_graph_features.py \
+    "${SMOKE[@]}" --out "$SCRATCH/graph_features.json"
+
+# --- 9. Tensor parallelism, only with two GPUs or more (NCCL cannot put two ranks on one
 # GPU; the lent machines have one): TP=1 vs TP=2 decode throughput, memory per rank ----
 NGPU=$("$PY" -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)
 if [ "$MODE" = gpu ] && [ "${NGPU:-0}" -ge 2 ]; then

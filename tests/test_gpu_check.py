@@ -15,7 +15,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "benchmarks" / "gpu_check.sh"
 STEPS = ["env", "models", "pytest_kernels", "bench_kernels", "engine_bf16", "gpu_fast_path",
-         "graph_families"]
+         "graph_families", "graph_features"]
 
 
 def check_env(**extra) -> dict:
@@ -56,6 +56,9 @@ def test_dry_run_goes_through_every_step_and_returns_one_summary(tmp_path):
     families = results["graph_families"]  # the smoke's two: dense and grouped experts
     assert {f: r["verdict"] for f, r in families.items()} == {"llama": "ok", "mixtral": "ok"}
     assert families["mixtral"]["default"]["graphs"] == [1, 2, 4]
+    features = results["graph_features"]  # graphs replayed, drafts verified, adapter on
+    assert {f: r["verdict"] for f, r in features.items()} == {"speculative": "ok",
+                                                              "lora": "ok"}
     log = (out / "gpu_check.log").read_text()
     for name in STEPS:  # every step's output reached the log
         assert f"{name}: rc=0" in log
