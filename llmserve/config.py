@@ -115,8 +115,9 @@ class EngineConfig:
     # The other pieces stay off until a GPU run makes them pay (docs/architecture.md).
     cuda_graphs: bool | None = flag(
         None, "replay CUDA graphs for decode steps, one per batch-size bucket (default: "
-        "on where they apply: CUDA, one rank, Triton attention, no --compile, a model "
-        "with no host-side expert loop); --no-cuda-graphs runs every step eagerly",
+        "on where they apply: --device cuda, one rank, Triton attention, no --compile, "
+        "not --kv-role prefill, a model with no host-side expert loop); "
+        "--no-cuda-graphs runs every step eagerly",
         group=GPU_GROUP)
     # A list once validated; None: 1, 2, 4 and multiples of 8 up to max_num_seqs.
     cuda_graph_sizes: str | list[int] | None = flag(
