@@ -176,13 +176,15 @@ step gpu_fast_path 110 400 "$PY" "${RUN[@]}" benchmarks/gpu_fast_path.py "${SMOK
 # --- 7. CUDA graphs (on by default) on every model family: captured or, for a host-side
 # expert loop, left off (and an explicit --cuda-graphs refused); greedy tokens against
 # eager steps (differences within the rounding noise), decode step time at batch 8 ----
+DRY_FAMILIES=() DRY_FEATURES=()  # the dry run's interpreter: one of each, the plumbing
+[ "$MODE" = dry-run ] && DRY_FAMILIES=(--families mixtral) DRY_FEATURES=(--features lora)
 step graph_families 240 400 "$PY" "${RUN[@]}" benchmarks/gpu_graph_families.py \
-    "${SMOKE[@]}" --out "$SCRATCH/graph_families.json"
+    "${SMOKE[@]}" --out "$SCRATCH/graph_families.json" "${DRY_FAMILIES[@]}"
 
 # --- 8. CUDA graphs with the features whose steps run eagerly: speculative decoding (a
 # draft model) and multi-LoRA; greedy tokens against eager steps, graph replays -------
 step graph_features 90 300 "$PY" "${RUN[@]}" benchmarks/gpu_graph_features.py \
-    "${SMOKE[@]}" --out "$SCRATCH/graph_features.json"
+    "${SMOKE[@]}" --out "$SCRATCH/graph_features.json" "${DRY_FEATURES[@]}"
 
 # --- 9. Tensor parallelism, only with two GPUs or more (NCCL cannot put two ranks on one
 # GPU; the lent machines have one): TP=1 vs TP=2 decode throughput, memory per rank ----

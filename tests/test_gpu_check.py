@@ -53,12 +53,11 @@ def test_dry_run_goes_through_every_step_and_returns_one_summary(tmp_path):
     assert fast["all"]["flags"]["async_scheduling"] and fast["all"]["flags"]["fused_kernels"]
     assert "error" not in fast["all"] and set(fast["all"]["hbm_fraction"]) == {"1", "3"}
     assert results["bench_kernels"]["failed_sections"] == []
-    families = results["graph_families"]  # the smoke's two: dense and grouped experts
-    assert {f: r["verdict"] for f, r in families.items()} == {"llama": "ok", "mixtral": "ok"}
+    families = results["graph_families"]  # the dry run's one: grouped experts
+    assert {f: r["verdict"] for f, r in families.items()} == {"mixtral": "ok"}
     assert families["mixtral"]["default"]["graphs"] == [1, 2, 4]
-    features = results["graph_features"]  # graphs replayed, drafts verified, adapter on
-    assert {f: r["verdict"] for f, r in features.items()} == {"speculative": "ok",
-                                                              "lora": "ok"}
+    features = results["graph_features"]  # the dry run's one: graphs replayed, adapter on
+    assert {f: r["verdict"] for f, r in features.items()} == {"lora": "ok"}
     log = (out / "gpu_check.log").read_text()
     for name in STEPS:  # every step's output reached the log
         assert f"{name}: rc=0" in log
