@@ -38,7 +38,7 @@ if not torch.cuda.is_available():  # --smoke: the Triton kernels in the interpre
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_fast_path import decode_step_ms  # noqa: E402
 from gpu_greedy_margins import compare, generate  # noqa: E402
-from random_llama import EOS_ID, release_device_memory, write_word_tokenizer  # noqa: E402
+from random_llama import EOS_ID, release_device_memory, save_random_model  # noqa: E402
 
 WINDOW = 128  # the sliding layers' window: shorter than the longest prompts
 COMMON = dict(vocab_size=32000, hidden_size=512, intermediate_size=1024, num_hidden_layers=4,
@@ -85,17 +85,7 @@ def write_family(out: Path, family: str, smoke: bool) -> Path:
         if "intermediate_size" in extra:
             fields["intermediate_size"] = 64
     config = getattr(transformers, config_class)(**fields)
-    torch.manual_seed(0)
-    cuda = torch.cuda.is_available()
-    with torch.device("cuda" if cuda else "cpu"):
-        model = getattr(transformers, model_class)(config)
-    model = model.to(torch.bfloat16 if cuda else torch.float32)
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out)
-    del model
-    release_device_memory()
-    write_word_tokenizer(out, config.vocab_size)
-    return out
+    return save_random_model(out, getattr(transformers, model_class), config)
 
 
 def build(path: Path, cuda_graphs: bool | None, smoke: bool):
@@ -186,6 +176,18 @@ def verdict(family: str, res: dict, smoke: bool) -> str | None:
     return None
 
 
+def record(results: dict, failed: list, name: str, res: dict, problem: str | None,
+           out: Path) -> None:
+    """Keep ``name``'s result with its verdict, print it and rewrite ``out`` (a run cut
+    short keeps what it measured)."""
+    res["verdict"] = problem or "ok"
+    if problem:
+        failed.append(name)
+    results[name] = res
+    print(name, json.dumps(res), flush=True)
+    out.write_text(json.dumps(results, indent=2))
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--smoke", action="store_true", help="two tiny families on the CPU, fp32")
@@ -214,12 +216,7 @@ def main(argv: list[str] | None = None) -> int:
             res["seconds"] = round(time.perf_counter() - t0, 1)
             problem = ("checkpoint not written" if "error" in res
                        else verdict(family, res, args.smoke))
-            res["verdict"] = problem or "ok"
-            if problem:
-                failed.append(family)
-            results[family] = res
-            print(family, json.dumps(res), flush=True)
-            out.write_text(json.dumps(results, indent=2))
+            record(results, failed, family, res, problem, out)
     print("failed:" if failed else "every family ok", *failed)
     return 1 if failed else 0
 

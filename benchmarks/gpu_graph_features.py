@@ -10,8 +10,8 @@ each feature is served twice, by default and eagerly:
   ties) of 3 tokens, off above 4 running sequences (``disable_by_batch_size``): 8
   sequences decode without drafts (graphs) until 4 of them finish, then with drafts
   (verify steps, eager);
-- ``lora``: a random rank-8 PEFT adapter on q/v projections (written here, PEFT's file
-  layout), 4 prompts under it and 4 on the base model, in separate batches.
+- ``lora``: a random rank-8 PEFT adapter on every projection (``lora.py``'s, PEFT's
+  file layout), 4 prompts under it and 4 on the base model, in separate batches.
 
 Reported: greedy agreement (``gpu_greedy_margins.compare``: differences must be ties
 within the rounding noise), how many steps replayed a graph, the draft tokens verified
@@ -25,7 +25,6 @@ verify steps, not to be accepted), and whether the adapter changed the tokens.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import sys
@@ -39,32 +38,10 @@ if not torch.cuda.is_available():  # --smoke: the Triton kernels in the interpre
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_graph_families import write_family  # noqa: E402
+from gpu_graph_families import record, write_family  # noqa: E402
 from gpu_greedy_margins import compare  # noqa: E402
+from lora import write_adapter  # noqa: E402
 from random_llama import release_device_memory  # noqa: E402
-
-
-def write_lora(base: Path, out: Path, rank: int = 8) -> Path:
-    """A random LoRA adapter of ``base`` on every layer's q_proj and v_proj, in PEFT's
-    layout (adapter_config.json, adapter_model.safetensors)."""
-    from safetensors.torch import save_file
-    config = json.loads((base / "config.json").read_text())
-    hidden, layers = config["hidden_size"], config["num_hidden_layers"]
-    kv_width = config["num_key_value_heads"] * config.get("head_dim", 64)
-    gen = torch.Generator().manual_seed(7)
-    tensors = {}
-    for i in range(layers):
-        for module, width in (("q_proj", hidden), ("v_proj", kv_width)):
-            key = f"base_model.model.model.layers.{i}.self_attn.{module}"
-            tensors[f"{key}.lora_A.weight"] = torch.randn(rank, hidden, generator=gen) * 0.05
-            tensors[f"{key}.lora_B.weight"] = torch.randn(width, rank, generator=gen) * 0.05
-    out.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(out / "adapter_model.safetensors"))
-    (out / "adapter_config.json").write_text(json.dumps({
-        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": 2 * rank,
-        "target_modules": ["q_proj", "v_proj"], "lora_dropout": 0.0, "bias": "none",
-        "base_model_name_or_path": str(base)}))
-    return out
 
 
 def build(path: Path, graphs: bool, smoke: bool, **extra):
@@ -125,8 +102,11 @@ def feature_runs(name: str, path: Path, tmp: Path, smoke: bool):
         spec = {"model": str(path), "num_speculative_tokens": 3,
                 "disable_by_batch_size": count // 2}
         return {"speculative_config": spec}, [list(zip(prompts, [None] * count, lengths))]
+    from transformers import AutoConfig
+
     from llmserve.core.lora_request import LoRARequest
-    adapter = LoRARequest("random", 1, str(write_lora(path, tmp / "adapter")))
+    adapter_path = write_adapter(tmp / "adapter", AutoConfig.from_pretrained(path), 8, seed=7)
+    adapter = LoRARequest("random", 1, str(adapter_path))
     half = prompts[:count // 2]
     settings = {"enable_lora": True, "max_loras": 1, "max_lora_rank": 8}
     return settings, [[(p, None, tokens) for p in half], [(p, adapter, tokens) for p in half]]
@@ -200,12 +180,7 @@ def main(argv: list[str] | None = None) -> int:
                 problem = verdict(res)
             except Exception as e:  # noqa: BLE001 - record and go on
                 res, problem = {"error": repr(e)[:500]}, "failed"
-            res["verdict"] = problem or "ok"
-            if problem:
-                failed.append(name)
-            results[name] = res
-            print(name, json.dumps(res), flush=True)
-            out.write_text(json.dumps(results, indent=2))
+            record(results, failed, name, res, problem, out)
     print("failed:" if failed else "every feature ok", *failed)
     return 1 if failed else 0
 

@@ -46,10 +46,17 @@ def write_random_llama(out: Path, shape: str, seed: int = 0) -> Path:
         raise ValueError(f"unknown shape {shape!r}; one of {sorted(SHAPES)}")
     config = LlamaConfig(max_position_embeddings=4096, rms_norm_eps=1e-5, bos_token_id=1,
                          eos_token_id=EOS_ID, **SHAPES[shape])
+    return save_random_model(out, LlamaForCausalLM, config, seed)
+
+
+def save_random_model(out: Path, model_class, config, seed: int = 0) -> Path:
+    """``model_class(config)`` with random weights, saved into ``out`` with the
+    word-level tokenizer (bf16 on CUDA machines, fp32 on CPU, initialised on the GPU
+    when there is one)."""
     cuda = torch.cuda.is_available()
     torch.manual_seed(seed)
     with torch.device("cuda" if cuda else "cpu"):
-        model = LlamaForCausalLM(config).to(torch.bfloat16 if cuda else torch.float32)
+        model = model_class(config).to(torch.bfloat16 if cuda else torch.float32)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
     del model
