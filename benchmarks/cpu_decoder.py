@@ -6,12 +6,14 @@ are noisy: compare ratios, not absolute times):
 1. The int4 matmul: ATen's ``_weight_int4pack_mm_for_cpu`` vs the C kernel on the same
    packed weights, the built-in model's projection shapes, 1-16 tokens (the kernel's
    tiles are 8 tokens on AVX-512: 9 is a full tile and one more).
-2. Decode steps of the built-in model (bf16 + int4, eager): the engine's step with the
-   layers in C (``NativeDecoder``) vs op by op, same engine, per batch size. The
-   crossover sets ``native_decoder.MAX_NATIVE_TOKENS``.
+2. Decode steps of the built-in model (bf16 + int4, eager; or bf16 alone with
+   ``--quantization none``): the engine's step with the layers in C (``NativeDecoder``)
+   vs op by op, same engine, per batch size. For int4 the crossover sets
+   ``native_decoder.MAX_NATIVE_TOKENS``.
 
     python benchmarks/cpu_decoder.py
     python benchmarks/cpu_decoder.py --batches 1,4,8,16,32 --threads 2
+    python benchmarks/cpu_decoder.py --quantization none --skip-matmul --batches 1,8,32,64,128
 """
 
 from __future__ import annotations
@@ -58,9 +60,9 @@ def matmul_section(tokens: list[int]) -> dict:
     return out
 
 
-def step_section(batches: list[int], context: int, steps: int) -> dict:
+def step_section(batches: list[int], context: int, steps: int, quantization: str) -> dict:
     engine = LLMEngine(EngineConfig(model="smollm2-135m-instruct", dtype="bfloat16",
-                                    quantization="int4"))
+                                    quantization=quantization))
     engine.warm_up()
     model = engine.runner.model.model
     native = model.native_decoder
@@ -72,10 +74,15 @@ def step_section(batches: list[int], context: int, steps: int) -> dict:
     native_decoder.MAX_NATIVE_TOKENS_WITHOUT_BF16 = max(batches)
     native_decoder.MAX_NATIVE_TOKENS_AVX2_PANELS = max(batches)
     native_decoder.MAX_NATIVE_TOKENS_TILES_ONLY = max(batches)
-    print(f"decode step of the built-in model (bf16 + int4, context {context}), ms: "
+    print(f"decode step of the built-in model (bf16, quantization {quantization}, "
+          f"context {context}), ms: "
           f"op by op vs C, ratio = op by op / C (> 1: C faster)")
     out = {}
     for batch in batches:
+        # Unmeasured: the first run of a batch's prompts prefills them over many steps,
+        # and those prefilled first finish (steps + 8 tokens) before the timed steps,
+        # which then have fewer rows (11 of 64 seen). Later runs find them cached.
+        step_time(engine, batch, context, 2)
         times = {}
         for label, decoder in (("ops", None), ("c", native), ("ops2", None), ("c2", native)):
             model.native_decoder = decoder
@@ -93,14 +100,18 @@ def main() -> int:
     ap.add_argument("--context", type=int, default=200)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
+    ap.add_argument("--quantization", default="int4",
+                    help="the steps' model: int4, or none (bf16 projections in gemm.c)")
+    ap.add_argument("--skip-matmul", action="store_true", help="the decode steps only")
     ap.add_argument("--out", default="benchmarks/results/cpu_decoder.json")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     results = {"threads": torch.get_num_threads(),
-               "matmul": matmul_section([int(t) for t in args.tokens.split(",")]),
+               "matmul": ({} if args.skip_matmul else
+                          matmul_section([int(t) for t in args.tokens.split(",")])),
                "steps": step_section([int(b) for b in args.batches.split(",")], args.context,
-                                     args.steps)}
+                                     args.steps, args.quantization)}
     with open(args.out, "w") as f:
         json.dump(results, f, indent=1)
     return 0

@@ -59,7 +59,7 @@ class CPUAttentionPlan:
     decode_only: bool = False  # every row of q is a decode, in order: no scatter needed
     # Every row of q is a C-kernel row, in order (decodes, drafted decodes' 1 + k rows,
     # short prefill chunks): decode_q_rows is arange(T), so a kernel may take row i as
-    # query i with its own table row and causal length (the int4 decoder stack does).
+    # query i with its own table row and causal length (the C decoder stack does).
     all_rows_native: bool = False
     # The C kernel's inputs (native plans): int32 rows of q (every decode, and each row
     # of a short prefill chunk), their block tables and context lengths.

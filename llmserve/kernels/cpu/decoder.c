@@ -1,18 +1,20 @@
-/* The whole decoder stack of an int4 model for one decode step, in one call.
+/* The whole decoder stack of an int4 or bf16 model for one decode step, in one call.
  *
  * A decode step of a small model on a CPU spends as long in Python between ops
  * (~25 a layer) as in the ops themselves. Here every layer runs in C: RMSNorm, the
- * int4 projections (read straight from ATen's packed weights, so there is one copy),
- * rotary + the K/V store, paged attention, SiLU-and-multiply and the residual adds,
- * rounded to bfloat16 at the same points as the torch path.
+ * projections (read where the model keeps them, so there is one copy), rotary + the
+ * K/V store, paged attention, SiLU-and-multiply and the residual adds, rounded to
+ * bfloat16 at the same points as the torch path. A dense bf16 projection is gemm.c's
+ * bf16_gemm on its packed panels, the per-op path's own call; the int4 products are
+ * this file's.
  *
- * Weights are ATen's CPU int4 pack (``_convert_weight_to_int4pack_for_cpu``): blocks
+ * int4 weights are ATen's CPU int4 pack (``_convert_weight_to_int4pack_for_cpu``): blocks
  * of BN output columns, [N / BN, K, BN / 2] bytes, byte j of row k holding column j in
  * its low nibble and column j + BN / 2 in its high one (BN 64 where ATen is built for
  * AVX-512, 32 for AVX2; decoder.py checks which at start-up), with a [K / 32, N, 2]
  * bfloat16 (scale, zero) table: w = (q - 8) * scale + zero.
  * Built with decode.c and gemm.c into one library by native.py; the structures it
- * reads (q4_linear, q4_layer, q4_dims) are declared in kernels.h.
+ * reads (stack_linear, stack_layer, stack_dims) are declared in kernels.h.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -245,7 +247,7 @@ static void q4_tile(const float *xf, const float *xsum, int m, int nc, int64_t K
 
 /* acc (a pass's sums: see q4_pass) rounded to bf16 into y's columns, then + bias,
  * rounded again, as the torch path adds it. */
-static void q4_store(const q4_linear *lin, int BN, const v16f acc[TILE][4], int m, int nc,
+static void q4_store(const stack_linear *lin, int BN, const v16f acc[TILE][4], int m, int nc,
                      int64_t col0, uint16_t *y) {
     for (int t = 0; t < m; t++)
         for (int v = 0; v < 2 * nc; v++) {
@@ -259,7 +261,7 @@ static void q4_store(const q4_linear *lin, int BN, const v16f acc[TILE][4], int 
 
 /* Chunks [first, end) of the weight for all M tokens: runs of a block's two chunks in
  * one pass where the tile fits (TILE2), else one chunk a pass. */
-static void q4_chunks(const q4_linear *lin, int BN, int M, const float *xf, const float *xsum,
+static void q4_chunks(const stack_linear *lin, int BN, int M, const float *xf, const float *xsum,
                       int64_t first, int64_t end, uint16_t *y) {
     const int64_t K = lin->k, groups = K / GROUP;
     const int per_block = BN / 32, half = BN / 2;
@@ -295,7 +297,7 @@ static void q4_chunks(const q4_linear *lin, int BN, int M, const float *xf, cons
 
 /* panel [k1 - k0, PANEL_COLS] = W^T's columns of half h of block nb over k in [k0, k1):
  * w = q scale + (zero - 8 scale), as dequant.c computes it. */
-static void q4_panel(const q4_linear *lin, int64_t nb, int h, int64_t k0, int64_t k1,
+static void q4_panel(const stack_linear *lin, int64_t nb, int h, int64_t k0, int64_t k1,
                      float *panel) {
     const int64_t K = lin->k, N = lin->n, col0 = nb * Q4_PANEL_BN + PANEL_COLS * h;
     const uint8_t *w = lin->weight + nb * K * PANEL_COLS;
@@ -345,7 +347,7 @@ static void q4_panel(const q4_linear *lin, int64_t nb, int h, int64_t k0, int64_
 
 /* A panel's sums [M, cols] rounded to bf16 into y's columns col0.. (rows ldy apart;
  * + bias, rounded again, as q4_store does). */
-static void panel_store(const q4_linear *lin, const float *sums, int M, int cols,
+static void panel_store(const stack_linear *lin, const float *sums, int M, int cols,
                         int64_t col0, uint16_t *y, int64_t ldy) {
     for (int t = 0; t < M; t++)
         for (int c = 0; c < cols; c += 16) {
@@ -361,7 +363,7 @@ static void panel_store(const q4_linear *lin, const float *sums, int M, int cols
 /* Panels [first, last) (panel p: half p % 2 of block p / 2) for M rows of x (float32
  * xf), rounded to bf16 into y (rows ldy apart; + bias, rounded again, as q4_store
  * does). scratch: (PANEL_CHUNK + M) * PANEL_COLS floats. */
-static void q4_panels(const q4_linear *lin, const float *xf, int M, int64_t first,
+static void q4_panels(const stack_linear *lin, const float *xf, int M, int64_t first,
                       int64_t last, float *scratch, uint16_t *y, int64_t ldy) {
     const int64_t K = lin->k;
     float *panel = scratch, *sums = scratch + PANEL_CHUNK * PANEL_COLS;
@@ -378,7 +380,7 @@ static void q4_panels(const q4_linear *lin, const float *xf, int M, int64_t firs
 /* q4_panels over the threads, each an even share of the panels, PANEL_ROW_BLOCK rows
  * of x at a time (their float32 copy stays in L2 while every panel reads it); -1 out
  * of memory. */
-static int q4_matmul_panels(int num_threads, const q4_linear *lin, const float *xf, int M,
+static int q4_matmul_panels(int num_threads, const stack_linear *lin, const float *xf, int M,
                             uint16_t *y) {
     const int64_t panels = lin->n / PANEL_COLS;
     const int block = M < PANEL_ROW_BLOCK ? M : PANEL_ROW_BLOCK;
@@ -410,7 +412,7 @@ static int q4_matmul_panels(int num_threads, const q4_linear *lin, const float *
 /* q4_panels with x rounded to int8 (panel_int8.h): M rows of x as codes, their steps
  * and code sums (xq_rows); panel: PANEL8_CHUNK * PANEL8_COLS bytes; sums: M *
  * PANEL8_COLS floats. */
-static void q4_panels_int8(const q4_linear *lin, const int8_t *codes, const float *step,
+static void q4_panels_int8(const stack_linear *lin, const int8_t *codes, const float *step,
                            const float *csum, int M, int64_t first, int64_t last,
                            uint8_t *panel, float *sums, uint16_t *y, int64_t ldy) {
     const int64_t K = lin->k, N = lin->n;
@@ -430,7 +432,7 @@ static void q4_panels_int8(const q4_linear *lin, const int8_t *codes, const floa
  * threads and rows); scratch: M * K / 4 + 2 M * K / 32 floats for the codes, steps and
  * code sums. Each thread's panel and sums (20 KB; 10 on AVX2) are on its stack:
  * nothing to fail. */
-static void q4_matmul_int8(int num_threads, const q4_linear *lin, const uint16_t *x, int M,
+static void q4_matmul_int8(int num_threads, const stack_linear *lin, const uint16_t *x, int M,
                            uint16_t *y, void *scratch) {
     const int64_t K = lin->k, groups = K / PANEL8_Q, panels = lin->n / PANEL8_COLS;
     int8_t *codes = scratch;
@@ -476,7 +478,7 @@ static int q4_int8_applies(int int8_x, int M, int BN) {
 /* y [M, N] = x [M, K] (bf16) times the int4 weight, rounded to bf16 (+ bias). Each
  * thread takes an even share of the chunks, not of the blocks: 9 blocks split 9/9
  * chunks, not 5/4 blocks. */
-static void q4_matmul(int num_threads, const q4_linear *lin, int BN, const uint16_t *x, int M,
+static void q4_matmul(int num_threads, const stack_linear *lin, int BN, const uint16_t *x, int M,
                       uint16_t *y, float *xf, float *xsum, int int8_x) {
     const int64_t K = lin->k, N = lin->n, groups = K / GROUP;
 #if defined(PANEL_INT8)
@@ -505,7 +507,7 @@ static void q4_matmul(int num_threads, const q4_linear *lin, int BN, const uint1
 }
 
 /* Exposed for tests: y [M, N] = x [M, K] times one int4 weight. */
-int q4_linear_bf16(int num_threads, const q4_linear *lin, int block_n, const uint16_t *x,
+int q4_linear_bf16(int num_threads, const stack_linear *lin, int block_n, const uint16_t *x,
                    int M, uint16_t *y, int int8_x) {
     if (lin->k <= 0 || lin->k % GROUP || lin->n % block_n || (block_n != 32 && block_n != 64)
             || M < 0)
@@ -522,6 +524,18 @@ int q4_linear_bf16(int num_threads, const q4_linear *lin, int block_n, const uin
     return 0;
 }
 
+/* y [M, N] = x [M, K] times one projection of the stack, int4 or dense bf16 (gemm.c's
+ * kernel, which the per-op path's NativeLinear calls too: the same sums). Returns 0, or
+ * gemm.c's code where it does not run (-3: not built for bf16 arithmetic). */
+static int stack_matmul(int num_threads, const stack_linear *lin, const stack_dims *d,
+                        const uint16_t *x, int M, uint16_t *y, float *xf, float *xsum) {
+    if (lin->format == LINEAR_BF16)
+        return bf16_gemm(num_threads, x, M, lin->k, (const uint16_t *)lin->weight, lin->n,
+                         lin->k, lin->bias_f32, y, lin->n);
+    q4_matmul(num_threads, lin, d->block_n, x, M, y, xf, xsum, d->int8_x);
+    return 0;
+}
+
 /* Every layer for M query rows: x [M, hidden] bf16, the residual stream, updated in
  * place to the last layer's output (before the final norm). Row i attends the first
  * seq_lens[i] tokens of the context in block-table row i, its own K/V included: a
@@ -529,9 +543,9 @@ int q4_linear_bf16(int num_threads, const q4_linear *lin, int block_n, const uin
  * growing lengths (a drafted decode's 1 + k tokens, a short prompt), causal among
  * them since every row's K/V is stored before any row attends. cos, sin: [M,
  * head_dim / 2] float32; slots: [M] int64; tables [M, table_stride] and seq_lens [M]
- * int32. Returns 0, or -1: out of memory, or
- * a shape the kernels do not take (the caller checks shapes first). */
-int q4_decode_layers(int num_threads, const q4_dims *d, const q4_layer *layers, int num_layers,
+ * int32. Returns 0; -1: out of memory, or a shape the kernels do not take (the caller
+ * checks shapes first); or bf16_gemm's code for a bf16 projection it does not take. */
+int stack_decode_layers(int num_threads, const stack_dims *d, const stack_layer *layers, int num_layers,
                      uint16_t *x, int M, const float *cos, const float *sin,
                      const int64_t *slots, const int32_t *tables, int table_stride,
                      const int32_t *seq_lens) {
@@ -555,26 +569,30 @@ int q4_decode_layers(int num_threads, const q4_dims *d, const q4_layer *layers, 
     float *xsum = xf + (size_t)M * widest;
     for (int i = 0; i < M; i++) rows[i] = i;
     for (int l = 0; l < num_layers && rc == 0; l++) {
-        const q4_layer *L = &layers[l];
+        const stack_layer *L = &layers[l];
         rc = add_rms_norm_bf16(num_threads, x, NULL, L->input_norm, h, NULL, M, (int)hidden,
                                d->eps);
         if (rc != 0) break;
-        q4_matmul(num_threads, &L->qkv, d->block_n, h, M, qkv, xf, xsum, d->int8_x);
-        rc = rope_and_cache(num_threads, qkv, qkv_dim, q, L->kv_cache, cos, sin, slots, M,
-                            d->num_cache_blocks, d->block_size, d->num_heads, d->kv_heads,
-                            d->head_dim, DTYPE_BF16);
+        rc = stack_matmul(num_threads, &L->qkv, d, h, M, qkv, xf, xsum);
+        if (rc == 0)
+            rc = rope_and_cache(num_threads, qkv, qkv_dim, q, L->kv_cache, cos, sin, slots,
+                                M, d->num_cache_blocks, d->block_size, d->num_heads,
+                                d->kv_heads, d->head_dim, DTYPE_BF16);
         if (rc == 0)
             rc = paged_decode(num_threads, q, qdim, attn, L->kv_cache, rows, tables,
                               table_stride, NULL, seq_lens, M, d->num_cache_blocks, d->block_size,
                               d->num_heads, d->kv_heads, d->head_dim, d->scale, NULL, 0.0f,
                               DTYPE_BF16);
         if (rc != 0) break;
-        q4_matmul(num_threads, &L->o, d->block_n, attn, M, o, xf, xsum, d->int8_x);
-        rc = add_rms_norm_bf16(num_threads, x, o, L->post_norm, h, x, M, (int)hidden, d->eps);
+        rc = stack_matmul(num_threads, &L->o, d, attn, M, o, xf, xsum);
+        if (rc == 0)
+            rc = add_rms_norm_bf16(num_threads, x, o, L->post_norm, h, x, M, (int)hidden, d->eps);
         if (rc != 0) break;
-        q4_matmul(num_threads, &L->gate_up, d->block_n, h, M, gate_up, xf, xsum, d->int8_x);
+        rc = stack_matmul(num_threads, &L->gate_up, d, h, M, gate_up, xf, xsum);
+        if (rc != 0) break;
         silu_and_mul_bf16(num_threads, gate_up, M, inter, act);
-        q4_matmul(num_threads, &L->down, d->block_n, act, M, o, xf, xsum, d->int8_x);
+        rc = stack_matmul(num_threads, &L->down, d, act, M, o, xf, xsum);
+        if (rc != 0) break;
         for (int64_t i = 0; i < (int64_t)M * hidden; i++)
             x[i] = f32_to_bf16(bf16_to_f32(x[i]) + bf16_to_f32(o[i]));
     }

@@ -1,5 +1,6 @@
-"""The int4 decoder stack's C interface (``decoder.c``): the structures it reads,
-ATen's int4 pack layout it reads them in, and one int4 product for tests.
+"""The C decoder stack's interface (``decoder.c``): the structures it reads (a
+projection int4 in ATen's pack, or dense bf16 in ``gemm.c``'s panels), ATen's int4 pack
+layout, and one int4 product for tests.
 
 A kernel knows tensors, not models: ``model_executor/models/native_decoder.py`` fills
 these structures from a model's layers. Their C side is declared in ``kernels.h``.
@@ -15,19 +16,22 @@ import torch
 
 from llmserve.kernels.cpu.native import decode_kernel, panel_int8_block_n
 
+LINEAR_INT4, LINEAR_BF16 = 0, 1  # kernels.h: a projection's format
 
-class Q4Linear(ctypes.Structure):
+
+class StackLinear(ctypes.Structure):
     _fields_ = [("weight", ctypes.c_void_p), ("scale_zero", ctypes.c_void_p),
-                ("bias", ctypes.c_void_p), ("n", ctypes.c_int64), ("k", ctypes.c_int64)]
+                ("bias", ctypes.c_void_p), ("n", ctypes.c_int64), ("k", ctypes.c_int64),
+                ("bias_f32", ctypes.c_void_p), ("format", ctypes.c_int)]
 
 
-class Q4Layer(ctypes.Structure):
+class StackLayer(ctypes.Structure):
     _fields_ = [("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p),
-                ("qkv", Q4Linear), ("o", Q4Linear), ("gate_up", Q4Linear),
-                ("down", Q4Linear), ("kv_cache", ctypes.c_void_p)]
+                ("qkv", StackLinear), ("o", StackLinear), ("gate_up", StackLinear),
+                ("down", StackLinear), ("kv_cache", ctypes.c_void_p)]
 
 
-class Q4Dims(ctypes.Structure):
+class StackDims(ctypes.Structure):
     _fields_ = [("hidden", ctypes.c_int), ("num_heads", ctypes.c_int),
                 ("kv_heads", ctypes.c_int), ("head_dim", ctypes.c_int),
                 ("intermediate", ctypes.c_int), ("block_n", ctypes.c_int),
@@ -53,12 +57,21 @@ def int4_pack_block_n() -> int | None:
     return None
 
 
-def q4_struct(linear) -> Q4Linear:
+def q4_struct(linear) -> StackLinear:
     """An int4 linear (``qweight``, ``scales``, ``bias``, ``in/out_features``, as
     ``QuantizedLinear`` holds them) as the C side reads it."""
     bias = linear.bias.data_ptr() if linear.bias is not None else None
-    return Q4Linear(linear.qweight.data_ptr(), linear.scales.data_ptr(), bias,
-                    linear.out_features, linear.in_features)
+    return StackLinear(linear.qweight.data_ptr(), linear.scales.data_ptr(), bias,
+                    linear.out_features, linear.in_features, None, LINEAR_INT4)
+
+
+def bf16_struct(linear) -> StackLinear:
+    """A dense bf16 linear packed for ``gemm.c`` (``packed``, a float32 ``bias``,
+    ``in/out_features``, as ``cpu_linear.NativeLinear`` holds them) as the C side reads
+    it: the stack calls the same kernel on it."""
+    bias = linear.bias.data_ptr() if linear.bias is not None else None
+    return StackLinear(linear.packed.data_ptr(), None, None, linear.out_features,
+                    linear.in_features, bias, LINEAR_BF16)
 
 
 def int8_activations() -> bool:

@@ -26,7 +26,7 @@
 
 /* Rows [g * GROUP, (g + 1) * GROUP) of W^T's columns [c0, c1), with the group's scales
  * and offsets first turned into float32 (scratch: 2 (c1 - c0) floats). */
-static void dequant_group(const q4_linear *lin, int block_n, int64_t g, int64_t c0,
+static void dequant_group(const stack_linear *lin, int block_n, int64_t g, int64_t c0,
                           int64_t c1, float *scratch, float *out) {
     const int64_t n = lin->n, k = lin->k, half = block_n / 2, width = c1 - c0;
     const uint16_t *sz = (const uint16_t *)lin->scale_zero + (g * n + c0) * 2;
@@ -54,7 +54,7 @@ static void dequant_group(const q4_linear *lin, int block_n, int64_t g, int64_t 
  * by ATen in blocks of block_n (64 or 32) columns; c0 and c1 on that grid. Returns -2
  * for a shape or range off the grid, -1 when out of memory for the scratch, 0 when
  * done. */
-int q4_dequant_f32(int num_threads, const q4_linear *lin, int block_n, int64_t c0,
+int q4_dequant_f32(int num_threads, const stack_linear *lin, int block_n, int64_t c0,
                    int64_t c1, float *out) {
     if ((block_n != 64 && block_n != 32) || lin->n % block_n || lin->k % GROUP
             || c0 % block_n || c1 % block_n || c0 < 0 || c1 > lin->n || c0 >= c1)

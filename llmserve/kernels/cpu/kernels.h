@@ -74,19 +74,25 @@ static inline void store16_bf16(uint16_t *dst, v16f x) {
     memcpy(dst, &out, sizeof out);
 }
 
-/* decoder.c's view of an int4 model (decoder.py's Q4Linear, Q4Layer, Q4Dims). */
+/* decoder.c's view of a model (decoder.py's StackLinear, StackLayer, StackDims). A projection
+ * is int4 (LINEAR_INT4: ATen's pack, its (scale, zero) table, a bf16 bias) or dense
+ * bf16 (LINEAR_BF16: bf16_gemm_pack's panels, a float32 bias added before the one
+ * rounding, as cpu_linear.NativeLinear does). */
+enum { LINEAR_INT4 = 0, LINEAR_BF16 = 1 };
 typedef struct {
-    const uint8_t *weight;      /* ATen's int4 pack */
-    const uint16_t *scale_zero; /* [K / 32, N, 2] bf16 */
-    const uint16_t *bias;       /* [N] bf16 or NULL */
+    const uint8_t *weight;      /* int4: ATen's int4 pack; bf16: bf16_gemm_pack's panels */
+    const uint16_t *scale_zero; /* int4: [K / 32, N, 2] bf16; bf16: NULL */
+    const uint16_t *bias;       /* int4: [N] bf16 or NULL */
     int64_t n, k;
-} q4_linear;
+    const float *bias_f32;      /* bf16: [N] float32 or NULL */
+    int format;                 /* LINEAR_INT4 or LINEAR_BF16 */
+} stack_linear;
 
 typedef struct {
     const uint16_t *input_norm, *post_norm;  /* [hidden] bf16 */
-    q4_linear qkv, o, gate_up, down;
+    stack_linear qkv, o, gate_up, down;
     void *kv_cache;  /* [2, blocks, block_size, kv_heads, head_dim] bf16 */
-} q4_layer;
+} stack_layer;
 
 typedef struct {
     int hidden, num_heads, kv_heads, head_dim, intermediate, block_n;
@@ -94,7 +100,7 @@ typedef struct {
     int64_t num_cache_blocks;
     int block_size;
     int int8_x;  /* 1: products of many rows round x to int8 where built (panel_int8.h) */
-} q4_dims;
+} stack_dims;
 
 /* The entry points (what each computes and returns: at its definition). */
 
@@ -117,18 +123,19 @@ int silu_and_mul_bf16(int num_threads, const uint16_t *gate_up, int rows, int64_
 int argmax_rows_bf16(int num_threads, const uint16_t *x, int rows, int64_t n, int64_t stride,
                      int64_t *out);
 
-/* decoder.c: the int4 decoder stack, and one int4 product for tests. */
+/* decoder.c: the decoder stack (int4 and bf16 projections), and one int4 product for
+ * tests. */
 int panel_int8(void);  /* the int4 block its int8 panels read, or 0 */
-int q4_linear_bf16(int num_threads, const q4_linear *lin, int block_n, const uint16_t *x,
+int q4_linear_bf16(int num_threads, const stack_linear *lin, int block_n, const uint16_t *x,
                    int M, uint16_t *y, int int8_x);
-int q4_decode_layers(int num_threads, const q4_dims *d, const q4_layer *layers, int num_layers,
+int stack_decode_layers(int num_threads, const stack_dims *d, const stack_layer *layers, int num_layers,
                      uint16_t *x, int M, const float *cos, const float *sin,
                      const int64_t *slots, const int32_t *tables, int table_stride,
                      const int32_t *seq_lens);
 
 /* dequant.c: columns [c0, c1) of an int4 weight as W^T [k, c1 - c0] float32, for the
  * float32 GEMM of many rows on CPUs without bf16 arithmetic. */
-int q4_dequant_f32(int num_threads, const q4_linear *lin, int block_n, int64_t c0,
+int q4_dequant_f32(int num_threads, const stack_linear *lin, int block_n, int64_t c0,
                    int64_t c1, float *out);
 
 /* gemm.c: bf16 and weight-only int4/int8 linears (stubs returning -3 where the CPU

@@ -1,5 +1,5 @@
 """The CPU kernels (``decode.c``: decode attention, rotary + K/V store, RMSNorm;
-``decoder.c``: the int4 decoder stack built on them, with ``panel.h``'s float32 and
+``decoder.c``: the decoder stack built on them, with ``panel.h``'s float32 and
 ``panel_int8.h``'s int8 panel GEMMs; ``dequant.c``: int4 weights in
 float32 for CPUs without bf16 arithmetic; ``gemm.c``: bf16 linears
 on AVX512-BF16; ``q8_rows.c``: int8 weight-only products (the LM head); ``lora.c``: a
@@ -46,7 +46,7 @@ from llmserve.envs import cache_root
 
 log = logging.getLogger(__name__)
 
-# Attention, rotary and norms; the int4 decoder stack built on them; int4 weights in
+# Attention, rotary and norms; the decoder stack built on them; int4 weights in
 # float32; bf16 GEMMs;
 # int8 products (the LM head); multi-LoRA: one library.
 SOURCES = [Path(__file__).with_name(name)
@@ -78,7 +78,7 @@ SIGNATURES: dict[str, list[type]] = {
     # decoder.c
     "panel_int8": [],
     "q4_linear_bf16": [_I32, _PTR, _I32, _PTR, _I32, _PTR, _I32],
-    "q4_decode_layers": [_I32, _PTR, _PTR, _I32, _PTR, _I32, _PTR, _PTR, _PTR, _PTR, _I32,
+    "stack_decode_layers": [_I32, _PTR, _PTR, _I32, _PTR, _I32, _PTR, _PTR, _PTR, _PTR, _I32,
                          _PTR],
     # dequant.c
     "q4_dequant_f32": [_I32, _PTR, _I32, _I64, _I64, _PTR],

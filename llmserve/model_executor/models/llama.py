@@ -353,8 +353,8 @@ class LlamaModel(nn.Module):
         self.norm = self.layer_class.norm_class(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config, max_positions)
         self.run_layer = _run_layer  # or its torch.compile'd version (compile_layers)
-        # Small decode steps of an int4 model on a CPU: every layer in one C call
-        # (engine/models/native_decoder.py), set by the model runner where it applies.
+        # Decode steps of an int4 or gemm.c-packed bf16 model on a CPU: every layer in one
+        # C call (models/native_decoder.py), set by the model runner where it applies.
         self.native_decoder = None
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:

@@ -1,11 +1,14 @@
-"""The int4 decoder stack in one C call per decode step (``kernels/decoder.c``).
+"""The decoder stack in one C call per decode step (``kernels/decoder.c``).
 
-An eager decode step of a small int4 model spends about as long in Python between its
-~25 ops a layer as in the ops. ``NativeDecoder`` runs every layer of a decode-only step
-of a few sequences in C, reading the quantised weights where ATen packed them (no
-second copy) and the paged KV cache where the engine keeps it. Prefills, larger
-batches (where ``quant_gemm``'s bf16 tiles are faster), and every model it does not
-cover keep the per-op path.
+An eager decode step of a small model spends about as long in Python between its ~25
+ops a layer as in the ops, and the second thread idles through that Python. The
+``NativeDecoder`` runs every layer of a decode-only step in C, reading the weights
+where the model keeps them (no second copy) and the paged KV cache where the engine
+keeps it. A projection is int4 (ATen's pack) or dense bf16 packed for ``gemm.c``
+(``NativeLinear``: AMX and AVX512-BF16 CPUs), and the C stack calls the same kernels on
+it as the per-op path. So a bf16 stack runs steps of any size; an int4 one only small
+ones (``max_native_tokens``: from there ``quant_gemm``'s bf16 tiles are faster).
+Prefills and every model it does not cover keep the per-op path.
 """
 
 from __future__ import annotations
@@ -16,14 +19,16 @@ import logging
 import torch
 
 from llmserve.kernels.cpu.decoder import (
-    Q4Dims,
-    Q4Layer,
+    StackDims,
+    StackLayer,
+    bf16_struct,
     int4_pack_block_n,
     int8_activations,
     q4_struct,
 )
 from llmserve.kernels.cpu.gemm import quant_tiled_available
 from llmserve.kernels.cpu.native import decode_kernel, panel_gemms_built
+from llmserve.model_executor.layers.cpu_linear import NativeLinear
 from llmserve.model_executor.layers.quantization import INT4_GROUP, QuantizedLinear
 from llmserve.model_executor.models.llama import DecoderLayer
 
@@ -56,8 +61,11 @@ MAX_NATIVE_TOKENS_WITHOUT_BF16 = 128
 MAX_NATIVE_TOKENS_TILES_ONLY = 32
 
 
-def max_native_tokens(block_n: int) -> int:
-    """The most rows a step may have to run in C, for ATen's int4 pack layout here."""
+def max_native_tokens(block_n: int) -> int | None:
+    """The most rows a step may have to run in C, for ATen's int4 pack layout here (0:
+    no int4 projection, no limit: a bf16 stack's products are the per-op path's own)."""
+    if block_n == 0:
+        return None
     if block_n != 64:
         return MAX_NATIVE_TOKENS_AVX2_PANELS if panel_gemms_built() else MAX_NATIVE_TOKENS_AVX2
     if quant_tiled_available(4):
@@ -66,7 +74,8 @@ def max_native_tokens(block_n: int) -> int:
 
 
 class NativeDecoder:
-    """Every decoder layer of a bound, int4-quantised ``LlamaForCausalLM`` as one C call.
+    """Every decoder layer of a bound ``LlamaForCausalLM`` whose projections are int4 or
+    packed for ``gemm.c`` as one C call.
     Holds raw pointers into the model's weights and KV cache: build it after both are
     in place (``try_build``), and drop it if either is replaced."""
 
@@ -77,14 +86,14 @@ class NativeDecoder:
         layers = model.model.layers
         first = layers[0].self_attn
         cache = first.kv_cache
-        self.dims = Q4Dims(c.hidden_size, first.num_heads, first.num_kv_heads, first.head_dim,
+        self.dims = StackDims(c.hidden_size, first.num_heads, first.num_kv_heads, first.head_dim,
                            layers[0].mlp.intermediate, block_n,
                            layers[0].input_layernorm.eps, first.scale, cache.shape[1],
                            cache.shape[2], int(int8_activations()))
-        self.layers = (Q4Layer * len(layers))(*(
-            Q4Layer(layer.input_layernorm.weight.data_ptr(),
+        self.layers = (StackLayer * len(layers))(*(
+            StackLayer(layer.input_layernorm.weight.data_ptr(),
                     layer.post_attention_layernorm.weight.data_ptr(),
-                    *map(q4_struct, projections(layer)),
+                    *map(linear_struct, projections(layer)),
                     layer.self_attn.kv_cache.data_ptr())
             for layer in layers))
         self.num_layers = len(layers)
@@ -98,15 +107,16 @@ class NativeDecoder:
         ``unsupported``), or for an ATen pack layout the kernel does not read."""
         why = unsupported(model)
         if why is None:
-            block_n = int4_pack_block_n()
+            int4 = [lin for layer in model.model.layers for lin in projections(layer)
+                    if isinstance(lin, QuantizedLinear)]
+            block_n = int4_pack_block_n() if int4 else 0
             if block_n is None:
                 why = "ATen's int4 pack layout is not one the C kernel reads"
-            elif any(lin.out_features % block_n for layer in model.model.layers
-                     for lin in projections(layer)):
+            elif any(lin.out_features % block_n for lin in int4):
                 why = f"a projection's width is not a multiple of {block_n}"
             else:
                 return cls(model, block_n)
-        log.debug("int4 decode steps run op by op: %s", why)
+        log.debug("decode steps run op by op: %s", why)
         return None
 
     def applies(self, num_tokens: int, meta) -> bool:
@@ -117,8 +127,9 @@ class NativeDecoder:
         plan = meta.plan if meta is not None else None
         if self.lora_state is not None and self.lora_state.step is not None:
             return False  # an adapter runs in this step: the per-op path applies it
+        limit = max_native_tokens(self.dims.block_n)
         return (plan is not None and plan.all_rows_native
-                and num_tokens <= max_native_tokens(self.dims.block_n))
+                and (limit is None or num_tokens <= limit))
 
     def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta) -> torch.Tensor:
         """The residual stream after the last layer, for ``x [tokens, hidden]``."""
@@ -127,13 +138,15 @@ class NativeDecoder:
         cos = cos.reshape(tokens, -1).float().contiguous()  # the C side reads float32
         sin = sin.reshape(tokens, -1).float().contiguous()
         plan = meta.plan
-        rc = self._lib.q4_decode_layers(
+        rc = self._lib.stack_decode_layers(
             torch.get_num_threads(), ctypes.byref(self.dims), self.layers, self.num_layers,
             x.data_ptr(), tokens, cos.data_ptr(), sin.data_ptr(), meta.slot_mapping.data_ptr(),
             plan.decode_tables.data_ptr(), plan.decode_tables.shape[1],
             plan.decode_seq_lens.data_ptr())
+        if rc == -1:
+            raise MemoryError("stack_decode_layers: out of memory for its scratch buffers")
         if rc != 0:
-            raise MemoryError("q4_decode_layers: out of memory for its scratch buffers")
+            raise RuntimeError(f"stack_decode_layers: bf16_gemm refused a projection ({rc})")
         return x
 
 
@@ -145,12 +158,18 @@ def projections(layer) -> tuple:
         layer.mlp.down_proj))
 
 
+def linear_struct(linear):
+    """A projection as the C stack reads it: int4, or bf16 packed for ``gemm.c``."""
+    return bf16_struct(linear) if isinstance(linear, NativeLinear) else q4_struct(linear)
+
+
 def layer_tensors(layer) -> list[torch.Tensor]:
     """Every tensor of ``layer`` the C stack holds a pointer into."""
     tensors = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
                layer.self_attn.kv_cache]
     for lin in projections(layer):
-        tensors += [lin.qweight, lin.scales] + ([lin.bias] if lin.bias is not None else [])
+        weights = [lin.packed] if isinstance(lin, NativeLinear) else [lin.qweight, lin.scales]
+        tensors += weights + ([lin.bias] if lin.bias is not None else [])
     return tensors
 
 
@@ -178,8 +197,10 @@ def unsupported(model) -> str | None:
         return "no bf16 CPU KV cache bound"
     for layer in layers:
         for lin in projections(layer):
+            if isinstance(lin, NativeLinear):
+                continue  # gemm.c's bf16 panels: the kernel takes every shape packed
             if not isinstance(lin, QuantizedLinear) or lin.bits != 4:
-                return "not every projection is int4"
+                return "a projection neither int4 nor packed for gemm.c (oneDNN's, int8)"
             if lin.in_features % INT4_GROUP:
                 return "an input width not a multiple of the int4 group"
         norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
