@@ -199,6 +199,8 @@ def test_the_engine_runs_small_steps_in_c_only(int4_llm, monkeypatch):
     way."""
     decoder = int4_llm.engine.runner.model.model.native_decoder
     assert decoder is not None
+    # (where quant_gemm runs the stack's products of many rows there is no limit: below)
+    monkeypatch.setattr(decoder.dims, "quant_gemm_rows", 0)
     real_limit = native_decoder.max_native_tokens  # up to 128 rows on some CPUs: the
     monkeypatch.setattr(native_decoder, "max_native_tokens",  # test's batches stay short
                         lambda block_n: min(real_limit(block_n), 16))
@@ -224,6 +226,38 @@ def test_the_engine_runs_small_steps_in_c_only(int4_llm, monkeypatch):
     monkeypatch.setattr(int4_llm.engine.runner.model.model, "native_decoder", None)
     op_by_op = int4_llm.generate(["The capital of France is"], params)[0].outputs[0].token_ids
     assert one[:3] == op_by_op[:3]  # bf16 rounding may part them later, not at once
+
+
+QUANT_GEMM_STACK = pytest.mark.skipif(not gemm.quant_tiled_available(4),
+                                      reason="quant_gemm needs AVX512-BF16")
+
+
+@QUANT_GEMM_STACK
+def test_an_int4_stack_takes_quant_gemm_for_many_rows_bit_for_bit(int4_llm, monkeypatch):
+    """Where the per-op path's int4 products of many rows are quant_gemm's (AMX, Zen 4),
+    the stack's are too: from quant_tiled_min_rows() every layer equals the torch layer
+    bit for bit, and the engine runs decode steps of any size in C."""
+    from llmserve.model_executor.layers.attention import forward_context
+    model = int4_llm.engine.runner.model.model
+    decoder = model.native_decoder
+    assert decoder.dims.quant_gemm_rows == gemm.quant_tiled_min_rows()
+    ids, pos, meta = decode_step_inputs(int4_llm, 40)
+    try:
+        with torch.inference_mode(), forward_context(meta):
+            x = x0 = model.embed_tokens(ids)
+            cos, sin = model.rotary(pos)
+            for i, layer in enumerate(model.layers):
+                out, residual = layer(None, x, cos, sin)
+                want = residual + out
+                assert torch.equal(run_layers(decoder, i, 1, x, cos, sin, meta), want), i
+                x = want
+            assert torch.equal(run_layers(decoder, 0, len(model.layers), x0, cos, sin, meta), x)
+    finally:
+        for req in list(int4_llm.engine.requests):
+            int4_llm.engine.abort(req)
+    assert decoder.applies(40, meta) and decoder.applies(1000, meta)
+    monkeypatch.setattr(decoder.dims, "quant_gemm_rows", 0)  # the tiles' limit instead
+    assert not decoder.applies(40, meta)
 
 
 BF16_STACK = pytest.mark.skipif(gemm.gemm_backend() != "native",
@@ -345,19 +379,25 @@ def tiny_qwen2(seed: int = 0, quantization: str = "int4"):
     return model.eval()
 
 
-@pytest.mark.parametrize("quantization", ["int4", pytest.param("none", marks=BF16_STACK)])
+@pytest.mark.parametrize("quantization", [
+    "int4", pytest.param("int4-quant_gemm", marks=QUANT_GEMM_STACK),
+    pytest.param("none", marks=BF16_STACK)])
 @pytest.mark.parametrize("seed", [0, 1], ids=["head_dim128", "head_dim64"])
 def test_qwen2_shapes_with_biases_match_the_torch_layers(seed, quantization, monkeypatch):
     """Biases, head_dim 128 or 64 (4 or 8 query heads), contexts of 1 to 48 tokens
     (partial blocks), five sequences (a 4-token tile plus one): the C stack computes what
-    the torch layers compute; in bf16 (every projection in gemm.c, float32 biases added
-    before the one rounding) bit for bit."""
+    the torch layers compute; bit for bit where both take gemm.c's products (bf16, every
+    projection in gemm.c; int4 with quant_gemm from 1 row in both: float32 biases added
+    before the one rounding)."""
     from llmserve.kernels.cpu.attention import make_cpu_plan
     from llmserve.model_executor.layers.attention import AttentionMetadata, forward_context
     monkeypatch.setenv("LLMSERVE_BF16_GEMM", "native")  # gemm.c for every bf16 width
-    model = tiny_qwen2(seed, quantization)
+    model = tiny_qwen2(seed, quantization.removesuffix("-quant_gemm"))
     decoder = NativeDecoder.try_build(model)
     assert decoder is not None
+    if quantization == "int4-quant_gemm":  # quant_gemm for the 5 rows, op by op and in C
+        monkeypatch.setattr(gemm, "_min_rows_while", lambda amx_in_use: 1)
+        monkeypatch.setattr(decoder.dims, "quant_gemm_rows", 1)
     seq_lens, block_size = [1, 5, 17, 33, 48], 16
     free = iter(torch.randperm(24).tolist())
     tables = [[next(free) for _ in range(-(-n // block_size))] for n in seq_lens]
@@ -383,7 +423,7 @@ def test_qwen2_shapes_with_biases_match_the_torch_layers(seed, quantization, mon
         got = decoder.run(x.clone(), cos.double(), sin.double(), meta)
     rel = (got.float() - want.float()).norm() / want.float().norm()
     assert rel < 1e-2, rel
-    if quantization == "none":
+    if quantization != "int4":
         assert torch.equal(got, want)
 
 

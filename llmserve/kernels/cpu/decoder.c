@@ -524,14 +524,19 @@ int q4_linear_bf16(int num_threads, const stack_linear *lin, int block_n, const 
     return 0;
 }
 
-/* y [M, N] = x [M, K] times one projection of the stack, int4 or dense bf16 (gemm.c's
- * kernel, which the per-op path's NativeLinear calls too: the same sums). Returns 0, or
- * gemm.c's code where it does not run (-3: not built for bf16 arithmetic). */
+/* y [M, N] = x [M, K] times one projection of the stack: dense bf16 by gemm.c's
+ * bf16_gemm (the per-op path's NativeLinear calls it too: the same sums); int4 of many
+ * rows by gemm.c's quant_gemm where the per-op path's products take it too (its bf16
+ * tiles over dequantised panels), else by this file's kernels. Returns 0, or gemm.c's
+ * code where it does not run (-3: not built for bf16 arithmetic; -1: out of memory). */
 static int stack_matmul(int num_threads, const stack_linear *lin, const stack_dims *d,
                         const uint16_t *x, int M, uint16_t *y, float *xf, float *xsum) {
     if (lin->format == LINEAR_BF16)
         return bf16_gemm(num_threads, x, M, lin->k, (const uint16_t *)lin->weight, lin->n,
                          lin->k, lin->bias_f32, y, lin->n);
+    if (d->quant_gemm_rows > 0 && M >= d->quant_gemm_rows)
+        return quant_gemm(num_threads, x, M, lin->k, lin->weight, lin->scale_zero, 4, lin->n,
+                          lin->k, lin->bias_f32, y, lin->n);
     q4_matmul(num_threads, lin, d->block_n, x, M, y, xf, xsum, d->int8_x);
     return 0;
 }
@@ -544,7 +549,7 @@ static int stack_matmul(int num_threads, const stack_linear *lin, const stack_di
  * them since every row's K/V is stored before any row attends. cos, sin: [M,
  * head_dim / 2] float32; slots: [M] int64; tables [M, table_stride] and seq_lens [M]
  * int32. Returns 0; -1: out of memory, or a shape the kernels do not take (the caller
- * checks shapes first); or bf16_gemm's code for a bf16 projection it does not take. */
+ * checks shapes first); or gemm.c's code for a product it does not take. */
 int stack_decode_layers(int num_threads, const stack_dims *d, const stack_layer *layers, int num_layers,
                      uint16_t *x, int M, const float *cos, const float *sin,
                      const int64_t *slots, const int32_t *tables, int table_stride,

@@ -37,7 +37,7 @@ class StackDims(ctypes.Structure):
                 ("intermediate", ctypes.c_int), ("block_n", ctypes.c_int),
                 ("eps", ctypes.c_float), ("scale", ctypes.c_float),
                 ("num_cache_blocks", ctypes.c_int64), ("block_size", ctypes.c_int),
-                ("int8_x", ctypes.c_int)]
+                ("int8_x", ctypes.c_int), ("quant_gemm_rows", ctypes.c_int)]
 
 
 @functools.cache

@@ -84,7 +84,7 @@ typedef struct {
     const uint16_t *scale_zero; /* int4: [K / 32, N, 2] bf16; bf16: NULL */
     const uint16_t *bias;       /* int4: [N] bf16 or NULL */
     int64_t n, k;
-    const float *bias_f32;      /* bf16: [N] float32 or NULL */
+    const float *bias_f32;      /* [N] float32 or NULL: bf16's bias; int4's for quant_gemm */
     int format;                 /* LINEAR_INT4 or LINEAR_BF16 */
 } stack_linear;
 
@@ -100,6 +100,9 @@ typedef struct {
     int64_t num_cache_blocks;
     int block_size;
     int int8_x;  /* 1: products of many rows round x to int8 where built (panel_int8.h) */
+    /* int4 products of this many rows or more go through gemm.c's quant_gemm, as the
+     * per-op path's do (AMX and AVX512-BF16 CPUs); 0: never */
+    int quant_gemm_rows;
 } stack_dims;
 
 /* The entry points (what each computes and returns: at its definition). */

@@ -5,10 +5,12 @@ ops a layer as in the ops, and the second thread idles through that Python. The
 ``NativeDecoder`` runs every layer of a decode-only step in C, reading the weights
 where the model keeps them (no second copy) and the paged KV cache where the engine
 keeps it. A projection is int4 (ATen's pack) or dense bf16 packed for ``gemm.c``
-(``NativeLinear``: AMX and AVX512-BF16 CPUs), and the C stack calls the same kernels on
-it as the per-op path. So a bf16 stack runs steps of any size; an int4 one only small
-ones (``max_native_tokens``: from there ``quant_gemm``'s bf16 tiles are faster).
-Prefills and every model it does not cover keep the per-op path.
+(``NativeLinear``: AMX and AVX512-BF16 CPUs). A bf16 projection is the per-op path's
+own ``bf16_gemm`` call, and so are an int4 projection's products of many rows where the
+per-op path takes ``quant_gemm`` for them (``quant_gemm_rows``): such stacks run steps
+of any size. Elsewhere an int4 stack computes with its own kernels, and only up to
+``max_native_tokens`` rows. Long prefills and every model it does not cover keep the
+per-op path.
 """
 
 from __future__ import annotations
@@ -26,7 +28,12 @@ from llmserve.kernels.cpu.decoder import (
     int8_activations,
     q4_struct,
 )
-from llmserve.kernels.cpu.gemm import quant_tiled_available
+from llmserve.kernels.cpu.gemm import (
+    forced_backend,
+    native_measured,
+    quant_tiled_available,
+    quant_tiled_min_rows,
+)
 from llmserve.kernels.cpu.native import decode_kernel, panel_gemms_built
 from llmserve.model_executor.layers.cpu_linear import NativeLinear
 from llmserve.model_executor.layers.quantization import INT4_GROUP, QuantizedLinear
@@ -34,9 +41,10 @@ from llmserve.model_executor.models.llama import DecoderLayer
 
 log = logging.getLogger(__name__)
 
-# Steps of at most this many rows run in C: its kernel dequantises each weight chunk
-# once per 8 tokens (4 on AVX2), where the per-op path's quant_gemm dequantises each
-# block once for all rows (benchmarks/cpu_decoder.py measures the crossover). With the
+# Where an int4 stack's products are all its own (quant_gemm_rows 0), steps of at most
+# this many rows run in C: its kernel dequantises each weight chunk once per 8 tokens
+# (4 on AVX2), where the per-op path's quant_gemm dequantises each block once for all
+# rows (benchmarks/cpu_decoder.py measures the crossover). With the
 # 8-token tiles, Zen 4, 2 cores, quiet, context 200, op by op / C: 1.57 at 4 rows,
 # 1.42 at 8, 1.26 at 12, 1.10 at 16, 0.94 at 24. 16 lets two or three streams' drafted
 # steps (1 + k rows each) run in C too.
@@ -86,20 +94,22 @@ class NativeDecoder:
         layers = model.model.layers
         first = layers[0].self_attn
         cache = first.kv_cache
-        self.dims = StackDims(c.hidden_size, first.num_heads, first.num_kv_heads, first.head_dim,
-                           layers[0].mlp.intermediate, block_n,
-                           layers[0].input_layernorm.eps, first.scale, cache.shape[1],
-                           cache.shape[2], int(int8_activations()))
+        int4 = [lin for layer in layers for lin in projections(layer)
+                if isinstance(lin, QuantizedLinear)]
+        self.dims = StackDims(c.hidden_size, first.num_heads, first.num_kv_heads,
+                              first.head_dim, layers[0].mlp.intermediate, block_n,
+                              layers[0].input_layernorm.eps, first.scale, cache.shape[1],
+                              cache.shape[2], int(int8_activations()), quant_gemm_rows(int4))
+        # The tensors the pointers point into: kept alive as long as this is.
+        self._keep = [t for layer in layers for t in layer_tensors(layer)]
         self.layers = (StackLayer * len(layers))(*(
             StackLayer(layer.input_layernorm.weight.data_ptr(),
-                    layer.post_attention_layernorm.weight.data_ptr(),
-                    *map(linear_struct, projections(layer)),
-                    layer.self_attn.kv_cache.data_ptr())
+                       layer.post_attention_layernorm.weight.data_ptr(),
+                       *(linear_struct(lin, self._keep) for lin in projections(layer)),
+                       layer.self_attn.kv_cache.data_ptr())
             for layer in layers))
         self.num_layers = len(layers)
         self._lib = decode_kernel()
-        # The tensors the pointers point into: kept alive as long as this is.
-        self._keep = [t for layer in layers for t in layer_tensors(layer)]
 
     @classmethod
     def try_build(cls, model) -> NativeDecoder | None:
@@ -127,7 +137,8 @@ class NativeDecoder:
         plan = meta.plan if meta is not None else None
         if self.lora_state is not None and self.lora_state.step is not None:
             return False  # an adapter runs in this step: the per-op path applies it
-        limit = max_native_tokens(self.dims.block_n)
+        # Where the int4 products of many rows are quant_gemm's, as op by op: no limit
+        limit = None if self.dims.quant_gemm_rows else max_native_tokens(self.dims.block_n)
         return (plan is not None and plan.all_rows_native
                 and (limit is None or num_tokens <= limit))
 
@@ -158,9 +169,30 @@ def projections(layer) -> tuple:
         layer.mlp.down_proj))
 
 
-def linear_struct(linear):
-    """A projection as the C stack reads it: int4, or bf16 packed for ``gemm.c``."""
-    return bf16_struct(linear) if isinstance(linear, NativeLinear) else q4_struct(linear)
+def linear_struct(linear, keep: list[torch.Tensor]):
+    """A projection as the C stack reads it: int4, or bf16 packed for ``gemm.c``. An int4
+    bias also in float32 (kept alive in ``keep``), as quant_gemm adds it."""
+    if isinstance(linear, NativeLinear):
+        return bf16_struct(linear)
+    lin = q4_struct(linear)
+    if linear.bias is not None:
+        keep.append(bias := linear.bias.float().contiguous())
+        lin.bias_f32 = bias.data_ptr()
+    return lin
+
+
+def quant_gemm_rows(int4: list) -> int:
+    """From how many rows the stack's int4 products go through ``gemm.c``'s quant_gemm:
+    where the per-op path's would for every projection (``gemm.quant_tiled``: from
+    ``quant_tiled_min_rows()``, on the shapes measured), so that the C stack takes any
+    number of rows there; 0 (never) elsewhere, or with no int4 projection."""
+    if not int4 or not quant_tiled_available(4):
+        return 0
+    threads = torch.get_num_threads()
+    if forced_backend() != "native" and not all(
+            native_measured(lin.out_features, lin.in_features, threads) for lin in int4):
+        return 0
+    return quant_tiled_min_rows()
 
 
 def layer_tensors(layer) -> list[torch.Tensor]:
