@@ -1,4 +1,4 @@
-"""The int4 decoder stack in C against the op-by-op path, in one run.
+"""The C decoder stack against the op-by-op path, in one run.
 
 Two sections, each a ratio against a baseline measured in the same run (machines here
 are noisy: compare ratios, not absolute times):

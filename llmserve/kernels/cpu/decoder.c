@@ -562,7 +562,8 @@ int stack_decode_layers(int num_threads, const stack_dims *d, const stack_layer 
     if (qkv_dim > widest) widest = qkv_dim;
     /* h, qkv, q, attn, o, gate_up, act (bf16) and the float copies of a matmul's input */
     size_t halves = (size_t)M * (hidden + qkv_dim + 2 * qdim + hidden + 2 * inter + inter);
-    size_t floats = (size_t)M * widest + (size_t)M * (widest / GROUP + 1);
+    /* (a bf16 stack, block_n 0, has no int4 product to need them) */
+    size_t floats = d->block_n ? (size_t)M * widest + (size_t)M * (widest / GROUP + 1) : 1;
     uint16_t *h = malloc(halves * sizeof(uint16_t));
     float *xf = malloc(floats * sizeof(float));
     int32_t *rows = malloc(sizeof(int32_t) * (size_t)M);

@@ -155,6 +155,12 @@ def _min_rows_while(amx_in_use: bool | None) -> int:
     return quant_tiled_min_rows()
 
 
+def quant_tiled_rows() -> int:
+    """From how many rows quant_tiled takes a product now (for the AMX state last
+    asked): what the C decoder stack follows for its own int4 products."""
+    return _min_rows_while(_amx_in_use)
+
+
 def amx_tiles(want: bool | None = None) -> bool:
     """Whether quant_gemm multiplies with AMX tiles (TDPBF16PS) rather than AVX512-BF16
     dot products: where ``gemm.c`` was built for an AMX CPU and Linux grants the tile

@@ -182,7 +182,7 @@ def _compile(compiler: list[str], flags: list[str]) -> Path:
 def panel_gemms_built() -> bool:
     """Whether the library has panel.h's GEMMs (AVX-512 builds without AVX512-BF16, and
     AVX2 builds): q8_rows of any number of rows, int4 products of 16+ rows, the C
-    decoder stack to 128 rows (32 on AVX2). Asked once."""
+    decoder stack to 128 rows. Asked once."""
     lib = decode_kernel()
     return lib is not None and lib.panel_gemms() == 1
 

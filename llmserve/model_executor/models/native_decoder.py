@@ -32,7 +32,7 @@ from llmserve.kernels.cpu.gemm import (
     forced_backend,
     native_measured,
     quant_tiled_available,
-    quant_tiled_min_rows,
+    quant_tiled_rows,
 )
 from llmserve.kernels.cpu.native import decode_kernel, panel_gemms_built
 from llmserve.model_executor.layers.cpu_linear import NativeLinear
@@ -53,10 +53,14 @@ MAX_NATIVE_TOKENS = 16
 # dequantises once per 2 tokens: the crossover measured there was 8, before the panel
 # GEMM (a library built without it keeps that limit).
 MAX_NATIVE_TOKENS_AVX2 = 8
-# With the panel GEMM from 16 rows (emulated AVX2 on an Ice Lake Xeon, 2 cores,
+# With the panel GEMM (emulated AVX2 on an Ice Lake Xeon, 2 cores,
 # benchmarks/cpu_decoder.py, context 200), op by op / C: 1.91 at 1 row, 1.53 at 4,
-# 1.22 at 8, 1.13 at 16, 1.16 at 32, 0.85 at 64, 0.32 at 128.
-MAX_NATIVE_TOKENS_AVX2_PANELS = 32
+# 1.22 at 8, 1.13 at 16, 1.16 at 32; past 32 C seemed to lose (0.85 at 64, 0.32 at
+# 128), but the script's op-by-op runs had had fewer rows than asked. Fixed, emulated
+# AVX2 on an AMX Xeon, x rounded to int8 in both paths: 1.29 at 8, 1.15 at 32, 1.09 at
+# 64, 1.07 at 128. Past 128 (long prefill chunks) the per-op path's float32 GEMM of
+# dequantised weights (from 384 rows) is the faster.
+MAX_NATIVE_TOKENS_AVX2_PANELS = 128
 # Where quant_gemm does not run (AVX-512 without BF16: no bf16 arithmetic), the C
 # stack's products of 16 rows and more are a GEMM over dequantised panels (decoder.c),
 # and it stays ahead of the per-op path up to the engine's default max_num_seqs. Ice
@@ -96,10 +100,13 @@ class NativeDecoder:
         cache = first.kv_cache
         int4 = [lin for layer in layers for lin in projections(layer)
                 if isinstance(lin, QuantizedLinear)]
+        self._int4 = int4
+        self._int4_measured: dict[int, bool] = {}  # thread count -> int4_takes_quant_gemm
         self.dims = StackDims(c.hidden_size, first.num_heads, first.num_kv_heads,
                               first.head_dim, layers[0].mlp.intermediate, block_n,
                               layers[0].input_layernorm.eps, first.scale, cache.shape[1],
-                              cache.shape[2], int(int8_activations()), quant_gemm_rows(int4))
+                              cache.shape[2], int(int8_activations()), 0)
+        self.dims.quant_gemm_rows = self.quant_gemm_rows()
         # The tensors the pointers point into: kept alive as long as this is.
         self._keep = [t for layer in layers for t in layer_tensors(layer)]
         self.layers = (StackLayer * len(layers))(*(
@@ -129,18 +136,27 @@ class NativeDecoder:
         log.debug("decode steps run op by op: %s", why)
         return None
 
+    def quant_gemm_rows(self) -> int:
+        """From how many rows the stack's int4 products are quant_gemm's now: where the
+        per-op path's are for every projection (``gemm.quant_tiled``, which decides on
+        every call: the AMX state and the thread count may change), else 0."""
+        threads = torch.get_num_threads()
+        if threads not in self._int4_measured:
+            self._int4_measured[threads] = int4_takes_quant_gemm(self._int4, threads)
+        return quant_tiled_rows() if self._int4_measured[threads] else 0
+
     def applies(self, num_tokens: int, meta) -> bool:
-        """A step of at most ``max_native_tokens`` rows, each a C-kernel row in order
-        (``all_rows_native``: row i is query i, with its own block-table row and causal
-        context length, which is how the C side reads them): decodes, and drafted
-        decodes' 1 + k rows under speculation."""
+        """A step whose rows are all C-kernel rows in order (``all_rows_native``: row i
+        is query i, with its own block-table row and causal context length, which is
+        how the C side reads them: decodes, drafted decodes' 1 + k rows, short
+        prompts), of at most ``max_native_tokens`` rows, or of any number where every
+        product is the per-op path's own (bf16; int4 from ``quant_gemm_rows``)."""
         plan = meta.plan if meta is not None else None
         if self.lora_state is not None and self.lora_state.step is not None:
             return False  # an adapter runs in this step: the per-op path applies it
-        # Where the int4 products of many rows are quant_gemm's, as op by op: no limit
-        limit = None if self.dims.quant_gemm_rows else max_native_tokens(self.dims.block_n)
+        limit, tiled = max_native_tokens(self.dims.block_n), self.quant_gemm_rows()
         return (plan is not None and plan.all_rows_native
-                and (limit is None or num_tokens <= limit))
+                and (limit is None or num_tokens <= limit or 0 < tiled <= num_tokens))
 
     def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta) -> torch.Tensor:
         """The residual stream after the last layer, for ``x [tokens, hidden]``."""
@@ -149,6 +165,7 @@ class NativeDecoder:
         cos = cos.reshape(tokens, -1).float().contiguous()  # the C side reads float32
         sin = sin.reshape(tokens, -1).float().contiguous()
         plan = meta.plan
+        self.dims.quant_gemm_rows = self.quant_gemm_rows()
         rc = self._lib.stack_decode_layers(
             torch.get_num_threads(), ctypes.byref(self.dims), self.layers, self.num_layers,
             x.data_ptr(), tokens, cos.data_ptr(), sin.data_ptr(), meta.slot_mapping.data_ptr(),
@@ -157,7 +174,7 @@ class NativeDecoder:
         if rc == -1:
             raise MemoryError("stack_decode_layers: out of memory for its scratch buffers")
         if rc != 0:
-            raise RuntimeError(f"stack_decode_layers: bf16_gemm refused a projection ({rc})")
+            raise RuntimeError(f"stack_decode_layers failed with code {rc}")
         return x
 
 
@@ -181,18 +198,15 @@ def linear_struct(linear, keep: list[torch.Tensor]):
     return lin
 
 
-def quant_gemm_rows(int4: list) -> int:
-    """From how many rows the stack's int4 products go through ``gemm.c``'s quant_gemm:
-    where the per-op path's would for every projection (``gemm.quant_tiled``: from
-    ``quant_tiled_min_rows()``, on the shapes measured), so that the C stack takes any
-    number of rows there; 0 (never) elsewhere, or with no int4 projection."""
+def int4_takes_quant_gemm(int4: list, threads: int) -> bool:
+    """Whether the per-op path's int4 products of many rows are ``gemm.c``'s
+    quant_gemm for every projection in ``int4`` (``gemm.quant_tiled``: where it is
+    built, on the shapes measured for ``threads``), so that the C stack may take it too
+    and any number of rows; False with no int4 projection."""
     if not int4 or not quant_tiled_available(4):
-        return 0
-    threads = torch.get_num_threads()
-    if forced_backend() != "native" and not all(
-            native_measured(lin.out_features, lin.in_features, threads) for lin in int4):
-        return 0
-    return quant_tiled_min_rows()
+        return False
+    return forced_backend() == "native" or all(
+        native_measured(lin.out_features, lin.in_features, threads) for lin in int4)
 
 
 def layer_tensors(layer) -> list[torch.Tensor]:
