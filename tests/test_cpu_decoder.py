@@ -227,20 +227,14 @@ def test_the_engine_runs_small_steps_in_c_only(int4_llm, monkeypatch):
     assert one[:3] == op_by_op[:3]  # bf16 rounding may part them later, not at once
 
 
-QUANT_GEMM_STACK = pytest.mark.skipif(not gemm.quant_tiled_available(4),
-                                      reason="quant_gemm needs AVX512-BF16")
-
-
-@QUANT_GEMM_STACK
-def test_an_int4_stack_takes_quant_gemm_for_many_rows_bit_for_bit(int4_llm, monkeypatch):
-    """Where the per-op path's int4 products of many rows are quant_gemm's (AMX, Zen 4),
-    the stack's are too: from quant_tiled_min_rows() every layer equals the torch layer
-    bit for bit, and the engine runs decode steps of any size in C."""
+def assert_the_stack_is_the_torch_layers(llm, prompts: int, draft: int = 0):
+    """Every layer in C, and the whole stack, equal to the model's torch layers bit for
+    bit on a decode step of ``prompts`` sequences with ``draft`` drafted tokens each.
+    Returns the step's metadata."""
     from llmserve.model_executor.layers.attention import forward_context
-    model = int4_llm.engine.runner.model.model
+    model = llm.engine.runner.model.model
     decoder = model.native_decoder
-    assert decoder.quant_gemm_rows() == gemm.quant_tiled_min_rows()
-    ids, pos, meta = decode_step_inputs(int4_llm, 40)
+    ids, pos, meta = decode_step_inputs(llm, prompts, draft)
     try:
         with torch.inference_mode(), forward_context(meta):
             x = x0 = model.embed_tokens(ids)
@@ -252,8 +246,23 @@ def test_an_int4_stack_takes_quant_gemm_for_many_rows_bit_for_bit(int4_llm, monk
                 x = want
             assert torch.equal(run_layers(decoder, 0, len(model.layers), x0, cos, sin, meta), x)
     finally:
-        for req in list(int4_llm.engine.requests):
-            int4_llm.engine.abort(req)
+        for req in list(llm.engine.requests):
+            llm.engine.abort(req)
+    return meta
+
+
+QUANT_GEMM_STACK = pytest.mark.skipif(not gemm.quant_tiled_available(4),
+                                      reason="quant_gemm needs AVX512-BF16")
+
+
+@QUANT_GEMM_STACK
+def test_an_int4_stack_takes_quant_gemm_for_many_rows_bit_for_bit(int4_llm, monkeypatch):
+    """Where the per-op path's int4 products of many rows are quant_gemm's (AMX, Zen 4),
+    the stack's are too: from quant_tiled_min_rows() every layer equals the torch layer
+    bit for bit, and the engine runs decode steps of any size in C."""
+    decoder = int4_llm.engine.runner.model.model.native_decoder
+    assert decoder.quant_gemm_rows() == gemm.quant_tiled_min_rows()
+    meta = assert_the_stack_is_the_torch_layers(int4_llm, 40)
     assert decoder.applies(40, meta) and decoder.applies(1000, meta)
     if gemm.amx_tiles():  # without the tiles quant_gemm takes 24 rows and more, op by op
         try:              # and in C: 17-23 rows (past the tiles' 16) stay op by op
@@ -286,24 +295,9 @@ def test_a_bf16_stack_computes_the_torch_layers_bit_for_bit(bf16_llm, prompts, d
     (AMX tiles from 2 rows where granted), and the ops between them the per-op path's own
     kernels: every layer, and the whole stack, equal to the torch layers bit for bit, at
     1 row, a drafted decode's rows, and 40 rows (past every int4 limit)."""
-    from llmserve.model_executor.layers.attention import forward_context
-    model = bf16_llm.engine.runner.model.model
-    decoder = model.native_decoder
+    decoder = bf16_llm.engine.runner.model.model.native_decoder
     assert isinstance(decoder, NativeDecoder) and decoder.dims.block_n == 0
-    ids, pos, meta = decode_step_inputs(bf16_llm, prompts, draft)
-    try:
-        with torch.inference_mode(), forward_context(meta):
-            x = x0 = model.embed_tokens(ids)
-            cos, sin = model.rotary(pos)
-            for i, layer in enumerate(model.layers):
-                out, residual = layer(None, x, cos, sin)
-                want = residual + out
-                assert torch.equal(run_layers(decoder, i, 1, x, cos, sin, meta), want), i
-                x = want
-            assert torch.equal(run_layers(decoder, 0, len(model.layers), x0, cos, sin, meta), x)
-    finally:
-        for req in list(bf16_llm.engine.requests):
-            bf16_llm.engine.abort(req)
+    assert_the_stack_is_the_torch_layers(bf16_llm, prompts, draft)
 
 
 @BF16_STACK
