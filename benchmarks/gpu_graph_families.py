@@ -38,7 +38,12 @@ if not torch.cuda.is_available():  # --smoke: the Triton kernels in the interpre
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_fast_path import decode_step_ms  # noqa: E402
 from gpu_greedy_margins import compare, generate  # noqa: E402
-from random_llama import EOS_ID, release_device_memory, save_random_model  # noqa: E402
+from random_llama import (  # noqa: E402
+    EOS_ID,
+    recorded_engines,
+    release_device_memory,
+    save_random_model,
+)
 
 WINDOW = 128  # the sliding layers' window: shorter than the longest prompts
 COMMON = dict(vocab_size=32000, hidden_size=512, intermediate_size=1024, num_hidden_layers=4,
@@ -132,19 +137,12 @@ def measure(family: str, path: Path, prompts, smoke: bool) -> dict:
     res: dict = {}
     tokens = {}
     for name, graphs in (("default", None), ("eager", False)):
-        engine = None
-        try:
+        with recorded_engines(res, name) as engines:
             engine, res[name] = build(path, graphs, smoke)
+            engines.append(engine)
             tokens[name] = generate(engine, prompts, 2 if smoke else 32)
             if not smoke:
                 res[name]["decode_step_ms_b8"] = round(decode_step_ms(engine, 8, 10, 256), 3)
-        except Exception as e:  # noqa: BLE001 - record and go on
-            res[name] = {"error": repr(e)[:500]}
-        finally:
-            if engine is not None:
-                engine.shutdown()
-            engine = None
-            release_device_memory()
     if len(tokens) == 2:
         res["greedy"] = compare(tokens["eager"], tokens["default"])
         res["greedy"].pop("differences")

@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_graph_families import record, write_family  # noqa: E402
 from gpu_greedy_margins import compare  # noqa: E402
 from lora import write_adapter  # noqa: E402
-from random_llama import release_device_memory  # noqa: E402
+from random_llama import recorded_engines  # noqa: E402
 
 
 def build(path: Path, graphs: bool, smoke: bool, **extra):
@@ -116,22 +116,15 @@ def measure(name: str, path: Path, tmp: Path, smoke: bool) -> dict:
     settings, batches = feature_runs(name, path, tmp, smoke)
     res, tokens = {}, {}
     for side, graphs in (("default", True), ("eager", False)):
-        engine = None
-        try:
+        with recorded_engines(res, side) as engines:
             t0 = time.perf_counter()
             engine, replays = build(path, graphs, smoke, **settings)
+            engines.append(engine)
             tokens[side] = generate(engine, batches)
             res[side] = {"graph_replays": replays[0], "seconds": round(time.perf_counter() - t0, 1)}
             if engine.spec is not None:  # verify steps (eager) and what they accepted
                 res[side]["draft_tokens"] = engine.spec.num_draft_tokens
                 res[side]["accepted_tokens"] = engine.spec.num_accepted_tokens
-        except Exception as e:  # noqa: BLE001 - record and go on
-            res[side] = {"error": repr(e)[:500]}
-        finally:
-            if engine is not None:
-                engine.shutdown()
-            engine = None
-            release_device_memory()
     if len(tokens) == 2:
         res["greedy"] = compare(tokens["eager"], tokens["default"])
         res["greedy"].pop("differences")

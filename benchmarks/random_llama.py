@@ -19,6 +19,7 @@ Shapes:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 from pathlib import Path
 
@@ -84,6 +85,24 @@ def release_device_memory() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
+
+
+@contextlib.contextmanager
+def recorded_engines(res: dict, key: str):
+    """One side of a GPU check: the block appends the engines it builds to the list
+    this yields. An exception becomes ``res[key] = {"error": ...}`` (the check records
+    it and goes on); either way the engines are shut down and the device memory freed
+    before the next side builds its own."""
+    engines: list = []
+    try:
+        yield engines
+    except Exception as e:  # noqa: BLE001 - record and go on
+        res[key] = {"error": repr(e)[:500]}
+    finally:
+        for engine in engines:
+            engine.shutdown()
+        engines.clear()
+        release_device_memory()
 
 
 def main() -> int:

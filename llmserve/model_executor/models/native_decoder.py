@@ -98,9 +98,7 @@ class NativeDecoder:
         layers = model.model.layers
         first = layers[0].self_attn
         cache = first.kv_cache
-        int4 = [lin for layer in layers for lin in projections(layer)
-                if isinstance(lin, QuantizedLinear)]
-        self._int4 = int4
+        self._int4 = int4_projections(model)
         self._int4_measured: dict[int, bool] = {}  # thread count -> int4_takes_quant_gemm
         self.dims = StackDims(c.hidden_size, first.num_heads, first.num_kv_heads,
                               first.head_dim, layers[0].mlp.intermediate, block_n,
@@ -124,8 +122,7 @@ class NativeDecoder:
         ``unsupported``), or for an ATen pack layout the kernel does not read."""
         why = unsupported(model)
         if why is None:
-            int4 = [lin for layer in model.model.layers for lin in projections(layer)
-                    if isinstance(lin, QuantizedLinear)]
+            int4 = int4_projections(model)
             block_n = int4_pack_block_n() if int4 else 0
             if block_n is None:
                 why = "ATen's int4 pack layout is not one the C kernel reads"
@@ -184,6 +181,12 @@ def projections(layer) -> tuple:
     return tuple(getattr(p, "base", p) for p in (
         layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
         layer.mlp.down_proj))
+
+
+def int4_projections(model) -> list:
+    """Every int4 projection of the model's layers (the others are bf16 for gemm.c)."""
+    return [lin for layer in model.model.layers for lin in projections(layer)
+            if isinstance(lin, QuantizedLinear)]
 
 
 def linear_struct(linear, keep: list[torch.Tensor]):
