@@ -235,33 +235,98 @@ static inline void q4_panel_u8(const uint8_t *rows, int high, int64_t k0, int64_
     }
 }
 
+/* One row's products with a quad of k of a 16-column panel (w0: columns 0-7, w1: 8-15),
+ * added to its two int16 sums. x: the row's 4 codes of the quad. */
+static inline __attribute__((always_inline)) void panel8_quad_row(
+        __m256i w0, __m256i w1, const int8_t *x, __m256i *lo, __m256i *hi) {
+    int32_t four;
+    memcpy(&four, x, sizeof four);
+    const __m256i xb = _mm256_set1_epi32(four);
+    *lo = _mm256_add_epi16(*lo, _mm256_maddubs_epi16(w0, xb));
+    *hi = _mm256_add_epi16(*hi, _mm256_maddubs_epi16(w1, xb));
+}
+
+/* A group's 8 quads of k for 4 rows (panel8_quad_row each), in assembly: compiled
+ * from C, GCC kept a copy of the sums in memory as well, a store and a register copy
+ * per product pair, and reloaded the row pointers from the stack (its register
+ * allocator, in the OpenMP body, with the scaling's values live). Here the 8 sums stay
+ * in registers; ymm12-15 hold the panel's two registers, the broadcast and a product. */
+static inline __attribute__((always_inline)) void panel8_quads4(
+        const uint8_t *p, const int8_t *x0, const int8_t *x1, const int8_t *x2,
+        const int8_t *x3, __m256i *lo0, __m256i *hi0, __m256i *lo1, __m256i *hi1,
+        __m256i *lo2, __m256i *hi2, __m256i *lo3, __m256i *hi3) {
+    const uint8_t *end = p + PANEL8_Q * PANEL8_COLS;
+    int64_t i = 0;  /* the quad's first k in the group, for every row */
+#define PANEL8_ROW_ASM(X, LO, HI)                                   \
+        "vpbroadcastd (%[" X "],%[i]), %%ymm14\n\t"                 \
+        "vpmaddubsw %%ymm14, %%ymm12, %%ymm15\n\t"                  \
+        "vpaddw %%ymm15, %[" LO "], %[" LO "]\n\t"                  \
+        "vpmaddubsw %%ymm14, %%ymm13, %%ymm15\n\t"                  \
+        "vpaddw %%ymm15, %[" HI "], %[" HI "]\n\t"
+    __asm__(
+        "1:\n\t"
+        "vmovdqu (%[p]), %%ymm12\n\t"
+        "vmovdqu 32(%[p]), %%ymm13\n\t"
+        PANEL8_ROW_ASM("x0", "lo0", "hi0")
+        PANEL8_ROW_ASM("x1", "lo1", "hi1")
+        PANEL8_ROW_ASM("x2", "lo2", "hi2")
+        PANEL8_ROW_ASM("x3", "lo3", "hi3")
+        "add $64, %[p]\n\t"
+        "add $4, %[i]\n\t"
+        "cmp %[end], %[p]\n\t"
+        "jne 1b\n\t"
+        : [lo0] "+x"(*lo0), [hi0] "+x"(*hi0), [lo1] "+x"(*lo1), [hi1] "+x"(*hi1),
+          [lo2] "+x"(*lo2), [hi2] "+x"(*hi2), [lo3] "+x"(*lo3), [hi3] "+x"(*hi3),
+          [p] "+r"(p), [i] "+r"(i)
+        : [end] "r"(end), [x0] "r"(x0), [x1] "r"(x1), [x2] "r"(x2), [x3] "r"(x3)
+        : "xmm12", "xmm13", "xmm14", "xmm15", "cc", "memory");
+#undef PANEL8_ROW_ASM
+}
+
+/* A group's int16 sums of one row (lo: columns 0-7, hi: 8-15) into its float32
+ * running sums: acc += d (scale dot + (zero - 8 scale) sum(codes)), as the VNNI build
+ * computes it. */
+static inline __attribute__((always_inline)) void panel8_scale_row(
+        __m256i lo, __m256i hi, float d, float cs, const __m256 scale[2],
+        const __m256 offset[2], float *acc) {
+    const __m256 dv = _mm256_set1_ps(d), csv = _mm256_set1_ps(cs);
+    const __m256i dot[2] = {lo, hi};
+    for (int v = 0; v < 2; v++) {
+        const __m256i dot32 = _mm256_madd_epi16(dot[v], _mm256_set1_epi16(1));
+        _mm256_storeu_ps(acc + 8 * v, _mm256_fmadd_ps(
+            _mm256_cvtepi32_ps(dot32), _mm256_mul_ps(scale[v], dv),
+            _mm256_fmadd_ps(offset[v], csv, _mm256_loadu_ps(acc + 8 * v))));
+    }
+}
+
 /* panel8_group (above) for an int4 panel of 16 columns, by VPMADDUBSW: each quad of k
  * adds two int16 sums of two products per column (at most 2 x 15 x 127), and a
  * group's 8 quads fit int16 (30,480), summed into int32 once per group (VPMADDWD by
  * ones). The 4 rows' int16 sums, the panel's 2 registers, the broadcast and a product
  * take 12 of the 16 registers: the float32 running sums stay in `sums` (in L1), read
- * and written once per group. */
+ * and written once per group. The sums are named variables, not an array: GCC kept an
+ * array of them in memory as well, a store and a copy per product pair. */
 static inline __attribute__((always_inline)) void panel8_group(
         const int8_t *codes, const float *step, const float *csum, int64_t K, int64_t groups,
         int m, const uint8_t *panel, const uint16_t *sz, int64_t N, int64_t k0, int64_t k1,
         float *sums) {
     if (k0 == 0) memset(sums, 0, sizeof(float) * (size_t)m * PANEL8_COLS);
     for (int64_t g = k0 / PANEL8_Q; g < k1 / PANEL8_Q; g++) {
-        __m256i dot[PANEL8_GROUP][2];
-        for (int t = 0; t < m; t++)
-            for (int v = 0; v < 2; v++) dot[t][v] = _mm256_setzero_si256();
+        __m256i lo0 = _mm256_setzero_si256(), hi0 = lo0, lo1 = lo0, hi1 = lo0;
+        __m256i lo2 = lo0, hi2 = lo0, lo3 = lo0, hi3 = lo0;
+        const int8_t *x0 = codes + g * PANEL8_Q, *x1 = x0 + K, *x2 = x1 + K, *x3 = x2 + K;
         const uint8_t *p = panel + (g * PANEL8_Q - k0) * PANEL8_COLS;
-        /* not unrolled: GCC would then sum the products as a tree, out of registers */
-        _Pragma("GCC unroll 1")
-        for (int quad = 0; quad < PANEL8_Q / 4; quad++, p += 4 * PANEL8_COLS) {
-            const __m256i w0 = _mm256_loadu_si256((const __m256i *)p);
-            const __m256i w1 = _mm256_loadu_si256((const __m256i *)(p + 32));
-            for (int t = 0; t < m; t++) {
-                int32_t four;
-                memcpy(&four, codes + t * K + g * PANEL8_Q + 4 * quad, sizeof four);
-                const __m256i xb = _mm256_set1_epi32(four);
-                dot[t][0] = _mm256_add_epi16(dot[t][0], _mm256_maddubs_epi16(w0, xb));
-                dot[t][1] = _mm256_add_epi16(dot[t][1], _mm256_maddubs_epi16(w1, xb));
+        if (m == 4) {
+            panel8_quads4(p, x0, x1, x2, x3, &lo0, &hi0, &lo1, &hi1, &lo2, &hi2, &lo3, &hi3);
+        } else {
+            /* not unrolled: GCC would then sum the products as a tree, out of registers */
+            _Pragma("GCC unroll 1")
+            for (int quad = 0; quad < PANEL8_Q / 4; quad++, p += 4 * PANEL8_COLS) {
+                const __m256i w0 = _mm256_loadu_si256((const __m256i *)p);
+                const __m256i w1 = _mm256_loadu_si256((const __m256i *)(p + 32));
+                panel8_quad_row(w0, w1, x0 + 4 * quad, &lo0, &hi0);
+                if (m > 1) panel8_quad_row(w0, w1, x1 + 4 * quad, &lo1, &hi1);
+                if (m > 2) panel8_quad_row(w0, w1, x2 + 4 * quad, &lo2, &hi2);
             }
         }
         __m256 scale[2], offset[2];
@@ -271,17 +336,14 @@ static inline __attribute__((always_inline)) void panel8_group(
                          &scale[v], &zero);
             offset[v] = _mm256_fnmadd_ps(_mm256_set1_ps(8.0f), scale[v], zero);
         }
-        for (int t = 0; t < m; t++) {
-            const __m256 d = _mm256_set1_ps(step[t * groups + g]);
-            const __m256 cs = _mm256_set1_ps(csum[t * groups + g]);
-            for (int v = 0; v < 2; v++) {
-                float *acc = sums + t * PANEL8_COLS + 8 * v;
-                const __m256i dot32 = _mm256_madd_epi16(dot[t][v], _mm256_set1_epi16(1));
-                _mm256_storeu_ps(acc, _mm256_fmadd_ps(
-                    _mm256_cvtepi32_ps(dot32), _mm256_mul_ps(scale[v], d),
-                    _mm256_fmadd_ps(offset[v], cs, _mm256_loadu_ps(acc))));
-            }
-        }
+        const float *d = step + g, *cs = csum + g;
+        panel8_scale_row(lo0, hi0, d[0], cs[0], scale, offset, sums);
+        if (m > 1) panel8_scale_row(lo1, hi1, d[groups], cs[groups], scale, offset,
+                                    sums + PANEL8_COLS);
+        if (m > 2) panel8_scale_row(lo2, hi2, d[2 * groups], cs[2 * groups], scale, offset,
+                                    sums + 2 * PANEL8_COLS);
+        if (m > 3) panel8_scale_row(lo3, hi3, d[3 * groups], cs[3 * groups], scale, offset,
+                                    sums + 3 * PANEL8_COLS);
         /* The sums live in memory: GCC would otherwise keep them in registers across
          * groups and spill the int16 sums of the loop above instead (measured 3x slower). */
         __asm__ __volatile__("" ::: "memory");
