@@ -68,7 +68,9 @@ static inline void store16_bf16(uint16_t *dst, v16f x) {
     v16u32 u;
     memcpy(&u, &x, sizeof u);
     v16u32 rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
-    v16u32 nan = (v16u32)((u & 0x7FFFFFFFu) > 0x7F800000u);  /* all ones where NaN */
+    /* all ones where NaN; compared as signed (|u| fits), since AVX2 has no unsigned
+     * compare and GCC took the lanes out one by one for it */
+    v16u32 nan = (v16u32)((v16i)(u & 0x7FFFFFFFu) > 0x7F800000);
     v16u32 bits = (nan & ((u >> 16) | 0x40u)) | (~nan & rounded);
     v16u16 out = __builtin_convertvector(bits, v16u16);
     memcpy(dst, &out, sizeof out);
