@@ -19,6 +19,12 @@ prints a table with the ratios (>1 means llmserve is better) and the CPU's flags
     .venv/bin/python benchmarks/vs_llamacpp.py --skip-llamacpp --llmserve-args "--dtype bfloat16"
     .venv/bin/python benchmarks/vs_llamacpp.py --build-only    # just build llama-server
     .venv/bin/python benchmarks/vs_llamacpp.py --isa avx2      # both as on an AVX2-only CPU
+    .venv/bin/python benchmarks/vs_llamacpp.py --isa amx --llama-quant Q4_0 --skip-llmserve
+
+``--isa amx`` builds llama.cpp with its own AMX kernels (the default build leaves them
+out on AMX CPUs: they crash on the built-in Q4_1), and ``--llama-quant`` serves it the
+built-in GGUF requantised by llama.cpp's ``llama-quantize`` (Q4_0, Q8_0: types its AMX
+path takes), cached beside the build.
 """
 
 from __future__ import annotations
@@ -59,6 +65,7 @@ LLMSERVE_MODEL = "smollm2-135m-instruct"
 RELEVANT_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni",
                   "avx512_bf16", "avx_vnni", "amx_tile", "amx_int8", "amx_bf16")
 # ggml's AMX matmul segfaults on Q4_1 on AMX Xeons; compile without it on those CPUs
+# (--isa amx keeps it, for the types it takes: see --llama-quant)
 NO_AMX_FLAGS = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
 # --isa avx2: both servers as on an AVX2-only CPU (AMD Zen 2/3, Haswell-Broadwell
 # Xeons) emulated on a newer one: llama.cpp built for AVX2 (no AVX-512 kernel), and
@@ -95,7 +102,9 @@ def build_config(cpu: dict, isa: str = "native") -> dict:
                           "cpu_model": cpu["model"], "cpu_flags": cpu["flags"],
                           "extra_cflags": extra}, sort_keys=True)
     if isa != "native":  # (the native key is kept as it was: its builds stay cached)
-        key_src = json.dumps({"version": LLAMA_CPP_PYTHON_VERSION, "isa": isa})
+        # (amx: GGML_NATIVE on an AMX CPU compiles ggml's AMX kernels in, for this CPU)
+        key_src = json.dumps({"version": LLAMA_CPP_PYTHON_VERSION, "isa": isa,
+                              **({"cpu_flags": cpu["flags"]} if isa == "amx" else {})})
     key = f"{LLAMA_CPP_PYTHON_VERSION}-{isa}-{hashlib.sha256(key_src.encode()).hexdigest()[:10]}"
     return {"version": LLAMA_CPP_PYTHON_VERSION, "extra_cflags": extra, "cpu": cpu,
             "isa": isa, "dir": str(CACHE_ROOT / key)}
@@ -117,7 +126,7 @@ def fetch_source(workdir: Path) -> Path:
 
 def cmake_args(src: Path, extra_cflags: str, isa: str = "native") -> list[str]:
     args = ["-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_BUILD_SERVER=ON",
-            *(["-DGGML_NATIVE=ON"] if isa == "native" else AVX2_CMAKE),
+            *(AVX2_CMAKE if isa == "avx2" else ["-DGGML_NATIVE=ON"]),
             # only the server: no tests/examples, no HTTPS (it listens on 127.0.0.1)
             "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_OPENSSL=OFF",
             # one static binary, so that the cache folder holds a single relocatable file
@@ -131,11 +140,13 @@ def cmake_args(src: Path, extra_cflags: str, isa: str = "native") -> list[str]:
     return args
 
 
-def build_llama_server(cfg: dict, jobs: int = 2) -> Path:
-    """Path of a cached llama-server for ``cfg``, building it first if needed."""
+def build_llama_server(cfg: dict, jobs: int = 2, quantize: bool = False) -> Path:
+    """Path of a cached llama-server for ``cfg``, building it first if needed (and
+    llama-quantize beside it where ``quantize``, for ``--llama-quant``)."""
     out_dir = Path(cfg["dir"])
     binary = out_dir / "llama-server"
-    if binary.exists():
+    targets = ["llama-server", *(["llama-quantize"] if quantize else [])]
+    if all((out_dir / t).exists() for t in targets):
         return binary
     print(f"building llama-server (llama-cpp-python {cfg['version']}) into {out_dir}; "
           f"a cold build takes several minutes on 2 cores", flush=True)
@@ -148,12 +159,14 @@ def build_llama_server(cfg: dict, jobs: int = 2) -> Path:
         build = Path(tmp) / "build"
         args = cmake_args(src, cfg["extra_cflags"], cfg.get("isa", "native"))
         for cmd in (["cmake", "-S", str(src), "-B", str(build), *args],
-                    ["cmake", "--build", str(build), "--target", "llama-server",
+                    ["cmake", "--build", str(build), "--target", *targets,
                      "-j", str(jobs)]):
             log.write(f"$ {shlex.join(cmd)}\n")
             log.flush()
             if subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT).returncode:
                 raise SystemExit(f"building llama-server failed; see {log_path}")
+        if quantize:
+            shutil.copy2(build / "bin" / "llama-quantize", out_dir / "llama-quantize")
         shutil.copy2(build / "bin" / "llama-server", binary.with_suffix(".tmp"))
         build_s = time.perf_counter() - t0
         (out_dir / "build-info.json").write_text(json.dumps(
@@ -189,6 +202,21 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def requantized_gguf(build_dir: Path, qtype: str) -> Path:
+    """The built-in GGUF requantised to ``qtype`` by llama.cpp's own llama-quantize
+    (its default mix: the output/embedding tensor may keep another type), cached in
+    the build folder."""
+    src = smollm2_gguf()
+    out = build_dir / f"{src.name.split('.')[0]}.{qtype}.gguf"
+    if not out.exists():
+        tmp = out.with_suffix(".tmp")
+        subprocess.run([str(build_dir / "llama-quantize"), "--allow-requantize", str(src),
+                        str(tmp), qtype], check=True, stdout=subprocess.DEVNULL,
+                       stderr=subprocess.DEVNULL)
+        tmp.rename(out)
+    return out
 
 
 def llama_server_spec(binary: Path, gguf: Path, threads: int, slots: int,
@@ -775,8 +803,8 @@ def llmserve_source() -> dict:
     return {"path": str(where), "git": git or "not a git checkout"}
 
 
-def idle_rss_only(args, binary: Path, llmserve_args: list[str]) -> None:
-    specs = {"llama.cpp": lambda: llama_server_spec(binary, smollm2_gguf(), args.threads,
+def idle_rss_only(args, binary: Path, gguf: Path, llmserve_args: list[str]) -> None:
+    specs = {"llama.cpp": lambda: llama_server_spec(binary, gguf, args.threads,
                                                     args.slots, args.ctx_per_slot,
                                                     args.kv_unified,
                                                     shlex.split(args.llama_args)),
@@ -834,9 +862,14 @@ def main() -> None:
                     help="before each server and each workload, wait up to this many "
                          "seconds for other processes to leave the cores idle (0: do not "
                          "wait)")
-    ap.add_argument("--isa", choices=("native", "avx2"), default="native",
+    ap.add_argument("--isa", choices=("native", "avx2", "amx"), default="native",
                     help="avx2: emulate an AVX2-only CPU (llama.cpp built for AVX2, "
-                         "llmserve's ATen/MKL/oneDNN and kernels held to AVX2)")
+                         "llmserve's ATen/MKL/oneDNN and kernels held to AVX2); amx: "
+                         "llama.cpp with its AMX kernels (serve it --llama-quant Q4_0 "
+                         "or Q8_0: they crash on Q4_1)")
+    ap.add_argument("--llama-quant", default=None,
+                    help="serve llama.cpp the built-in GGUF requantised to this type "
+                         "(llama-quantize: Q4_0, Q8_0, ...) rather than its Q4_1")
     ap.add_argument("--out", type=Path, default=RESULTS / "vs_llamacpp.json",
                     help="JSON report; the server logs go beside it")
     args = ap.parse_args()
@@ -848,7 +881,9 @@ def main() -> None:
         cpu["emulated_isa"] = "avx2"
     binary = args.llama_server
     if binary is None and not args.skip_llamacpp:
-        binary = build_llama_server(cfg, args.build_jobs)
+        binary = build_llama_server(cfg, args.build_jobs, quantize=bool(args.llama_quant))
+    gguf = (requantized_gguf(Path(cfg["dir"]), args.llama_quant)
+            if args.llama_quant and not args.skip_llamacpp else smollm2_gguf())
     if args.build_only:
         print(binary)
         return
@@ -862,7 +897,7 @@ def main() -> None:
     if args.idle_rss_rounds:
         if args.skip_llmserve or args.skip_llamacpp:
             ap.error("--idle-rss-rounds measures both servers: not with --skip-*")
-        idle_rss_only(args, binary, llmserve_args)
+        idle_rss_only(args, binary, gguf, llmserve_args)
         return
     loads = workloads(args.quick, args.seed)
     servers: dict[str, dict] = {}
@@ -870,7 +905,7 @@ def main() -> None:
     if args.skip_llamacpp:
         servers["llama.cpp"] = previous_side(args.out, "llama.cpp")
     else:
-        spec = llama_server_spec(binary, smollm2_gguf(), args.threads, args.slots,
+        spec = llama_server_spec(binary, gguf, args.threads, args.slots,
                                  args.ctx_per_slot, args.kv_unified,
                                  shlex.split(args.llama_args))
         servers["llama.cpp"] = bench_server(spec, loads, args.out.parent, args.wait_quiet,
