@@ -24,7 +24,9 @@ prints a table with the ratios (>1 means llmserve is better) and the CPU's flags
 ``--isa amx`` builds llama.cpp with its own AMX kernels (the default build leaves them
 out on AMX CPUs: they crash on the built-in Q4_1), and ``--llama-quant`` serves it the
 built-in GGUF requantised by llama.cpp's ``llama-quantize`` (Q4_0, Q8_0: types its AMX
-path takes), cached beside the build.
+path takes), cached beside the build. With llama-cpp-python 0.3.36's llama.cpp both
+crash too on the AMX Xeon VMs (at ``ldtilecfg``: docs/benchmarks.md, "llama.cpp with
+its own AMX kernels"); the options stay for a llama.cpp that fixes it.
 """
 
 from __future__ import annotations
