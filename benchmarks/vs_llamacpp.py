@@ -106,7 +106,8 @@ def build_config(cpu: dict, isa: str = "native") -> dict:
     if isa != "native":  # (the native key is kept as it was: its builds stay cached)
         # (amx: GGML_NATIVE on an AMX CPU compiles ggml's AMX kernels in, for this CPU)
         key_src = json.dumps({"version": LLAMA_CPP_PYTHON_VERSION, "isa": isa,
-                              **({"cpu_flags": cpu["flags"]} if isa == "amx" else {})})
+                              **({"cpu_model": cpu["model"], "cpu_flags": cpu["flags"]}
+                                 if isa == "amx" else {})})
     key = f"{LLAMA_CPP_PYTHON_VERSION}-{isa}-{hashlib.sha256(key_src.encode()).hexdigest()[:10]}"
     return {"version": LLAMA_CPP_PYTHON_VERSION, "extra_cflags": extra, "cpu": cpu,
             "isa": isa, "dir": str(CACHE_ROOT / key)}
@@ -214,9 +215,12 @@ def requantized_gguf(build_dir: Path, qtype: str) -> Path:
     out = build_dir / f"{src.name.split('.')[0]}.{qtype}.gguf"
     if not out.exists():
         tmp = out.with_suffix(".tmp")
-        subprocess.run([str(build_dir / "llama-quantize"), "--allow-requantize", str(src),
-                        str(tmp), qtype], check=True, stdout=subprocess.DEVNULL,
-                       stderr=subprocess.DEVNULL)
+        done = subprocess.run([str(build_dir / "llama-quantize"), "--allow-requantize",
+                               str(src), str(tmp), qtype], capture_output=True, text=True)
+        if done.returncode:
+            tmp.unlink(missing_ok=True)
+            raise SystemExit(f"llama-quantize to {qtype} failed:\n{done.stdout[-2000:]}"
+                             f"{done.stderr[-2000:]}")
         tmp.rename(out)
     return out
 
@@ -877,6 +881,11 @@ def main() -> None:
     args = ap.parse_args()
 
     cpu = cpu_info()
+    if args.isa == "amx" and "amx_int8" not in cpu["flags"]:
+        ap.error("--isa amx: this CPU has no AMX-INT8")
+    if args.llama_quant and args.llama_server:
+        ap.error("--llama-quant requantises with the llama-quantize of the build it makes: "
+                 "not with --llama-server")
     cfg = build_config(cpu, args.isa)
     if args.isa == "avx2":
         os.environ.update(AVX2_ENV)

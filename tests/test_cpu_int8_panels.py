@@ -209,7 +209,7 @@ def int16_limit_check() -> bool:
     linear.weight.data.copy_(weight)
     lin = QuantizedLinear(linear, 4)
     assert weight_t(lin).unique().numel() == 2  # codes 0 and 15 only
-    x = torch.ones(3, 576).to(torch.bfloat16)
+    x = torch.ones(5, 576).to(torch.bfloat16)  # the AVX2 build: 4 rows in assembly, 1 in C
     return torch.equal(q4_matmul(x, lin, int8_x=True), int8_oracle(x, lin))
 
 
@@ -219,11 +219,12 @@ def test_a_group_at_the_int16_limit_sums_exactly(build, monkeypatch):
 
 
 def same_bits_check() -> list[int]:
-    """Int4 products of 3 rows; 37 (groups of 6 and of 4 and their rests); 200 (past
-    the block of 96), as bf16 bit patterns."""
+    """Int4 products of 3 rows; 6 (on AVX2 a group of 4, in assembly, and a rest of 2);
+    37 (groups of 6 and of 4 and their rests); 200 (past the block of 96), as bf16 bit
+    patterns."""
     torch.manual_seed(0)
     outputs = []
-    for n, k, rows in ((960, 576, 3), (3072, 576, 37), (576, 1536, 200)):
+    for n, k, rows in ((960, 576, 3), (576, 576, 6), (3072, 576, 37), (576, 1536, 200)):
         lin = quantized(n, k, True, seed=rows)
         outputs.append(q4_matmul(torch.randn(rows, k).to(torch.bfloat16), lin, int8_x=True))
     return torch.cat([y.view(torch.int16).flatten() for y in outputs]).tolist()

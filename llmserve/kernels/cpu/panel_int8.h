@@ -304,8 +304,8 @@ static inline __attribute__((always_inline)) void panel8_scale_row(
  * group's 8 quads fit int16 (30,480), summed into int32 once per group (VPMADDWD by
  * ones). The 4 rows' int16 sums, the panel's 2 registers, the broadcast and a product
  * take 12 of the 16 registers: the float32 running sums stay in `sums` (in L1), read
- * and written once per group. The sums are named variables, not an array: GCC kept an
- * array of them in memory as well, a store and a copy per product pair. */
+ * and written once per group. 4 rows take panel8_quads4's assembly; fewer (a tail) this
+ * loop in C. */
 static inline __attribute__((always_inline)) void panel8_group(
         const int8_t *codes, const float *step, const float *csum, int64_t K, int64_t groups,
         int m, const uint8_t *panel, const uint16_t *sz, int64_t N, int64_t k0, int64_t k1,
