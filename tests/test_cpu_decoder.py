@@ -257,11 +257,13 @@ QUANT_GEMM_STACK = pytest.mark.skipif(not gemm.quant_tiled_available(4),
 
 @QUANT_GEMM_STACK
 def test_an_int4_stack_takes_quant_gemm_for_many_rows_bit_for_bit(int4_llm, monkeypatch):
-    """Where the per-op path's int4 products of many rows are quant_gemm's (AMX, Zen 4),
-    the stack's are too: from quant_tiled_min_rows() every layer equals the torch layer
-    bit for bit, and the engine runs decode steps of any size in C."""
+    """Where the per-op path's int4 products of many rows are quant_gemm's (AMX, Zen 4,
+    with x not rounded to int8), the stack's are too: from quant_tiled_min_rows() every
+    layer equals the torch layer bit for bit, and the engine runs decode steps of any
+    size in C."""
+    monkeypatch.setenv("LLMSERVE_CPU_INT8_ACTIVATIONS", "0")
     decoder = int4_llm.engine.runner.model.model.native_decoder
-    assert decoder.quant_gemm_rows() == gemm.quant_tiled_min_rows()
+    assert decoder.quant_gemm_rows() == gemm.quant_tiled_min_rows() == 8
     meta = assert_the_stack_is_the_torch_layers(int4_llm, 40)
     assert decoder.applies(40, meta) and decoder.applies(1000, meta)
     if gemm.amx_tiles():  # without the tiles quant_gemm takes 24 rows and more, op by op
@@ -274,6 +276,40 @@ def test_an_int4_stack_takes_quant_gemm_for_many_rows_bit_for_bit(int4_llm, monk
             gemm.amx_tiles(True)
     monkeypatch.setattr(decoder, "quant_gemm_rows", lambda: 0)  # the tiles' limit alone
     assert not decoder.applies(40, meta)
+
+
+INT8_STACK = pytest.mark.skipif(not (gemm.quant_tiled_available(4)
+                                     and cpu_decoder.int8_activations()),
+                                reason="needs quant_gemm and the int8 panels (AVX-512 "
+                                       "VNNI with bf16 arithmetic: AMX, Zen 4)")
+
+
+@INT8_STACK
+@pytest.mark.parametrize("tiles", ["amx", "none"])
+def test_an_int4_stack_rounds_x_where_the_int8_panels_beat_quant_gemm(int4_llm, tiles,
+                                                                      monkeypatch):
+    """x rounded to int8 (the default on AMX and Zen 4): from 3 rows the stack's int4
+    products are the per-op path's int8 panels, bit for bit, up to where quant_gemm
+    takes both paths' products (AMX tiles: gemm.INT8_X_AMX_ROWS; without them, never:
+    then steps of up to MAX_NATIVE_TOKENS_INT8_X rows run in C)."""
+    if tiles == "amx" and not gemm.amx_tiles():
+        pytest.skip("no AMX tiles here (CPU, compiler or OS)")
+    monkeypatch.delenv("LLMSERVE_CPU_INT8_ACTIVATIONS", raising=False)
+    decoder = int4_llm.engine.runner.model.model.native_decoder
+    assert decoder.dims.int8_x == 1
+    was = gemm.amx_tiles()
+    try:
+        gemm.amx_tiles(tiles == "amx")
+        least = gemm.INT8_X_AMX_ROWS[4] if tiles == "amx" else 0
+        assert decoder.quant_gemm_rows() == least
+        meta = assert_the_stack_is_the_torch_layers(int4_llm, 12)  # int8 panels, both
+        limit = native_decoder.MAX_NATIVE_TOKENS_INT8_X
+        assert decoder.applies(limit, meta)
+        assert decoder.applies(limit + 1, meta) == (tiles == "amx")
+        if tiles == "amx":
+            assert_the_stack_is_the_torch_layers(int4_llm, least)  # quant_gemm, both
+    finally:
+        gemm.amx_tiles(was)
 
 
 BF16_STACK = pytest.mark.skipif(gemm.gemm_backend() != "native",
@@ -397,7 +433,7 @@ def test_qwen2_shapes_with_biases_match_the_torch_layers(seed, quantization, mon
     decoder = NativeDecoder.try_build(model)
     assert decoder is not None
     if quantization == "int4-quant_gemm":  # quant_gemm for the 5 rows, op by op and in C
-        monkeypatch.setattr(gemm, "_min_rows_while", lambda amx_in_use: 1)
+        monkeypatch.setattr(gemm, "_min_rows_while", lambda amx_in_use, int8_x, bits: 1)
     seq_lens, block_size = [1, 5, 17, 33, 48], 16
     free = iter(torch.randperm(24).tolist())
     tables = [[next(free) for _ in range(-(-n // block_size))] for n in seq_lens]
@@ -440,8 +476,12 @@ def test_rebinding_the_cache_drops_the_native_stack():
 def test_the_row_limit_follows_the_cpu_kind(monkeypatch):
     """16 rows where quant_gemm's tiles take the per-op path (bf16 CPUs), 128 where
     they do not run and the library has its panel GEMM (AVX-512 without bf16, and
-    AVX2's 32-column pack); without the panels, 32 and (AVX2) 8."""
+    AVX2's 32-column pack), or where x is rounded to int8 (the stack's products are
+    then the per-op path's int8 panels); without the panels, 32 and (AVX2) 8."""
+    monkeypatch.setattr(native_decoder, "int8_activations", lambda: True)
     monkeypatch.setattr(native_decoder, "quant_tiled_available", lambda bits: True)
+    assert native_decoder.max_native_tokens(64) == native_decoder.MAX_NATIVE_TOKENS_INT8_X
+    monkeypatch.setattr(native_decoder, "int8_activations", lambda: False)
     assert native_decoder.max_native_tokens(64) == native_decoder.MAX_NATIVE_TOKENS == 16
     monkeypatch.setattr(native_decoder, "quant_tiled_available", lambda bits: False)
     monkeypatch.setattr(native_decoder, "panel_gemms_built", lambda: True)

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from llmserve.platforms.cpu import CpuFeatures, cpu_features
+from llmserve.platforms.cpu import CpuFeatures, cpu_features, onednn_allows_amx
 
 
 @pytest.mark.parametrize("features, native", [
@@ -24,6 +24,16 @@ from llmserve.platforms.cpu import CpuFeatures, cpu_features
 ])
 def test_native_bf16_decision(features, native):
     assert features.native_bf16 is native
+
+
+@pytest.mark.parametrize("isa, allows", [
+    (None, True), ("ALL", True), ("default", True), ("AVX512_CORE_AMX", True),
+    ("AVX512_CORE_AMX_FP16", True), ("AVX512_CORE_BF16", False), ("AVX2", False),
+    ("AVX512_CORE_VNNI", False)])
+def test_onednn_max_isa_below_amx_leaves_amx_out(isa, allows):
+    """An AMX Xeon told AVX512_CORE_BF16 acts as Zen 4 (no AMX in the features, and our
+    kernels built without it: test_cpu_int8_panels checks the routing)."""
+    assert onednn_allows_amx(isa) is allows
 
 
 def auto_dtype_in_a_fresh_process(env_extra: dict) -> str:

@@ -1,5 +1,5 @@
-"""int4 and int8 products with x rounded to int8 (``panel_int8.h``, on CPUs without bf16
-arithmetic: AVX-512 VNNI, and AVX2 for int4): the C kernels' result (decoder.c's int4
+"""int4 and int8 products with x rounded to int8 (``panel_int8.h``: AVX-512 VNNI, and AVX2
+for int4): the C kernels' result (decoder.c's int4
 products, q8_rows.c's int8 LM head) is the product of the int8-rounded x with the
 dequantised weight, where it applies and only there.
 
@@ -8,8 +8,8 @@ The oracle rounds x as the kernel documents it (per row and group of 32: d = max
 same products exactly in integers and scales them in float32, so the two agree but for
 a rare last-bit rounding of the bf16 output. Each build is checked where the machine
 can run it: the one at hand in-process, the others in a subprocess, the VNNI kernels
-built for an Ice Lake Xeon (``LLMSERVE_CPU_MARCH``; an AMX or Zen 4 machine builds for
-its bf16 tiles, and a CPU without AVX-512 VNNI cannot run them) and the AVX2 ones under
+built for an Ice Lake Xeon (``LLMSERVE_CPU_MARCH``) where the CPU has AVX-512 VNNI but
+the build at hand does not (a CPU without it cannot run them) and the AVX2 ones under
 ``ATEN_CPU_CAPABILITY=avx2`` (every x86 machine here can)."""
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import sys
 import pytest
 import torch
 
-from llmserve.kernels.cpu import decoder, dequant
+from llmserve.kernels.cpu import decoder, dequant, gemm
 from llmserve.kernels.cpu.decoder import int4_pack_block_n, q4_matmul
 from llmserve.kernels.cpu.dequant import INT8_MIN_ROWS, q4_weight_f32, quant_dense_f32
 from llmserve.kernels.cpu.gemm import Q8_INT8_MIN_ROWS, q8_rows
@@ -33,7 +33,6 @@ from llmserve.kernels.cpu.native import (
     q8_rows_int8_built,
 )
 from llmserve.model_executor.layers.quantization import QuantizedLinear
-from llmserve.platforms.cpu import cpu_features
 
 MIN_ROWS = {4: INT8_MIN_ROWS, 8: Q8_INT8_MIN_ROWS}
 SHAPES = {4: [(960, 576), (128, 64), (3072, 576), (576, 1536), (192, 96)],  # 96: k % 64 == 32
@@ -318,17 +317,80 @@ def test_it_is_the_default_unless_switched_off(monkeypatch):
     assert torch.equal(q8_rows(x, head), q8_rows(x, head, int8_x=False))
 
 
+@pytest.fixture
+def without_amx_tiles():
+    """quant_gemm without AMX tiles (as on Zen 4; a no-op where there are none)."""
+    was = gemm.amx_tiles()
+    gemm.amx_tiles(False)
+    yield
+    gemm.amx_tiles(was)
+
+
 @needs_kernel_here
 @pytest.mark.parametrize("rows", [INT8_MIN_ROWS, 16, 384, 600])
-def test_the_layer_rounds_x_from_int8_min_rows_on(rows, monkeypatch):
+def test_the_layer_rounds_x_from_int8_min_rows_on(rows, monkeypatch, without_amx_tiles):
     """The torch layer takes the int8 panels for any number of rows from INT8_MIN_ROWS
-    (long prefill chunks too, where x in float32 goes to MKL); the C decoder stack
-    reads the same setting, so prefill and decode steps round alike."""
+    (long prefill chunks too, where x in float32 goes to MKL, and where gemm.c's
+    quant_gemm multiplies by bf16 dot products: Zen 4, an AMX Xeon without its tiles);
+    the C decoder stack reads the same setting, so prefill and decode steps round
+    alike."""
     monkeypatch.delenv("LLMSERVE_CPU_INT8_ACTIVATIONS", raising=False)
-    assert cpu_features().native_bf16 is False and dequant.int4_runs_in_float32()
     lin = quantized(960, 576, False, seed=rows)
     x = torch.randn(rows, 576).to(torch.bfloat16)
+    assert gemm.quant_tiled(x, lin) is None
     assert dequant.dequant_applies(x, lin)
     assert torch.equal(lin(x), q4_matmul(x, lin, int8_x=True))
     assert torch.equal(quant_dense_f32(x, lin), q4_matmul(x, lin, int8_x=True))
     assert not dequant.dequant_applies(x[:INT8_MIN_ROWS - 1], lin)
+
+
+@needs_kernel_here
+@pytest.mark.parametrize("bits", [4, 8])
+def test_amx_tiles_take_the_products_from_their_crossover(bits, monkeypatch):
+    """With AMX tiles, quant_gemm beats the int8 panels from gemm.INT8_X_AMX_ROWS rows
+    (int4 24, the int8 LM head 32): the torch layer takes the panels below, the tiles
+    from there; so does the C stack (quant_tiled_rows)."""
+    if not gemm.amx_tiles():
+        pytest.skip("no AMX tiles here (CPU, compiler or OS)")
+    monkeypatch.delenv("LLMSERVE_CPU_INT8_ACTIVATIONS", raising=False)
+    monkeypatch.setenv("LLMSERVE_BF16_GEMM", "native")  # any shape, not only those measured
+    least = gemm.INT8_X_AMX_ROWS[bits]
+    assert gemm.quant_tiled_min_rows(bits) == least
+    assert bits == 8 or gemm.quant_tiled_rows() == least
+    lin = quantized(960, 576, False, seed=bits, bits=bits)
+    x = torch.randn(least, 576).to(torch.bfloat16)
+    assert torch.equal(lin(x), gemm.quant_gemm(x, lin))
+    few = x[:least - 1]
+    assert gemm.quant_tiled(few, lin) is None
+    assert torch.equal(lin(few), product(few, lin, int8_x=True))
+    assert not torch.equal(lin(few), product(few, lin, int8_x=False))
+
+
+def has_avx512_bf16() -> bool:
+    with open("/proc/cpuinfo") as f:
+        flags = next((line for line in f if line.startswith("flags")), "").split()
+    return {"avx512_bf16", "avx512_vnni"} <= set(flags)
+
+
+def without_amx_routing_check() -> list:
+    """What a CPU with AVX512-BF16 and VNNI but no AMX (Zen 4) takes: no AMX in the
+    features or the build, quant_gemm built, x rounded to int8, and quant_gemm then
+    taking no int4 or int8 product."""
+    from llmserve.platforms.cpu import cpu_features
+    lin = quantized(960, 576, False, seed=2)
+    x = torch.randn(600, 576).to(torch.bfloat16)
+    return [cpu_features().amx_bf16, gemm.amx_tiles(), gemm.quant_tiled_available(4),
+            decoder.int8_activations(), gemm.quant_tiled_min_rows(4),
+            gemm.quant_tiled_min_rows(8),
+            torch.equal(lin(x), q4_matmul(x, lin, int8_x=True))]
+
+
+def test_an_amx_xeon_told_no_amx_routes_as_zen_4():
+    """``ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16`` leaves AMX out of oneDNN, of the CPU's
+    features and of our kernels' build: how an AMX host measures a Zen 4's routing (on
+    a Zen 4 it is its own)."""
+    if not has_avx512_bf16():
+        pytest.skip("the CPU has no AVX512-BF16 with VNNI")
+    assert run_with({"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"},
+                    "without_amx_routing_check") == [False, False, True, True, None, None,
+                                                     True]

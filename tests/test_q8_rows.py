@@ -136,14 +136,12 @@ def test_the_lm_head_of_a_decode_step_takes_q8_rows(monkeypatch):
 
 
 def test_q8_rows_takes_any_number_of_rows_exactly_where_the_panel_gemm_is_built():
-    """The library says whether it has the panel GEMM (AVX-512 without AVX512-BF16, or
-    AVX2); the row limit follows it, and the CPU's own kind decides the build."""
+    """The library says whether it has the panel GEMM (AVX-512 or AVX2 builds; not the
+    baseline ISA's); the row limit follows it, and the CPU's own kind decides the
+    build."""
     from llmserve.kernels.cpu.native import panel_gemms_built
     from llmserve.platforms.cpu import cpu_features
-    features = cpu_features()
-    without_bf16 = features.aten_isa == "AVX512" and not features.avx512_bf16 \
-        and not features.amx_bf16
-    assert panel_gemms_built() == (without_bf16 or features.aten_isa == "AVX2")
+    assert panel_gemms_built() == (cpu_features().aten_isa in ("AVX512", "AVX2"))
     assert q8_rows_max() == (None if panel_gemms_built() else Q8_ROWS_MAX)
 
 

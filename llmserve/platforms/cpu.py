@@ -12,7 +12,9 @@ stored in bf16 (its kernels compute in float32: ``quantization.bf16_storage_for_
 The choice honours the knobs that restrict the kernels' instruction set:
 ``ATEN_CPU_CAPABILITY`` (ATen's own vector kernels) and ``ONEDNN_MAX_CPU_ISA`` (oneDNN's
 GEMMs): a machine told to act as AVX2 gets the AVX2 choice, which is also how CI tests
-both paths on one machine. ``LLMSERVE_CPU_DTYPE`` overrides the automatic CPU
+both paths on one machine; an AMX Xeon told ``ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16``
+acts as a CPU with AVX512-BF16 and no AMX (Zen 4, Cooper Lake), our kernels included.
+``LLMSERVE_CPU_DTYPE`` overrides the automatic CPU
 choice for a whole process tree (the test suite sets float32, so outputs compare
 exactly with transformers on any machine; bf16 is tested where a test asks for it).
 """
@@ -48,10 +50,19 @@ class CpuFeatures:
         return f"{self.aten_isa}{'+' + '+'.join(extras) if extras else ''}"
 
 
+def onednn_allows_amx(onednn_max_isa: str | None) -> bool:
+    """Whether ``ONEDNN_MAX_CPU_ISA`` leaves AMX in: unset, ALL/DEFAULT, or an AMX ISA
+    name. Below it (AVX512_CORE_BF16: an AMX Xeon acting as a Zen 4) our kernels are
+    built without AMX as well (``kernels/cpu/native.py``)."""
+    isa = (onednn_max_isa or "ALL").upper()
+    return isa in ("ALL", "DEFAULT") or "AMX" in isa
+
+
 def cpu_features() -> CpuFeatures:
     caps = torch.cpu.get_capabilities() if hasattr(torch.cpu, "get_capabilities") else {}
     return CpuFeatures(aten_isa=torch.backends.cpu.get_cpu_capability(),
-                       amx_bf16=bool(caps.get("amx_bf16")),
+                       amx_bf16=bool(caps.get("amx_bf16"))
+                       and onednn_allows_amx(os.environ.get("ONEDNN_MAX_CPU_ISA")),
                        avx512_bf16=bool(caps.get("avx512_bf16")),
                        onednn_max_isa=os.environ.get("ONEDNN_MAX_CPU_ISA"))
 

@@ -10,10 +10,12 @@ a scratch reused from call to call) and let MKL's float32 GEMM multiply. Either 
 weight is still stored, and streamed by decode steps, in int4. Fewer rows keep the
 kernels that read the packed bytes (the C decoder stack, ATen).
 
-Where the CPU has AVX-512 VNNI (Ice Lake, Cascade Lake) or only AVX2 (Zen 2/3, Haswell
-to Broadwell), x is rounded to int8 instead (``decoder.int8_activations``,
-``panel_int8.h``), and the C kernel's int8 panels take every product from
-``INT8_MIN_ROWS`` rows, long prefill chunks included.
+Where the CPU has AVX-512 VNNI (Ice Lake, Cascade Lake; and Zen 4 and AMX Xeons, which
+have bf16 arithmetic too) or only AVX2 (Zen 2/3, Haswell to Broadwell), x is rounded to
+int8 instead (``decoder.int8_activations``, ``panel_int8.h``), and the C kernel's int8
+panels take every product from ``INT8_MIN_ROWS`` rows, long prefill chunks included,
+except those that gemm.c's quant_gemm takes first where it is faster (AMX tiles, from
+``gemm.INT8_X_AMX_ROWS``).
 """
 
 from __future__ import annotations
@@ -80,16 +82,18 @@ def int4_runs_in_float32() -> bool:
 
 
 def dequant_applies(x: torch.Tensor, linear) -> bool:
-    """``quant_dense_f32``'s domain: an eager int4 CPU product of at least
-    PANEL_MIN_ROWS rows (INT8_MIN_ROWS where x is rounded to int8) where
-    ``int4_runs_in_float32`` (AVX-512 without bf16 arithmetic, AVX2), a shape on ATen's
-    pack grid."""
+    """``quant_dense_f32``'s domain: an eager int4 CPU product, a shape on ATen's pack
+    grid, of at least INT8_MIN_ROWS rows where x is rounded to int8 (every AVX-512 VNNI
+    or AVX2 build: ``int8_activations``; on CPUs with bf16 arithmetic, the rows that
+    ``gemm.quant_tiled``, asked first, leaves), else of at least PANEL_MIN_ROWS where
+    ``int4_runs_in_float32`` (AVX-512 without bf16 arithmetic, AVX2)."""
     k, n = linear.in_features, linear.out_features
     if (linear.bits != 4 or x.device.type != "cpu" or x.shape[-1] != k
-            or x.numel() < INT8_MIN_ROWS * k or torch.compiler.is_compiling()
-            or not int4_runs_in_float32()):
+            or x.numel() < INT8_MIN_ROWS * k or torch.compiler.is_compiling()):
         return False
-    if x.numel() < PANEL_MIN_ROWS * k and not int8_activations():
+    if int8_activations():
+        return n % int4_pack_block_n() == 0 and k % 32 == 0
+    if x.numel() < PANEL_MIN_ROWS * k or not int4_runs_in_float32():
         return False
     return n % int4_pack_block_n() == 0 and k % 32 == 0
 

@@ -116,18 +116,34 @@ def gemm_backend() -> str:
     return "onednn" if cpu_features().amx_bf16 and not amx_tiles() else "native"
 
 
-def quant_tiled_min_rows() -> int:
+# Where x is rounded to int8 (``decoder.int8_activations``), the int8 panels of an AVX-512
+# VNNI build (panel_int8.h) take a product of many rows with 64 multiplies per
+# instruction, against VDPBF16PS's 32 after dequantising each weight to bf16. On the AMX
+# Xeon, 2 threads, the built-in model's four int4 projections of a layer, quant_gemm's
+# time over the int8 panels' (benchmarks/int8_products.py --quant-gemm): with AMX tiles
+# 1.83x at 8 rows, 1.26 at 16, 1.03 at 24, 0.84 at 32, 0.30 at 512; the int8 LM head
+# 2.00x at 8, 1.28 at 24, 1.04 at 32, 0.84 at 48; without the tiles (VDPBF16PS, as on
+# Zen 4) 2.6-3.2x at 3-512 rows for the layer and 2.3-4.4x for the LM head
+# (docs/benchmarks.md, "int8 products on CPUs with bf16 arithmetic"). So with AMX
+# tiles quant_gemm takes these from the crossover, and without them it takes none.
+INT8_X_AMX_ROWS = {4: 24, 8: 32}
+
+
+def quant_tiled_min_rows(bits: int = 4) -> int | None:
     """Weight-only products of at least this many rows go through gemm.c's quant_gemm
-    (each group of panels dequantised once to bf16, then the bf16 tiles); fewer rows
-    stay on ATen's kernels, which read the packed bytes directly. Crossovers measured
-    with benchmarks/cpu_linear.py --quantized, 2 threads, all the built-in model's
-    projections, over ATen:
+    (each group of panels dequantised once to bf16, then the bf16 tiles), or None: none
+    do. Fewer rows stay on the kernels that read the packed bytes: the int8 panels
+    where x is rounded to int8 (``INT8_X_AMX_ROWS``), else ATen's. Crossovers over
+    ATen measured with benchmarks/cpu_linear.py --quantized, 2 threads, all the
+    built-in model's projections:
     - Zen 4 (AVX512-BF16, no AMX): between 4 and 8 rows (at 32 rows 1.9x for int4,
       3.1x for the int8 LM head);
     - AMX Xeon with AMX tiles: between 4 and 8 (1.33x at 8, 3.9x at 32, 8.2x at 128);
     - the same Xeon with AVX512-BF16 dot products only (AMX not granted, or switched
       off): between 16 and 24 (0.98x at 16, 1.13x at 32, 1.25x at 128)."""
     amx = _amx_in_use if _amx_in_use is not None else amx_tiles()
+    if int8_activations():
+        return INT8_X_AMX_ROWS[bits] if amx else None
     return 24 if cpu_features().amx_bf16 and not amx else 8
 
 
@@ -149,16 +165,17 @@ _amx_in_use: bool | None = None  # what amx_tiles last found (None: not asked ye
 
 
 @functools.cache
-def _min_rows_while(amx_in_use: bool | None) -> int:
-    """quant_tiled_min_rows, once per AMX state: it reads the CPU's features (~6 us),
-    and quant_tiled asks on every quantised linear of every step."""
-    return quant_tiled_min_rows()
+def _min_rows_while(amx_in_use: bool | None, int8_x: bool, bits: int) -> int | None:
+    """quant_tiled_min_rows, once per AMX state and int8 choice: it reads the CPU's
+    features (~6 us), and quant_tiled asks on every quantised linear of every step."""
+    return quant_tiled_min_rows(bits)
 
 
 def quant_tiled_rows() -> int:
-    """From how many rows quant_tiled takes a product now (for the AMX state last
-    asked): what the C decoder stack follows for its own int4 products."""
-    return _min_rows_while(_amx_in_use)
+    """From how many rows quant_tiled takes an int4 product now (for the AMX state
+    last asked), 0 for none: what the C decoder stack follows for its own int4
+    products."""
+    return _min_rows_while(_amx_in_use, int8_activations(), 4) or 0
 
 
 def amx_tiles(want: bool | None = None) -> bool:
@@ -180,8 +197,9 @@ def quant_tiled(x: torch.Tensor, linear) -> torch.Tensor | None:
     if torch.compiler.is_compiling():
         return None
     k, n, bits = linear.in_features, linear.out_features, linear.bits
-    if (x.device.type != "cpu" or x.dtype != torch.bfloat16 or x.shape[-1] != k
-            or x.numel() < _min_rows_while(_amx_in_use) * k
+    least = _min_rows_while(_amx_in_use, int8_activations(), bits)
+    if (least is None or x.device.type != "cpu" or x.dtype != torch.bfloat16
+            or x.shape[-1] != k or x.numel() < least * k
             or k % 32 or n % (64 if bits == 4 else 16) or not quant_tiled_available(bits)):
         return None
     if forced_backend() != "native" and not native_measured(n, k, torch.get_num_threads()):

@@ -7,8 +7,9 @@ projection's multi-LoRA), compiled for this machine into one library.
 
 Compiled once with the system C compiler (``$CC`` or ``cc``, 1-3 s) for the CPU it
 runs on (``-march=native``; AVX2 + FMA when ``ATEN_CPU_CAPABILITY=avx2`` asks torch to
-act as an AVX2 machine, the baseline ISA for ``default``; ``$LLMSERVE_CPU_MARCH``, for
-tests, another kind the CPU can run, e.g. ``icelake-server``), cached under the llmserve
+act as an AVX2 machine, the baseline ISA for ``default``, without AMX when
+``ONEDNN_MAX_CPU_ISA`` leaves it out; ``$LLMSERVE_CPU_MARCH``, for tests, another kind
+the CPU can run, e.g. ``icelake-server``), cached under the llmserve
 cache folder keyed by the sources and header, the compiler, the flags and the CPU, and
 called through ctypes (which releases the GIL), typed by one table (SIGNATURES, checked
 against ``kernels.h``). Each call runs on torch's thread count; with torch's own
@@ -43,6 +44,7 @@ from pathlib import Path
 import torch
 
 from llmserve.envs import cache_root
+from llmserve.platforms.cpu import onednn_allows_amx
 
 log = logging.getLogger(__name__)
 
@@ -114,6 +116,8 @@ def _march() -> list[str]:
         return ["-march=haswell"]  # AVX2 + FMA, what torch's AVX2 kernels assume
     if isa == "default" or platform.machine() not in ("x86_64", "AMD64"):
         return []  # the compiler's baseline for the architecture
+    if not onednn_allows_amx(os.environ.get("ONEDNN_MAX_CPU_ISA")):  # as on Zen 4
+        return ["-march=native", "-mno-amx-tile", "-mno-amx-bf16", "-mno-amx-int8"]
     return ["-march=native"]
 
 
@@ -180,9 +184,9 @@ def _compile(compiler: list[str], flags: list[str]) -> Path:
 
 @functools.cache
 def panel_gemms_built() -> bool:
-    """Whether the library has panel.h's GEMMs (AVX-512 builds without AVX512-BF16, and
-    AVX2 builds): q8_rows of any number of rows, int4 products of 16+ rows, the C
-    decoder stack to 128 rows. Asked once."""
+    """Whether the library has panel.h's GEMMs (AVX-512 and AVX2 builds): q8_rows of any
+    number of rows, int4 products of 16+ rows, the C decoder stack to 128 rows where
+    quant_gemm does not take its products. Asked once."""
     lib = decode_kernel()
     return lib is not None and lib.panel_gemms() == 1
 
@@ -190,7 +194,7 @@ def panel_gemms_built() -> bool:
 @functools.cache
 def panel_int8_block_n() -> int:
     """The column block of ATen's int4 pack that the library's int8 panels read (64: an
-    AVX-512 VNNI build without AVX512-BF16; 32: an AVX2 build), or 0: no such panels
+    AVX-512 VNNI build; 32: an AVX2 build), or 0: no such panels
     (panel_int8.h). Asked once."""
     lib = decode_kernel()
     return 0 if lib is None else lib.panel_int8()

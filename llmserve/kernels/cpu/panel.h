@@ -21,10 +21,11 @@
 #include <string.h>
 #include "kernels.h"
 
-/* Built where the CPU has AVX-512 but no bf16 arithmetic (Ice Lake and older Xeons),
- * and for AVX2 (Zen 2/3, Haswell to Broadwell): where it has some, quant_gemm's bf16
- * tiles take these products (measured there). */
-#if defined(__AVX512F__) && !defined(__AVX512BF16__)
+/* Built for AVX-512 (Ice Lake and older Xeons; on CPUs with bf16 arithmetic too,
+ * whose quant_gemm takes these products where it is faster: the float32 panels there
+ * serve the int8 LM head's rows between, and panel_int8.h's layout) and for AVX2
+ * (Zen 2/3, Haswell to Broadwell). */
+#if defined(__AVX512F__)
 #define PANEL_GEMMS 1
 #define PANEL_VECS 2
 #define PANEL_GROUP 12

@@ -30,8 +30,7 @@
 #include <string.h>
 #include "kernels.h"
 
-#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__) \
-    && !defined(__AVX512BF16__)
+#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define PANEL_INT8 1
 #define PANEL_INT8_VNNI 1  /* VPDPBUSD: also the int8 LM head (q8_rows.c) */
 #define PANEL8_COLS 32

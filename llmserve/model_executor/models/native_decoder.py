@@ -71,6 +71,13 @@ MAX_NATIVE_TOKENS_WITHOUT_BF16 = 128
 # The same CPUs with a library built without the panel GEMM (its 8-row tiles only):
 # 0.87 at 48 rows, 1.47 at 32 (the limit before the panels).
 MAX_NATIVE_TOKENS_TILES_ONLY = 32
+# Where x is rounded to int8 (AVX-512 VNNI, with or without bf16 arithmetic), the
+# stack's products from 3 rows are the same int8 panels as the per-op path's, and it
+# runs steps up to the engine's default max_num_seqs in C (where quant_gemm takes the
+# products from gemm.INT8_X_AMX_ROWS, steps of any size). AMX Xeon, AMX tiles off (as
+# Zen 4), benchmarks/cpu_decoder.py --quantization int4, op by op / C: see
+# docs/benchmarks.md, "int8 products on CPUs with bf16 arithmetic".
+MAX_NATIVE_TOKENS_INT8_X = 128
 
 
 def max_native_tokens(block_n: int) -> int | None:
@@ -80,6 +87,8 @@ def max_native_tokens(block_n: int) -> int | None:
         return None
     if block_n != 64:
         return MAX_NATIVE_TOKENS_AVX2_PANELS if panel_gemms_built() else MAX_NATIVE_TOKENS_AVX2
+    if int8_activations():  # its products from 3 rows are the per-op path's int8 panels
+        return MAX_NATIVE_TOKENS_INT8_X
     if quant_tiled_available(4):
         return MAX_NATIVE_TOKENS
     return MAX_NATIVE_TOKENS_WITHOUT_BF16 if panel_gemms_built() else MAX_NATIVE_TOKENS_TILES_ONLY
