@@ -1,16 +1,21 @@
 """The int4 and int8 products of many rows with x rounded to int8 (``panel_int8.h``)
-against the same products with x in float32, same process, alternating.
+against the same products with x in float32, and, where gemm.c's quant_gemm runs (CPUs
+with bf16 arithmetic), against quant_gemm with and without AMX tiles; same process,
+alternating.
 
 For each row count: the built-in model's four int4 projections of a layer ([1728,
 3072, 576, 576] outputs x [576, 576, 576, 1536] inputs, random weights) through the C
 kernel with x in float32 (its tiles below 16 rows, float32 panels above) and rounded to
 int8, plus, from the float32 copy of the weight, MKL's float32 GEMM (what long prefill
 chunks took before); and the int8 LM head [49152 x 576] through q8_rows both ways.
-Prints best-of times and the ratios (>1: int8 faster). Needs a build with the int8
-panels: AVX-512 VNNI without bf16 arithmetic, or AVX2 (there the int4 layer only: both
-LM head columns are its float32 path). Elsewhere both columns are the float32 path.
+Where quant_gemm is built: the same products through it (bf16 x; AMX tiles where
+granted, VDPBF16PS dot products as on Zen 4), which is what sets
+``gemm.INT8_X_AMX_ROWS``. Prints best-of times and the ratios (>1: int8 faster).
+Needs a build with the int8 panels: AVX-512 VNNI, or AVX2 (there the int4 layer only:
+both LM head columns are its float32 path). Elsewhere both columns are the float32 path.
 
     python benchmarks/int8_products.py --rows 3,16,32,96,512
+    python benchmarks/int8_products.py --rows 8,16,24,32,48,512 --quant-gemm  # AMX, Zen 4
     ATEN_CPU_CAPABILITY=avx2 python benchmarks/int8_products.py   # as an AVX2-only CPU
 """
 
@@ -21,6 +26,7 @@ import time
 
 import torch
 
+from llmserve.kernels.cpu import gemm
 from llmserve.kernels.cpu.decoder import q4_matmul
 from llmserve.kernels.cpu.dequant import q4_weight_f32
 from llmserve.kernels.cpu.gemm import q8_rows
@@ -51,11 +57,40 @@ def sides(xs, xh, layer, head, repeats: int) -> dict[str, float]:
     }.items()}
 
 
+def quant_gemm_sides(xs, xh, layer, head, repeats: int) -> dict[str, float]:
+    """quant_gemm's best-of times, with AMX tiles where granted and without (the
+    tiles' previous state restored)."""
+    kinds = ["amx", "dot"] if gemm.amx_tiles() else ["dot"]
+    was, t = gemm.amx_tiles(), {}
+    try:
+        for kind in kinds:
+            gemm.amx_tiles(kind == "amx")
+            t[kind] = best(lambda: [gemm.quant_gemm(x, lin) for x, lin in zip(xs, layer)],
+                           repeats)
+            t[f"head_{kind}"] = best(lambda: gemm.quant_gemm(xh, head), repeats)
+    finally:
+        gemm.amx_tiles(was)
+    return t
+
+
+def quant_gemm_row(m: int, t: dict[str, float]) -> str:
+    cells = [f"{m}"]
+    for kind in ("amx", "dot"):
+        if kind in t:
+            cells += [f"{kind} {t[kind] * 1e3:.3f} ms ({t[kind] / t['int8']:.2f}x)",
+                      f"head {t[f'head_{kind}'] * 1e3:.2f} ms "
+                      f"({t[f'head_{kind}'] / t['head_int8']:.2f}x)"]
+    return " | ".join(cells)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", default="3,6,16,32,96,512")
     ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--quant-gemm", action="store_true",
+                    help="also quant_gemm, with AMX tiles and without (where built)")
     args = ap.parse_args()
+    quant_gemm_rows = []
     if not panel_int8_built():
         print("note: no int8 panels in this build: both columns are the float32 path")
     torch.manual_seed(0)
@@ -68,12 +103,23 @@ def main() -> None:
         xh = torch.randn(m, LM_HEAD[1]).to(torch.bfloat16)
         t = {}
         for _ in range(2):  # alternate the sides, keep each side's best
-            for name, seconds in sides(xs, xh, layer, head, args.repeats).items():
+            times = sides(xs, xh, layer, head, args.repeats)
+            if args.quant_gemm and gemm.quant_tiled_available(4):
+                times |= quant_gemm_sides(xs, xh, layer, head, args.repeats)
+            for name, seconds in times.items():
                 t[name] = min(t.get(name, 1e9), seconds)
+        if "dot" in t:
+            quant_gemm_rows.append(quant_gemm_row(m, t))
         print(f"{m} | {t['f32'] * 1e3:.2f} ms | {t['int8'] * 1e3:.2f} | {t['mkl'] * 1e3:.2f} "
               f"| {t['f32'] / t['int8']:.2f}x | {t['mkl'] / t['int8']:.2f}x "
               f"| {t['head_f32'] * 1e3:.2f} ms | {t['head_int8'] * 1e3:.2f} "
               f"| {t['head_f32'] / t['head_int8']:.2f}x")
+    if quant_gemm_rows:
+        print("\nquant_gemm (bf16 x) over the int8 panels, layer and LM head "
+              "(>1: int8 faster)\nrows | AMX tiles | LM head | dot products | LM head")
+        print("\n".join(quant_gemm_rows))
+    elif args.quant_gemm:
+        print("note: quant_gemm is not built here (no bf16 arithmetic)")
 
 
 if __name__ == "__main__":
