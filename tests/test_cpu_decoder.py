@@ -129,7 +129,7 @@ def run_layers(decoder: NativeDecoder, first: int, count: int, x, cos, sin,
     tokens = x.shape[0]
     cos, sin = cos.reshape(tokens, -1).contiguous(), sin.reshape(tokens, -1).contiguous()
     layers = ctypes.byref(decoder.layers, first * ctypes.sizeof(cpu_decoder.StackLayer))
-    decoder.dims.quant_gemm_rows = decoder.quant_gemm_rows()  # as run() sets it
+    decoder.refresh_dims()  # as run() does
     rc = decoder._lib.stack_decode_layers(
         torch.get_num_threads(), ctypes.byref(decoder.dims), layers, count,
         x.data_ptr(), tokens, cos.data_ptr(), sin.data_ptr(), meta.slot_mapping.data_ptr(),
@@ -263,7 +263,8 @@ def test_an_int4_stack_takes_quant_gemm_for_many_rows_bit_for_bit(int4_llm, monk
     size in C."""
     monkeypatch.setenv("LLMSERVE_CPU_INT8_ACTIVATIONS", "0")
     decoder = int4_llm.engine.runner.model.model.native_decoder
-    assert decoder.quant_gemm_rows() == gemm.quant_tiled_min_rows() == 8
+    untiled_amx = gemm.cpu_features().amx_bf16 and not gemm.amx_tiles()  # AMX not granted
+    assert decoder.quant_gemm_rows() == gemm.quant_tiled_min_rows() == (24 if untiled_amx else 8)
     meta = assert_the_stack_is_the_torch_layers(int4_llm, 40)
     assert decoder.applies(40, meta) and decoder.applies(1000, meta)
     if gemm.amx_tiles():  # without the tiles quant_gemm takes 24 rows and more, op by op
@@ -296,6 +297,7 @@ def test_an_int4_stack_rounds_x_where_the_int8_panels_beat_quant_gemm(int4_llm, 
         pytest.skip("no AMX tiles here (CPU, compiler or OS)")
     monkeypatch.delenv("LLMSERVE_CPU_INT8_ACTIVATIONS", raising=False)
     decoder = int4_llm.engine.runner.model.model.native_decoder
+    decoder.refresh_dims()
     assert decoder.dims.int8_x == 1
     was = gemm.amx_tiles()
     try:

@@ -366,6 +366,22 @@ def test_amx_tiles_take_the_products_from_their_crossover(bits, monkeypatch):
     assert not torch.equal(lin(few), product(few, lin, int8_x=False))
 
 
+@needs_kernel_here
+def test_an_int8_weight_off_the_int8_grid_keeps_quant_gemms_crossover(monkeypatch):
+    """An LM head whose width the int8 panels do not take (n % 32 == 16: a vocabulary
+    of 32,016, say) is not declined by quant_gemm for them: it keeps the crossover
+    quant_gemm has over the float32 kernels."""
+    if not gemm.quant_tiled_available(8):
+        pytest.skip("quant_gemm needs AVX512-BF16")
+    monkeypatch.delenv("LLMSERVE_CPU_INT8_ACTIVATIONS", raising=False)
+    monkeypatch.setenv("LLMSERVE_BF16_GEMM", "native")  # any shape, not only those measured
+    least = gemm.quant_tiled_min_rows(8, int8_x=False)
+    head = quantized(944, 576, False, seed=5, bits=8)
+    x = torch.randn(least, 576).to(torch.bfloat16)
+    assert torch.equal(head(x), gemm.quant_gemm(x, head))
+    assert gemm.quant_tiled(x[:least - 1], head) is None
+
+
 def has_avx512_bf16() -> bool:
     with open("/proc/cpuinfo") as f:
         flags = next((line for line in f if line.startswith("flags")), "").split()
@@ -394,3 +410,22 @@ def test_an_amx_xeon_told_no_amx_routes_as_zen_4():
     assert run_with({"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"},
                     "without_amx_routing_check") == [False, False, True, True, None, None,
                                                      True]
+
+
+def without_bf16_routing_check() -> list:
+    """What an AVX-512 VNNI build without bf16 arithmetic (Ice Lake) takes: no
+    quant_gemm, x rounded from 3 rows at every count (the torch layer, long prefill
+    chunks too), the C stack up to 128 rows."""
+    from llmserve.model_executor.models.native_decoder import max_native_tokens
+    lin = quantized(960, 576, False, seed=3)
+    x = torch.randn(600, 576).to(torch.bfloat16)
+    return [gemm.quant_tiled_available(4), decoder.int8_activations(), max_native_tokens(64),
+            torch.equal(lin(x), q4_matmul(x, lin, int8_x=True))]
+
+
+def test_an_ice_lake_build_rounds_x_without_quant_gemm():
+    """The Ice Lake build's routing, wherever the CPU can run it (on AMX and Zen 4 the
+    build at hand has bf16 arithmetic, so this runs in a subprocess built for Ice Lake)."""
+    if not has_vnni():
+        pytest.skip("the CPU has no AVX-512 VNNI")
+    assert run_with(BUILDS["vnni"][1], "without_bf16_routing_check") == [False, True, 128, True]

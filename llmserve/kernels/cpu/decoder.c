@@ -284,8 +284,9 @@ static void q4_chunks(const stack_linear *lin, int BN, int M, const float *xf, c
 }
 
 #if defined(PANEL_GEMMS)
-/* From Q4_PANEL_ROWS rows, on CPUs without bf16 arithmetic (AVX-512 Ice Lake and older
- * Xeons, AVX2; where there is some, quant_gemm's bf16 tiles take these products): a
+/* From Q4_PANEL_ROWS rows with x not rounded to int8, on CPUs without bf16 arithmetic
+ * (AVX-512 Ice Lake and older Xeons, AVX2; where there is some, quant_gemm's bf16 tiles
+ * or the int8 panels take these products, and this runs only where both are off): a
  * GEMM over panels of the weight dequantised to float32 (panel.h), each once for all
  * the rows, where q4_pass dequantises it again for each tile of TILE rows. A panel is
  * one half of a block of Q4_PANEL_BN (2 PANEL_COLS) columns, ATen's block on the ISA
@@ -455,7 +456,7 @@ static void q4_matmul_int8(int num_threads, const stack_linear *lin, const uint1
 #endif
 
 /* Whether the library rounds x to int8 for int4 products of many rows where asked
- * (PANEL_INT8: AVX-512 VNNI without bf16 arithmetic, or AVX2): the column block of
+ * (PANEL_INT8: AVX-512 VNNI, or AVX2): the column block of
  * ATen's int4 pack its panels read (64 or 32), or 0. */
 int panel_int8(void) {
 #if defined(PANEL_INT8)

@@ -1,4 +1,4 @@
-"""int4 products of many rows on CPUs without bf16 arithmetic (``dequant.c``).
+"""int4 products of many rows that gemm.c's quant_gemm does not take (``dequant.c``).
 
 Where neither AVX512-BF16 nor AMX is there (Ice Lake and older Xeons, AVX2-only CPUs), gemm.c's
 quant_gemm does not run, and ATen's weight-only int4 kernel re-reads and

@@ -125,15 +125,16 @@ def gemm_backend() -> str:
 # 2.00x at 8, 1.28 at 24, 1.04 at 32, 0.84 at 48; without the tiles (VDPBF16PS, as on
 # Zen 4) 2.6-3.2x at 3-512 rows for the layer and 2.3-4.4x for the LM head
 # (docs/benchmarks.md, "int8 products on CPUs with bf16 arithmetic"). So with AMX
-# tiles quant_gemm takes these from the crossover, and without them it takes none.
+# tiles quant_gemm takes these from where the two are even, and without them none.
 INT8_X_AMX_ROWS = {4: 24, 8: 32}
 
 
-def quant_tiled_min_rows(bits: int = 4) -> int | None:
+def quant_tiled_min_rows(bits: int = 4, int8_x: bool | None = None) -> int | None:
     """Weight-only products of at least this many rows go through gemm.c's quant_gemm
     (each group of panels dequantised once to bf16, then the bf16 tiles), or None: none
     do. Fewer rows stay on the kernels that read the packed bytes: the int8 panels
-    where x is rounded to int8 (``INT8_X_AMX_ROWS``), else ATen's. Crossovers over
+    where x is rounded to int8 (``int8_x``, default ``int8_activations()``; crossovers
+    in ``INT8_X_AMX_ROWS``), else ATen's. Crossovers over
     ATen measured with benchmarks/cpu_linear.py --quantized, 2 threads, all the
     built-in model's projections:
     - Zen 4 (AVX512-BF16, no AMX): between 4 and 8 rows (at 32 rows 1.9x for int4,
@@ -142,7 +143,7 @@ def quant_tiled_min_rows(bits: int = 4) -> int | None:
     - the same Xeon with AVX512-BF16 dot products only (AMX not granted, or switched
       off): between 16 and 24 (0.98x at 16, 1.13x at 32, 1.25x at 128)."""
     amx = _amx_in_use if _amx_in_use is not None else amx_tiles()
-    if int8_activations():
+    if int8_activations() if int8_x is None else int8_x:
         return INT8_X_AMX_ROWS[bits] if amx else None
     return 24 if cpu_features().amx_bf16 and not amx else 8
 
@@ -168,7 +169,7 @@ _amx_in_use: bool | None = None  # what amx_tiles last found (None: not asked ye
 def _min_rows_while(amx_in_use: bool | None, int8_x: bool, bits: int) -> int | None:
     """quant_tiled_min_rows, once per AMX state and int8 choice: it reads the CPU's
     features (~6 us), and quant_tiled asks on every quantised linear of every step."""
-    return quant_tiled_min_rows(bits)
+    return quant_tiled_min_rows(bits, int8_x)
 
 
 def quant_tiled_rows() -> int:
@@ -189,6 +190,13 @@ def amx_tiles(want: bool | None = None) -> bool:
     return _amx_in_use
 
 
+def int8_grid(k: int, n: int, bits: int) -> bool:
+    """Whether the int8 panels take a product of this shape where x is rounded (int4:
+    every shape quant_gemm takes; int8, ``q8_rows.c``: k a multiple of 64, n of 32).
+    Elsewhere quant_gemm keeps the crossover it has over the float32 kernels."""
+    return bits == 4 or (k % 64 == 0 and n % 32 == 0)
+
+
 def quant_tiled(x: torch.Tensor, linear) -> torch.Tensor | None:
     """``linear(x)`` of a weight-only ``QuantizedLinear`` by quant_gemm (bf16 CPU
     ``x``), or None where it does not apply and ATen's kernel should run: under
@@ -197,7 +205,7 @@ def quant_tiled(x: torch.Tensor, linear) -> torch.Tensor | None:
     if torch.compiler.is_compiling():
         return None
     k, n, bits = linear.in_features, linear.out_features, linear.bits
-    least = _min_rows_while(_amx_in_use, int8_activations(), bits)
+    least = _min_rows_while(_amx_in_use, int8_activations() and int8_grid(k, n, bits), bits)
     if (least is None or x.device.type != "cpu" or x.dtype != torch.bfloat16
             or x.shape[-1] != k or x.numel() < least * k
             or k % 32 or n % (64 if bits == 4 else 16) or not quant_tiled_available(bits)):
@@ -226,11 +234,12 @@ def quant_gemm(x: torch.Tensor, linear) -> torch.Tensor:
 
 
 # At most this many rows go through q8_rows.c where it is built without panel.h's GEMM
-# (more: ATen's kernel). With it (AVX-512 without bf16 arithmetic, AVX2) it takes any
-# number: from 12 rows as a GEMM over converted panels of the weight (2.0x ATen's kernel
-# at 32 rows on an Ice Lake Xeon, 1.6x in its AVX2 build; docs/benchmarks.md). Where
-# quant_gemm's tiles run (from quant_tiled_min_rows(): 8 on AMX and Zen 4) they take
-# those rows first, so q8_rows sees 1-7 there.
+# (more: ATen's kernel). With it (AVX-512, AVX2) it takes any number: from 12 rows as a
+# GEMM over converted panels of the weight (2.0x ATen's kernel at 32 rows on an Ice Lake
+# Xeon, 1.6x in its AVX2 build; docs/benchmarks.md), from 4 with x rounded to int8 over
+# int8 panels (AVX-512 VNNI). Where quant_gemm runs it takes the rows from
+# quant_tiled_min_rows() first: 32 on AMX Xeons with x rounded, none on Zen 4 (8 on both
+# with LLMSERVE_CPU_INT8_ACTIVATIONS=0).
 Q8_ROWS_MAX = 8
 
 

@@ -116,7 +116,8 @@ def _march() -> list[str]:
         return ["-march=haswell"]  # AVX2 + FMA, what torch's AVX2 kernels assume
     if isa == "default" or platform.machine() not in ("x86_64", "AMD64"):
         return []  # the compiler's baseline for the architecture
-    if not onednn_allows_amx(os.environ.get("ONEDNN_MAX_CPU_ISA")):  # as on Zen 4
+    if "amx_tile" in _cpu_signature().split() and not onednn_allows_amx(
+            os.environ.get("ONEDNN_MAX_CPU_ISA")):  # an AMX Xeon acting as a Zen 4
         return ["-march=native", "-mno-amx-tile", "-mno-amx-bf16", "-mno-amx-int8"]
     return ["-march=native"]
 

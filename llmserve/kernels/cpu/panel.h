@@ -1,8 +1,8 @@
 /* Rows of x times a panel of float32 weights: the inner loop of the CPU GEMMs that
  * turn their weight into float32 a panel at a time (int8 codes in q8_rows.c, int4 in
- * decoder.c), for products of many rows on CPUs whose bf16 tiles (gemm.c's quant_gemm)
- * do not run: AVX-512 builds without AVX512-BF16, and AVX2 builds (PANEL_GEMMS;
- * panel_gemms() tells Python).
+ * decoder.c), for products of many rows with x not rounded to int8 where gemm.c's
+ * quant_gemm does not take them: chiefly AVX-512 builds without AVX512-BF16, and AVX2
+ * builds (PANEL_GEMMS; panel_gemms() tells Python).
  *
  * A panel is PANEL_COLS output columns of the weight (PANEL_VECS 16-lane vectors: 32
  * on AVX-512, 16 on AVX2) over a chunk of k of at most PANEL_CHUNK (128) values, stored
@@ -21,10 +21,12 @@
 #include <string.h>
 #include "kernels.h"
 
-/* Built for AVX-512 (Ice Lake and older Xeons; on CPUs with bf16 arithmetic too,
- * whose quant_gemm takes these products where it is faster: the float32 panels there
- * serve the int8 LM head's rows between, and panel_int8.h's layout) and for AVX2
- * (Zen 2/3, Haswell to Broadwell). */
+/* Built for every AVX-512 CPU and for AVX2 (Zen 2/3, Haswell to Broadwell). Where the
+ * CPU has bf16 arithmetic (AMX, Zen 4) quant_gemm or the int8 panels (panel_int8.h,
+ * which use this file's row blocks and stores) take most products; these float32
+ * panels then serve only what neither takes (q8_rows of an LM head off the int8
+ * panels' grid below quant_gemm's crossover, LLMSERVE_CPU_INT8_ACTIVATIONS=0 with
+ * quant_gemm switched off). */
 #if defined(__AVX512F__)
 #define PANEL_GEMMS 1
 #define PANEL_VECS 2

@@ -7,9 +7,9 @@
  * stream's decode step; this one sign-extends 16 codes to float32 lanes and multiplies
  * them by up to 4 rows of x at once, 4 weight rows at a time (2 and 2 on AVX2), and a
  * second group of rows reads the weight tile again from L1, so the weight streams from
- * memory once. From Q8_MANY_ROWS rows (a decode step of many sequences), a build
- * without bf16 arithmetic (AVX-512 without AVX512-BF16, or AVX2) runs a GEMM over
- * panels instead (q8_rows_many); where the CPU has AVX-512 VNNI and the caller asks, from
+ * memory once. From Q8_MANY_ROWS rows (a decode step of many sequences), an AVX-512 or
+ * AVX2 build runs a GEMM over panels instead (q8_rows_many); where the CPU has AVX-512
+ * VNNI and the caller asks, from
  * Q8_INT8_ROWS rows a GEMM over int8 panels with x rounded to int8 (q8_rows_int8). Built
  * into the one library by native.py; declared in kernels.h.
  */

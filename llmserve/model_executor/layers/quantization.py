@@ -86,11 +86,12 @@ class QuantizedLinear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x16 = x.to(torch.bfloat16)
-        # Many rows, eagerly: dequantised into bf16 tiles, or on a CPU without bf16
-        # arithmetic, an int4 weight by the C panel GEMM (or, for long prefill chunks,
-        # into float32 for MKL's GEMM); an int8 weight (the LM head) by q8_rows: a few
-        # rows streamed once, and any number where it has its panel GEMM. The
-        # checks stay out of compiled graphs: a guard on the row count there would
+        # Many rows, eagerly: dequantised into bf16 tiles where that is the fastest
+        # (quant_tiled), else an int4 weight by the C kernel's int8 panels with x rounded
+        # to int8, or on a CPU without bf16 arithmetic its float32 panel GEMM (or, for long
+        # prefill chunks, into float32 for MKL's GEMM); an int8 weight (the LM head) by
+        # q8_rows: a few rows streamed once, and any number where it has its panel GEMMs.
+        # The checks stay out of compiled graphs: a guard on the row count there would
         # compile each layer twice.
         if not torch.compiler.is_compiling():
             y = quant_tiled(x16, self)

@@ -41,11 +41,12 @@ from llmserve.model_executor.models.llama import DecoderLayer
 
 log = logging.getLogger(__name__)
 
-# Where an int4 stack's products are all its own (quant_gemm_rows 0), steps of at most
-# this many rows run in C: its kernel dequantises each weight chunk once per 8 tokens
-# (4 on AVX2), where the per-op path's quant_gemm dequantises each block once for all
-# rows (benchmarks/cpu_decoder.py measures the crossover). With the
-# 8-token tiles, Zen 4, 2 cores, quiet, context 200, op by op / C: 1.57 at 4 rows,
+# Where an int4 stack's products are all its own (quant_gemm_rows 0) and x is not
+# rounded to int8 on a CPU with quant_gemm (LLMSERVE_CPU_INT8_ACTIVATIONS=0 on AMX or
+# Zen 4), steps of at most this many rows run in C: its kernel dequantises each weight
+# chunk once per 8 tokens (4 on AVX2), where the per-op path's quant_gemm dequantises
+# each block once for all rows (benchmarks/cpu_decoder.py measures the crossover). With
+# the 8-token tiles, Zen 4, 2 cores, quiet, context 200, op by op / C: 1.57 at 4 rows,
 # 1.42 at 8, 1.26 at 12, 1.10 at 16, 0.94 at 24. 16 lets two or three streams' drafted
 # steps (1 + k rows each) run in C too.
 MAX_NATIVE_TOKENS = 16
@@ -61,7 +62,8 @@ MAX_NATIVE_TOKENS_AVX2 = 8
 # 64, 1.07 at 128. Past 128 (long prefill chunks) the per-op path's float32 GEMM of
 # dequantised weights (from 384 rows) is the faster.
 MAX_NATIVE_TOKENS_AVX2_PANELS = 128
-# Where quant_gemm does not run (AVX-512 without BF16: no bf16 arithmetic), the C
+# Where quant_gemm does not run (AVX-512 without BF16: no bf16 arithmetic) and x is not
+# rounded to int8 (LLMSERVE_CPU_INT8_ACTIVATIONS=0, or no VNNI), the C
 # stack's products of 16 rows and more are a GEMM over dequantised panels (decoder.c),
 # and it stays ahead of the per-op path up to the engine's default max_num_seqs. Ice
 # Lake Xeon, 2 cores, the default engine, decode steps at context ~200 alternating in
@@ -113,7 +115,7 @@ class NativeDecoder:
                               first.head_dim, layers[0].mlp.intermediate, block_n,
                               layers[0].input_layernorm.eps, first.scale, cache.shape[1],
                               cache.shape[2], int(int8_activations()), 0)
-        self.dims.quant_gemm_rows = self.quant_gemm_rows()
+        self.refresh_dims()
         # The tensors the pointers point into: kept alive as long as this is.
         self._keep = [t for layer in layers for t in layer_tensors(layer)]
         self.layers = (StackLayer * len(layers))(*(
@@ -151,6 +153,13 @@ class NativeDecoder:
             self._int4_measured[threads] = int4_takes_quant_gemm(self._int4, threads)
         return quant_tiled_rows() if self._int4_measured[threads] else 0
 
+    def refresh_dims(self) -> None:
+        """The choices the per-op path makes on every call (the AMX state, the thread
+        count, ``LLMSERVE_CPU_INT8_ACTIVATIONS``), for the stack's next call: the two
+        paths then compute a product with the same kernel."""
+        self.dims.quant_gemm_rows = self.quant_gemm_rows()
+        self.dims.int8_x = int(int8_activations())
+
     def applies(self, num_tokens: int, meta) -> bool:
         """A step whose rows are all C-kernel rows in order (``all_rows_native``: row i
         is query i, with its own block-table row and causal context length, which is
@@ -171,7 +180,7 @@ class NativeDecoder:
         cos = cos.reshape(tokens, -1).float().contiguous()  # the C side reads float32
         sin = sin.reshape(tokens, -1).float().contiguous()
         plan = meta.plan
-        self.dims.quant_gemm_rows = self.quant_gemm_rows()
+        self.refresh_dims()
         rc = self._lib.stack_decode_layers(
             torch.get_num_threads(), ctypes.byref(self.dims), self.layers, self.num_layers,
             x.data_ptr(), tokens, cos.data_ptr(), sin.data_ptr(), meta.slot_mapping.data_ptr(),
