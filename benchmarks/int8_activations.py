@@ -5,11 +5,11 @@ log-likelihoods with int4 weights and x in float32 or rounded to int8 (``panel_i
 Three engines, one after the other, in this process:
   * float32, unquantised: the reference;
   * int4 (``--quantization auto``), x in float32 (``LLMSERVE_CPU_INT8_ACTIVATIONS=0``);
-  * int4, x rounded to int8 per group of 32 (the default where the CPU has AVX-512 VNNI,
-    on AMX Xeons for products below the AMX tiles' crossover, ``gemm.INT8_X_AMX_ROWS``;
-    and on AVX2 builds, where the int8 LM head keeps x in float32, so this engine is
-    the table's "int4 products only" row). On CPUs with bf16 arithmetic "x in float32"
-    is x in bf16 (the serving dtype).
+  * int4, x rounded to int8 per group of 32 (the default where the CPU has AVX-512 VNNI
+    and no AMX tiles in use, ``gemm.rounds_x_to_int8``; and on AVX2 builds, where the
+    int8 LM head keeps x in float32, so this engine is the table's "int4 products only"
+    row). On CPUs with bf16 arithmetic "x in float32" is x in bf16 (the serving dtype);
+    with AMX tiles in use both int4 engines keep x in bf16.
 Each scores the 40 questions of the task the repository ships (benchmarks/data/lm_eval:
 the log-likelihood of every choice after "Answer:", prompt logprobs) and continues 16 of
 them greedily for 48 tokens, all at once (decode steps of 16 rows: the C decoder stack,

@@ -9,8 +9,9 @@ kernel with x in float32 (its tiles below 16 rows, float32 panels above) and rou
 int8, plus, from the float32 copy of the weight, MKL's float32 GEMM (what long prefill
 chunks took before); and the int8 LM head [49152 x 576] through q8_rows both ways.
 Where quant_gemm is built: the same products through it (bf16 x; AMX tiles where
-granted, VDPBF16PS dot products as on Zen 4), which is what sets
-``gemm.INT8_X_AMX_ROWS``. Prints best-of times and the ratios (>1: int8 faster).
+granted, VDPBF16PS dot products as on Zen 4), which is why ``gemm.rounds_x_to_int8``
+leaves quant_gemm no product without AMX tiles. Prints best-of times and the ratios
+(>1: int8 faster).
 Needs a build with the int8 panels: AVX-512 VNNI, or AVX2 (there the int4 layer only:
 both LM head columns are its float32 path). Elsewhere both columns are the float32 path.
 

@@ -282,34 +282,31 @@ def test_an_int4_stack_takes_quant_gemm_for_many_rows_bit_for_bit(int4_llm, monk
 INT8_STACK = pytest.mark.skipif(not (gemm.quant_tiled_available(4)
                                      and cpu_decoder.int8_activations()),
                                 reason="needs quant_gemm and the int8 panels (AVX-512 "
-                                       "VNNI with bf16 arithmetic: AMX, Zen 4)")
+                                       "VNNI with bf16 arithmetic: Zen 4, AMX)")
 
 
 @INT8_STACK
 @pytest.mark.parametrize("tiles", ["amx", "none"])
-def test_an_int4_stack_rounds_x_where_the_int8_panels_beat_quant_gemm(int4_llm, tiles,
-                                                                      monkeypatch):
-    """x rounded to int8 (the default on AMX and Zen 4): from 3 rows the stack's int4
-    products are the per-op path's int8 panels, bit for bit, up to where quant_gemm
-    takes both paths' products (AMX tiles: gemm.INT8_X_AMX_ROWS; without them, never:
-    then steps of up to MAX_NATIVE_TOKENS_INT8_X rows run in C)."""
+def test_an_int4_stack_rounds_x_exactly_where_the_per_op_path_does(int4_llm, tiles,
+                                                                   monkeypatch):
+    """Without AMX tiles in use (Zen 4) x is rounded to int8: from 3 rows the stack's
+    int4 products are the per-op path's int8 panels, bit for bit, and steps of up to
+    MAX_NATIVE_TOKENS_INT8_X rows run in C. With the tiles x stays bf16 in both paths
+    (the stack's own tiles, then quant_gemm from 8 rows)."""
     if tiles == "amx" and not gemm.amx_tiles():
         pytest.skip("no AMX tiles here (CPU, compiler or OS)")
     monkeypatch.delenv("LLMSERVE_CPU_INT8_ACTIVATIONS", raising=False)
     decoder = int4_llm.engine.runner.model.model.native_decoder
-    decoder.refresh_dims()
-    assert decoder.dims.int8_x == 1
     was = gemm.amx_tiles()
     try:
         gemm.amx_tiles(tiles == "amx")
-        least = gemm.INT8_X_AMX_ROWS[4] if tiles == "amx" else 0
-        assert decoder.quant_gemm_rows() == least
-        meta = assert_the_stack_is_the_torch_layers(int4_llm, 12)  # int8 panels, both
-        limit = native_decoder.MAX_NATIVE_TOKENS_INT8_X
+        decoder.refresh_dims()
+        assert decoder.dims.int8_x == (tiles == "none")
+        assert decoder.quant_gemm_rows() == (8 if tiles == "amx" else 0)
+        meta = assert_the_stack_is_the_torch_layers(int4_llm, 12)
+        limit = native_decoder.MAX_NATIVE_TOKENS_INT8_X if tiles == "none" else 16
         assert decoder.applies(limit, meta)
         assert decoder.applies(limit + 1, meta) == (tiles == "amx")
-        if tiles == "amx":
-            assert_the_stack_is_the_torch_layers(int4_llm, least)  # quant_gemm, both
     finally:
         gemm.amx_tiles(was)
 
@@ -435,7 +432,7 @@ def test_qwen2_shapes_with_biases_match_the_torch_layers(seed, quantization, mon
     decoder = NativeDecoder.try_build(model)
     assert decoder is not None
     if quantization == "int4-quant_gemm":  # quant_gemm for the 5 rows, op by op and in C
-        monkeypatch.setattr(gemm, "_min_rows_while", lambda amx_in_use, int8_x, bits: 1)
+        monkeypatch.setattr(gemm, "_min_rows_while", lambda amx_in_use, int8_x: 1)
     seq_lens, block_size = [1, 5, 17, 33, 48], 16
     free = iter(torch.randperm(24).tolist())
     tables = [[next(free) for _ in range(-(-n // block_size))] for n in seq_lens]
@@ -480,10 +477,10 @@ def test_the_row_limit_follows_the_cpu_kind(monkeypatch):
     they do not run and the library has its panel GEMM (AVX-512 without bf16, and
     AVX2's 32-column pack), or where x is rounded to int8 (the stack's products are
     then the per-op path's int8 panels); without the panels, 32 and (AVX2) 8."""
-    monkeypatch.setattr(native_decoder, "int8_activations", lambda: True)
+    monkeypatch.setattr(native_decoder, "rounds_x_to_int8", lambda: True)
     monkeypatch.setattr(native_decoder, "quant_tiled_available", lambda bits: True)
     assert native_decoder.max_native_tokens(64) == native_decoder.MAX_NATIVE_TOKENS_INT8_X
-    monkeypatch.setattr(native_decoder, "int8_activations", lambda: False)
+    monkeypatch.setattr(native_decoder, "rounds_x_to_int8", lambda: False)
     assert native_decoder.max_native_tokens(64) == native_decoder.MAX_NATIVE_TOKENS == 16
     monkeypatch.setattr(native_decoder, "quant_tiled_available", lambda bits: False)
     monkeypatch.setattr(native_decoder, "panel_gemms_built", lambda: True)

@@ -303,7 +303,7 @@ def test_an_int8_weight_off_the_panels_grid_keeps_x_in_float32(out_features, in_
 
 
 @needs_kernel_here
-def test_it_is_the_default_unless_switched_off(monkeypatch):
+def test_it_is_the_default_unless_switched_off(monkeypatch, without_amx_tiles):
     lin = quantized(960, 576, True, seed=0)
     x = torch.randn(40, 576).to(torch.bfloat16)
     head = quantized(960, 576, True, seed=0, bits=8)
@@ -344,30 +344,27 @@ def test_the_layer_rounds_x_from_int8_min_rows_on(rows, monkeypatch, without_amx
     assert not dequant.dequant_applies(x[:INT8_MIN_ROWS - 1], lin)
 
 
-@needs_kernel_here
-@pytest.mark.parametrize("bits", [4, 8])
-def test_amx_tiles_take_the_products_from_their_crossover(bits, monkeypatch):
-    """With AMX tiles, quant_gemm beats the int8 panels from gemm.INT8_X_AMX_ROWS rows
-    (int4 24, the int8 LM head 32): the torch layer takes the panels below, the tiles
-    from there; so does the C stack (quant_tiled_rows)."""
+def test_amx_tiles_keep_x_in_bf16(monkeypatch):
+    """Where AMX tiles are in use x is not rounded at any row count: quant_gemm's tiles
+    from 8 rows, ATen's kernel and q8_rows' float32 tiles below, as before the int8
+    panels were built here (a switch between the two at some row count would make a
+    prompt's logits depend on how many of its tokens a step computes)."""
     if not gemm.amx_tiles():
         pytest.skip("no AMX tiles here (CPU, compiler or OS)")
     monkeypatch.delenv("LLMSERVE_CPU_INT8_ACTIVATIONS", raising=False)
-    monkeypatch.setenv("LLMSERVE_BF16_GEMM", "native")  # any shape, not only those measured
-    least = gemm.INT8_X_AMX_ROWS[bits]
-    assert gemm.quant_tiled_min_rows(bits) == least
-    assert bits == 8 or gemm.quant_tiled_rows() == least
-    lin = quantized(960, 576, False, seed=bits, bits=bits)
-    x = torch.randn(least, 576).to(torch.bfloat16)
-    assert torch.equal(lin(x), gemm.quant_gemm(x, lin))
-    few = x[:least - 1]
-    assert gemm.quant_tiled(few, lin) is None
-    assert torch.equal(lin(few), product(few, lin, int8_x=True))
-    assert not torch.equal(lin(few), product(few, lin, int8_x=False))
+    assert decoder.int8_activations() and not gemm.rounds_x_to_int8()
+    assert gemm.quant_tiled_min_rows() == 8 and gemm.quant_tiled_rows() == 8
+    lin = quantized(960, 576, False, seed=4)
+    head = quantized(4096, 576, False, seed=4, bits=8)
+    x = torch.randn(7, 576).to(torch.bfloat16)
+    assert not dequant.dequant_applies(x, lin)
+    assert torch.equal(q8_rows(x, head), q8_rows(x, head, int8_x=False))
+    assert not torch.equal(q8_rows(x, head), q8_rows(x, head, int8_x=True))
 
 
 @needs_kernel_here
-def test_an_int8_weight_off_the_int8_grid_keeps_quant_gemms_crossover(monkeypatch):
+def test_an_int8_weight_off_the_int8_grid_keeps_quant_gemms_crossover(monkeypatch,
+                                                                      without_amx_tiles):
     """An LM head whose width the int8 panels do not take (n % 32 == 16: a vocabulary
     of 32,016, say) is not declined by quant_gemm for them: it keeps the crossover
     quant_gemm has over the float32 kernels."""
@@ -375,7 +372,8 @@ def test_an_int8_weight_off_the_int8_grid_keeps_quant_gemms_crossover(monkeypatc
         pytest.skip("quant_gemm needs AVX512-BF16")
     monkeypatch.delenv("LLMSERVE_CPU_INT8_ACTIVATIONS", raising=False)
     monkeypatch.setenv("LLMSERVE_BF16_GEMM", "native")  # any shape, not only those measured
-    least = gemm.quant_tiled_min_rows(8, int8_x=False)
+    assert gemm.rounds_x_to_int8() and gemm.quant_tiled_min_rows() is None
+    least = gemm.quant_tiled_min_rows(int8_x=False)
     head = quantized(944, 576, False, seed=5, bits=8)
     x = torch.randn(least, 576).to(torch.bfloat16)
     assert torch.equal(head(x), gemm.quant_gemm(x, head))
@@ -396,8 +394,7 @@ def without_amx_routing_check() -> list:
     lin = quantized(960, 576, False, seed=2)
     x = torch.randn(600, 576).to(torch.bfloat16)
     return [cpu_features().amx_bf16, gemm.amx_tiles(), gemm.quant_tiled_available(4),
-            decoder.int8_activations(), gemm.quant_tiled_min_rows(4),
-            gemm.quant_tiled_min_rows(8),
+            gemm.rounds_x_to_int8(), gemm.quant_tiled_min_rows(),
             torch.equal(lin(x), q4_matmul(x, lin, int8_x=True))]
 
 
@@ -408,8 +405,7 @@ def test_an_amx_xeon_told_no_amx_routes_as_zen_4():
     if not has_avx512_bf16():
         pytest.skip("the CPU has no AVX512-BF16 with VNNI")
     assert run_with({"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"},
-                    "without_amx_routing_check") == [False, False, True, True, None, None,
-                                                     True]
+                    "without_amx_routing_check") == [False, False, True, True, None, True]
 
 
 def without_bf16_routing_check() -> list:

@@ -190,19 +190,19 @@ def test_an_avx2_build_has_no_native_gemm_and_keeps_onednn():
 def test_the_quant_tiles_crossover_follows_the_cpu_kind(monkeypatch):
     """Where quant_gemm starts to pay, per CPU kind as measured (gemm.py): over ATen's
     kernels, 8 rows without AMX and with AMX tiles, 24 on an AMX CPU multiplying
-    without them; over the int8 panels where x is rounded to int8, 24 rows for int4
-    and 32 for int8 with AMX tiles, never without; and the tiles are not kept off by
-    oneDNN computing the dense bf16 linears there."""
+    without them; where x is rounded to int8 (the int8 panels built, AMX tiles not in
+    use), never; and the tiles are not kept off by oneDNN computing the dense bf16
+    linears there."""
     from llmserve.kernels.cpu import gemm
-    for int8_x, amx_cpu, tiles, rows in (
-            (False, False, False, (8, 8)), (False, True, True, (8, 8)),
-            (False, True, False, (24, 24)), (True, True, True, (24, 32)),
-            (True, True, False, (None, None)), (True, False, False, (None, None))):
+    for panels, amx_cpu, tiles, rows in (
+            (False, False, False, 8), (False, True, True, 8), (False, True, False, 24),
+            (True, True, True, 8), (True, True, False, None), (True, False, False, None)):
         features = dataclasses.replace(gemm.cpu_features(), amx_bf16=amx_cpu)
         monkeypatch.setattr(gemm, "cpu_features", lambda f=features: f)
-        monkeypatch.setattr(gemm, "int8_activations", lambda on=int8_x: on)
+        monkeypatch.setattr(gemm, "int8_activations", lambda on=panels: on)
         monkeypatch.setattr(gemm, "_amx_in_use", tiles)
-        assert (gemm.quant_tiled_min_rows(4), gemm.quant_tiled_min_rows(8)) == rows
+        assert gemm.rounds_x_to_int8() == (panels and not tiles)
+        assert gemm.quant_tiled_min_rows() == rows
     if native_gemm_available() and int4_pack_block_n() == 64:
         assert quant_tiled_available(4) and quant_tiled_available(8)
 
@@ -296,7 +296,7 @@ def test_quantized_linears_take_the_tiles_from_enough_rows(bits, monkeypatch):
     (any leading shape; the input's dtype kept), by ATen's kernel below (x not rounded
     to int8: the int8 panels' own crossover is test_cpu_int8_panels')."""
     monkeypatch.setenv("LLMSERVE_CPU_INT8_ACTIVATIONS", "0")
-    least = quant_tiled_min_rows(bits)
+    least = quant_tiled_min_rows()
     lin = quantized_linear(bits, 128, 64, bias=True, seed=0)
     many = torch.randn(2, least, 64).to(torch.bfloat16)
     few = torch.randn(least - 1, 64).to(torch.bfloat16)

@@ -10,12 +10,11 @@ a scratch reused from call to call) and let MKL's float32 GEMM multiply. Either 
 weight is still stored, and streamed by decode steps, in int4. Fewer rows keep the
 kernels that read the packed bytes (the C decoder stack, ATen).
 
-Where the CPU has AVX-512 VNNI (Ice Lake, Cascade Lake; and Zen 4 and AMX Xeons, which
-have bf16 arithmetic too) or only AVX2 (Zen 2/3, Haswell to Broadwell), x is rounded to
-int8 instead (``decoder.int8_activations``, ``panel_int8.h``), and the C kernel's int8
-panels take every product from ``INT8_MIN_ROWS`` rows, long prefill chunks included,
-except those that gemm.c's quant_gemm takes first where it is faster (AMX tiles, from
-``gemm.INT8_X_AMX_ROWS``).
+Where the CPU has AVX-512 VNNI (Ice Lake, Cascade Lake; and Zen 4, which has bf16
+arithmetic too, but not AMX Xeons using their tiles) or only AVX2 (Zen 2/3, Haswell to
+Broadwell), x is rounded to int8 instead (``gemm.rounds_x_to_int8``, ``panel_int8.h``),
+and the C kernel's int8 panels take every product from ``INT8_MIN_ROWS`` rows, long
+prefill chunks included.
 """
 
 from __future__ import annotations
@@ -26,7 +25,8 @@ import threading
 
 import torch
 
-from llmserve.kernels.cpu.decoder import int4_pack_block_n, int8_activations, q4_matmul, q4_struct
+from llmserve.kernels.cpu.decoder import int4_pack_block_n, q4_matmul, q4_struct
+from llmserve.kernels.cpu.gemm import rounds_x_to_int8
 from llmserve.kernels.cpu.native import decode_kernel, panel_gemms_built
 from llmserve.platforms.cpu import cpu_features
 
@@ -38,7 +38,7 @@ from llmserve.platforms.cpu import cpu_features
 # over the panel GEMM: ~1.2x at 16 rows, 1.5x at 32.
 PANEL_MIN_ROWS = 16
 DEQUANT_MIN_ROWS = 384
-# Where x is rounded to int8 (decoder.int8_activations), the C kernel's int8 panels take
+# Where x is rounded to int8 (gemm.rounds_x_to_int8), the C kernel's int8 panels take
 # every product from this many rows (decoder.c's Q4_INT8_ROWS): the same layers, 2 threads,
 # over the float32 panels 2.2-2.9x at 16-512 rows, over the float32 copy and MKL 2.3x at
 # 512; over ATen's and the C tiles 1.3x at 3 rows, 1.8-3.5x at 4-14.
@@ -83,15 +83,15 @@ def int4_runs_in_float32() -> bool:
 
 def dequant_applies(x: torch.Tensor, linear) -> bool:
     """``quant_dense_f32``'s domain: an eager int4 CPU product, a shape on ATen's pack
-    grid, of at least INT8_MIN_ROWS rows where x is rounded to int8 (every AVX-512 VNNI
-    or AVX2 build: ``int8_activations``; on CPUs with bf16 arithmetic, the rows that
-    ``gemm.quant_tiled``, asked first, leaves), else of at least PANEL_MIN_ROWS where
-    ``int4_runs_in_float32`` (AVX-512 without bf16 arithmetic, AVX2)."""
+    grid, of at least INT8_MIN_ROWS rows where x is rounded to int8 (AVX-512 VNNI or
+    AVX2 builds, AMX tiles not in use: ``gemm.rounds_x_to_int8``), else of at least
+    PANEL_MIN_ROWS where ``int4_runs_in_float32`` (AVX-512 without bf16 arithmetic,
+    AVX2)."""
     k, n = linear.in_features, linear.out_features
     if (linear.bits != 4 or x.device.type != "cpu" or x.shape[-1] != k
             or x.numel() < INT8_MIN_ROWS * k or torch.compiler.is_compiling()):
         return False
-    if int8_activations():
+    if rounds_x_to_int8():
         return n % int4_pack_block_n() == 0 and k % 32 == 0
     if x.numel() < PANEL_MIN_ROWS * k or not int4_runs_in_float32():
         return False
@@ -124,14 +124,16 @@ def column_step(k: int, n: int) -> int:
 
 def quant_dense_f32(x: torch.Tensor, linear) -> torch.Tensor:
     """``linear(x)`` in ``x``'s dtype, ``dequant_applies`` checked by the caller: the C
-    kernel's int8 panels where x is rounded to int8 (``int8_activations``), else below
+    kernel's int8 panels where x is rounded to int8 (``rounds_x_to_int8``), else below
     DEQUANT_MIN_ROWS rows its float32 panel GEMM; from there the weight dequantised to
     float32, then the float32 GEMM (plus the bias). A weight too big for the scratch
     goes a chunk of columns at a time (for small ones one whole GEMM measured faster
     than chunks sized for L2: many narrow GEMMs)."""
     k, n = linear.in_features, linear.out_features
-    if x.numel() < DEQUANT_MIN_ROWS * k or int8_activations():
-        return q4_matmul(x.reshape(-1, k), linear).to(x.dtype).view(*x.shape[:-1], n)
+    int8_x = rounds_x_to_int8()
+    if x.numel() < DEQUANT_MIN_ROWS * k or int8_x:
+        y = q4_matmul(x.reshape(-1, k), linear, int8_x=int8_x)
+        return y.to(x.dtype).view(*x.shape[:-1], n)
     rows = x.reshape(-1, k).float()
     step = column_step(k, n)
     if step == n:

@@ -116,25 +116,28 @@ def gemm_backend() -> str:
     return "onednn" if cpu_features().amx_bf16 and not amx_tiles() else "native"
 
 
-# Where x is rounded to int8 (``decoder.int8_activations``), the int8 panels of an AVX-512
-# VNNI build (panel_int8.h) take a product of many rows with 64 multiplies per
-# instruction, against VDPBF16PS's 32 after dequantising each weight to bf16. On the AMX
-# Xeon, 2 threads, the built-in model's four int4 projections of a layer, quant_gemm's
-# time over the int8 panels' (benchmarks/int8_products.py --quant-gemm): with AMX tiles
-# 1.83x at 8 rows, 1.26 at 16, 1.03 at 24, 0.84 at 32, 0.30 at 512; the int8 LM head
-# 2.00x at 8, 1.28 at 24, 1.04 at 32, 0.84 at 48; without the tiles (VDPBF16PS, as on
-# Zen 4) 2.6-3.2x at 3-512 rows for the layer and 2.3-4.4x for the LM head
-# (docs/benchmarks.md, "int8 products on CPUs with bf16 arithmetic"). So with AMX
-# tiles quant_gemm takes these from where the two are even, and without them none.
-INT8_X_AMX_ROWS = {4: 24, 8: 32}
+def rounds_x_to_int8() -> bool:
+    """Whether int4 products of 3 rows and more (and the int8 LM head's of 4 and more)
+    round x to int8 here now: where the library has the int8 panels
+    (``decoder.int8_activations``: AVX-512 VNNI or AVX2) and AMX tiles are not in use.
+    Where they are, every product keeps x in bf16: quant_gemm's tiles are faster from
+    24 rows (32 for the LM head) and the int8 panels below, but a switch between the two
+    at some row count makes a prompt's logits depend on how many of its tokens the step
+    computes (a prefix-cache hit leaves a few), and a greedy answer near a tie flipped
+    with it in the e2e tests, for 4 % more throughput (docs/benchmarks.md, "int8
+    products on CPUs with bf16 arithmetic"). Without the tiles (Zen 4) the int8 panels
+    win at every row count and take them all, as on Ice Lake."""
+    amx = _amx_in_use if _amx_in_use is not None else amx_tiles()
+    return not amx and int8_activations()
 
 
-def quant_tiled_min_rows(bits: int = 4, int8_x: bool | None = None) -> int | None:
+def quant_tiled_min_rows(int8_x: bool | None = None) -> int | None:
     """Weight-only products of at least this many rows go through gemm.c's quant_gemm
     (each group of panels dequantised once to bf16, then the bf16 tiles), or None: none
-    do. Fewer rows stay on the kernels that read the packed bytes: the int8 panels
-    where x is rounded to int8 (``int8_x``, default ``int8_activations()``; crossovers
-    in ``INT8_X_AMX_ROWS``), else ATen's. Crossovers over
+    do, where x is rounded to int8 (``int8_x``, default ``rounds_x_to_int8()``: the int8
+    panels take them all, 2.6-3.2x faster than quant_gemm's VDPBF16PS for int4, 2.3-4.4x
+    for the LM head). Fewer rows stay on ATen's kernels, which read the packed bytes.
+    Crossovers over
     ATen measured with benchmarks/cpu_linear.py --quantized, 2 threads, all the
     built-in model's projections:
     - Zen 4 (AVX512-BF16, no AMX): between 4 and 8 rows (at 32 rows 1.9x for int4,
@@ -142,9 +145,9 @@ def quant_tiled_min_rows(bits: int = 4, int8_x: bool | None = None) -> int | Non
     - AMX Xeon with AMX tiles: between 4 and 8 (1.33x at 8, 3.9x at 32, 8.2x at 128);
     - the same Xeon with AVX512-BF16 dot products only (AMX not granted, or switched
       off): between 16 and 24 (0.98x at 16, 1.13x at 32, 1.25x at 128)."""
+    if rounds_x_to_int8() if int8_x is None else int8_x:
+        return None
     amx = _amx_in_use if _amx_in_use is not None else amx_tiles()
-    if int8_activations() if int8_x is None else int8_x:
-        return INT8_X_AMX_ROWS[bits] if amx else None
     return 24 if cpu_features().amx_bf16 and not amx else 8
 
 
@@ -166,17 +169,17 @@ _amx_in_use: bool | None = None  # what amx_tiles last found (None: not asked ye
 
 
 @functools.cache
-def _min_rows_while(amx_in_use: bool | None, int8_x: bool, bits: int) -> int | None:
+def _min_rows_while(amx_in_use: bool | None, int8_x: bool) -> int | None:
     """quant_tiled_min_rows, once per AMX state and int8 choice: it reads the CPU's
     features (~6 us), and quant_tiled asks on every quantised linear of every step."""
-    return quant_tiled_min_rows(bits, int8_x)
+    return quant_tiled_min_rows(int8_x)
 
 
 def quant_tiled_rows() -> int:
     """From how many rows quant_tiled takes an int4 product now (for the AMX state
     last asked), 0 for none: what the C decoder stack follows for its own int4
     products."""
-    return _min_rows_while(_amx_in_use, int8_activations(), 4) or 0
+    return _min_rows_while(_amx_in_use, rounds_x_to_int8()) or 0
 
 
 def amx_tiles(want: bool | None = None) -> bool:
@@ -205,7 +208,7 @@ def quant_tiled(x: torch.Tensor, linear) -> torch.Tensor | None:
     if torch.compiler.is_compiling():
         return None
     k, n, bits = linear.in_features, linear.out_features, linear.bits
-    least = _min_rows_while(_amx_in_use, int8_activations() and int8_grid(k, n, bits), bits)
+    least = _min_rows_while(_amx_in_use, rounds_x_to_int8() and int8_grid(k, n, bits))
     if (least is None or x.device.type != "cpu" or x.dtype != torch.bfloat16
             or x.shape[-1] != k or x.numel() < least * k
             or k % 32 or n % (64 if bits == 4 else 16) or not quant_tiled_available(bits)):
@@ -238,8 +241,8 @@ def quant_gemm(x: torch.Tensor, linear) -> torch.Tensor:
 # GEMM over converted panels of the weight (2.0x ATen's kernel at 32 rows on an Ice Lake
 # Xeon, 1.6x in its AVX2 build; docs/benchmarks.md), from 4 with x rounded to int8 over
 # int8 panels (AVX-512 VNNI). Where quant_gemm runs it takes the rows from
-# quant_tiled_min_rows() first: 32 on AMX Xeons with x rounded, none on Zen 4 (8 on both
-# with LLMSERVE_CPU_INT8_ACTIVATIONS=0).
+# quant_tiled_min_rows() first: 8 on AMX Xeons using their tiles, none on Zen 4 (where x
+# is rounded; 8 with LLMSERVE_CPU_INT8_ACTIVATIONS=0).
 Q8_ROWS_MAX = 8
 
 
@@ -261,7 +264,7 @@ def q8_rows(x: torch.Tensor, linear, int8_x: bool | None = None) -> torch.Tensor
     a 2-core Xeon, ATen's one-row kernel ~12; docs/benchmarks.md), or None where it does not
     apply: other bits, more rows than q8_rows_max(), a width off its grid, under
     torch.compile, no kernel. From Q8_INT8_MIN_ROWS rows x is rounded to int8 where
-    ``int8_x`` (default: ``decoder.int8_activations()``) and the library has that path
+    ``int8_x`` (default: ``rounds_x_to_int8()``) and the library has that path
     (``native.q8_rows_int8_built()``: AVX-512 VNNI builds; an AVX2 build ignores int8_x)."""
     k, n = linear.in_features, linear.out_features
     if (linear.bits != 8 or x.device.type != "cpu" or x.dtype != torch.bfloat16
@@ -273,7 +276,7 @@ def q8_rows(x: torch.Tensor, linear, int8_x: bool | None = None) -> torch.Tensor
     lib = decode_kernel()
     if lib is None:
         return None
-    int8_x = int8_activations() if int8_x is None else int8_x
+    int8_x = rounds_x_to_int8() if int8_x is None else int8_x
     rows = _kernel_rows(x, k)
     bias = None if linear.bias is None else linear.bias.float()
     y = torch.empty(rows.shape[0], n, dtype=torch.bfloat16)

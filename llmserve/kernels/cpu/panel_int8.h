@@ -1,6 +1,6 @@
 /* int4 products of many rows with x rounded to int8: AVX-512 with VNNI (Ice Lake and
- * Cascade Lake Xeons; Zen 4 and AMX Xeons too, where they beat gemm.c's quant_gemm:
- * gemm.INT8_X_AMX_ROWS) and AVX2 (Zen 2/3, Haswell to Broadwell). decoder.c's
+ * Cascade Lake Xeons; Zen 4 too, where they beat gemm.c's quant_gemm at every row
+ * count: gemm.rounds_x_to_int8) and AVX2 (Zen 2/3, Haswell to Broadwell). decoder.c's
  * q4_matmul takes them where PANEL_INT8 is built and the caller
  * asks (q4_linear_bf16's int8_x, stack_dims'); q8_rows.c's int8 LM head where
  * PANEL_INT8_VNNI is.

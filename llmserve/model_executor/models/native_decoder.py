@@ -25,7 +25,6 @@ from llmserve.kernels.cpu.decoder import (
     StackLayer,
     bf16_struct,
     int4_pack_block_n,
-    int8_activations,
     q4_struct,
 )
 from llmserve.kernels.cpu.gemm import (
@@ -33,6 +32,7 @@ from llmserve.kernels.cpu.gemm import (
     native_measured,
     quant_tiled_available,
     quant_tiled_rows,
+    rounds_x_to_int8,
 )
 from llmserve.kernels.cpu.native import decode_kernel, panel_gemms_built
 from llmserve.model_executor.layers.cpu_linear import NativeLinear
@@ -73,12 +73,12 @@ MAX_NATIVE_TOKENS_WITHOUT_BF16 = 128
 # The same CPUs with a library built without the panel GEMM (its 8-row tiles only):
 # 0.87 at 48 rows, 1.47 at 32 (the limit before the panels).
 MAX_NATIVE_TOKENS_TILES_ONLY = 32
-# Where x is rounded to int8 (AVX-512 VNNI, with or without bf16 arithmetic), the
-# stack's products from 3 rows are the same int8 panels as the per-op path's, and it
-# runs steps up to the engine's default max_num_seqs in C (where quant_gemm takes the
-# products from gemm.INT8_X_AMX_ROWS, steps of any size). AMX Xeon, AMX tiles off (as
-# Zen 4), benchmarks/cpu_decoder.py --quantization int4, op by op / C: see
-# docs/benchmarks.md, "int8 products on CPUs with bf16 arithmetic".
+# Where x is rounded to int8 (gemm.rounds_x_to_int8: AVX-512 VNNI without AMX tiles in
+# use, with or without bf16 arithmetic), the stack's products from 3 rows are the same
+# int8 panels as the per-op path's, and it runs steps up to the engine's default
+# max_num_seqs in C. AMX Xeon with its tiles off (as Zen 4),
+# benchmarks/cpu_decoder.py --quantization int4, op by op / C: 1.36 at 8 rows, 1.27 at
+# 32, 1.10 at 128 (docs/benchmarks.md, "int8 products on CPUs with bf16 arithmetic").
 MAX_NATIVE_TOKENS_INT8_X = 128
 
 
@@ -89,7 +89,7 @@ def max_native_tokens(block_n: int) -> int | None:
         return None
     if block_n != 64:
         return MAX_NATIVE_TOKENS_AVX2_PANELS if panel_gemms_built() else MAX_NATIVE_TOKENS_AVX2
-    if int8_activations():  # its products from 3 rows are the per-op path's int8 panels
+    if rounds_x_to_int8():  # its products from 3 rows are the per-op path's int8 panels
         return MAX_NATIVE_TOKENS_INT8_X
     if quant_tiled_available(4):
         return MAX_NATIVE_TOKENS
@@ -114,7 +114,7 @@ class NativeDecoder:
         self.dims = StackDims(c.hidden_size, first.num_heads, first.num_kv_heads,
                               first.head_dim, layers[0].mlp.intermediate, block_n,
                               layers[0].input_layernorm.eps, first.scale, cache.shape[1],
-                              cache.shape[2], int(int8_activations()), 0)
+                              cache.shape[2], 0, 0)
         self.refresh_dims()
         # The tensors the pointers point into: kept alive as long as this is.
         self._keep = [t for layer in layers for t in layer_tensors(layer)]
@@ -158,7 +158,7 @@ class NativeDecoder:
         count, ``LLMSERVE_CPU_INT8_ACTIVATIONS``), for the stack's next call: the two
         paths then compute a product with the same kernel."""
         self.dims.quant_gemm_rows = self.quant_gemm_rows()
-        self.dims.int8_x = int(int8_activations())
+        self.dims.int8_x = int(rounds_x_to_int8())
 
     def applies(self, num_tokens: int, meta) -> bool:
         """A step whose rows are all C-kernel rows in order (``all_rows_native``: row i
