@@ -484,6 +484,9 @@ def test_the_row_limit_follows_the_cpu_kind(monkeypatch):
     assert native_decoder.max_native_tokens(64) == native_decoder.MAX_NATIVE_TOKENS == 16
     monkeypatch.setattr(native_decoder, "quant_tiled_available", lambda bits: False)
     monkeypatch.setattr(native_decoder, "panel_gemms_built", lambda: True)
+    monkeypatch.setattr(native_decoder, "native_gemm_available", lambda: True)
+    assert native_decoder.max_native_tokens(64) == 32  # bf16 CPU, quant_gemm kept out
+    monkeypatch.setattr(native_decoder, "native_gemm_available", lambda: False)
     assert native_decoder.max_native_tokens(64) == 128
     assert native_decoder.max_native_tokens(32) == 128  # MAX_NATIVE_TOKENS_AVX2_PANELS
     monkeypatch.setattr(native_decoder, "panel_gemms_built", lambda: False)

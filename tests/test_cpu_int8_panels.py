@@ -32,7 +32,7 @@ from llmserve.kernels.cpu.native import (
     panel_int8_built,
     q8_rows_int8_built,
 )
-from llmserve.model_executor.layers.quantization import QuantizedLinear
+from llmserve.model_executor.layers.quantization import QuantizedLinear, weight_only_mm
 
 MIN_ROWS = {4: INT8_MIN_ROWS, 8: Q8_INT8_MIN_ROWS}
 SHAPES = {4: [(960, 576), (128, 64), (3072, 576), (576, 1536), (192, 96)],  # 96: k % 64 == 32
@@ -309,12 +309,14 @@ def test_it_is_the_default_unless_switched_off(monkeypatch, without_amx_tiles):
     head = quantized(960, 576, True, seed=0, bits=8)
     monkeypatch.delenv("LLMSERVE_CPU_INT8_ACTIVATIONS", raising=False)
     assert decoder.int8_activations()
+    assert torch.equal(lin(x), q4_matmul(x, lin, int8_x=True))
     assert torch.equal(q4_matmul(x, lin), q4_matmul(x, lin, int8_x=True))
     assert torch.equal(q8_rows(x, head), q8_rows(x, head, int8_x=True))
     monkeypatch.setenv("LLMSERVE_CPU_INT8_ACTIVATIONS", "0")
     assert not decoder.int8_activations()
     assert torch.equal(q4_matmul(x, lin), q4_matmul(x, lin, int8_x=False))
-    assert torch.equal(q8_rows(x, head), q8_rows(x, head, int8_x=False))
+    few = x[:8]  # (where quant_gemm is built, more rows are not q8_rows' without rounding)
+    assert torch.equal(q8_rows(few, head), q8_rows(few, head, int8_x=False))
 
 
 @pytest.fixture
@@ -356,10 +358,15 @@ def test_amx_tiles_keep_x_in_bf16(monkeypatch):
     assert gemm.quant_tiled_min_rows() == 8 and gemm.quant_tiled_rows() == 8
     lin = quantized(960, 576, False, seed=4)
     head = quantized(4096, 576, False, seed=4, bits=8)
-    x = torch.randn(7, 576).to(torch.bfloat16)
-    assert not dequant.dequant_applies(x, lin)
-    assert torch.equal(q8_rows(x, head), q8_rows(x, head, int8_x=False))
-    assert not torch.equal(q8_rows(x, head), q8_rows(x, head, int8_x=True))
+    x = torch.randn(8, 576).to(torch.bfloat16)
+    few = x[:7]
+    assert not dequant.dequant_applies(few, lin)
+    assert torch.equal(lin(few), weight_only_mm(few, lin.qweight, lin.scales, 4))  # ATen's
+    assert torch.equal(lin(x), gemm.quant_gemm(x, lin))
+    assert torch.equal(q4_matmul(few, lin), q4_matmul(few, lin, int8_x=False))
+    assert torch.equal(head(few), q8_rows(few, head, int8_x=False))
+    assert not torch.equal(head(few), q8_rows(few, head, int8_x=True))
+    assert torch.equal(head(x), gemm.quant_gemm(x, head))
 
 
 @needs_kernel_here

@@ -137,12 +137,18 @@ def test_the_lm_head_of_a_decode_step_takes_q8_rows(monkeypatch):
 
 def test_q8_rows_takes_any_number_of_rows_exactly_where_the_panel_gemm_is_built():
     """The library says whether it has the panel GEMM (AVX-512 or AVX2 builds; not the
-    baseline ISA's); the row limit follows it, and the CPU's own kind decides the
-    build."""
+    baseline ISA's), and the CPU's own kind decides the build. The row limit follows
+    it where there is no bf16 arithmetic, or where x is rounded to int8 (Zen 4); an
+    AMX Xeon using its tiles keeps ATen's kernel past Q8_ROWS_MAX, as before the panels
+    were built there."""
+    from llmserve.kernels.cpu.gemm import amx_tiles, native_gemm_available, rounds_x_to_int8
     from llmserve.kernels.cpu.native import panel_gemms_built
     from llmserve.platforms.cpu import cpu_features
     assert panel_gemms_built() == (cpu_features().aten_isa in ("AVX512", "AVX2"))
-    assert q8_rows_max() == (None if panel_gemms_built() else Q8_ROWS_MAX)
+    unlimited = panel_gemms_built() and (rounds_x_to_int8() or not native_gemm_available())
+    assert q8_rows_max() == (None if unlimited else Q8_ROWS_MAX)
+    if amx_tiles():
+        assert q8_rows_max() == Q8_ROWS_MAX
 
 
 OTHER_BUILD_CHECK = """

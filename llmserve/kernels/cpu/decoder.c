@@ -489,7 +489,10 @@ static void q4_matmul(int num_threads, const stack_linear *lin, int BN, const ui
     }
 #endif
     for (int64_t i = 0; i < (int64_t)M * K; i++) xf[i] = bf16_to_f32(x[i]);
-#if defined(PANEL_GEMMS)
+#if defined(PANEL_GEMMS) && !defined(__AVX512BF16__)
+    /* (not where the CPU has bf16 arithmetic: there quant_gemm takes these products, or
+     * x is rounded, and a step the stack keeps, as before the panels were built there,
+     * runs the tiles) */
     if (M >= Q4_PANEL_ROWS && BN == Q4_PANEL_BN && q4_matmul_panels(num_threads, lin, xf, M, y) == 0)
         return;  /* (out of memory for the panels: the tiles below need none) */
 #endif

@@ -90,8 +90,11 @@ def int8_activations() -> bool:
 def q4_matmul(x: torch.Tensor, linear, int8_x: bool | None = None) -> torch.Tensor:
     """``linear(x)`` by the C kernel (bf16 ``x [M, K]``): its tiles, or from 16 rows its
     panel GEMM where built (dequant.quant_dense_f32 calls it for 16-383 rows), with x
-    rounded to int8 where ``int8_x`` (default: ``int8_activations()``) and built."""
-    int8_x = int8_activations() if int8_x is None else int8_x
+    rounded to int8 where ``int8_x`` (default: ``gemm.rounds_x_to_int8()``, as the
+    layers route) and built."""
+    if int8_x is None:
+        from llmserve.kernels.cpu.gemm import rounds_x_to_int8  # (gemm imports this module)
+        int8_x = rounds_x_to_int8()
     block_n = int4_pack_block_n()
     if block_n is None or decode_kernel() is None:
         raise RuntimeError("the C int4 kernel is not available here")

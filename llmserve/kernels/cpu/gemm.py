@@ -247,9 +247,13 @@ Q8_ROWS_MAX = 8
 
 
 def q8_rows_max() -> int | None:
-    """The most rows q8_rows takes: no limit where the library has the panel GEMM,
-    Q8_ROWS_MAX elsewhere."""
-    return None if panel_gemms_built() else Q8_ROWS_MAX
+    """The most rows q8_rows takes: no limit where the library has the panel GEMMs and
+    either no bf16 arithmetic (Ice Lake, AVX2) or x is rounded to int8 (Zen 4);
+    Q8_ROWS_MAX elsewhere (as on AMX Xeons using their tiles, where more rows than
+    quant_gemm takes stay on ATen's kernel, as measured there)."""
+    if panel_gemms_built() and (rounds_x_to_int8() or not native_gemm_available()):
+        return None
+    return Q8_ROWS_MAX
 
 
 # From this many rows q8_rows rounds x to int8 where asked and built (q8_rows.c's
@@ -262,7 +266,8 @@ def q8_rows(x: torch.Tensor, linear, int8_x: bool | None = None) -> torch.Tensor
     """``linear(x)`` of an int8 weight-only ``QuantizedLinear`` for a few rows of bf16
     CPU ``x`` by ``q8_rows.c`` (a decode step's LM head: 28 MB streamed at ~18.6 GB/s on
     a 2-core Xeon, ATen's one-row kernel ~12; docs/benchmarks.md), or None where it does not
-    apply: other bits, more rows than q8_rows_max(), a width off its grid, under
+    apply: other bits, more rows than q8_rows_max() (as the layers route; with
+    ``int8_x`` given, as many as the build's kernels take), a width off its grid, under
     torch.compile, no kernel. From Q8_INT8_MIN_ROWS rows x is rounded to int8 where
     ``int8_x`` (default: ``rounds_x_to_int8()``) and the library has that path
     (``native.q8_rows_int8_built()``: AVX-512 VNNI builds; an AVX2 build ignores int8_x)."""
@@ -270,13 +275,15 @@ def q8_rows(x: torch.Tensor, linear, int8_x: bool | None = None) -> torch.Tensor
     if (linear.bits != 8 or x.device.type != "cpu" or x.dtype != torch.bfloat16
             or x.shape[-1] != k or k % 16 or torch.compiler.is_compiling()):
         return None
-    limit = q8_rows_max()
+    if int8_x is None:
+        limit, int8_x = q8_rows_max(), rounds_x_to_int8()
+    else:
+        limit = None if panel_gemms_built() else Q8_ROWS_MAX
     if limit is not None and x.numel() > limit * k:
         return None
     lib = decode_kernel()
     if lib is None:
         return None
-    int8_x = rounds_x_to_int8() if int8_x is None else int8_x
     rows = _kernel_rows(x, k)
     bias = None if linear.bias is None else linear.bias.float()
     y = torch.empty(rows.shape[0], n, dtype=torch.bfloat16)

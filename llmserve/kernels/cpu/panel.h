@@ -23,10 +23,10 @@
 
 /* Built for every AVX-512 CPU and for AVX2 (Zen 2/3, Haswell to Broadwell). Where the
  * CPU has bf16 arithmetic (AMX, Zen 4) quant_gemm or the int8 panels (panel_int8.h,
- * which use this file's row blocks and stores) take most products; these float32
- * panels then serve only what neither takes (q8_rows of an LM head off the int8
- * panels' grid below quant_gemm's crossover, LLMSERVE_CPU_INT8_ACTIVATIONS=0 with
- * quant_gemm switched off). */
+ * which use this file's row blocks and stores) take the products; these float32
+ * panels then serve only q8_rows where x is rounded (an LM head off the int8 panels'
+ * grid, below quant_gemm's crossover), and decoder.c leaves its int4 use of them out
+ * of those builds. */
 #if defined(__AVX512F__)
 #define PANEL_GEMMS 1
 #define PANEL_VECS 2

@@ -29,6 +29,7 @@ from llmserve.kernels.cpu.decoder import (
 )
 from llmserve.kernels.cpu.gemm import (
     forced_backend,
+    native_gemm_available,
     native_measured,
     quant_tiled_available,
     quant_tiled_rows,
@@ -93,7 +94,9 @@ def max_native_tokens(block_n: int) -> int | None:
         return MAX_NATIVE_TOKENS_INT8_X
     if quant_tiled_available(4):
         return MAX_NATIVE_TOKENS
-    return MAX_NATIVE_TOKENS_WITHOUT_BF16 if panel_gemms_built() else MAX_NATIVE_TOKENS_TILES_ONLY
+    if panel_gemms_built() and not native_gemm_available():  # decoder.c's panels run here
+        return MAX_NATIVE_TOKENS_WITHOUT_BF16
+    return MAX_NATIVE_TOKENS_TILES_ONLY
 
 
 class NativeDecoder:
