@@ -39,16 +39,17 @@ SHAPES = {4: [(960, 576), (128, 64), (3072, 576), (576, 1536), (192, 96)],  # 96
           8: [(4096, 576), (128, 64), (960, 1536)]}  # int8: an LM head's rows
 
 
-def has_vnni() -> bool:
+def cpu_flags() -> set[str]:
     with open("/proc/cpuinfo") as f:
-        flags = next((line for line in f if line.startswith("flags")), "").split()
-    return {"avx512_vnni", "avx512bw", "avx512f"} <= set(flags)
+        return set(next((line for line in f if line.startswith("flags")), "").split())
+
+
+def has_vnni() -> bool:
+    return {"avx512_vnni", "avx512bw", "avx512f"} <= cpu_flags()
 
 
 def has_avx2() -> bool:
-    with open("/proc/cpuinfo") as f:
-        flags = next((line for line in f if line.startswith("flags")), "").split()
-    return {"avx2", "fma"} <= set(flags)
+    return {"avx2", "fma"} <= cpu_flags()
 
 
 pytestmark = pytest.mark.skipif(decode_kernel() is None or int4_pack_block_n() is None
@@ -388,9 +389,7 @@ def test_an_int8_weight_off_the_int8_grid_keeps_quant_gemms_crossover(monkeypatc
 
 
 def has_avx512_bf16() -> bool:
-    with open("/proc/cpuinfo") as f:
-        flags = next((line for line in f if line.startswith("flags")), "").split()
-    return {"avx512_bf16", "avx512_vnni"} <= set(flags)
+    return {"avx512_bf16", "avx512_vnni"} <= cpu_flags()
 
 
 def without_amx_routing_check() -> list:
