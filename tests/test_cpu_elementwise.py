@@ -12,6 +12,7 @@ from llmserve.core.request import Request, Sequence
 from llmserve.core.sampling_params import SamplingParams
 from llmserve.kernels.cpu import native as cpu_native
 from llmserve.model_executor.layers.sampler import Sampler, greedy_tokens
+from tests.forced_isa import run_as
 
 
 @pytest.fixture(autouse=True)
@@ -64,6 +65,34 @@ def test_argmax_rows_ties_infinities_and_nans_as_torch():
     logits[4, 98] = float("nan")
     assert torch.equal(cpu_native.argmax_rows(logits), logits.argmax(dim=-1))
     assert cpu_native.argmax_rows(logits).tolist()[:4] == [40, 3, 0, 99]
+
+
+def test_the_avx2_builds_argmax_is_torchs_argmax():
+    """The AVX2 build's own argmax (8-lane registers, compare masks): every case above,
+    on the kernels built as for an AVX2-only CPU."""
+    script = """
+import torch
+from llmserve.kernels.cpu import native
+assert native.decode_kernel() is not None
+for rows, vocab in [(1, 49152), (7, 49152), (32, 1000), (3, 15), (2, 16), (4, 23)]:
+    torch.manual_seed(rows + vocab)
+    logits = torch.randn(rows, vocab).bfloat16()
+    for x in (logits, logits[:, : vocab - 3]):
+        print(torch.equal(native.argmax_rows(x), x.argmax(dim=-1)))
+logits = torch.randn(6, 100).bfloat16()
+logits[0, 40:60] = 50.0
+logits[1, 7] = logits[1, 3] = float("nan")
+logits[2] = float("-inf")
+logits[3, 99] = float("inf")
+logits[4, 98] = float("nan")
+logits[5, 17], logits[5, 9] = 0.0, -0.0
+logits[5] = torch.where(logits[5] > 0, -logits[5], logits[5])
+print(torch.equal(native.argmax_rows(logits), logits.argmax(dim=-1)))
+print(native.argmax_rows(logits).tolist())
+"""
+    lines = run_as("avx2", script)
+    assert lines[:-1] == ["True"] * 13
+    assert lines[-1].startswith("[40, 3, 0, 99, 98, ")
 
 
 def _seqs(params: list[SamplingParams]) -> list[Sequence]:

@@ -64,16 +64,36 @@ static inline v16f load16_bf16(const uint16_t *src) {
 }
 
 static inline void store16_bf16(uint16_t *dst, v16f x) {
+#if defined(AVX2_ONLY)
+    /* in AVX2's own registers: GCC compiled the 16-lane compare below lane by lane here
+     * (a vpextrd, a cmp and a setg per lane), in every kernel that stores bf16 */
+    __m256i half[2];
+    memcpy(half, &x, sizeof half);
+    for (int h = 0; h < 2; h++) {
+        const __m256i u = half[h];
+        const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+        const __m256i rounded = _mm256_srli_epi32(
+            _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)), odd), 16);
+        const __m256i nan = _mm256_cmpgt_epi32(
+            _mm256_and_si256(u, _mm256_set1_epi32(0x7FFFFFFF)), _mm256_set1_epi32(0x7F800000));
+        const __m256i quiet = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40));
+        half[h] = _mm256_blendv_epi8(rounded, quiet, nan);
+    }
+    /* both halves' lanes fit 16 bits: the unsigned pack saturates nothing; it packs per
+     * 128-bit lane, and the permute puts the 64-bit quarters back in order */
+    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(half[0], half[1]), 0xD8);
+    _mm256_storeu_si256((__m256i *)dst, packed);
+#else
     typedef uint16_t v16u16 __attribute__((vector_size(32), aligned(2)));
     v16u32 u;
     memcpy(&u, &x, sizeof u);
     v16u32 rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
-    /* all ones where NaN; compared as signed (|u| fits), since AVX2 has no unsigned
-     * compare and GCC took the lanes out one by one for it */
+    /* all ones where NaN; compared as signed (|u| fits) */
     v16u32 nan = (v16u32)((v16i)(u & 0x7FFFFFFFu) > 0x7F800000);
     v16u32 bits = (nan & ((u >> 16) | 0x40u)) | (~nan & rounded);
     v16u16 out = __builtin_convertvector(bits, v16u16);
     memcpy(dst, &out, sizeof out);
+#endif
 }
 
 /* decoder.c's view of a model (decoder.py's StackLinear, StackLayer, StackDims). A projection
