@@ -438,17 +438,20 @@ static void q4_matmul_int8(int num_threads, const stack_linear *lin, const uint1
     const int64_t K = lin->k, groups = K / PANEL8_Q, panels = lin->n / PANEL8_COLS;
     int8_t *codes = scratch;
     float *step = (float *)(codes + (int64_t)M * K), *csum = step + (int64_t)M * groups;
-    xq_rows(x, K, M, K, codes, step, csum);
     int shares = num_threads < panels ? num_threads : (int)panels;
     if (shares < 1) shares = 1;
-    #pragma omp parallel for num_threads(shares) schedule(static, 1)
-    for (int s = 0; s < shares; s++) {
+    #pragma omp parallel num_threads(shares)
+    {
+        extern int omp_get_thread_num(void), omp_get_num_threads(void);
+        const int s = omp_get_thread_num(), nt = omp_get_num_threads();
+        xq_rows_share(x, K, M, K, codes, step, csum, s, nt);
+        #pragma omp barrier
         uint8_t panel[PANEL8_CHUNK * PANEL8_COLS] __attribute__((aligned(64)));
         float sums[PANEL_ROW_BLOCK * PANEL8_COLS] __attribute__((aligned(64)));
         for (int r0 = 0; r0 < M; r0 += PANEL_ROW_BLOCK) {
             const int rows = M - r0 < PANEL_ROW_BLOCK ? M - r0 : PANEL_ROW_BLOCK;
             q4_panels_int8(lin, codes + (int64_t)r0 * K, step + r0 * groups, csum + r0 * groups,
-                           rows, panels * s / shares, panels * (s + 1) / shares, panel, sums,
+                           rows, panels * s / nt, panels * (s + 1) / nt, panel, sums,
                            y + (int64_t)r0 * lin->n, lin->n);
         }
     }

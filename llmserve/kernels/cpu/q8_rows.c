@@ -345,20 +345,23 @@ static int q8_rows_bf16_int8(int num_threads, const uint16_t *x, int64_t m, int6
     int8_t *codes = malloc((size_t)(m * k) + sizeof(float) * (size_t)(m * (2 * groups + 1)));
     if (codes == NULL) return -1;
     float *step = (float *)(codes + m * k), *csum = step + m * groups, *shift = csum + m * groups;
-    xq_rows(x, ldx, m, k, codes, step, csum);
-    for (int64_t t = 0; t < m; t++) {
-        float s = 0.0f;
-        for (int64_t g = 0; g < groups; g++) s += csum[t * groups + g];
-        shift[t] = 128.0f * s;
-    }
     int shares = num_threads < panels ? num_threads : (int)panels;
     if (shares < 1) shares = 1;
-    #pragma omp parallel for num_threads(shares) schedule(static, 1)
-    for (int s = 0; s < shares; s++) {
+    #pragma omp parallel num_threads(shares)
+    {
+        extern int omp_get_thread_num(void), omp_get_num_threads(void);
+        const int s = omp_get_thread_num(), nt = omp_get_num_threads();
+        xq_rows_share(x, ldx, m, k, codes, step, csum, s, nt);
+        for (int64_t t = m * s / nt; t < m * (s + 1) / nt; t++) {
+            float sum = 0.0f;
+            for (int64_t g = 0; g < groups; g++) sum += csum[t * groups + g];
+            shift[t] = 128.0f * sum;
+        }
+        #pragma omp barrier
         uint8_t panel[PANEL8_CHUNK * PANEL8_COLS] __attribute__((aligned(64)));
         float sums[PANEL_ROW_BLOCK * PANEL8_COLS] __attribute__((aligned(64)));
-        const int64_t first = panels * s / shares * PANEL8_COLS;
-        const int64_t last = panels * (s + 1) / shares * PANEL8_COLS;
+        const int64_t first = panels * s / nt * PANEL8_COLS;
+        const int64_t last = panels * (s + 1) / nt * PANEL8_COLS;
         for (int64_t r0 = 0; r0 < m; r0 += PANEL_ROW_BLOCK)
             q8_rows_int8(codes + r0 * k, step + r0 * groups, csum + r0 * groups, shift + r0,
                          m - r0 < PANEL_ROW_BLOCK ? m - r0 : PANEL_ROW_BLOCK, q, scales, bias,
