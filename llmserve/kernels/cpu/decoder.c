@@ -413,7 +413,8 @@ static int q4_matmul_panels(int num_threads, const stack_linear *lin, const floa
 /* The weight streams from memory once a step, and a decode step's few rows leave too
  * little work per byte for the hardware prefetchers to hide it (the int4 products of
  * the built-in model's 30 layers at 21 rows: 21.9 ms, 17.0 with the weight in the
- * caches; AVX2 build). So the panels ask for what they read next:
+ * caches; AVX2 build; benchmarks/cold_weights.py). So the panels ask for what they read
+ * next:
  *  - block b + 1's rows [k0, k1) while block b's second panel (its high nibbles, whose
  *    bytes the first panel brought in) reads the same rows;
  *  - the next panel's (scale, zero) pairs, a cache line per group of k (two on

@@ -210,11 +210,12 @@ static inline __m512 q4_row(const uint8_t *bytes, __m128i shift, __m512 scale,
 }
 
 /* Panel j (columns 16 j ..) of the int4 weight, dequantised and rounded to bf16, in
- * bf16_gemm_pack's layout at out. With ahead (the caller's next block of panels is
- * there), it also asks for panel j + 4's (scale, zero) line of each group and a quarter
- * of the next block's bytes, spread over its groups: a decode step's few rows leave
- * the weight's stream from memory exposed otherwise (the built-in model's 30 layers at
- * 21 rows through AMX tiles: 14.2-15.0 ms, 11.4 with the weight in the caches), and
+ * bf16_gemm_pack's layout at out. With ahead (panel j + 4 is the caller's too), it also
+ * asks for panel j + 4's (scale, zero) line of each group and quarter j % 4 of the
+ * block panel j + 4 reads (the block's four panels ask for its four quarters), spread
+ * over its groups. A decode step's few rows leave the weight's stream from memory
+ * exposed otherwise (the built-in model's 30 layers at 21 rows through AMX tiles:
+ * 14.2-15.0 ms, 11.4 with the weight in the caches; benchmarks/cold_weights.py), and
  * the scale lines, K / 32 runs n * 4 bytes apart, no prefetcher follows. */
 static void q4_panel(const uint8_t *qweight, const uint16_t *scale_zero, int64_t n,
                      int64_t k, int64_t j, int ahead, uint16_t *out) {
@@ -222,7 +223,8 @@ static void q4_panel(const uint8_t *qweight, const uint16_t *scale_zero, int64_t
     const uint8_t *base = qweight + (j / 4) * k * row_bytes + (p % 2) * 16;
     const __m128i shift = _mm_cvtsi32_si128((int)(p / 2) * 4);
     const __m512i order = _mm512_loadu_si512(pair_order);
-    /* this panel's quarter of the next block: group g asks for its lines g * step.. */
+    /* quarter p of the block after this one (panel j + 4's): group g asks for its lines
+     * g * step.. */
     const int64_t block_bytes = k * row_bytes;
     const char *next =
         ahead ? (const char *)qweight + (j / 4 + 1) * block_bytes + p * block_bytes / 4 : NULL;
