@@ -1,12 +1,12 @@
 """How much of a decode step's products is the weight's stream from memory: the built-in
-model's four int4 projections of a layer, for 30 distinct layers (their weights out of
-the caches, as in a step of the C stack) against one layer's 30 times (its weight in
-the caches), and the int8 LM head [49152 x 576] after a 400 MB sweep against right
-after itself. Random weights, best of 7; each product by ``QuantizedLinear`` itself, so
-through the kernel the layers route it to on this CPU (the int8 panels where x is
-rounded to int8; ``quant_gemm``, AMX tiles included, from its row threshold; the C
-kernel's tiles below). Prints ms and cold / hot (1.00x: the stream is hidden under the
-compute).
+model's four int4 projections of a layer, for 30 distinct layers after a 400 MB sweep
+(their weights out of the caches, as in a step of the C stack) against one layer's 30
+times (its weight in the caches), and the int8 LM head [49152 x 576] after the sweep
+against right after itself. Random weights, best of 7; each product by
+``QuantizedLinear`` itself, so through the kernel the layers route it to on this CPU
+(the int8 panels where x is rounded to int8; ``quant_gemm``, AMX tiles included, from
+its row threshold; the C kernel's tiles below). Prints ms and cold / hot (1.00x: the
+stream is hidden under the compute).
 
     python benchmarks/cold_weights.py --rows 4,8,21,32
     ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 ONEDNN_MAX_CPU_ISA=AVX2 \\
@@ -42,7 +42,8 @@ def measure(m: int, layers, head, sweep: torch.Tensor, repeats: int) -> str:
     """One table row: m rows through the layers' products and the LM head, cold and hot."""
     xs = [torch.randn(m, k).to(torch.bfloat16) for _, k in LAYER]
     xh = torch.randn(m, LM_HEAD[1]).to(torch.bfloat16)
-    cold = best_ms(lambda: [lin(x) for layer in layers for x, lin in zip(xs, layer)], repeats)
+    cold = best_ms(lambda: [lin(x) for layer in layers for x, lin in zip(xs, layer)], repeats,
+                   lambda: sweep.fill_(1))
     hot = best_ms(lambda: [lin(x) for _ in range(LAYERS) for x, lin in zip(xs, layers[0])],
                   repeats)
     head_cold = best_ms(lambda: head(xh), repeats, lambda: sweep.fill_(1))

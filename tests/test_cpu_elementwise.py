@@ -74,7 +74,8 @@ def test_the_avx2_builds_argmax_is_torchs_argmax():
 import torch
 from llmserve.kernels.cpu import native
 assert native.decode_kernel() is not None
-for rows, vocab in [(1, 49152), (7, 49152), (32, 1000), (3, 15), (2, 16), (4, 23)]:
+assert native.panel_int8_block_n() == 32  # only the AVX2 build's int8 panels read 32
+for rows, vocab in [(1, 49152), (7, 49152), (32, 1000), (3, 15), (2, 16), (4, 23), (2, 5)]:
     torch.manual_seed(rows + vocab)
     logits = torch.randn(rows, vocab).bfloat16()
     for x in (logits, logits[:, : vocab - 3]):
@@ -89,10 +90,16 @@ logits[5, 17], logits[5, 9] = 0.0, -0.0
 logits[5] = torch.where(logits[5] > 0, -logits[5], logits[5])
 print(torch.equal(native.argmax_rows(logits), logits.argmax(dim=-1)))
 print(native.argmax_rows(logits).tolist())
+# a lone NaN in the second 8 lanes of a 16-wide step (the first 8 hold the maximum)
+for n, at in [(16, 8), (48, 24), (48, 47), (7, 5)]:
+    row = torch.randn(1, n).bfloat16()
+    row[0, 0] = 100.0
+    row[0, at] = float("nan")
+    print(native.argmax_rows(row).item() == at)
 """
     lines = run_as("avx2", script)
-    assert lines[:-1] == ["True"] * 13
-    assert lines[-1].startswith("[40, 3, 0, 99, 98, ")
+    assert lines[:15] == ["True"] * 15 and lines[16:] == ["True"] * 4
+    assert lines[15].startswith("[40, 3, 0, 99, 98, ")
 
 
 def _seqs(params: list[SamplingParams]) -> list[Sequence]:

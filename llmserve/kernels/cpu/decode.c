@@ -974,10 +974,10 @@ static inline __attribute__((always_inline)) __m256 load8_bf16(const uint16_t *s
 }
 
 /* The first index of a row's largest value (of its first NaN, if it has one), as
- * torch.argmax, in AVX2's own registers: GCC compiled the AVX-512 build's 16-lane
- * selects and lane tests lane by lane here (scalar compares and moves: 7x the AVX-512 build's time,
- * ~2% of a 32-stream run). VMAXPS(v, best) is the same select (a NaN v keeps best);
- * the answer's lane comes from a compare mask. */
+ * torch.argmax, in AVX2's own registers. GCC compiled the AVX-512 build's 16-lane
+ * selects and lane tests lane by lane here (scalar compares and moves: 7x that build's
+ * time, ~2% of a 32-stream run). VMAXPS(v, best) is the same select (a NaN v keeps
+ * best); the answer's lane comes from a compare mask. */
 static int64_t argmax_row(const uint16_t *row, int64_t n) {
     const int64_t whole = n / 16 * 16;
     __m256 best0 = _mm256_set1_ps(-INFINITY), best1 = best0, nan = _mm256_setzero_ps();

@@ -210,30 +210,30 @@ static inline __m512 q4_row(const uint8_t *bytes, __m128i shift, __m512 scale,
 }
 
 /* Panel j (columns 16 j ..) of the int4 weight, dequantised and rounded to bf16, in
- * bf16_gemm_pack's layout at out. With ahead (panel j + 4 is the caller's too), it also
- * asks for panel j + 4's (scale, zero) line of each group and quarter j % 4 of the
- * block panel j + 4 reads (the block's four panels ask for its four quarters), spread
- * over its groups. A decode step's few rows leave the weight's stream from memory
- * exposed otherwise (the built-in model's 30 layers at 21 rows through AMX tiles:
- * 14.2-15.0 ms, 11.4 with the weight in the caches; benchmarks/cold_weights.py), and
- * the scale lines, K / 32 runs n * 4 bytes apart, no prefetcher follows. */
+ * bf16_gemm_pack's layout at out. With ahead (the caller's next group of panels is its
+ * too), it also asks for panel j + 4's (scale, zero) line of each group of k, and for
+ * quarter `quarter` of ahead's block: the caller's panels q = 0..3 of a group ask for
+ * the four quarters of the block after the group's last, which the next group reads
+ * (whether or not its panels start on a block). Spread over the groups of k. A decode
+ * step's few rows leave the weight's stream from memory exposed otherwise (the
+ * built-in model's 30 layers at 21 rows through AMX tiles: 14.2-15.0 ms, 11.4 with
+ * the weight in the caches; benchmarks/cold_weights.py), and the scale lines, K / 32
+ * runs n * 4 bytes apart, no prefetcher follows. */
 static void q4_panel(const uint8_t *qweight, const uint16_t *scale_zero, int64_t n,
-                     int64_t k, int64_t j, int ahead, uint16_t *out) {
+                     int64_t k, int64_t j, const uint8_t *ahead, int quarter, uint16_t *out) {
     const int64_t p = j % 4, row_bytes = Q4_BLOCK_COLS / 2;
     const uint8_t *base = qweight + (j / 4) * k * row_bytes + (p % 2) * 16;
     const __m128i shift = _mm_cvtsi32_si128((int)(p / 2) * 4);
     const __m512i order = _mm512_loadu_si512(pair_order);
-    /* quarter p of the block after this one (panel j + 4's): group g asks for its lines
-     * g * step.. */
-    const int64_t block_bytes = k * row_bytes;
-    const char *next =
-        ahead ? (const char *)qweight + (j / 4 + 1) * block_bytes + p * block_bytes / 4 : NULL;
-    const int64_t step = QUANT_GROUP * row_bytes / 4;
+    const int64_t step_bytes = QUANT_GROUP * row_bytes / 4;  /* of the quarter, per group */
+    const char *next = ahead == NULL ? NULL
+                       : (const char *)ahead + quarter * (k / QUANT_GROUP) * step_bytes;
     for (int64_t g = 0; g < k / QUANT_GROUP; g++) {
-        if (ahead) {
+        if (next != NULL) {
             _mm_prefetch((const char *)(scale_zero + (g * n + (j + 4) * PANEL_COLS) * 2),
                          _MM_HINT_T1);
-            for (int64_t b = 0; b < step; b += 64) _mm_prefetch(next + g * step + b, _MM_HINT_T1);
+            for (int64_t b = 0; b < step_bytes; b += 64)
+                _mm_prefetch(next + g * step_bytes + b, _MM_HINT_T1);
         }
         /* 16 (scale, zero) bf16 pairs, one 32-bit lane each: bf16 is float's top half */
         __m512i sz = _mm512_loadu_si512(scale_zero + (g * n + j * PANEL_COLS) * 2);
@@ -288,11 +288,11 @@ static void q8_panel(const int8_t *qweight, const uint16_t *scales, int64_t k, i
      * meanwhile, spread over the groups: the built-in model's LM head at 21 rows, its
      * weight out of the caches, 3.6-3.9 -> 3.0-3.6 ms (2.6-3.0 in the caches) */
     const char *next = ahead ? (const char *)(qweight + (j + 4) * PANEL_COLS * k) : NULL;
-    const int64_t step = PANEL_COLS * QUANT_GROUP;
+    const int64_t step_bytes = PANEL_COLS * QUANT_GROUP;  /* of panel j + 4, per group */
     for (int64_t k0 = 0; k0 < k; k0 += QUANT_GROUP) {
         if (ahead)
-            for (int64_t b = 0; b < step; b += 64)
-                _mm_prefetch(next + k0 / QUANT_GROUP * step + b, _MM_HINT_T1);
+            for (int64_t b = 0; b < step_bytes; b += 64)
+                _mm_prefetch(next + k0 / QUANT_GROUP * step_bytes + b, _MM_HINT_T1);
         __m512i r[PANEL_COLS];
         for (int c = 0; c < PANEL_COLS; c++) {
             const int8_t *src = qweight + (j * PANEL_COLS + c) * k + k0;
@@ -435,9 +435,16 @@ static void amx_gemm_panels(const uint16_t *x, int64_t m, int64_t ldx, const uin
 }
 #endif
 
-static void dequant_panel(const quant_weight *w, int64_t j, int ahead, uint16_t *out) {
-    if (w->bits == 4) q4_panel(w->qweight, w->scales, w->n, w->k, j, ahead, out);
-    else q8_panel((const int8_t *)w->qweight, w->scales, w->k, j, ahead, out);
+/* Panel p0 + q of a group, dequantised; with ahead, the next group's weight asked for
+ * meanwhile (q4_panel, q8_panel). */
+static void dequant_panel(const quant_weight *w, int64_t p0, int q, int ahead, uint16_t *out) {
+    if (w->bits == 4) {
+        const int64_t block_bytes = w->k * (Q4_BLOCK_COLS / 2);
+        const uint8_t *next = ahead ? w->qweight + ((p0 + 3) / 4 + 1) * block_bytes : NULL;
+        q4_panel(w->qweight, w->scales, w->n, w->k, p0 + q, next, q, out);
+    } else {
+        q8_panel((const int8_t *)w->qweight, w->scales, w->k, p0 + q, ahead, out);
+    }
 }
 
 /* One thread's panels [first, last): each group of TILE_PANELS dequantised once into
@@ -451,7 +458,7 @@ static void quant_gemm_panels(const uint16_t *x, int64_t m, int64_t ldx, const q
         int panels = last - p0 < TILE_PANELS ? (int)(last - p0) : TILE_PANELS;
         const int ahead = p0 + 2 * TILE_PANELS <= last;
         for (int q = 0; q < panels; q++)
-            dequant_panel(w, p0 + q, ahead, scratch + q * panel_stride);
+            dequant_panel(w, p0, q, ahead, scratch + q * panel_stride);
         const float *b = bias == NULL ? NULL : bias + p0 * PANEL_COLS;
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
         if (amx) {
