@@ -210,24 +210,29 @@ static inline __m512 q4_row(const uint8_t *bytes, __m128i shift, __m512 scale,
 }
 
 /* Panel j (columns 16 j ..) of the int4 weight, dequantised and rounded to bf16, in
- * bf16_gemm_pack's layout at out. With ahead (the caller's next group of panels is its
- * too), it also asks for panel j + 4's (scale, zero) line of each group of k, and for
- * quarter `quarter` of ahead's block: the caller's panels q = 0..3 of a group ask for
- * the four quarters of the block after the group's last, which the next group reads
- * (whether or not its panels start on a block). Spread over the groups of k. A decode
- * step's few rows leave the weight's stream from memory exposed otherwise (the
- * built-in model's 30 layers at 21 rows through AMX tiles: 14.2-15.0 ms, 11.4 with
- * the weight in the caches; benchmarks/cold_weights.py), and the scale lines, K / 32
- * runs n * 4 bytes apart, no prefetcher follows. */
+ * bf16_gemm_pack's layout at out. With ahead (panel j + 4 is the caller's too), it also
+ * asks for panel j + 4's (scale, zero) line of each group of k, and for quarter j % 4
+ * of the block after its own (block j / 4 + 1), spread over its groups. Where a group
+ * of four panels starts on a block, that is the next group's block, all four quarters;
+ * where it does not (a thread's share starting mid-block, the usual case), the first
+ * panels ask for part of the block the group's later panels read, and the rest for the
+ * next group's first block. Asking instead for the whole block after the group's last
+ * (always the next group's) measured slower: 30 layers at 8 and 21 rows, 14.5-16.0 and
+ * 16.7-18.5 ms against 14.3-14.4 and 15.6-16.2. A decode step's few rows leave the
+ * weight's stream from memory exposed otherwise (30 layers at 21 rows through AMX
+ * tiles: 19.9-20.4 ms, 13.3-13.7 with the weight in the caches;
+ * benchmarks/cold_weights.py), and the scale lines, K / 32 runs n * 4 bytes apart, no
+ * prefetcher follows. */
 static void q4_panel(const uint8_t *qweight, const uint16_t *scale_zero, int64_t n,
-                     int64_t k, int64_t j, const uint8_t *ahead, int quarter, uint16_t *out) {
+                     int64_t k, int64_t j, int ahead, uint16_t *out) {
     const int64_t p = j % 4, row_bytes = Q4_BLOCK_COLS / 2;
     const uint8_t *base = qweight + (j / 4) * k * row_bytes + (p % 2) * 16;
     const __m128i shift = _mm_cvtsi32_si128((int)(p / 2) * 4);
     const __m512i order = _mm512_loadu_si512(pair_order);
+    const int64_t block_bytes = k * row_bytes;
     const int64_t step_bytes = QUANT_GROUP * row_bytes / 4;  /* of the quarter, per group */
-    const char *next = ahead == NULL ? NULL
-                       : (const char *)ahead + quarter * (k / QUANT_GROUP) * step_bytes;
+    const char *next =
+        ahead ? (const char *)qweight + (j / 4 + 1) * block_bytes + p * (block_bytes / 4) : NULL;
     for (int64_t g = 0; g < k / QUANT_GROUP; g++) {
         if (next != NULL) {
             _mm_prefetch((const char *)(scale_zero + (g * n + (j + 4) * PANEL_COLS) * 2),
@@ -435,16 +440,9 @@ static void amx_gemm_panels(const uint16_t *x, int64_t m, int64_t ldx, const uin
 }
 #endif
 
-/* Panel p0 + q of a group, dequantised; with ahead, the next group's weight asked for
- * meanwhile (q4_panel, q8_panel). */
-static void dequant_panel(const quant_weight *w, int64_t p0, int q, int ahead, uint16_t *out) {
-    if (w->bits == 4) {
-        const int64_t block_bytes = w->k * (Q4_BLOCK_COLS / 2);
-        const uint8_t *next = ahead ? w->qweight + ((p0 + 3) / 4 + 1) * block_bytes : NULL;
-        q4_panel(w->qweight, w->scales, w->n, w->k, p0 + q, next, q, out);
-    } else {
-        q8_panel((const int8_t *)w->qweight, w->scales, w->k, p0 + q, ahead, out);
-    }
+static void dequant_panel(const quant_weight *w, int64_t j, int ahead, uint16_t *out) {
+    if (w->bits == 4) q4_panel(w->qweight, w->scales, w->n, w->k, j, ahead, out);
+    else q8_panel((const int8_t *)w->qweight, w->scales, w->k, j, ahead, out);
 }
 
 /* One thread's panels [first, last): each group of TILE_PANELS dequantised once into
@@ -458,7 +456,7 @@ static void quant_gemm_panels(const uint16_t *x, int64_t m, int64_t ldx, const q
         int panels = last - p0 < TILE_PANELS ? (int)(last - p0) : TILE_PANELS;
         const int ahead = p0 + 2 * TILE_PANELS <= last;
         for (int q = 0; q < panels; q++)
-            dequant_panel(w, p0, q, ahead, scratch + q * panel_stride);
+            dequant_panel(w, p0 + q, ahead, scratch + q * panel_stride);
         const float *b = bias == NULL ? NULL : bias + p0 * PANEL_COLS;
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
         if (amx) {
