@@ -157,9 +157,13 @@ print(json.dumps(here.{check}()))
 
 def run_with(env_changes: dict, check: str):
     """This module's ``check()`` in a fresh Python with ``env_changes`` (its JSON), the
-    switch LLMSERVE_CPU_INT8_ACTIVATIONS at its default."""
+    switch LLMSERVE_CPU_INT8_ACTIVATIONS at its default, and the CPU as the host's
+    plus ``env_changes``: an ISA forced on the whole suite (the AVX2 emulation's
+    variables) would otherwise turn an emulated Zen 4 into an AVX2 build."""
     env = {key: value for key, value in os.environ.items()
-           if key not in ("LLMSERVE_CPU_MARCH", "LLMSERVE_CPU_INT8_ACTIVATIONS")}
+           if key not in ("LLMSERVE_CPU_MARCH", "LLMSERVE_CPU_INT8_ACTIVATIONS",
+                          "ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS",
+                          "ONEDNN_MAX_CPU_ISA")}
     env.update(env_changes)
     out = subprocess.run([sys.executable, "-c", SUBPROCESS.format(root=ROOT, check=check)],
                          env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
