@@ -967,12 +967,6 @@ static int64_t argmax_row(const uint16_t *row, int64_t n) {
     return k < n ? k : 0;
 }
 #else
-/* 8 bf16 values as float32 lanes. */
-static inline __attribute__((always_inline)) __m256 load8_bf16(const uint16_t *src) {
-    return _mm256_castsi256_ps(_mm256_slli_epi32(
-        _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)src)), 16));
-}
-
 /* The first index of a row's largest value (of its first NaN, if it has one), as
  * torch.argmax, in AVX2's own registers. GCC compiled the AVX-512 build's 16-lane
  * selects and lane tests lane by lane here (scalar compares and moves: 7x that build's

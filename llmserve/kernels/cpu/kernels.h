@@ -44,6 +44,12 @@ static inline __attribute__((always_inline)) void bf16_halves8(__m256i words, __
     *low = _mm256_castsi256_ps(_mm256_slli_epi32(words, 16));
     *high = _mm256_castsi256_ps(_mm256_and_si256(words, _mm256_set1_epi32((int)0xFFFF0000u)));
 }
+
+/* 8 consecutive bf16 values as float32 lanes. */
+static inline __attribute__((always_inline)) __m256 load8_bf16(const uint16_t *src) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(
+        _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)src)), 16));
+}
 #endif
 
 /* 16 lanes, whatever the ISA: one AVX-512 register, two AVX2 ones (GCC vector types). */

@@ -185,9 +185,7 @@ static inline void xq_rows(const uint16_t *x, int64_t ldx, int64_t M, int64_t K,
             const int64_t at = t * K + g * PANEL8_Q;
             const uint16_t *xg = x + t * ldx + g * PANEL8_Q;
             __m256 v[4];
-            for (int i = 0; i < 4; i++)
-                v[i] = _mm256_castsi256_ps(_mm256_slli_epi32(
-                    _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(xg + 8 * i))), 16));
+            for (int i = 0; i < 4; i++) v[i] = load8_bf16(xg + 8 * i);
             __m256 big = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]),
                                                      _mm256_andnot_ps(sign, v[1])),
                                        _mm256_max_ps(_mm256_andnot_ps(sign, v[2]),
