@@ -82,15 +82,19 @@ static inline __attribute__((always_inline)) void panel_group(
             memcpy(sums + t * PANEL_COLS + PANEL_LANES * v, &acc[t][v], sizeof acc[t][v]);
 }
 
-/* All m rows of x (any number), a group at a time, with the group's size known to the
- * compiler; sums [m, PANEL_COLS]. */
+/* All m rows of x (any number), in groups of at most PANEL_GROUP rows as even as can
+ * be (21 rows on AVX2: 6, 5, 5, 5, not 6, 6, 6, 3; 13: 5, 4, 4, not 6, 6, 1), each
+ * with its size known to the compiler; sums [m, PANEL_COLS]. A group of few rows has
+ * too few sums in flight to hide the FMA's latency (4 cycles, 2 a cycle: 8 wanted). */
 static inline void panel_rows(const float *x, int64_t ldx, int64_t m, const float *panel,
                               int64_t k0, int64_t k1, float *sums) {
 #define PANEL_CASE(M_) case M_: panel_group(xs, ldx, M_, panel, k0, k1, s); break;
-    for (int64_t t0 = 0; t0 < m; t0 += PANEL_GROUP) {
+    const int64_t groups = (m + PANEL_GROUP - 1) / PANEL_GROUP;
+    for (int64_t g = 0, t0 = 0; g < groups; g++) {
+        const int rows = (int)(m / groups + (g < m % groups));
         const float *xs = x + t0 * ldx;
         float *s = sums + t0 * PANEL_COLS;
-        switch (m - t0 < PANEL_GROUP ? (int)(m - t0) : PANEL_GROUP) {
+        switch (rows) {
             PANEL_CASE(1) PANEL_CASE(2) PANEL_CASE(3) PANEL_CASE(4) PANEL_CASE(5)
             PANEL_CASE(6)
 #if PANEL_GROUP == 12
@@ -98,6 +102,7 @@ static inline void panel_rows(const float *x, int64_t ldx, int64_t m, const floa
             PANEL_CASE(12)
 #endif
         }
+        t0 += rows;
     }
 #undef PANEL_CASE
 }
