@@ -1,5 +1,5 @@
-"""int4 and int8 products with x rounded to int8 (``panel_int8.h``: AVX-512 VNNI, and AVX2
-for int4): the C kernels' result (decoder.c's int4
+"""int4 and int8 products with x rounded to int8 (``panel_int8.h``: AVX-512 VNNI and
+AVX2): the C kernels' result (decoder.c's int4
 products, q8_rows.c's int8 LM head) is the product of the int8-rounded x with the
 dequantised weight, where it applies and only there.
 
@@ -194,9 +194,9 @@ def test_the_product_is_that_of_x_rounded_to_int8(build, monkeypatch):
     """Nearly every output bit-identical to the oracle, none more than one bf16 step
     off; and far from bit-identical to the float32 path (a missed scale, group,
     nibble or int8 offset is off by many steps; a kernel that skipped the rounding
-    would match the float32 path). The int8 LM head too where built (VNNI)."""
+    would match the float32 path). The int8 LM head too (AVX2: as two int4 weights)."""
     cases, results = in_build(build, "products_check", monkeypatch)
-    assert {case[0] for case in cases} == ({4, 8} if build == "vnni" else {4})
+    assert {case[0] for case in cases} == {4, 8}
     for case, (identical, steps, as_float) in zip(cases, results):
         assert identical > 0.99 and steps <= 1, (case, identical, steps)
         assert as_float < 0.9, (case, as_float)
@@ -224,26 +224,31 @@ def test_a_group_at_the_int16_limit_sums_exactly(build, monkeypatch):
 
 def same_bits_check() -> list[int]:
     """Int4 products of 3 rows; 6 (on AVX2 a group of 4, in assembly, and a rest of 2);
-    37 (groups of 6 and of 4 and their rests); 200 (past the block of 96), as bf16 bit
-    patterns."""
+    37 (groups of 6 and of 4 and their rests); 200 (past the block of 96); and int8 LM
+    heads of 4, 5, 7 and 21 rows (AVX2: rests of 1 and 3 in C) and 110 (past the block),
+    as bf16 bit patterns."""
     torch.manual_seed(0)
     outputs = []
     for n, k, rows in ((960, 576, 3), (576, 576, 6), (3072, 576, 37), (576, 1536, 200)):
         lin = quantized(n, k, True, seed=rows)
         outputs.append(q4_matmul(torch.randn(rows, k).to(torch.bfloat16), lin, int8_x=True))
+    for n, k, rows in ((4096, 576, 4), (128, 64, 5), (960, 1536, 7), (4096, 576, 21),
+                       (128, 576, 110)):
+        head = quantized(n, k, rows % 2 == 1, seed=rows, bits=8)
+        outputs.append(q8_rows(torch.randn(rows, k).to(torch.bfloat16), head, int8_x=True))
     return torch.cat([y.view(torch.int16).flatten() for y in outputs]).tolist()
 
 
 def test_the_avx2_and_vnni_builds_compute_the_same_bits(monkeypatch):
     """Both builds sum the same integers and scale them by the same float32 operations
-    in the same order: their int4 products are bit-identical."""
+    in the same order: their int4 products and int8 LM heads are bit-identical."""
     assert (in_build("vnni", "same_bits_check", monkeypatch)
             == in_build("avx2", "same_bits_check", monkeypatch))
 
 
 def avx2_routing_check() -> dict:
     """What an AVX2 build does by default: the int4 products of 3 rows and more round x
-    (the torch layer and q4_matmul alike), fewer do not; the int8 LM head never does."""
+    (the torch layer and q4_matmul alike), fewer do not; the int8 LM head from 4 rows."""
     lin = quantized(960, 576, False, seed=1)
     head = quantized(4096, 576, False, seed=0, bits=8)
     x = torch.randn(400, 576).to(torch.bfloat16)
@@ -257,16 +262,20 @@ def avx2_routing_check() -> dict:
             for rows in (INT8_MIN_ROWS, 16, 400)),
         "2 rows keep float32": torch.equal(q4_matmul(x[:2], lin, int8_x=True),
                                            q4_matmul(x[:2], lin, int8_x=False)),
-        "LM head keeps float32": torch.equal(q8_rows(x[:20], head, int8_x=True),
-                                             q8_rows(x[:20], head, int8_x=False)),
+        "LM head rounds from 4 rows": all(
+            not torch.equal(q8_rows(x[:rows], head, int8_x=True),
+                            q8_rows(x[:rows], head, int8_x=False))
+            for rows in (Q8_INT8_MIN_ROWS, 20)),
+        "3 LM head rows keep float32": torch.equal(q8_rows(x[:3], head, int8_x=True),
+                                                   q8_rows(x[:3], head, int8_x=False)),
     }
 
 
 def test_an_avx2_build_rounds_x_by_default(monkeypatch):
     assert in_build("avx2", "avx2_routing_check", monkeypatch) == {
-        "int8_activations": True, "q8_rows_int8_built": False,
+        "int8_activations": True, "q8_rows_int8_built": True,
         "layer rounds from 3 rows": True, "2 rows keep float32": True,
-        "LM head keeps float32": True}
+        "LM head rounds from 4 rows": True, "3 LM head rows keep float32": True}
 
 
 def mismatch_check() -> list:

@@ -240,7 +240,7 @@ def quant_gemm(x: torch.Tensor, linear) -> torch.Tensor:
 # (more: ATen's kernel). With it (AVX-512, AVX2) it takes any number: from 12 rows as a
 # GEMM over converted panels of the weight (2.0x ATen's kernel at 32 rows on an Ice Lake
 # Xeon, 1.6x in its AVX2 build; docs/benchmarks.md), from 4 with x rounded to int8 over
-# int8 panels (AVX-512 VNNI). Where quant_gemm runs it takes the rows from
+# int8 panels (AVX-512 VNNI; AVX2 over two int4 panels of the codes' nibbles). Where quant_gemm runs it takes the rows from
 # quant_tiled_min_rows() first: 8 on AMX Xeons using their tiles, none on Zen 4 (where x
 # is rounded; 8 with LLMSERVE_CPU_INT8_ACTIVATIONS=0).
 Q8_ROWS_MAX = 8
@@ -270,7 +270,7 @@ def q8_rows(x: torch.Tensor, linear, int8_x: bool | None = None) -> torch.Tensor
     ``int8_x`` given, as many as the build's kernels take), a width off its grid, under
     torch.compile, no kernel. From Q8_INT8_MIN_ROWS rows x is rounded to int8 where
     ``int8_x`` (default: ``rounds_x_to_int8()``) and the library has that path
-    (``native.q8_rows_int8_built()``: AVX-512 VNNI builds; an AVX2 build ignores int8_x)."""
+    (``native.q8_rows_int8_built()``: AVX-512 VNNI and AVX2 builds)."""
     k, n = linear.in_features, linear.out_features
     if (linear.bits != 8 or x.device.type != "cpu" or x.dtype != torch.bfloat16
             or x.shape[-1] != k or k % 16 or torch.compiler.is_compiling()):

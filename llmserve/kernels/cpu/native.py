@@ -208,8 +208,8 @@ def panel_int8_built() -> bool:
 
 @functools.cache
 def q8_rows_int8_built() -> bool:
-    """Whether q8_rows.c can round x to int8 for the int8 LM head (AVX-512 VNNI builds
-    only: AVX2's int16 sums would overflow). Asked once."""
+    """Whether q8_rows.c can round x to int8 for the int8 LM head (AVX-512 VNNI builds,
+    and AVX2 ones, which take the weight as two int4 weights of nibbles). Asked once."""
     lib = decode_kernel()
     return lib is not None and lib.q8_int8_built() == 1
 

@@ -37,9 +37,12 @@
 #define PANEL8_COLS 32
 #define PANEL8_GROUP 6
 #elif defined(AVX2_ONLY)
-/* int4 only: an int8 weight's codes (+ 128) by VPMADDUBSW would overflow its int16
- * sums (2 x 255 x 127), and the sign trick llama.cpp uses costs as many instructions
- * as the float32 FMAs it would replace. */
+/* An int8 weight's codes (+ 128) by VPMADDUBSW would overflow its int16 sums (2 x 255
+ * x 127), and the sign trick llama.cpp uses costs as many instructions as the float32
+ * FMAs it would replace. So an int8 weight (the LM head) goes as two int4 ones: code +
+ * 128 = 16 high + low, each nibble through the int4 products, their group sums
+ * 16 dot_high + dot_low (panel8_group_q8): twice the int4 product's work per weight,
+ * still 1.5x fewer instructions than float32 FMAs. */
 #define PANEL_INT8 1
 #define PANEL8_COLS 16
 #define PANEL8_GROUP 4  /* 8 int16 sums: 6 rows' 12 leave no register for constants */
@@ -297,13 +300,35 @@ static inline __attribute__((always_inline)) void panel8_scale_row(
     }
 }
 
-/* panel8_group (above) for an int4 panel of 16 columns, by VPMADDUBSW: each quad of k
- * adds two int16 sums of two products per column (at most 2 x 15 x 127), and a
- * group's 8 quads fit int16 (30,480), summed into int32 once per group (VPMADDWD by
+/* A group's int16 sums of m <= 4 rows (x0..: the rows' codes of the group) with a
+ * 16-column panel's 8 quads of k from p (lo: columns 0-7, hi: 8-15): each quad adds
+ * two int16 sums of two products per column (at most 2 x 15 x 127), and a group's 8
+ * quads fit int16 (30,480). 4 rows take panel8_quads4's assembly; fewer (a tail) this
+ * loop in C. */
+static inline __attribute__((always_inline)) void panel8_nibble_sums(
+        const uint8_t *p, int m, const int8_t *x0, const int8_t *x1, const int8_t *x2,
+        const int8_t *x3, __m256i *lo0, __m256i *hi0, __m256i *lo1, __m256i *hi1,
+        __m256i *lo2, __m256i *hi2, __m256i *lo3, __m256i *hi3) {
+    if (m == 4) {
+        panel8_quads4(p, x0, x1, x2, x3, lo0, hi0, lo1, hi1, lo2, hi2, lo3, hi3);
+        return;
+    }
+    /* not unrolled: GCC would then sum the products as a tree, out of registers */
+    _Pragma("GCC unroll 1")
+    for (int quad = 0; quad < PANEL8_Q / 4; quad++, p += 4 * PANEL8_COLS) {
+        const __m256i w0 = _mm256_loadu_si256((const __m256i *)p);
+        const __m256i w1 = _mm256_loadu_si256((const __m256i *)(p + 32));
+        panel8_quad_row(w0, w1, x0 + 4 * quad, lo0, hi0);
+        if (m > 1) panel8_quad_row(w0, w1, x1 + 4 * quad, lo1, hi1);
+        if (m > 2) panel8_quad_row(w0, w1, x2 + 4 * quad, lo2, hi2);
+    }
+}
+
+/* panel8_group (above) for an int4 panel of 16 columns, by VPMADDUBSW
+ * (panel8_nibble_sums), each group's int16 sums summed into int32 once (VPMADDWD by
  * ones). The 4 rows' int16 sums, the panel's 2 registers, the broadcast and a product
  * take 12 of the 16 registers: the float32 running sums stay in `sums` (in L1), read
- * and written once per group. 4 rows take panel8_quads4's assembly; fewer (a tail) this
- * loop in C. */
+ * and written once per group. */
 static inline __attribute__((always_inline)) void panel8_group(
         const int8_t *codes, const float *step, const float *csum, int64_t K, int64_t groups,
         int m, const uint8_t *panel, const uint16_t *sz, int64_t N, int64_t k0, int64_t k1,
@@ -313,20 +338,8 @@ static inline __attribute__((always_inline)) void panel8_group(
         __m256i lo0 = _mm256_setzero_si256(), hi0 = lo0, lo1 = lo0, hi1 = lo0;
         __m256i lo2 = lo0, hi2 = lo0, lo3 = lo0, hi3 = lo0;
         const int8_t *x0 = codes + g * PANEL8_Q, *x1 = x0 + K, *x2 = x1 + K, *x3 = x2 + K;
-        const uint8_t *p = panel + (g * PANEL8_Q - k0) * PANEL8_COLS;
-        if (m == 4) {
-            panel8_quads4(p, x0, x1, x2, x3, &lo0, &hi0, &lo1, &hi1, &lo2, &hi2, &lo3, &hi3);
-        } else {
-            /* not unrolled: GCC would then sum the products as a tree, out of registers */
-            _Pragma("GCC unroll 1")
-            for (int quad = 0; quad < PANEL8_Q / 4; quad++, p += 4 * PANEL8_COLS) {
-                const __m256i w0 = _mm256_loadu_si256((const __m256i *)p);
-                const __m256i w1 = _mm256_loadu_si256((const __m256i *)(p + 32));
-                panel8_quad_row(w0, w1, x0 + 4 * quad, &lo0, &hi0);
-                if (m > 1) panel8_quad_row(w0, w1, x1 + 4 * quad, &lo1, &hi1);
-                if (m > 2) panel8_quad_row(w0, w1, x2 + 4 * quad, &lo2, &hi2);
-            }
-        }
+        panel8_nibble_sums(panel + (g * PANEL8_Q - k0) * PANEL8_COLS, m, x0, x1, x2, x3,
+                           &lo0, &hi0, &lo1, &hi1, &lo2, &hi2, &lo3, &hi3);
         __m256 scale[2], offset[2];
         for (int v = 0; v < 2; v++) {
             __m256 zero;
@@ -345,6 +358,52 @@ static inline __attribute__((always_inline)) void panel8_group(
         /* The sums live in memory: GCC would otherwise keep them in registers across
          * groups and spill the int16 sums of the loop above instead (measured 3x slower). */
         __asm__ __volatile__("" ::: "memory");
+    }
+}
+
+/* A group's int32 sums 16 dot_high + dot_low of one row (VPMADDWD by 16 and by ones)
+ * into its float32 running sums: acc += d dot, as the VNNI build's int8 panels do. */
+static inline __attribute__((always_inline)) void panel8_q8_scale_row(
+        __m256i lo_high, __m256i hi_high, __m256i lo_low, __m256i hi_low, float d,
+        float *acc) {
+    const __m256 dv = _mm256_set1_ps(d);
+    const __m256i high[2] = {lo_high, hi_high}, low[2] = {lo_low, hi_low};
+    for (int v = 0; v < 2; v++) {
+        const __m256i dot = _mm256_add_epi32(_mm256_madd_epi16(high[v], _mm256_set1_epi16(16)),
+                                             _mm256_madd_epi16(low[v], _mm256_set1_epi16(1)));
+        _mm256_storeu_ps(acc + 8 * v, _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), dv,
+                                                      _mm256_loadu_ps(acc + 8 * v)));
+    }
+}
+
+/* panel8_group for an int8 weight of 16 columns on AVX2: its codes + 128 as two int4
+ * panels, the high nibbles at `panel` and the low ones PANEL8_CHUNK * PANEL8_COLS bytes
+ * on (q8_rows.c's q8_panel_nibbles). Each group's int32 sum is exactly the VNNI build's
+ * VPDPBUSD sum of the codes + 128 (the shift of 128 is the caller's, as there). */
+static inline __attribute__((always_inline)) void panel8_group_q8(
+        const int8_t *codes, const float *step, int64_t K, int64_t groups, int m,
+        const uint8_t *panel, int64_t k0, int64_t k1, float *sums) {
+    if (k0 == 0) memset(sums, 0, sizeof(float) * (size_t)m * PANEL8_COLS);
+    for (int64_t g = k0 / PANEL8_Q; g < k1 / PANEL8_Q; g++) {
+        const int8_t *x0 = codes + g * PANEL8_Q, *x1 = x0 + K, *x2 = x1 + K, *x3 = x2 + K;
+        const uint8_t *p = panel + (g * PANEL8_Q - k0) * PANEL8_COLS;
+        __m256i h[8], lo0 = _mm256_setzero_si256(), hi0 = lo0, lo1 = lo0, hi1 = lo0;
+        __m256i lo2 = lo0, hi2 = lo0, lo3 = lo0, hi3 = lo0;
+        panel8_nibble_sums(p, m, x0, x1, x2, x3, &lo0, &hi0, &lo1, &hi1, &lo2, &hi2, &lo3,
+                           &hi3);
+        h[0] = lo0, h[1] = hi0, h[2] = lo1, h[3] = hi1, h[4] = lo2, h[5] = hi2, h[6] = lo3;
+        h[7] = hi3;
+        lo0 = hi0 = lo1 = hi1 = lo2 = hi2 = lo3 = hi3 = _mm256_setzero_si256();
+        panel8_nibble_sums(p + PANEL8_CHUNK * PANEL8_COLS, m, x0, x1, x2, x3, &lo0, &hi0,
+                           &lo1, &hi1, &lo2, &hi2, &lo3, &hi3);
+        const float *d = step + g;
+        panel8_q8_scale_row(h[0], h[1], lo0, hi0, d[0], sums);
+        if (m > 1) panel8_q8_scale_row(h[2], h[3], lo1, hi1, d[groups], sums + PANEL8_COLS);
+        if (m > 2) panel8_q8_scale_row(h[4], h[5], lo2, hi2, d[2 * groups],
+                                       sums + 2 * PANEL8_COLS);
+        if (m > 3) panel8_q8_scale_row(h[6], h[7], lo3, hi3, d[3 * groups],
+                                       sums + 3 * PANEL8_COLS);
+        __asm__ __volatile__("" ::: "memory");  /* as in panel8_group */
     }
 }
 #endif
@@ -382,6 +441,26 @@ static inline __attribute__((always_inline)) void panel8_rows(const int8_t *code
     }
 #undef PANEL8_CASE
 }
+
+#if defined(AVX2_ONLY)
+/* panel8_rows for an int8 weight's two nibble panels (panel8_group_q8). */
+static inline __attribute__((always_inline)) void panel8_rows_q8(
+        const int8_t *codes, const float *step, int64_t K, int64_t m, const uint8_t *panel,
+        int64_t k0, int64_t k1, float *sums) {
+    const int64_t groups = K / PANEL8_Q;
+#define PANEL8_CASE(M_)                                                                  \
+    case M_:                                                                             \
+        panel8_group_q8(codes + t0 * K, step + t0 * groups, K, groups, M_, panel, k0, k1, \
+                        sums + t0 * PANEL8_COLS);                                        \
+        break;
+    for (int64_t t0 = 0; t0 < m; t0 += PANEL8_GROUP) {
+        switch (m - t0 < PANEL8_GROUP ? (int)(m - t0) : PANEL8_GROUP) {
+            PANEL8_CASE(1) PANEL8_CASE(2) PANEL8_CASE(3) PANEL8_CASE(4)
+        }
+    }
+#undef PANEL8_CASE
+}
+#endif
 #endif
 
 #endif

@@ -270,18 +270,28 @@ static void q8_rows_many(const float *xf, int64_t m, const int8_t *q, const uint
 }
 #endif
 
-#if defined(PANEL_INT8_VNNI)
+#if defined(PANEL_INT8_VNNI) || (defined(PANEL_INT8) && defined(AVX2_ONLY))
+#define Q8_INT8 1
+#endif
+
+#if defined(Q8_INT8)
 /* From Q8_INT8_ROWS rows, where the caller asks (int8_x), x rounded to int8 as for the
  * int4 products (panel_int8.h's xq_rows, per group of 32) and the weight multiplied by
- * VPDPBUSD over panels of its codes. VPDPBUSD multiplies an unsigned byte by a signed
- * one: the panel holds the codes + 128 (the sign bit flipped), so a row's sum is
+ * VPDPBUSD over panels of its codes (AVX-512 VNNI), or by VPMADDUBSW over two int4
+ * panels of them (AVX2: q8_panel_nibbles). Both multiply an unsigned byte by a signed
+ * one: the panels hold the codes + 128 (the sign bit flipped), so a row's sum is
  * sum_g d_g dot_g - 128 sum_g d_g sum(codes_g), the second term the same for every
  * column (q8_rows_int8 subtracts it once). Each weight row's 4 consecutive codes are
- * already one int32 lane's bytes: a panel is 16 x 16 transposes of int32s (transpose16).
- * From 4 rows (gemm.py's Q8_INT8_MIN_ROWS): the built-in model's LM head [49152 x 576],
- * Ice Lake Xeon, 2 threads, float32 path / int8 (benchmarks/int8_products.py): 0.85-1.13x
- * at 3 rows, 1.2x at 4, 1.6x at 5, 2.3x at 12, 2.3-2.6x at 16-32, 2.7-3.0x at 64-96. */
+ * already one int32 lane's bytes: a panel is transposes of int32s (16 x 16, transpose16;
+ * AVX2: 8 x 8, transpose8). Both builds sum the same integers and scale them alike:
+ * the same bits. From 4 rows (gemm.py's Q8_INT8_MIN_ROWS): the built-in model's LM head
+ * [49152 x 576], Ice Lake Xeon, 2 threads, float32 path / int8
+ * (benchmarks/int8_products.py): 0.85-1.13x at 3 rows, 1.2x at 4, 1.6x at 5, 2.3x at
+ * 12, 2.3-2.6x at 16-32, 2.7-3.0x at 64-96. */
 #define Q8_INT8_ROWS 4
+#endif
+
+#if defined(PANEL_INT8_VNNI)
 
 /* panel [(k1 - k0) / 4][32][4] = weight rows n0..n0+31 over columns [k0, k1) (multiples
  * of 64), + 128, as bytes; the next panel's rows (next, or NULL) asked for meanwhile, a
@@ -305,9 +315,50 @@ static void q8_panel_u8(const int8_t *q, int64_t n0, int64_t k, int64_t k0, int6
         }
 }
 
-/* Weight rows [first, last) (whole 32-row panels) for m rows of x as codes (xq_rows;
- * shift: 128 sum_g d_g sum(codes_g) per row); panel and sums on the caller's stack.
- * Sums scaled, rounded and biased as q8_rows_many stores them. */
+#endif
+
+#if defined(Q8_INT8) && defined(AVX2_ONLY)
+/* q8_panel_u8 for AVX2's 16-column int4 panels: weight rows n0..n0+15 over columns
+ * [k0, k1) (multiples of 32), + 128, split into nibbles, high ones into panel [(k1 -
+ * k0) / 4][16][4] and low ones PANEL8_CHUNK * PANEL8_COLS bytes on (panel8_group_q8);
+ * the next panel's rows asked for meanwhile, a line per row per 64 columns. */
+static void q8_panel_nibbles(const int8_t *q, int64_t n0, int64_t k, int64_t k0, int64_t k1,
+                             const int8_t *next, uint8_t *panel) {
+    const __m256i flip = _mm256_set1_epi8((char)0x80), low4 = _mm256_set1_epi8(15);
+    uint8_t *low_panel = panel + PANEL8_CHUNK * PANEL8_COLS;
+    for (int64_t kb = k0; kb < k1; kb += 32)
+        for (int h = 0; h < 2; h++) {
+            __m256 high[8], low[8];  /* 8 weight rows' 32 columns: 8 int32 quads each */
+            for (int i = 0; i < 8; i++) {
+                const int64_t row = 8 * h + i;
+                if (next != NULL && kb % 64 == 0) __builtin_prefetch(next + row * k + kb, 0, 3);
+                const __m256i u = _mm256_xor_si256(
+                    _mm256_loadu_si256((const __m256i *)(q + (n0 + row) * k + kb)), flip);
+                high[i] = _mm256_castsi256_ps(_mm256_and_si256(_mm256_srli_epi16(u, 4), low4));
+                low[i] = _mm256_castsi256_ps(_mm256_and_si256(u, low4));
+            }
+            transpose8(high);  /* [j]: the quad of columns kb + 4j.. of the 8 rows */
+            transpose8(low);
+            for (int j = 0; j < 8; j++) {
+                const int64_t at = ((kb - k0) / 4 + j) * 4 * PANEL8_COLS + 32 * h;
+                _mm256_storeu_si256((__m256i *)(panel + at), _mm256_castps_si256(high[j]));
+                _mm256_storeu_si256((__m256i *)(low_panel + at), _mm256_castps_si256(low[j]));
+            }
+        }
+}
+#endif
+
+#if defined(Q8_INT8)
+/* The int8 panels' bytes a thread keeps: one panel (VNNI), or two of nibbles (AVX2). */
+#if defined(PANEL_INT8_VNNI)
+#define Q8_PANEL_BYTES (PANEL8_CHUNK * PANEL8_COLS)
+#else
+#define Q8_PANEL_BYTES (2 * PANEL8_CHUNK * PANEL8_COLS)
+#endif
+
+/* Weight rows [first, last) (whole panels of PANEL8_COLS rows) for m rows of x as codes
+ * (xq_rows; shift: 128 sum_g d_g sum(codes_g) per row); panel and sums on the caller's
+ * stack. Sums scaled, rounded and biased as q8_rows_many stores them. */
 static void q8_rows_int8(const int8_t *codes, const float *step, const float *csum,
                          const float *shift, int64_t m, const int8_t *q,
                          const uint16_t *scales, const float *bias, int64_t first,
@@ -317,16 +368,22 @@ static void q8_rows_int8(const int8_t *codes, const float *step, const float *cs
         const int8_t *next = n0 + 2 * PANEL8_COLS <= last ? q + (n0 + PANEL8_COLS) * k : NULL;
         for (int64_t k0 = 0; k0 < k; k0 += PANEL8_CHUNK) {
             const int64_t k1 = k0 + PANEL8_CHUNK < k ? k0 + PANEL8_CHUNK : k;
+#if defined(PANEL_INT8_VNNI)
             q8_panel_u8(q, n0, k, k0, k1, next, panel);
             panel8_rows(codes, step, csum, k, m, panel, NULL, 0, k0, k1, sums);
+#else
+            (void)csum;
+            q8_panel_nibbles(q, n0, k, k0, k1, next, panel);
+            panel8_rows_q8(codes, step, k, m, panel, k0, k1, sums);
+#endif
         }
-        v16f scale[2], add[2];
-        for (int v = 0; v < 2; v++) {
+        v16f scale[PANEL8_COLS / 16], add[PANEL8_COLS / 16];
+        for (int v = 0; v < PANEL8_COLS / 16; v++) {
             scale[v] = load16_bf16(scales + n0 + 16 * v);
             if (bias != NULL) memcpy(&add[v], bias + n0 + 16 * v, sizeof add[v]);
         }
         for (int64_t t = 0; t < m; t++)
-            for (int v = 0; v < 2; v++) {
+            for (int v = 0; v < PANEL8_COLS / 16; v++) {
                 v16f sum;
                 memcpy(&sum, sums + t * PANEL8_COLS + 16 * v, sizeof sum);
                 uint16_t *out = y + t * ldy + n0 + 16 * v;
@@ -358,7 +415,7 @@ static int q8_rows_bf16_int8(int num_threads, const uint16_t *x, int64_t m, int6
             shift[t] = 128.0f * sum;
         }
         #pragma omp barrier
-        uint8_t panel[PANEL8_CHUNK * PANEL8_COLS] __attribute__((aligned(64)));
+        uint8_t panel[Q8_PANEL_BYTES] __attribute__((aligned(64)));
         float sums[PANEL_ROW_BLOCK * PANEL8_COLS] __attribute__((aligned(64)));
         const int64_t first = panels * s / nt * PANEL8_COLS;
         const int64_t last = panels * (s + 1) / nt * PANEL8_COLS;
@@ -381,7 +438,7 @@ int q8_rows_bf16(int num_threads, const uint16_t *x, int64_t m, int64_t ldx, con
                  const uint16_t *scales, int64_t n, int64_t k, const float *bias, uint16_t *y,
                  int64_t ldy, int int8_x) {
     if (k % 16 || k <= 0 || n <= 0 || m < 0) return -2;
-#if defined(PANEL_INT8_VNNI)
+#if defined(Q8_INT8)
     if (int8_x && m >= Q8_INT8_ROWS && k % 64 == 0 && n % PANEL8_COLS == 0)
         return q8_rows_bf16_int8(num_threads, x, m, ldx, q, scales, n, k, bias, y, ldy);
 #else
@@ -435,9 +492,10 @@ int panel_gemms(void) {
 #endif
 }
 
-/* Whether q8_rows_bf16 rounds x to int8 where asked (AVX-512 VNNI builds); 1 or 0. */
+/* Whether q8_rows_bf16 rounds x to int8 where asked (AVX-512 VNNI and AVX2 builds); 1
+ * or 0. */
 int q8_int8_built(void) {
-#if defined(PANEL_INT8_VNNI)
+#if defined(Q8_INT8)
     return 1;
 #else
     return 0;
