@@ -240,9 +240,10 @@ def quant_gemm(x: torch.Tensor, linear) -> torch.Tensor:
 # (more: ATen's kernel). With it (AVX-512, AVX2) it takes any number: from 12 rows as a
 # GEMM over converted panels of the weight (2.0x ATen's kernel at 32 rows on an Ice Lake
 # Xeon, 1.6x in its AVX2 build; docs/benchmarks.md), from 4 with x rounded to int8 over
-# int8 panels (AVX-512 VNNI; AVX2 over two int4 panels of the codes' nibbles). Where quant_gemm runs it takes the rows from
-# quant_tiled_min_rows() first: 8 on AMX Xeons using their tiles, none on Zen 4 (where x
-# is rounded; 8 with LLMSERVE_CPU_INT8_ACTIVATIONS=0).
+# int8 panels (AVX-512 VNNI; AVX2 over two int4 panels of the codes' nibbles). Where
+# quant_gemm runs it takes the rows from quant_tiled_min_rows() first: 8 on AMX Xeons
+# using their tiles, none on Zen 4 (where x is rounded; 8 with
+# LLMSERVE_CPU_INT8_ACTIVATIONS=0).
 Q8_ROWS_MAX = 8
 
 
