@@ -1,4 +1,5 @@
-"""Give freed host memory back to the operating system.
+"""Host memory: give freed memory back to the operating system, and back the weights
+with huge pages.
 
 glibc's allocator keeps memory that Python and PyTorch free (the checkpoint's fp32
 tensors read at load, a burst of requests' temporaries) in its heaps, where it still
@@ -12,6 +13,9 @@ NVRTC, libtorch_cuda, ...: ~170 MB of pages) a process serving on the CPU never 
 again, and libtorch_cpu's static initialisers alone touch ~65 MB of it.
 ``page_out_libraries`` hands those clean, file-backed pages back (``MADV_PAGEOUT``),
 once, after loading and before the warm-up, which brings back what a step runs.
+
+``advise_huge_pages`` asks for 2 MB pages, which ``worker/weight_arena.py`` puts the
+CPU weights on.
 """
 
 from __future__ import annotations
@@ -99,3 +103,29 @@ def page_out_libraries() -> int:
     accepted = sum(libc.madvise(start, length, MADV_PAGEOUT) == 0 for start, length in ranges)
     log.debug("paged out %d of %d library mappings", accepted, len(ranges))
     return accepted
+
+
+
+MADV_HUGEPAGE = 14  # let khugepaged collapse the range later (any THP mode but "never")
+MADV_COLLAPSE = 25  # Linux 6.1+: collapse the range's pages into huge ones now
+HUGE_PAGE = 2 << 20
+
+
+def huge_pages_wanted() -> bool:
+    """Whether the CPU weights go on huge pages (``LLMSERVE_CPU_HUGE_PAGES=0``: kept on 4
+    KB pages, to measure against)."""
+    return os.environ.get("LLMSERVE_CPU_HUGE_PAGES", "1") != "0"
+
+
+def advise_huge_pages(start: int, length: int, collapse: bool) -> bool:
+    """Ask Linux to back [start, start + length) (2 MB-aligned) with huge pages: before
+    it is touched, so that its page faults take them (``MADV_HUGEPAGE``), or, with
+    ``collapse``, now, for pages already there (``MADV_COLLAPSE``, Linux 6.1+, whatever
+    the THP mode). True if Linux took the advice; False where it did not (an older
+    kernel, THP off, no C library): the memory then stays on 4 KB pages, as before."""
+    libc = _libc()
+    if libc is None or not hasattr(libc, "madvise"):
+        return False
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    libc.madvise.restype = ctypes.c_int
+    return libc.madvise(start, length, MADV_COLLAPSE if collapse else MADV_HUGEPAGE) == 0

@@ -34,11 +34,13 @@ from llmserve.model_executor.model_loader.weights import (
 from llmserve.model_executor.models.llama import Attention, RotaryEmbedding
 from llmserve.model_executor.models.native_decoder import NativeDecoder
 from llmserve.model_executor.models.registry import SUPPORTED_ARCHITECTURES
+from llmserve.platforms.memory import huge_pages_wanted
 from llmserve.worker.cuda_graphs import DecodeGraphs
 from llmserve.worker.kv_cache import KVCache
 from llmserve.worker.kv_sizing import kv_block_bytes, profile_kv_budget
 from llmserve.worker.step_buffers import StepBuilder, enable_fast_path_from_config
 from llmserve.worker.step_inputs import StepInputs
+from llmserve.worker.weight_arena import pack_weights
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +99,10 @@ class ModelRunner:
         if config.fused_kernels:  # Triton add+RMSNorm, rotary+KV write, SiLU*up
             model.enable_fused_kernels()
         self.model = model.eval()
+        if self.device.type == "cpu" and huge_pages_wanted():
+            # The weights onto 2 MB pages: before anything keeps pointers into them (the
+            # LoRA slots, the native decoder).
+            pack_weights(self.model)
         self.hf_config = hf_config
         self.block_size = config.block_size
         self.use_triton = self._want_triton()
@@ -124,6 +130,7 @@ class ModelRunner:
             self.model.model.native_decoder = NativeDecoder.try_build(self.model)
         if self.lora is not None and self.model.model.native_decoder is not None:
             self.model.model.native_decoder.lora_state = self.lora.state
+
         # The GPU fast path (each piece behind its flag; CUDA graphs on by default on CUDA).
         self.step_builder: StepBuilder | None = None
         self.graphs: DecodeGraphs | None = None
