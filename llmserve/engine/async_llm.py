@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import queue
 import threading
 import time
@@ -43,21 +42,10 @@ from llmserve.platforms.memory import page_out_libraries, release_freed_memory
 
 log = logging.getLogger(__name__)
 
-WRITE_WAIT_S = 0.005  # the longest a forward waits for the event loop to write tokens
 
-
-def forward_after_writes() -> bool:
-    """Whether a CPU forward waits for the event loop to write the last step's tokens
-    (``LLMSERVE_FORWARD_AFTER_WRITES=0``: it does not, to measure against). Measured
-    through the server, AVX2, 32 streams: 350.7 against 345.4 tokens/s, four pairs."""
-    return os.environ.get("LLMSERVE_FORWARD_AFTER_WRITES", "1") != "0"
-
-
-def _put_each(pairs: list[tuple[asyncio.Queue, object]], written: threading.Event) -> None:
+def _put_each(pairs: list[tuple[asyncio.Queue, object]]) -> None:
     for sink, item in pairs:
         sink.put_nowait(item)
-    # After the handlers these puts woke (scheduled just now): set once they have run.
-    asyncio.get_running_loop().call_soon(written.set)
 
 
 @dataclass
@@ -98,8 +86,6 @@ class AsyncLLMEngine:
         self._ready = threading.Event()
         self._inbox: queue.Queue = queue.Queue()
         self._wake = threading.Event()
-        self._written = threading.Event()  # the event loop wrote the last step's outputs
-        self._written.set()
         self._sinks: dict[str, asyncio.Queue] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -304,8 +290,6 @@ class AsyncLLMEngine:
     def _run(self) -> None:
         try:
             self.engine = LLMEngine(self.config)
-            if self.config.device == "cpu" and forward_after_writes():
-                self.engine.before_forward = self._wait_written
             if self.engine.config.device == "cpu":
                 # Loading ran far more library code than serving does: hand it back,
                 # and let the warm-up bring back what a step runs.
@@ -437,13 +421,4 @@ class AsyncLLMEngine:
         pairs = [(sink, out) for out in outputs
                  if (sink := self._sinks.get(out.request_id)) is not None]
         if pairs and self._loop is not None:
-            self._written.clear()
-            self._loop.call_soon_threadsafe(_put_each, pairs, self._written)
-
-    def _wait_written(self) -> None:
-        """Before a forward: the event loop's writing of the last step's tokens, which
-        would otherwise take a core from the forward's lockstep threads (each of its
-        products waits for the slowest thread: 7 % of the throughput lost for 3 % of
-        the machine, docs/benchmarks.md). It overlaps the engine's own scheduling
-        and sampling instead; never more than WRITE_WAIT_S."""
-        self._written.wait(WRITE_WAIT_S)
+            self._loop.call_soon_threadsafe(_put_each, pairs)

@@ -102,9 +102,6 @@ class LLMEngine:
         self._structured_lock = threading.Lock()
         # Async scheduling: step N+1 launched before step N's tokens are read back.
         self.overlap = OverlappedSteps(self) if config.async_scheduling else None
-        # Called right before each forward (the server's: let the event loop finish
-        # writing the last step's tokens first; async_llm.py), or None.
-        self.before_forward = None
         # P/D: leases (prefill role) or imported prefixes (decode role).
         self.kv_transfer = KVTransferSide(self) if config.kv_role != "both" else None
         # Speculative decoding (n-gram or draft-model drafts, verified in the step that
@@ -355,8 +352,6 @@ class LLMEngine:
         if self.spec is not None:
             self.spec.fill(batch)  # a draft model's tokens, into the slots just reserved
         pending_masks = self._start_grammar_masks(batch)
-        if self.before_forward is not None:
-            self.before_forward()
         logits, prompt_scores, due = self.runner.run(batch)
         self._record_prompt_logprobs(batch, prompt_scores)
         t1 = time.perf_counter()
