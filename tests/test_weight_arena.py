@@ -1,8 +1,9 @@
 """The CPU weights moved onto huge pages (``worker/weight_arena.py``): every parameter and
 buffer keeps its values, dtype and shape and lies in a block on 2 MB boundaries; tied
-weights stay one tensor; a model bigger than a block takes several, each tensor once;
-Linux backs the blocks with huge pages where it does (checked in /proc/self/smaps); and
-the engine generates the same tokens with them as without."""
+weights stay one tensor; tensors sharing a storage stay together; a model bigger than a
+block takes several, each tensor once; Linux backs the blocks with huge pages where it
+does (checked in /proc/self/smaps); and the engine generates the same tokens with them
+as without."""
 
 from __future__ import annotations
 
@@ -29,6 +30,9 @@ class Tied(nn.Module):
         self.register_buffer("flags", torch.tensor([True, False, True]))
         self.register_buffer("scalar", torch.tensor(3.5))
         self.aside = torch.randn(10)  # not registered: stays where it is
+        both = torch.randn(8, 16)  # two buffers viewing one storage: left together
+        self.register_buffer("whole", both)
+        self.register_buffer("rows", both[2:5])
 
 
 def snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -74,6 +78,8 @@ def test_every_weight_keeps_its_values_in_one_block():
     assert model.head.weight is model.embed.weight is embed  # still one Parameter
     assert model.aside.data_ptr() == aside
     assert len(blocks_of(model)) == 1
+    model.whole[3].fill_(9.0)  # still one storage: a write shows through the other
+    assert torch.equal(model.rows[1], torch.full((16,), 9.0))
 
 
 def test_a_model_past_a_block_takes_several_each_tensor_once(monkeypatch):

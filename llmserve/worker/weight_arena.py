@@ -15,7 +15,9 @@ faster (docs/benchmarks.md, "Huge pages for the weights").
 Invariants:
 - Only what the model registers moves (parameters and buffers: contiguous, strided, on
   the CPU); a tensor registered twice (tied weights) moves once, and both names see the
-  copy. Anything else keeps its memory.
+  copy. Distinct tensors that share a storage (views of one another) stay where they
+  are: copied apart, a write through one would no longer show in the other. Anything
+  else keeps its memory.
 - Nothing may hold a raw pointer into a weight before the move (``pack_weights`` runs
   before the native decoder, LoRA slots and the KV cache are built).
 - A block holds at most ``BLOCK_BYTES``: the copy needs that much more memory at a time,
@@ -83,12 +85,22 @@ def _fill(tensors: list[torch.Tensor]) -> tuple[dict[int, torch.Tensor], int]:
     return moved, span if (advised or collapsed) else 0
 
 
-def _next_group(model: nn.Module, blocks: list[tuple[int, int]]) -> list[torch.Tensor]:
+def _shared_storages(model: nn.Module) -> set[int]:
+    """The storages that more than one distinct registered tensor views."""
+    owners: dict[int, set[int]] = {}
+    for _, _, t in _registered(model):
+        owners.setdefault(t.untyped_storage().data_ptr(), set()).add(id(t))
+    return {storage for storage, ids in owners.items() if len(ids) > 1}
+
+
+def _next_group(model: nn.Module, blocks: list[tuple[int, int]],
+                shared: set[int]) -> list[torch.Tensor]:
     """The next tensors to move, in the model's order, at most BLOCK_BYTES (or one
-    larger tensor): those not in a block already, each once."""
+    larger tensor): those not in a block already, each once, none of a shared storage."""
     group, seen, size = [], set(), 0
     for _, _, t in _registered(model):
-        if id(t) in seen or any(start <= t.data_ptr() < end for start, end in blocks):
+        if (id(t) in seen or t.untyped_storage().data_ptr() in shared
+                or any(start <= t.data_ptr() < end for start, end in blocks)):
             continue
         if group and size + _nbytes(t) > BLOCK_BYTES:
             break
@@ -102,8 +114,8 @@ def pack_weights(model: nn.Module) -> int:
     """Move the model's CPU parameters and buffers into blocks on huge pages (see the
     module's invariants), a block at a time; returns the bytes Linux put on huge
     pages."""
-    blocks, on_huge_pages = [], 0
-    while group := _next_group(model, blocks):
+    blocks, on_huge_pages, shared = [], 0, _shared_storages(model)
+    while group := _next_group(model, blocks, shared):
         moved, huge = _fill(group)
         on_huge_pages += huge
         first = min(t.data_ptr() for t in moved.values())
