@@ -105,7 +105,6 @@ def page_out_libraries() -> int:
     return accepted
 
 
-
 MADV_HUGEPAGE = 14  # let khugepaged collapse the range later (any THP mode but "never")
 MADV_COLLAPSE = 25  # Linux 6.1+: collapse the range's pages into huge ones now
 HUGE_PAGE = 2 << 20

@@ -130,7 +130,6 @@ class ModelRunner:
             self.model.model.native_decoder = NativeDecoder.try_build(self.model)
         if self.lora is not None and self.model.model.native_decoder is not None:
             self.model.model.native_decoder.lora_state = self.lora.state
-
         # The GPU fast path (each piece behind its flag; CUDA graphs on by default on CUDA).
         self.step_builder: StepBuilder | None = None
         self.graphs: DecodeGraphs | None = None
