@@ -14,6 +14,8 @@ from torch import nn
 from llmserve import SamplingParams
 from llmserve.config import EngineConfig
 from llmserve.engine.llm_engine import LLMEngine
+from llmserve.kernels.cpu.gemm import native_gemm_available
+from llmserve.model_executor.layers.cpu_linear import NativeLinear
 from llmserve.platforms.memory import HUGE_PAGE
 from llmserve.worker import weight_arena
 from llmserve.worker.weight_arena import pack_weights
@@ -94,6 +96,20 @@ def test_a_model_past_a_block_takes_several_each_tensor_once(monkeypatch):
     ptrs = [t.data_ptr() for t in {id(t): t for t in [*model.parameters(),
                                                       *model.buffers()]}.values()]
     assert len(ptrs) == len(set(ptrs))
+
+
+@pytest.mark.skipif(not native_gemm_available(), reason="gemm.c needs AVX512-BF16")
+def test_gemm_c_packed_weights_move_and_compute_the_same():
+    """NativeLinear's packed bf16 weight and float32 bias are buffers: they move too,
+    and its product is bit for bit what it was."""
+    torch.manual_seed(2)
+    model = nn.Sequential(NativeLinear(nn.Linear(256, 512)), NativeLinear(nn.Linear(512, 128)))
+    x = torch.randn(5, 256).to(torch.bfloat16)
+    y, before = model(x), snapshot(model)
+    pack_weights(model)
+    check_moved(model, before)
+    assert min(m.packed.data_ptr() for m in model) in blocks_of(model)
+    assert torch.equal(model(x), y)
 
 
 def thp_mode() -> str:

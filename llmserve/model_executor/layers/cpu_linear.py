@@ -63,7 +63,9 @@ class PackedLinear(nn.Module):
 class NativeLinear(nn.Module):
     """``linear``'s product by ``gemm.c`` on its weight packed in that kernel's
     layout (a plain bf16 tensor of the weight's size); bias kept in float32, added
-    before the one rounding to bf16, as oneDNN does."""
+    before the one rounding to bf16, as oneDNN does. Both are buffers (not saved in
+    state dicts), so that the weights' move onto huge pages (``worker/weight_arena.py``)
+    takes them."""
 
     def __init__(self, linear: nn.Linear):
         super().__init__()
@@ -74,8 +76,9 @@ class NativeLinear(nn.Module):
             raise ValueError(f"bf16_gemm takes out_features % 16 == 0 and even "
                              f"in_features, not {self.out_features} x {self.in_features}")
         weight = linear.weight.detach().to(torch.bfloat16).contiguous()
-        self.packed = gemm.bf16_gemm_pack(weight)
-        self.bias = None if linear.bias is None else linear.bias.detach().float().contiguous()
+        self.register_buffer("packed", gemm.bf16_gemm_pack(weight), persistent=False)
+        self.register_buffer("bias", None if linear.bias is None
+                             else linear.bias.detach().float().contiguous(), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != torch.bfloat16:
