@@ -9,9 +9,10 @@ and the GPU machine's image has no pydantic.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
+
+from llmserve.platforms.threads import usable_cpu_count
 
 if TYPE_CHECKING:
     import torch
@@ -244,7 +245,7 @@ class EngineConfig:
             from llmserve.tracing import traces_url
             traces_url(self.otlp_traces_endpoint)  # ValueError unless an http(s) URL
         if self.num_threads is None:
-            self.num_threads = len(os.sched_getaffinity(0))
+            self.num_threads = usable_cpu_count()
         self._check_tensor_parallel()
         self._check_gpu_fast_path()
         self._check_kv_transfer()
