@@ -5,7 +5,7 @@ cpuset, or ``taskset``, grants. CPU tuning guides also advise binding OpenMP's t
 (``OMP_PROC_BIND``, ``OMP_PLACES``). With either set, GNU OpenMP binds the process's
 initial thread to its first place as soon as it is loaded, which happens when torch is
 imported. That thread's mask then names a single CPU. Counting it would run the whole
-engine on one thread: 1.7x slower on 2 cores (docs/benchmarks.md, issue 30's eleventh
+engine on one thread: 1.7-1.8x slower on 2 cores (docs/benchmarks.md, issue 30's eleventh
 slice). OpenMP's own count, taken before it bound anything (``omp_get_num_procs``),
 is the number in that case.
 """
