@@ -1,6 +1,6 @@
 """The engine's default thread count is the CPUs the process may use, also where
-OpenMP binding (OMP_PROC_BIND / OMP_PLACES) has pinned the main thread to one CPU
-(platforms/threads.py)."""
+OpenMP binding (OMP_PROC_BIND, OMP_PLACES, GOMP_CPU_AFFINITY) has pinned the main thread
+to one CPU, and no more than the binding names (platforms/threads.py)."""
 
 from __future__ import annotations
 
@@ -11,54 +11,67 @@ import sys
 
 import pytest
 
-from llmserve.config import EngineConfig
-from llmserve.platforms.threads import openmp_num_procs, usable_cpu_count
-
-# Run after torch (and so OpenMP) is loaded, as in the engine's processes: the main
-# thread's own mask, OpenMP's count and the engine's default thread count.
+# In a fresh interpreter: take the CPUs named by argv[1] ("all": every CPU the machine
+# grants, which widens an xdist worker's share; "first": one), then load torch (and so
+# OpenMP, which binds here if the environment asks) and report the CPUs granted, the
+# main thread's mask and the engine's default thread count.
 PROBE = """
-import json, os
+import json, os, sys
+first = min(os.sched_getaffinity(0))
+os.sched_setaffinity(0, range(os.cpu_count()) if sys.argv[1] == "all" else {first})
+granted = len(os.sched_getaffinity(0))
 import torch
 from llmserve.config import EngineConfig
-print(json.dumps({"mask": len(os.sched_getaffinity(0)),
-                  "num_threads": EngineConfig(model="none", device="cpu").num_threads,
-                  "torch_threads": torch.get_num_threads()}))
+from llmserve.platforms.threads import loaded_openmp
+print(json.dumps({"granted": granted, "mask": len(os.sched_getaffinity(0)),
+                  "openmp": loaded_openmp() is not None,
+                  "num_threads": EngineConfig(model="none", device="cpu").num_threads}))
 """
-BOUND = {"OMP_PROC_BIND": "close", "OMP_PLACES": "cores"}
+# SMT-safe: one place per hardware thread
+BOUND = {"OMP_PROC_BIND": "close", "OMP_PLACES": "threads"}
 
 
-def probe(env: dict[str, str], cpus: set[int] | None = None) -> dict:
-    """PROBE in a fresh interpreter with ``env`` added, on ``cpus`` (default: ours)."""
-    def restrict():
-        if cpus is not None:
-            os.sched_setaffinity(0, cpus)
-    out = subprocess.run([sys.executable, "-c", PROBE], env={**os.environ, **env},
-                         capture_output=True, text=True, check=True, timeout=300,
-                         preexec_fn=restrict)
+def probe(cpus: str, **env: str) -> dict:
+    """PROBE on ``cpus`` with only ``env`` of OpenMP's variables (this process's are
+    left out, so a CI that exports some cannot change the outcome)."""
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("OMP_", "GOMP_"))}
+    out = subprocess.run([sys.executable, "-c", PROBE, cpus], env={**clean, **env},
+                         capture_output=True, text=True, check=True, timeout=300)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def test_unbound_default_is_the_affinity_mask():
-    assert usable_cpu_count() == len(os.sched_getaffinity(0))
-    assert EngineConfig(model="none", device="cpu").num_threads == usable_cpu_count()
-    import torch  # noqa: F401 - loads OpenMP, which then counts the same CPUs
-    assert openmp_num_procs() in (None, len(os.sched_getaffinity(0)))
+@pytest.fixture(scope="module")
+def machine() -> dict:
+    """The unbound run: every CPU granted, no binding."""
+    seen = probe("all")
+    assert seen["openmp"], "torch's OpenMP runtime was not found among the loaded libraries"
+    return seen
 
 
-def test_openmp_binding_keeps_every_cpu():
-    cpus = len(os.sched_getaffinity(0))
-    if cpus < 2:
+def test_unbound_default_is_the_affinity_mask(machine):
+    assert machine["num_threads"] == machine["mask"] == machine["granted"]
+
+
+@pytest.mark.parametrize("env", [BOUND, {"GOMP_CPU_AFFINITY": "0-1023"}],
+                         ids=["OMP_PROC_BIND", "GOMP_CPU_AFFINITY"])
+def test_openmp_binding_keeps_every_cpu(machine, env):
+    if machine["granted"] < 2:
         pytest.skip("one CPU: a thread bound to one CPU has them all")
-    seen = probe(BOUND)
-    if seen["mask"] == cpus:
-        pytest.skip("this OpenMP runtime did not bind the main thread")
-    assert seen["mask"] == 1  # the trap: the main thread's mask names one CPU
-    assert seen["num_threads"] == cpus
+    seen = probe("all", **env)
+    assert seen["mask"] == 1  # the trap: OpenMP bound the main thread to one CPU
+    assert seen["num_threads"] == machine["granted"]
 
 
-def test_openmp_binding_within_a_narrower_cpuset():
+def test_openmp_binding_to_fewer_cpus_is_honoured(machine):
+    """Places that name fewer CPUs than the process has: that many threads."""
+    if machine["granted"] < 2:
+        pytest.skip("one CPU: nothing fewer to name")
+    first = "{" + str(min(os.sched_getaffinity(0))) + "}"
+    assert probe("all", OMP_PROC_BIND="true", OMP_PLACES=first)["num_threads"] == 1
+
+
+@pytest.mark.parametrize("env", [{}, BOUND], ids=["unbound", "bound"])
+def test_a_narrower_cpuset_is_honoured(env):
     """A process granted fewer CPUs (taskset, a cpuset) gets no more threads than
     that, bound or not."""
-    first = min(os.sched_getaffinity(0))
-    for env in ({}, BOUND):
-        assert probe(env, {first})["num_threads"] == 1
+    assert probe("first", **env)["num_threads"] == 1
