@@ -232,16 +232,22 @@ def test_the_avx2_layout_is_read_on_an_avx2_machine():
 
 
 def test_the_int8_row_thresholds_are_the_c_kernels():
-    """dequant.INT8_MIN_ROWS routes the layer's int4 products to the C kernel from the
-    row count its int8 path starts at (decoder.c's Q4_INT8_ROWS), and
-    gemm.Q8_INT8_MIN_ROWS states q8_rows.c's: a C change alone would misroute quietly."""
+    """The layer's int4 products round x from the row count the C kernel's int8 path
+    starts at (decoder.c's Q4_INT8_ROWS, which the library reports: 1 in an AVX2 build,
+    dequant.INT8_MIN_ROWS in an AVX-512 VNNI one), and gemm.Q8_INT8_MIN_ROWS states
+    q8_rows.c's: a C change alone would misroute quietly."""
     import re
     from pathlib import Path
 
     from llmserve.kernels.cpu import gemm
+    from llmserve.kernels.cpu.native import decode_kernel, panel_int8_built
 
     def define(source: str, name: str) -> int:
         text = (Path(dequant.__file__).parent / source).read_text()
         return int(re.search(rf"#define {name} (\d+)", text).group(1))
-    assert define("decoder.c", "Q4_INT8_ROWS") == dequant.INT8_MIN_ROWS
+    text = (Path(dequant.__file__).parent / "decoder.c").read_text()
+    assert [int(n) for n in re.findall(r"#define Q4_INT8_ROWS (\d+)", text)] == [
+        1, dequant.INT8_MIN_ROWS]  # the AVX2 build's, then the others'
+    if panel_int8_built():
+        assert dequant.int8_min_rows() == decode_kernel().q4_int8_min_rows()
     assert define("q8_rows.c", "Q8_INT8_ROWS") == gemm.Q8_INT8_MIN_ROWS

@@ -24,7 +24,7 @@ import torch
 
 from llmserve.kernels.cpu import decoder, dequant, gemm
 from llmserve.kernels.cpu.decoder import int4_pack_block_n, q4_matmul
-from llmserve.kernels.cpu.dequant import INT8_MIN_ROWS, q4_weight_f32, quant_dense_f32
+from llmserve.kernels.cpu.dequant import int8_min_rows, q4_weight_f32, quant_dense_f32
 from llmserve.kernels.cpu.gemm import Q8_INT8_MIN_ROWS, q8_rows
 from llmserve.kernels.cpu.native import (
     decode_kernel,
@@ -34,7 +34,8 @@ from llmserve.kernels.cpu.native import (
 )
 from llmserve.model_executor.layers.quantization import QuantizedLinear, weight_only_mm
 
-MIN_ROWS = {4: INT8_MIN_ROWS, 8: Q8_INT8_MIN_ROWS}
+# the fewest rows this build rounds x for (int4: 1 on AVX2, 3 on AVX-512 VNNI)
+MIN_ROWS = {4: int8_min_rows(), 8: Q8_INT8_MIN_ROWS}
 SHAPES = {4: [(960, 576), (128, 64), (3072, 576), (576, 1536), (192, 96)],  # 96: k % 64 == 32
           8: [(4096, 576), (128, 64), (960, 1536)]}  # int8: an LM head's rows
 
@@ -129,10 +130,12 @@ def bf16_order(y: torch.Tensor) -> torch.Tensor:
     return torch.where(bits < 0, -(bits & 0x7FFF), bits)
 
 
-# the fewest rows each takes, a group of 6 (AVX2: 4) and a rest, past the block of 96
-# rows, and a long prefill chunk
+# the fewest rows each takes and one more (AVX2's int4: 1 and 2 rows straight from the
+# pack, q4_row_int8), a group of 6 (AVX2: 4) and a rest, past the block of 96 rows, and
+# a long prefill chunk
 CASES = [(bits, n, k, rows, bias) for bits in SHAPES for n, k in SHAPES[bits]
-         for rows in (MIN_ROWS[bits], 6, 17, 100, 500) for bias in (False, True)]
+         for rows in (MIN_ROWS[bits], MIN_ROWS[bits] + 1, 6, 17, 100, 500)
+         for bias in (False, True)]
 
 
 def cases_of_this_build() -> list[tuple]:
@@ -247,21 +250,21 @@ def test_the_avx2_and_vnni_builds_compute_the_same_bits(monkeypatch):
 
 
 def avx2_routing_check() -> dict:
-    """What an AVX2 build does by default: the int4 products of 3 rows and more round x
-    (the torch layer and q4_matmul alike), fewer do not; the int8 LM head from 4 rows."""
+    """What an AVX2 build does by default: the int4 products of every row count round x
+    (the torch layer and q4_matmul alike); the int8 LM head from 4 rows."""
     lin = quantized(960, 576, False, seed=1)
     head = quantized(4096, 576, False, seed=0, bits=8)
     x = torch.randn(400, 576).to(torch.bfloat16)
     return {
         "int8_activations": decoder.int8_activations(),
         "q8_rows_int8_built": q8_rows_int8_built(),
-        "layer rounds from 3 rows": all(
+        "layer rounds from 1 row": all(
             dequant.dequant_applies(x[:rows], lin)
             and torch.equal(lin(x[:rows]), q4_matmul(x[:rows], lin, int8_x=True))
             and torch.equal(q4_matmul(x[:rows], lin), q4_matmul(x[:rows], lin, int8_x=True))
-            for rows in (INT8_MIN_ROWS, 16, 400)),
-        "2 rows keep float32": torch.equal(q4_matmul(x[:2], lin, int8_x=True),
-                                           q4_matmul(x[:2], lin, int8_x=False)),
+            for rows in (1, 2, 3, 16, 400)),
+        "1 row rounds": not torch.equal(q4_matmul(x[:1], lin, int8_x=True),
+                                        q4_matmul(x[:1], lin, int8_x=False)),
         "LM head rounds from 4 rows": all(
             not torch.equal(q8_rows(x[:rows], head, int8_x=True),
                             q8_rows(x[:rows], head, int8_x=False))
@@ -274,8 +277,35 @@ def avx2_routing_check() -> dict:
 def test_an_avx2_build_rounds_x_by_default(monkeypatch):
     assert in_build("avx2", "avx2_routing_check", monkeypatch) == {
         "int8_activations": True, "q8_rows_int8_built": True,
-        "layer rounds from 3 rows": True, "2 rows keep float32": True,
+        "layer rounds from 1 row": True, "1 row rounds": True,
         "LM head rounds from 4 rows": True, "3 LM head rows keep float32": True}
+
+
+def rows_alone_check() -> list[bool]:
+    """Whether each row's int4 product is bit for bit the same alone (AVX2: 1 row
+    straight from the pack), in pairs, and among 7 rows (the panels), with and without a
+    bias, for weights of 30, 96, 18, 4 and 6 blocks of 32 columns over the threads."""
+    results = []
+    for n, k, bias in ((960, 576, False), (3072, 576, True), (576, 1536, True),
+                       (128, 64, False), (192, 96, True)):
+        lin = quantized(n, k, bias, seed=n + k)
+        x = torch.randn(7, k).to(torch.bfloat16)
+        together = q4_matmul(x, lin, int8_x=True)
+        alone = torch.cat([q4_matmul(x[i:i + 1], lin, int8_x=True) for i in range(7)])
+        pairs = torch.cat([q4_matmul(x[i:i + 2], lin, int8_x=True) for i in range(0, 6, 2)])
+        results += [torch.equal(alone, together), torch.equal(pairs, together[:6])]
+    return results
+
+
+@pytest.mark.parametrize("build", BUILDS)
+def test_a_row_alone_computes_what_it_does_among_others(build, monkeypatch):
+    """A decode step of one sequence (AVX2: q4_row_int8 from the pack) and a batch
+    (the panels) give each row the same bits: the same integers, scaled alike."""
+    results = in_build(build, "rows_alone_check", monkeypatch)
+    if build == "avx2":
+        assert all(results), results
+    else:  # the VNNI build keeps 1-2 rows in float32: alone differs from among 7
+        assert not any(results[0::2]), results
 
 
 def mismatch_check() -> list:
@@ -343,9 +373,9 @@ def without_amx_tiles():
 
 
 @needs_kernel_here
-@pytest.mark.parametrize("rows", [INT8_MIN_ROWS, 16, 384, 600])
+@pytest.mark.parametrize("rows", [MIN_ROWS[4], 16, 384, 600])
 def test_the_layer_rounds_x_from_int8_min_rows_on(rows, monkeypatch, without_amx_tiles):
-    """The torch layer takes the int8 panels for any number of rows from INT8_MIN_ROWS
+    """The torch layer takes the int8 panels for any number of rows from int8_min_rows()
     (long prefill chunks too, where x in float32 goes to MKL, and where gemm.c's
     quant_gemm multiplies by bf16 dot products: Zen 4, an AMX Xeon without its tiles);
     the C decoder stack reads the same setting, so prefill and decode steps round
@@ -357,7 +387,7 @@ def test_the_layer_rounds_x_from_int8_min_rows_on(rows, monkeypatch, without_amx
     assert dequant.dequant_applies(x, lin)
     assert torch.equal(lin(x), q4_matmul(x, lin, int8_x=True))
     assert torch.equal(quant_dense_f32(x, lin), q4_matmul(x, lin, int8_x=True))
-    assert not dequant.dequant_applies(x[:INT8_MIN_ROWS - 1], lin)
+    assert not dequant.dequant_applies(x[:MIN_ROWS[4] - 1], lin)
 
 
 def test_amx_tiles_keep_x_in_bf16(monkeypatch):

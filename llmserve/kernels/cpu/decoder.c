@@ -409,7 +409,15 @@ static int q4_matmul_panels(int num_threads, const stack_linear *lin, const floa
  * faster (0.12 against 0.14 ms for a layer's four products), at 2 they tie, at 3
  * the int8 panels take 0.18 ms against 0.23 (Ice Lake Xeon, 2 threads); the AVX2
  * build's, 0.51 against 0.69 at 3 rows (the same Xeon as an AVX2 machine). */
+#if defined(AVX2_ONLY)
+/* AVX2's float32 tiles are bound by their own instructions at one row (a layer's four
+ * products 0.14 ms with the weight in the caches, where reading it from memory would
+ * take 0.075): from 1 row x is rounded to int8, and 1-2 rows take q4_rows_int8. */
+#define Q4_INT8_ROWS 1
+#define Q4_ROWS_INT8_MAX 2
+#else
 #define Q4_INT8_ROWS 3
+#endif
 /* The weight streams from memory once a step, and a decode step's few rows leave too
  * little work per byte for the hardware prefetchers to hide it (the int4 products of
  * the built-in model's 30 layers at 21 rows: 21.9 ms, 17.0 with the weight in the
@@ -456,6 +464,77 @@ static void q4_panels_int8(const stack_linear *lin, const int8_t *codes, const f
     }
 }
 
+#if defined(AVX2_ONLY)
+/* One row's products with blocks [first, last) of ATen's AVX2 pack (32 columns, k rows
+ * of 16 bytes: columns 0-15 in the low nibbles, 16-31 in the high ones), x rounded to
+ * int8 (codes, with the row's steps and code sums per group), straight from the pack:
+ * no panel. Rows k, k + 2 (one per 128-bit lane) and k + 1, k + 3 are interleaved byte
+ * by byte, so that VPMADDUBSW multiplies a column's codes at k and k + 1 (low lane) and
+ * at k + 2 and k + 3 (high lane) with x's (codes_pairs) and adds each pair: 128
+ * products in 4 instructions, where the float32 tiles take 16 FMAs and the nibbles'
+ * 16 conversions. A group's int32 sums are the panels' exact integers, scaled by the
+ * same float32 operations in the same order (panel8_group, panel8_scale_row), so a
+ * row's result is bit for bit what it gets among more rows. y: the row's outputs. */
+static inline __m256i codes_pairs(const int8_t *quad) {
+    int32_t four;
+    memcpy(&four, quad, sizeof four);
+    const __m256i pairs = _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1,
+                                           2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3);
+    return _mm256_shuffle_epi8(_mm256_set1_epi32(four), pairs);
+}
+
+static inline __m256i two_rows(const uint8_t *rows, int64_t k) {
+    return _mm256_inserti128_si256(
+        _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(rows + k * 16))),
+        _mm_loadu_si128((const __m128i *)(rows + (k + 2) * 16)), 1);
+}
+
+static void q4_row_int8(const stack_linear *lin, const int8_t *codes, const float *step,
+                        const float *csum, int64_t first, int64_t last, uint16_t *y) {
+    const int64_t K = lin->k, N = lin->n, groups = K / PANEL8_Q;
+    const __m256i low4 = _mm256_set1_epi8(15);
+    for (int64_t nb = first; nb < last; nb++) {
+        const uint8_t *rows = lin->weight + nb * K * 16;
+        __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
+                         _mm256_setzero_ps()};
+        for (int64_t g = 0; g < groups; g++) {
+            __m256i dot[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(),
+                              _mm256_setzero_si256(), _mm256_setzero_si256()};
+            for (int64_t k = g * PANEL8_Q; k < (g + 1) * PANEL8_Q; k += 4) {
+                /* a line per quad (64 bytes), Q4_PREFETCH ahead (never faults) */
+                __builtin_prefetch((const void *)((uintptr_t)(rows + k * 16) + Q4_PREFETCH),
+                                   0, 3);
+                const __m256i a = two_rows(rows, k), b = two_rows(rows, k + 1);
+                const __m256i al = _mm256_and_si256(a, low4), bl = _mm256_and_si256(b, low4);
+                const __m256i ah = _mm256_and_si256(_mm256_srli_epi16(a, 4), low4);
+                const __m256i bh = _mm256_and_si256(_mm256_srli_epi16(b, 4), low4);
+                const __m256i xp = codes_pairs(codes + k);
+                dot[0] = _mm256_add_epi16(dot[0], _mm256_maddubs_epi16(_mm256_unpacklo_epi8(al, bl), xp));
+                dot[1] = _mm256_add_epi16(dot[1], _mm256_maddubs_epi16(_mm256_unpackhi_epi8(al, bl), xp));
+                dot[2] = _mm256_add_epi16(dot[2], _mm256_maddubs_epi16(_mm256_unpacklo_epi8(ah, bh), xp));
+                dot[3] = _mm256_add_epi16(dot[3], _mm256_maddubs_epi16(_mm256_unpackhi_epi8(ah, bh), xp));
+            }
+            const __m256 dv = _mm256_set1_ps(step[g]), csv = _mm256_set1_ps(csum[g]);
+            for (int v = 0; v < 4; v++) {  /* columns 8v .. 8v + 7 of the block */
+                const __m256i dot32 = _mm256_add_epi32(
+                    _mm256_cvtepi16_epi32(_mm256_castsi256_si128(dot[v])),
+                    _mm256_cvtepi16_epi32(_mm256_extracti128_si256(dot[v], 1)));
+                __m256 scale, zero;
+                bf16_halves8(_mm256_loadu_si256((const __m256i *)(
+                                 lin->scale_zero + (g * N + nb * 32 + 8 * v) * 2)),
+                             &scale, &zero);
+                const __m256 offset = _mm256_fnmadd_ps(_mm256_set1_ps(8.0f), scale, zero);
+                acc[v] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot32), _mm256_mul_ps(scale, dv),
+                                         _mm256_fmadd_ps(offset, csv, acc[v]));
+            }
+        }
+        float sums[32] __attribute__((aligned(32)));
+        for (int v = 0; v < 4; v++) _mm256_store_ps(sums + 8 * v, acc[v]);
+        panel_store(lin, sums, 1, 32, nb * 32, y, N);
+    }
+}
+#endif
+
 /* y = x times the int4 weight with x rounded to int8 (q4_matmul_panels' split over
  * threads and rows); scratch: M * K / 4 + 2 M * K / 32 floats for the codes, steps and
  * code sums. Each thread's panel and sums (20 KB; 10 on AVX2) are on its stack:
@@ -473,13 +552,23 @@ static void q4_matmul_int8(int num_threads, const stack_linear *lin, const uint1
         const int s = omp_get_thread_num(), nt = omp_get_num_threads();
         xq_rows_share(x, K, M, K, codes, step, csum, s, nt);
         #pragma omp barrier
-        uint8_t panel[PANEL8_CHUNK * PANEL8_COLS] __attribute__((aligned(64)));
-        float sums[PANEL_ROW_BLOCK * PANEL8_COLS] __attribute__((aligned(64)));
-        for (int r0 = 0; r0 < M; r0 += PANEL_ROW_BLOCK) {
-            const int rows = M - r0 < PANEL_ROW_BLOCK ? M - r0 : PANEL_ROW_BLOCK;
-            q4_panels_int8(lin, codes + (int64_t)r0 * K, step + r0 * groups, csum + r0 * groups,
-                           rows, panels * s / nt, panels * (s + 1) / nt, panel, sums,
-                           y + (int64_t)r0 * lin->n, lin->n);
+#if defined(AVX2_ONLY)
+        if (M <= Q4_ROWS_INT8_MAX) {  /* each row straight from the pack, block by block */
+            const int64_t blocks = lin->n / 32;
+            for (int t = 0; t < M; t++)
+                q4_row_int8(lin, codes + (int64_t)t * K, step + t * groups, csum + t * groups,
+                            blocks * s / nt, blocks * (s + 1) / nt, y + (int64_t)t * lin->n);
+        } else
+#endif
+        {
+            uint8_t panel[PANEL8_CHUNK * PANEL8_COLS] __attribute__((aligned(64)));
+            float sums[PANEL_ROW_BLOCK * PANEL8_COLS] __attribute__((aligned(64)));
+            for (int r0 = 0; r0 < M; r0 += PANEL_ROW_BLOCK) {
+                const int rows = M - r0 < PANEL_ROW_BLOCK ? M - r0 : PANEL_ROW_BLOCK;
+                q4_panels_int8(lin, codes + (int64_t)r0 * K, step + r0 * groups,
+                               csum + r0 * groups, rows, panels * s / nt, panels * (s + 1) / nt,
+                               panel, sums, y + (int64_t)r0 * lin->n, lin->n);
+            }
         }
     }
 }
@@ -491,6 +580,16 @@ static void q4_matmul_int8(int num_threads, const stack_linear *lin, const uint1
 int panel_int8(void) {
 #if defined(PANEL_INT8)
     return Q4_PANEL_BN;
+#else
+    return 0;
+#endif
+}
+
+/* The fewest rows whose int4 products round x to int8 where asked (dequant.py reads
+ * it, so the torch layers round as the stack does), or 0 where nothing does. */
+int q4_int8_min_rows(void) {
+#if defined(PANEL_INT8)
+    return Q4_INT8_ROWS;
 #else
     return 0;
 #endif

@@ -27,7 +27,7 @@ import torch
 
 from llmserve.kernels.cpu.decoder import int4_pack_block_n, q4_matmul, q4_struct
 from llmserve.kernels.cpu.gemm import rounds_x_to_int8
-from llmserve.kernels.cpu.native import decode_kernel, panel_gemms_built
+from llmserve.kernels.cpu.native import decode_kernel, panel_gemms_built, q4_int8_min_rows
 from llmserve.platforms.cpu import cpu_features
 
 # The int4 products of many rows, by row count: from PANEL_MIN_ROWS the C panel GEMM,
@@ -39,10 +39,18 @@ from llmserve.platforms.cpu import cpu_features
 PANEL_MIN_ROWS = 16
 DEQUANT_MIN_ROWS = 384
 # Where x is rounded to int8 (gemm.rounds_x_to_int8), the C kernel's int8 panels take
-# every product from this many rows (decoder.c's Q4_INT8_ROWS): the same layers, 2 threads,
-# over the float32 panels 2.2-2.9x at 16-512 rows, over the float32 copy and MKL 2.3x at
-# 512; over ATen's and the C tiles 1.3x at 3 rows, 1.8-3.5x at 4-14.
+# every product from this many rows on AVX-512 VNNI (decoder.c's Q4_INT8_ROWS): the same
+# layers, 2 threads, over the float32 panels 2.2-2.9x at 16-512 rows, over the float32
+# copy and MKL 2.3x at 512; over ATen's and the C tiles 1.3x at 3 rows, 1.8-3.5x at 4-14.
+# AVX2 builds round from 1 row (int8_min_rows()).
 INT8_MIN_ROWS = 3
+
+
+def int8_min_rows() -> int:
+    """The fewest rows whose int4 products round x to int8 where x is rounded: the
+    build's (``native.q4_int8_min_rows``), so that a torch layer rounds from the same row
+    count as the C decoder stack does."""
+    return q4_int8_min_rows() or INT8_MIN_ROWS
 
 # The float32 copy is at most this big (a larger weight goes in chunks of columns): it
 # is memory the KV budget does not know of. The built-in model's largest, gate_up, is
@@ -83,13 +91,13 @@ def int4_runs_in_float32() -> bool:
 
 def dequant_applies(x: torch.Tensor, linear) -> bool:
     """``quant_dense_f32``'s domain: an eager int4 CPU product, a shape on ATen's pack
-    grid, of at least INT8_MIN_ROWS rows where x is rounded to int8 (AVX-512 VNNI or
+    grid, of at least int8_min_rows() rows where x is rounded to int8 (AVX-512 VNNI or
     AVX2 builds, AMX tiles not in use: ``gemm.rounds_x_to_int8``), else of at least
     PANEL_MIN_ROWS where ``int4_runs_in_float32`` (AVX-512 without bf16 arithmetic,
     AVX2)."""
     k, n = linear.in_features, linear.out_features
     if (linear.bits != 4 or x.device.type != "cpu" or x.shape[-1] != k
-            or x.numel() < INT8_MIN_ROWS * k or torch.compiler.is_compiling()):
+            or x.numel() < int8_min_rows() * k or torch.compiler.is_compiling()):
         return False
     if rounds_x_to_int8():
         return n % int4_pack_block_n() == 0 and k % 32 == 0

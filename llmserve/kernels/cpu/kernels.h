@@ -157,6 +157,7 @@ int argmax_rows_bf16(int num_threads, const uint16_t *x, int rows, int64_t n, in
 /* decoder.c: the decoder stack (int4 and bf16 projections), and one int4 product for
  * tests. */
 int panel_int8(void);  /* the int4 block its int8 panels read, or 0 */
+int q4_int8_min_rows(void);  /* the fewest rows whose int4 products round x, or 0 */
 int q4_linear_bf16(int num_threads, const stack_linear *lin, int block_n, const uint16_t *x,
                    int M, uint16_t *y, int int8_x);
 int stack_decode_layers(int num_threads, const stack_dims *d, const stack_layer *layers, int num_layers,

@@ -79,6 +79,7 @@ SIGNATURES: dict[str, list[type]] = {
     "argmax_rows_bf16": [_I32, _PTR, _I32, _I64, _I64, _PTR],
     # decoder.c
     "panel_int8": [],
+    "q4_int8_min_rows": [],
     "q4_linear_bf16": [_I32, _PTR, _I32, _PTR, _I32, _PTR, _I32],
     "stack_decode_layers": [_I32, _PTR, _PTR, _I32, _PTR, _I32, _PTR, _PTR, _PTR, _PTR, _I32,
                          _PTR],
@@ -204,6 +205,15 @@ def panel_int8_block_n() -> int:
 def panel_int8_built() -> bool:
     """Whether the library can round x to int8 for int4 products of many rows."""
     return panel_int8_block_n() > 0
+
+
+@functools.cache
+def q4_int8_min_rows() -> int:
+    """The fewest rows whose int4 products the library rounds x to int8 for, where asked
+    (decoder.c's Q4_INT8_ROWS: 1 on AVX2, whose float32 tiles are slower than the
+    weight's stream, 3 on AVX-512 VNNI), or 0: no int8 panels. Asked once."""
+    lib = decode_kernel()
+    return 0 if lib is None or not panel_int8_built() else lib.q4_int8_min_rows()
 
 
 @functools.cache
