@@ -405,14 +405,15 @@ static int q4_matmul_panels(int num_threads, const stack_linear *lin, const floa
 #endif
 
 #if defined(PANEL_INT8)
-/* From 3 rows (dequant.py's INT8_MIN_ROWS): at 1 row the tiles stream the weight
- * faster (0.12 against 0.14 ms for a layer's four products), at 2 they tie, at 3
- * the int8 panels take 0.18 ms against 0.23 (Ice Lake Xeon, 2 threads); the AVX2
- * build's, 0.51 against 0.69 at 3 rows (the same Xeon as an AVX2 machine). */
+/* From 3 rows on AVX-512 VNNI (dequant.py's INT8_MIN_ROWS): at 1 row the tiles stream
+ * the weight faster (0.12 against 0.14 ms for a layer's four products), at 2 they tie,
+ * at 3 the int8 panels take 0.18 ms against 0.23 (Ice Lake Xeon, 2 threads). */
 #if defined(AVX2_ONLY)
 /* AVX2's float32 tiles are bound by their own instructions at one row (a layer's four
  * products 0.14 ms with the weight in the caches, where reading it from memory would
- * take 0.075): from 1 row x is rounded to int8, and 1-2 rows take q4_rows_int8. */
+ * take 0.075): from 1 row x is rounded to int8, and 1-2 rows take q4_rows_int8 (0.08
+ * ms at 1 row); from 3 the panels (0.51 against the tiles' 0.69 at 3 rows, the AMX
+ * Xeon as an AVX2 machine). */
 #define Q4_INT8_ROWS 1
 #define Q4_ROWS_INT8_MAX 2
 #else
@@ -465,16 +466,17 @@ static void q4_panels_int8(const stack_linear *lin, const int8_t *codes, const f
 }
 
 #if defined(AVX2_ONLY)
-/* One row's products with blocks [first, last) of ATen's AVX2 pack (32 columns, k rows
- * of 16 bytes: columns 0-15 in the low nibbles, 16-31 in the high ones), x rounded to
- * int8 (codes, with the row's steps and code sums per group), straight from the pack:
- * no panel. Rows k, k + 2 (one per 128-bit lane) and k + 1, k + 3 are interleaved byte
- * by byte, so that VPMADDUBSW multiplies a column's codes at k and k + 1 (low lane) and
- * at k + 2 and k + 3 (high lane) with x's (codes_pairs) and adds each pair: 128
- * products in 4 instructions, where the float32 tiles take 16 FMAs and the nibbles'
- * 16 conversions. A group's int32 sums are the panels' exact integers, scaled by the
- * same float32 operations in the same order (panel8_group, panel8_scale_row), so a
- * row's result is bit for bit what it gets among more rows. y: the row's outputs. */
+/* M (1-2) rows' products with blocks [first, last) of ATen's AVX2 pack (32 columns, k
+ * rows of 16 bytes: columns 0-15 in the low nibbles, 16-31 in the high ones), x rounded
+ * to int8 (codes, with each row's steps and code sums per group), straight from the
+ * pack: no panel. Rows k, k + 2 (one per 128-bit lane) and k + 1, k + 3 are interleaved
+ * byte by byte, so that VPMADDUBSW multiplies a column's codes at k and k + 1 (low
+ * lane) and at k + 2 and k + 3 (high lane) with x's (codes_pairs) and adds each pair:
+ * 128 products in 4 instructions, where the float32 tiles take 16 FMAs and the
+ * nibbles' 16 conversions. A group's int32 sums are the panels' exact integers, scaled
+ * by the same float32 operations in the same order (panel8_group, panel8_scale_row),
+ * so a row's result is bit for bit what it gets among more rows. Two rows share
+ * each quad's unpacking. y: the rows' outputs, N apart. */
 static inline __m256i codes_pairs(const int8_t *quad) {
     int32_t four;
     memcpy(&four, quad, sizeof four);
@@ -489,48 +491,76 @@ static inline __m256i two_rows(const uint8_t *rows, int64_t k) {
         _mm_loadu_si128((const __m128i *)(rows + (k + 2) * 16)), 1);
 }
 
-static void q4_row_int8(const stack_linear *lin, const int8_t *codes, const float *step,
-                        const float *csum, int64_t first, int64_t last, uint16_t *y) {
+/* m rows' (1 or 2, a constant where inlined) 32 sums of block `rows` (columns col0..
+ * col0 + 31) into sums (rows 32 apart): each quad of k is unpacked once for both. */
+static inline __attribute__((always_inline)) void q4_rows_block(
+        const stack_linear *lin, const uint8_t *rows, int64_t col0, const int m,
+        const int8_t *codes, const float *step, const float *csum, float *sums) {
     const int64_t K = lin->k, N = lin->n, groups = K / PANEL8_Q;
     const __m256i low4 = _mm256_set1_epi8(15);
-    for (int64_t nb = first; nb < last; nb++) {
-        const uint8_t *rows = lin->weight + nb * K * 16;
-        __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
-                         _mm256_setzero_ps()};
-        for (int64_t g = 0; g < groups; g++) {
-            __m256i dot[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(),
-                              _mm256_setzero_si256(), _mm256_setzero_si256()};
-            for (int64_t k = g * PANEL8_Q; k < (g + 1) * PANEL8_Q; k += 4) {
-                /* a line per quad (64 bytes), Q4_PREFETCH ahead (never faults) */
-                __builtin_prefetch((const void *)((uintptr_t)(rows + k * 16) + Q4_PREFETCH),
-                                   0, 3);
-                const __m256i a = two_rows(rows, k), b = two_rows(rows, k + 1);
-                const __m256i al = _mm256_and_si256(a, low4), bl = _mm256_and_si256(b, low4);
-                const __m256i ah = _mm256_and_si256(_mm256_srli_epi16(a, 4), low4);
-                const __m256i bh = _mm256_and_si256(_mm256_srli_epi16(b, 4), low4);
-                const __m256i xp = codes_pairs(codes + k);
-                dot[0] = _mm256_add_epi16(dot[0], _mm256_maddubs_epi16(_mm256_unpacklo_epi8(al, bl), xp));
-                dot[1] = _mm256_add_epi16(dot[1], _mm256_maddubs_epi16(_mm256_unpackhi_epi8(al, bl), xp));
-                dot[2] = _mm256_add_epi16(dot[2], _mm256_maddubs_epi16(_mm256_unpacklo_epi8(ah, bh), xp));
-                dot[3] = _mm256_add_epi16(dot[3], _mm256_maddubs_epi16(_mm256_unpackhi_epi8(ah, bh), xp));
-            }
-            const __m256 dv = _mm256_set1_ps(step[g]), csv = _mm256_set1_ps(csum[g]);
-            for (int v = 0; v < 4; v++) {  /* columns 8v .. 8v + 7 of the block */
-                const __m256i dot32 = _mm256_add_epi32(
-                    _mm256_cvtepi16_epi32(_mm256_castsi256_si128(dot[v])),
-                    _mm256_cvtepi16_epi32(_mm256_extracti128_si256(dot[v], 1)));
-                __m256 scale, zero;
-                bf16_halves8(_mm256_loadu_si256((const __m256i *)(
-                                 lin->scale_zero + (g * N + nb * 32 + 8 * v) * 2)),
-                             &scale, &zero);
-                const __m256 offset = _mm256_fnmadd_ps(_mm256_set1_ps(8.0f), scale, zero);
-                acc[v] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot32), _mm256_mul_ps(scale, dv),
-                                         _mm256_fmadd_ps(offset, csv, acc[v]));
+    __m256 acc[2][4];  /* the running sums: registers at 1 row */
+    for (int t = 0; t < m; t++)
+        for (int v = 0; v < 4; v++) acc[t][v] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < groups; g++) {
+        __m256i dot[2][4];
+        for (int t = 0; t < m; t++)
+            for (int v = 0; v < 4; v++) dot[t][v] = _mm256_setzero_si256();
+        for (int64_t k = g * PANEL8_Q; k < (g + 1) * PANEL8_Q; k += 4) {
+            /* a line per quad (64 bytes), Q4_PREFETCH ahead (never faults) */
+            __builtin_prefetch((const void *)((uintptr_t)(rows + k * 16) + Q4_PREFETCH), 0, 3);
+            const __m256i a = two_rows(rows, k), b = two_rows(rows, k + 1);
+            const __m256i al = _mm256_and_si256(a, low4), bl = _mm256_and_si256(b, low4);
+            const __m256i ah = _mm256_and_si256(_mm256_srli_epi16(a, 4), low4);
+            const __m256i bh = _mm256_and_si256(_mm256_srli_epi16(b, 4), low4);
+            const __m256i w[4] = {_mm256_unpacklo_epi8(al, bl), _mm256_unpackhi_epi8(al, bl),
+                                  _mm256_unpacklo_epi8(ah, bh), _mm256_unpackhi_epi8(ah, bh)};
+            for (int t = 0; t < m; t++) {
+                const __m256i xp = codes_pairs(codes + t * K + k);
+                for (int v = 0; v < 4; v++)
+                    dot[t][v] = _mm256_add_epi16(dot[t][v], _mm256_maddubs_epi16(w[v], xp));
             }
         }
-        float sums[32] __attribute__((aligned(32)));
-        for (int v = 0; v < 4; v++) _mm256_store_ps(sums + 8 * v, acc[v]);
-        panel_store(lin, sums, 1, 32, nb * 32, y, N);
+        for (int t = 0; t < m; t++) {
+            const __m256 dv = _mm256_set1_ps(step[t * groups + g]);
+            const __m256 csv = _mm256_set1_ps(csum[t * groups + g]);
+            for (int v = 0; v < 4; v++) {  /* columns 8v .. 8v + 7 of the block */
+                const __m256i dot32 = _mm256_add_epi32(
+                    _mm256_cvtepi16_epi32(_mm256_castsi256_si128(dot[t][v])),
+                    _mm256_cvtepi16_epi32(_mm256_extracti128_si256(dot[t][v], 1)));
+                __m256 scale, zero;
+                bf16_halves8(_mm256_loadu_si256((const __m256i *)(
+                                 lin->scale_zero + (g * N + col0 + 8 * v) * 2)),
+                             &scale, &zero);
+                const __m256 offset = _mm256_fnmadd_ps(_mm256_set1_ps(8.0f), scale, zero);
+                acc[t][v] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot32), _mm256_mul_ps(scale, dv),
+                                            _mm256_fmadd_ps(offset, csv, acc[t][v]));
+            }
+        }
+    }
+    for (int t = 0; t < m; t++)
+        for (int v = 0; v < 4; v++) _mm256_storeu_ps(sums + 32 * t + 8 * v, acc[t][v]);
+}
+
+/* The next block's (scale, zero) pairs: a 128-byte run per group of k, N * 4 bytes
+ * apart (K / 32 short runs no prefetcher follows). */
+static inline void prefetch_block_scales(const stack_linear *lin, int64_t col0) {
+    for (int64_t g = 0; g < lin->k / PANEL8_Q; g++) {
+        const char *pairs = (const char *)(lin->scale_zero + (g * lin->n + col0) * 2);
+        __builtin_prefetch(pairs, 0, 2);
+        __builtin_prefetch(pairs + 64, 0, 2);
+    }
+}
+
+static void q4_rows_int8(const stack_linear *lin, const int8_t *codes, const float *step,
+                         const float *csum, int M, int64_t first, int64_t last, uint16_t *y) {
+    const int64_t K = lin->k;
+    for (int64_t nb = first; nb < last; nb++) {
+        if (nb + 1 < last) prefetch_block_scales(lin, (nb + 1) * 32);
+        float sums[2 * 32] __attribute__((aligned(32)));
+        const uint8_t *rows = lin->weight + nb * K * 16;
+        if (M == 1) q4_rows_block(lin, rows, nb * 32, 1, codes, step, csum, sums);
+        else q4_rows_block(lin, rows, nb * 32, 2, codes, step, csum, sums);
+        panel_store(lin, sums, M, 32, nb * 32, y, lin->n);
     }
 }
 #endif
@@ -553,11 +583,9 @@ static void q4_matmul_int8(int num_threads, const stack_linear *lin, const uint1
         xq_rows_share(x, K, M, K, codes, step, csum, s, nt);
         #pragma omp barrier
 #if defined(AVX2_ONLY)
-        if (M <= Q4_ROWS_INT8_MAX) {  /* each row straight from the pack, block by block */
+        if (M <= Q4_ROWS_INT8_MAX) {  /* straight from the pack, block by block */
             const int64_t blocks = lin->n / 32;
-            for (int t = 0; t < M; t++)
-                q4_row_int8(lin, codes + (int64_t)t * K, step + t * groups, csum + t * groups,
-                            blocks * s / nt, blocks * (s + 1) / nt, y + (int64_t)t * lin->n);
+            q4_rows_int8(lin, codes, step, csum, M, blocks * s / nt, blocks * (s + 1) / nt, y);
         } else
 #endif
         {

@@ -75,9 +75,10 @@ def bf16_struct(linear) -> StackLinear:
 
 
 def int8_activations() -> bool:
-    """Whether int4 products of 3 rows and more (the int8 LM head, where built: 4) round
-    x to int8 per group of 32, as llama.cpp does for its Q4 models (``panel_int8.h``:
-    2-4x the float32 panel GEMM's multiplies per instruction, 2x bf16 dot products'):
+    """Whether int4 products of 3 rows and more (AVX2 builds: 1; the int8 LM head, where
+    built: 4) round x to int8 per group of 32, as llama.cpp does for its Q4 models
+    (``panel_int8.h``: 2-4x the float32 panel GEMM's multiplies per instruction, 2x bf16
+    dot products'):
     wherever the library has that kernel (AVX-512 VNNI: Ice Lake and Cascade Lake
     Xeons, Zen 4, AMX Xeons, where ``gemm.quant_tiled`` still takes the products it is
     faster for; and AVX2) and ATen packs int4 in the column blocks it reads (64 and 32:

@@ -117,8 +117,9 @@ def gemm_backend() -> str:
 
 
 def rounds_x_to_int8() -> bool:
-    """Whether int4 products of 3 rows and more (and the int8 LM head's of 4 and more)
-    round x to int8 here now: where the library has the int8 panels
+    """Whether int4 products of 3 rows and more (1 and more in an AVX2 build:
+    ``dequant.int8_min_rows``; the int8 LM head's of 4 and more) round x to int8 here
+    now: where the library has the int8 panels
     (``decoder.int8_activations``: AVX-512 VNNI or AVX2) and AMX tiles are not in use.
     Where they are, every product keeps x in bf16: quant_gemm's tiles are faster from
     24 rows (32 for the LM head) and the int8 panels below, but a switch between the two

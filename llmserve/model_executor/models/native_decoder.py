@@ -76,7 +76,8 @@ MAX_NATIVE_TOKENS_WITHOUT_BF16 = 128
 MAX_NATIVE_TOKENS_TILES_ONLY = 32
 # Where x is rounded to int8 (gemm.rounds_x_to_int8: AVX-512 VNNI without AMX tiles in
 # use, with or without bf16 arithmetic), the stack's products from 3 rows are the same
-# int8 panels as the per-op path's, and it runs steps up to the engine's default
+# int8 panels as the per-op path's (as AVX2's are from 1 row: max_native_tokens' first
+# branch), and it runs steps up to the engine's default
 # max_num_seqs in C. AMX Xeon with its tiles off (as Zen 4),
 # benchmarks/cpu_decoder.py --quantization int4, op by op / C: 1.36 at 8 rows, 1.27 at
 # 32, 1.10 at 128 (docs/benchmarks.md, "int8 products on CPUs with bf16 arithmetic").
