@@ -200,9 +200,9 @@ def test_the_engine_runs_small_steps_in_c_only(int4_llm, monkeypatch):
     assert decoder is not None
     # (where quant_gemm runs the stack's products of many rows there is no limit: below)
     monkeypatch.setattr(decoder, "quant_gemm_rows", lambda: 0)
-    real_limit = native_decoder.max_native_tokens  # up to 128 rows on some CPUs: the
-    monkeypatch.setattr(native_decoder, "max_native_tokens",  # test's batches stay short
-                        lambda block_n: min(real_limit(block_n), 16))
+    # up to 128 rows on some CPUs, none where x is rounded to int8: the test's batches
+    # stay short
+    monkeypatch.setattr(native_decoder, "max_native_tokens", lambda block_n: 16)
     limit = native_decoder.max_native_tokens(decoder.dims.block_n)
     sizes = []
     real_run = NativeDecoder.run
@@ -290,9 +290,9 @@ INT8_STACK = pytest.mark.skipif(not (gemm.quant_tiled_available(4)
 def test_an_int4_stack_rounds_x_exactly_where_the_per_op_path_does(int4_llm, tiles,
                                                                    monkeypatch):
     """Without AMX tiles in use (Zen 4) x is rounded to int8: from 3 rows the stack's
-    int4 products are the per-op path's int8 panels, bit for bit, and steps of up to
-    MAX_NATIVE_TOKENS_INT8_X rows run in C. With the tiles x stays bf16 in both paths
-    (the stack's own tiles, then quant_gemm from 8 rows)."""
+    int4 products are the per-op path's int8 panels, bit for bit, and steps of any size
+    run in C. With the tiles x stays bf16 in both paths (the stack's own tiles, then
+    quant_gemm from 8 rows, which also takes steps of any size)."""
     if tiles == "amx" and not gemm.amx_tiles():
         pytest.skip("no AMX tiles here (CPU, compiler or OS)")
     monkeypatch.delenv("LLMSERVE_CPU_INT8_ACTIVATIONS", raising=False)
@@ -304,10 +304,40 @@ def test_an_int4_stack_rounds_x_exactly_where_the_per_op_path_does(int4_llm, til
         assert decoder.dims.int8_x == (tiles == "none")
         assert decoder.quant_gemm_rows() == (8 if tiles == "amx" else 0)
         meta = assert_the_stack_is_the_torch_layers(int4_llm, 12)
-        limit = native_decoder.MAX_NATIVE_TOKENS_INT8_X if tiles == "none" else 16
-        assert decoder.applies(limit, meta)
-        assert decoder.applies(limit + 1, meta) == (tiles == "amx")
+        assert decoder.applies(16, meta) and decoder.applies(4096, meta)
+        monkeypatch.setattr(decoder, "quant_gemm_rows", lambda: 0)  # (tiles: no limit then)
+        assert decoder.applies(4096, meta) == (tiles == "none")
     finally:
+        gemm.amx_tiles(was)
+
+
+@pytest.mark.skipif(not cpu_decoder.int8_activations(),
+                    reason="the library has no int8 panels here (AVX-512 VNNI or AVX2)")
+def test_a_long_prompt_runs_in_c_where_x_is_rounded_to_int8(monkeypatch):
+    """Where x is rounded to int8 the stack's products are the per-op path's int8
+    panels, so a prompt step of any size runs in C (a 300-token prompt in one step, past
+    the 128 rows other CPU kinds stop at), with the tokens the per-op path gives."""
+    from llmserve.entrypoints.llm import LLM
+    monkeypatch.delenv("LLMSERVE_CPU_INT8_ACTIVATIONS", raising=False)
+    was = gemm.amx_tiles()
+    gemm.amx_tiles(False)  # (on an AMX Xeon: route as a Zen 4 does)
+    llm = LLM(dtype="bfloat16", quantization="int4", kv_cache_memory=64 << 20,
+              enable_prefix_caching=False)
+    try:
+        assert gemm.rounds_x_to_int8()
+        sizes = []
+        real_run = NativeDecoder.run
+        monkeypatch.setattr(NativeDecoder, "run",
+                            lambda self, x, *a: sizes.append(x.shape[0]) or real_run(self, x, *a))
+        prompt = llm.engine.tokenize("A long prompt, of many tokens, for the stack. " * 30)[:300]
+        params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+        in_c = llm.generate([{"prompt_token_ids": prompt}], params)[0].outputs[0].token_ids
+        assert sizes == [300] + [1] * 7
+        llm.engine.runner.model.model.native_decoder = None
+        op_by_op = llm.generate([{"prompt_token_ids": prompt}], params)[0].outputs[0].token_ids
+        assert in_c == op_by_op
+    finally:
+        llm.shutdown()
         gemm.amx_tiles(was)
 
 
@@ -473,13 +503,16 @@ def test_rebinding_the_cache_drops_the_native_stack():
 
 
 def test_the_row_limit_follows_the_cpu_kind(monkeypatch):
-    """16 rows where quant_gemm's tiles take the per-op path (bf16 CPUs), 128 where
-    they do not run and the library has its panel GEMM (AVX-512 without bf16, and
-    AVX2's 32-column pack), or where x is rounded to int8 (the stack's products are
-    then the per-op path's int8 panels); without the panels, 32 and (AVX2) 8."""
+    """No limit where x is rounded to int8 (the stack's products are then the per-op
+    path's int8 panels, AVX2's 32-column pack too); 16 rows where quant_gemm's tiles
+    take the per-op path (bf16 CPUs), 128 where they do not run and the library has its
+    panel GEMM (AVX-512 without bf16, and AVX2's pack with x in float32); without the
+    panels, 32 and (AVX2) 8."""
     monkeypatch.setattr(native_decoder, "rounds_x_to_int8", lambda: True)
+    monkeypatch.setattr(native_decoder, "panel_gemms_built", lambda: True)
     monkeypatch.setattr(native_decoder, "quant_tiled_available", lambda bits: True)
-    assert native_decoder.max_native_tokens(64) == native_decoder.MAX_NATIVE_TOKENS_INT8_X
+    assert native_decoder.max_native_tokens(64) is None
+    assert native_decoder.max_native_tokens(32) is None
     monkeypatch.setattr(native_decoder, "rounds_x_to_int8", lambda: False)
     assert native_decoder.max_native_tokens(64) == native_decoder.MAX_NATIVE_TOKENS == 16
     monkeypatch.setattr(native_decoder, "quant_tiled_available", lambda bits: False)

@@ -74,25 +74,26 @@ MAX_NATIVE_TOKENS_WITHOUT_BF16 = 128
 # The same CPUs with a library built without the panel GEMM (its 8-row tiles only):
 # 0.87 at 48 rows, 1.47 at 32 (the limit before the panels).
 MAX_NATIVE_TOKENS_TILES_ONLY = 32
-# Where x is rounded to int8 (gemm.rounds_x_to_int8: AVX-512 VNNI without AMX tiles in
-# use, with or without bf16 arithmetic), the stack's products from 3 rows are the same
-# int8 panels as the per-op path's (as AVX2's are from 1 row: max_native_tokens' first
-# branch), and it runs steps up to the engine's default
-# max_num_seqs in C. AMX Xeon with its tiles off (as Zen 4),
+# Where x is rounded to int8 (gemm.rounds_x_to_int8: AVX2, or AVX-512 VNNI without AMX
+# tiles in use, with or without bf16 arithmetic), the stack's products are the same int8
+# panels as the per-op path's (from 1 row on AVX2, 3 on VNNI), so the stack runs steps
+# of any size in C: it saves the per-op path's ~25 calls a layer and their
+# intermediates whatever the rows. AMX Xeon with its tiles off (as Zen 4),
 # benchmarks/cpu_decoder.py --quantization int4, op by op / C: 1.36 at 8 rows, 1.27 at
 # 32, 1.10 at 128 (docs/benchmarks.md, "int8 products on CPUs with bf16 arithmetic").
-MAX_NATIVE_TOKENS_INT8_X = 128
+# Whole prompts (64 of 70-210 tokens, one output token each), C over op by op past 128
+# rows: AVX2 1.05x in 512-row steps, 1.01x in 2048-row ones; Zen 4 (emulated) 1.08x and
+# 1.04x (docs/benchmarks.md, twelfth slice).
 
 
 def max_native_tokens(block_n: int) -> int | None:
-    """The most rows a step may have to run in C, for ATen's int4 pack layout here (0:
-    no int4 projection, no limit: a bf16 stack's products are the per-op path's own)."""
-    if block_n == 0:
+    """The most rows a step may have to run in C, for ATen's int4 pack layout here
+    (None: no limit; a bf16 stack's products are the per-op path's own, and so are the
+    int8 panels where x is rounded to int8)."""
+    if block_n == 0 or (rounds_x_to_int8() and panel_gemms_built()):
         return None
     if block_n != 64:
         return MAX_NATIVE_TOKENS_AVX2_PANELS if panel_gemms_built() else MAX_NATIVE_TOKENS_AVX2
-    if rounds_x_to_int8():  # its products from 3 rows are the per-op path's int8 panels
-        return MAX_NATIVE_TOKENS_INT8_X
     if quant_tiled_available(4):
         return MAX_NATIVE_TOKENS
     if panel_gemms_built() and not native_gemm_available():  # decoder.c's panels run here
