@@ -251,13 +251,19 @@ static inline __attribute__((always_inline)) void panel8_quad_row(
  * from C, GCC kept a copy of the sums in memory as well, a store and a register copy
  * per product pair, and reloaded the row pointers from the stack (its register
  * allocator, in the OpenMP body, with the scaling's values live). Here the 8 sums stay
- * in registers; ymm12-15 hold the panel's two registers, the broadcast and a product. */
+ * in registers; ymm12-15 hold the panel's two registers, the broadcast and a product.
+ * The first quad's products are the sums' first values (the sums are set, not added
+ * to): 8 of the group's 128 additions saved. */
 static inline __attribute__((always_inline)) void panel8_quads4(
         const uint8_t *p, const int8_t *x0, const int8_t *x1, const int8_t *x2,
         const int8_t *x3, __m256i *lo0, __m256i *hi0, __m256i *lo1, __m256i *hi1,
         __m256i *lo2, __m256i *hi2, __m256i *lo3, __m256i *hi3) {
     const uint8_t *end = p + PANEL8_Q * PANEL8_COLS;
-    int64_t i = 0;  /* the quad's first k in the group, for every row */
+    int64_t i = 4;  /* the quad's first k in the group, for every row (after the first) */
+#define PANEL8_ROW_FIRST_ASM(X, LO, HI)                             \
+        "vpbroadcastd (%[" X "]), %%ymm14\n\t"                      \
+        "vpmaddubsw %%ymm14, %%ymm12, %[" LO "]\n\t"                \
+        "vpmaddubsw %%ymm14, %%ymm13, %[" HI "]\n\t"
 #define PANEL8_ROW_ASM(X, LO, HI)                                   \
         "vpbroadcastd (%[" X "],%[i]), %%ymm14\n\t"                 \
         "vpmaddubsw %%ymm14, %%ymm12, %%ymm15\n\t"                  \
@@ -265,6 +271,13 @@ static inline __attribute__((always_inline)) void panel8_quads4(
         "vpmaddubsw %%ymm14, %%ymm13, %%ymm15\n\t"                  \
         "vpaddw %%ymm15, %[" HI "], %[" HI "]\n\t"
     __asm__(
+        "vmovdqu (%[p]), %%ymm12\n\t"
+        "vmovdqu 32(%[p]), %%ymm13\n\t"
+        PANEL8_ROW_FIRST_ASM("x0", "lo0", "hi0")
+        PANEL8_ROW_FIRST_ASM("x1", "lo1", "hi1")
+        PANEL8_ROW_FIRST_ASM("x2", "lo2", "hi2")
+        PANEL8_ROW_FIRST_ASM("x3", "lo3", "hi3")
+        "add $64, %[p]\n\t"
         "1:\n\t"
         "vmovdqu (%[p]), %%ymm12\n\t"
         "vmovdqu 32(%[p]), %%ymm13\n\t"
@@ -276,12 +289,13 @@ static inline __attribute__((always_inline)) void panel8_quads4(
         "add $4, %[i]\n\t"
         "cmp %[end], %[p]\n\t"
         "jne 1b\n\t"
-        : [lo0] "+x"(*lo0), [hi0] "+x"(*hi0), [lo1] "+x"(*lo1), [hi1] "+x"(*hi1),
-          [lo2] "+x"(*lo2), [hi2] "+x"(*hi2), [lo3] "+x"(*lo3), [hi3] "+x"(*hi3),
+        : [lo0] "=&x"(*lo0), [hi0] "=&x"(*hi0), [lo1] "=&x"(*lo1), [hi1] "=&x"(*hi1),
+          [lo2] "=&x"(*lo2), [hi2] "=&x"(*hi2), [lo3] "=&x"(*lo3), [hi3] "=&x"(*hi3),
           [p] "+r"(p), [i] "+r"(i)
         : [end] "r"(end), [x0] "r"(x0), [x1] "r"(x1), [x2] "r"(x2), [x3] "r"(x3)
         : "xmm12", "xmm13", "xmm14", "xmm15", "cc", "memory");
 #undef PANEL8_ROW_ASM
+#undef PANEL8_ROW_FIRST_ASM
 }
 
 /* A group's int16 sums of one row (lo: columns 0-7, hi: 8-15) into its float32
@@ -300,8 +314,9 @@ static inline __attribute__((always_inline)) void panel8_scale_row(
     }
 }
 
-/* A group's int16 sums of m <= 4 rows (x0..: the rows' codes of the group) with a
- * 16-column panel's 8 quads of k from p (lo: columns 0-7, hi: 8-15): each quad adds
+/* A group's int16 sums of m <= 4 rows (x0..: the rows' codes of the group; the sums
+ * start from zero) with a 16-column panel's 8 quads of k from p (lo: columns 0-7, hi:
+ * 8-15): each quad adds
  * two int16 sums of two products per column (at most 2 x 15 x 127), and a group's 8
  * quads fit int16 (30,480). 4 rows take panel8_quads4's assembly; fewer (a tail) this
  * loop in C. */
