@@ -74,6 +74,7 @@ def step_section(batches: list[int], context: int, steps: int, quantization: str
     native_decoder.MAX_NATIVE_TOKENS_WITHOUT_BF16 = max(batches)
     native_decoder.MAX_NATIVE_TOKENS_AVX2_PANELS = max(batches)
     native_decoder.MAX_NATIVE_TOKENS_TILES_ONLY = max(batches)
+    native_decoder.MAX_NATIVE_TOKENS_INT8_X = max(batches)
     print(f"decode step of the built-in model (bf16, quantization {quantization}, "
           f"context {context}), ms: "
           f"op by op vs C, ratio = op by op / C (> 1: C faster)")

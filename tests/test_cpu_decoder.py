@@ -290,9 +290,10 @@ INT8_STACK = pytest.mark.skipif(not (gemm.quant_tiled_available(4)
 def test_an_int4_stack_rounds_x_exactly_where_the_per_op_path_does(int4_llm, tiles,
                                                                    monkeypatch):
     """Without AMX tiles in use (Zen 4) x is rounded to int8: from 3 rows the stack's
-    int4 products are the per-op path's int8 panels, bit for bit, and steps of any size
-    run in C. With the tiles x stays bf16 in both paths (the stack's own tiles, then
-    quant_gemm from 8 rows, which also takes steps of any size)."""
+    int4 products are the per-op path's int8 panels, bit for bit, and steps of up to
+    MAX_NATIVE_TOKENS_INT8_X rows run in C. With the tiles x stays bf16 in both paths
+    (the stack's own tiles, then quant_gemm from 8 rows, which takes steps of any
+    size)."""
     if tiles == "amx" and not gemm.amx_tiles():
         pytest.skip("no AMX tiles here (CPU, compiler or OS)")
     monkeypatch.delenv("LLMSERVE_CPU_INT8_ACTIVATIONS", raising=False)
@@ -304,9 +305,11 @@ def test_an_int4_stack_rounds_x_exactly_where_the_per_op_path_does(int4_llm, til
         assert decoder.dims.int8_x == (tiles == "none")
         assert decoder.quant_gemm_rows() == (8 if tiles == "amx" else 0)
         meta = assert_the_stack_is_the_torch_layers(int4_llm, 12)
-        assert decoder.applies(16, meta) and decoder.applies(4096, meta)
-        monkeypatch.setattr(decoder, "quant_gemm_rows", lambda: 0)  # (tiles: no limit then)
-        assert decoder.applies(4096, meta) == (tiles == "none")
+        limit = native_decoder.MAX_NATIVE_TOKENS_INT8_X
+        assert decoder.applies(16, meta) and decoder.applies(limit, meta)
+        assert decoder.applies(limit + 1, meta) == (tiles == "amx")  # quant_gemm: any
+        monkeypatch.setattr(decoder, "quant_gemm_rows", lambda: 0)
+        assert decoder.applies(limit, meta) == (tiles == "none")
     finally:
         gemm.amx_tiles(was)
 
@@ -319,12 +322,13 @@ def test_a_long_prompt_runs_in_c_where_x_is_rounded_to_int8(monkeypatch):
     the 128 rows other CPU kinds stop at), with the tokens the per-op path gives."""
     from llmserve.entrypoints.llm import LLM
     monkeypatch.delenv("LLMSERVE_CPU_INT8_ACTIVATIONS", raising=False)
-    was = gemm.amx_tiles()
-    gemm.amx_tiles(False)  # (on an AMX Xeon: route as a Zen 4 does)
-    llm = LLM(dtype="bfloat16", quantization="int4", kv_cache_memory=64 << 20,
-              enable_prefix_caching=False)
+    was, llm = gemm.amx_tiles(), None
     try:
+        gemm.amx_tiles(False)  # (on an AMX Xeon: route as a Zen 4 does)
         assert gemm.rounds_x_to_int8()
+        llm = LLM(dtype="bfloat16", quantization="int4", kv_cache_memory=64 << 20,
+                  enable_prefix_caching=False)
+        assert llm.engine.runner.model.model.native_decoder is not None
         sizes = []
         real_run = NativeDecoder.run
         monkeypatch.setattr(NativeDecoder, "run",
@@ -337,7 +341,8 @@ def test_a_long_prompt_runs_in_c_where_x_is_rounded_to_int8(monkeypatch):
         op_by_op = llm.generate([{"prompt_token_ids": prompt}], params)[0].outputs[0].token_ids
         assert in_c == op_by_op
     finally:
-        llm.shutdown()
+        if llm is not None:
+            llm.shutdown()
         gemm.amx_tiles(was)
 
 
@@ -503,16 +508,19 @@ def test_rebinding_the_cache_drops_the_native_stack():
 
 
 def test_the_row_limit_follows_the_cpu_kind(monkeypatch):
-    """No limit where x is rounded to int8 (the stack's products are then the per-op
-    path's int8 panels, AVX2's 32-column pack too); 16 rows where quant_gemm's tiles
-    take the per-op path (bf16 CPUs), 128 where they do not run and the library has its
-    panel GEMM (AVX-512 without bf16, and AVX2's pack with x in float32); without the
-    panels, 32 and (AVX2) 8."""
+    """2048 rows where x is rounded to int8 (the stack's products are then the per-op
+    path's int8 panels, AVX2's 32-column pack too: whole prompt steps); 16 rows where
+    quant_gemm's tiles take the per-op path (bf16 CPUs), 128 where they do not run and
+    the library has its panel GEMM (AVX-512 without bf16, and AVX2's pack with x in
+    float32); without the panels, 32 and (AVX2) 8."""
     monkeypatch.setattr(native_decoder, "rounds_x_to_int8", lambda: True)
     monkeypatch.setattr(native_decoder, "panel_gemms_built", lambda: True)
     monkeypatch.setattr(native_decoder, "quant_tiled_available", lambda bits: True)
-    assert native_decoder.max_native_tokens(64) is None
-    assert native_decoder.max_native_tokens(32) is None
+    assert native_decoder.max_native_tokens(64) == native_decoder.MAX_NATIVE_TOKENS_INT8_X
+    assert native_decoder.max_native_tokens(32) == 2048
+    monkeypatch.setattr(native_decoder, "panel_gemms_built", lambda: False)  # no panels:
+    assert native_decoder.max_native_tokens(32) == 8  # nothing rounds x in the stack
+    monkeypatch.setattr(native_decoder, "panel_gemms_built", lambda: True)
     monkeypatch.setattr(native_decoder, "rounds_x_to_int8", lambda: False)
     assert native_decoder.max_native_tokens(64) == native_decoder.MAX_NATIVE_TOKENS == 16
     monkeypatch.setattr(native_decoder, "quant_tiled_available", lambda bits: False)

@@ -38,16 +38,17 @@ def _libc():
         libc = ctypes.CDLL(name)
     except OSError:
         return None
-    if not all(hasattr(libc, f) for f in ("malloc_trim", "mallopt", "malloc", "free")):
+    if not hasattr(libc, "malloc_trim"):
         return None
     libc.malloc_trim.argtypes = [ctypes.c_size_t]
     libc.malloc_trim.restype = ctypes.c_int
-    libc.mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
-    libc.mallopt.restype = ctypes.c_int
-    libc.malloc.argtypes = [ctypes.c_size_t]
-    libc.malloc.restype = ctypes.c_void_p
-    libc.free.argtypes = [ctypes.c_void_p]
-    libc.free.restype = None
+    if all(hasattr(libc, f) for f in ("mallopt", "malloc", "free")):  # (glibc has them)
+        libc.mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+        libc.mallopt.restype = ctypes.c_int
+        libc.malloc.argtypes = [ctypes.c_size_t]
+        libc.malloc.restype = ctypes.c_void_p
+        libc.free.argtypes = [ctypes.c_void_p]
+        libc.free.restype = None
     return libc
 
 
@@ -83,7 +84,11 @@ def _trim_thread_arena_top(libc) -> None:
     engine thread's arena kept 15-50 MB there after start-up, run to run (the server's
     idle RSS read 572-621 MiB on the same build). So one ``free()`` of a block big enough
     to consolidate (64 KB and up) runs here with the threshold at 0, and the thresholds
-    are then pinned where glibc's own would have risen to."""
+    are then pinned where glibc's own would have risen to (after loading they have:
+    the checkpoint's large blocks were freed), for the whole process: tops of up to 64
+    MB stay between idle trims, as they did."""
+    if not hasattr(libc, "mallopt"):
+        return
     libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)
     libc.mallopt(M_TRIM_THRESHOLD, 0)
     block = libc.malloc(128 << 10)

@@ -162,8 +162,16 @@ async def interleave(gens: list):
     """(prompt index, RequestOutput) as outputs arrive, from all prompts interleaved.
     Closing this generator aborts the requests."""
     if len(gens) == 1:
-        async for item in _one_prompt(gens[0]):
-            yield item
+        # One prompt (most requests): read in the caller's task, without a pump task and
+        # a second queue, whose extra wake-up a token cost the HTTP thread a fifth of its
+        # CPU time under 32 streams, time the engine's threads then lose too
+        # (docs/benchmarks.md, twelfth slice). Closing us closes it, which aborts.
+        async with contextlib.aclosing(gens[0]) as gen:
+            try:
+                async for out in gen:
+                    yield 0, out
+            except ValueError as e:
+                raise bad_request(str(e)) from e
         return
     queue: asyncio.Queue = asyncio.Queue()
 
@@ -194,16 +202,3 @@ async def interleave(gens: list):
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-
-
-async def _one_prompt(gen):
-    """``interleave`` of a single prompt (most requests) read in the caller's task: no
-    pump task and second queue, whose extra wake-up per token cost the HTTP thread a
-    fifth of its CPU time under 32 streams, time the engine's threads then lose too
-    (docs/benchmarks.md, twelfth slice)."""
-    async with contextlib.aclosing(gen):  # closing us aborts the request
-        try:
-            async for out in gen:
-                yield 0, out
-        except ValueError as e:
-            raise bad_request(str(e)) from e

@@ -76,22 +76,26 @@ MAX_NATIVE_TOKENS_WITHOUT_BF16 = 128
 MAX_NATIVE_TOKENS_TILES_ONLY = 32
 # Where x is rounded to int8 (gemm.rounds_x_to_int8: AVX2, or AVX-512 VNNI without AMX
 # tiles in use, with or without bf16 arithmetic), the stack's products are the same int8
-# panels as the per-op path's (from 1 row on AVX2, 3 on VNNI), so the stack runs steps
-# of any size in C: it saves the per-op path's ~25 calls a layer and their
-# intermediates whatever the rows. AMX Xeon with its tiles off (as Zen 4),
-# benchmarks/cpu_decoder.py --quantization int4, op by op / C: 1.36 at 8 rows, 1.27 at
-# 32, 1.10 at 128 (docs/benchmarks.md, "int8 products on CPUs with bf16 arithmetic").
-# Whole prompts (64 of 70-210 tokens, one output token each), C over op by op past 128
-# rows: AVX2 1.05x in 512-row steps, 1.01x in 2048-row ones; Zen 4 (emulated) 1.08x and
-# 1.04x (docs/benchmarks.md, twelfth slice).
+# panels as the per-op path's (from 1 row on AVX2, 3 on VNNI), so the stack runs whole
+# prompt steps in C too: it saves the per-op path's ~25 calls a layer and their
+# intermediates. AMX Xeon with its tiles off (as Zen 4), benchmarks/cpu_decoder.py
+# --quantization int4, op by op / C: 1.36 at 8 rows, 1.27 at 32, 1.10 at 128
+# (docs/benchmarks.md, "int8 products on CPUs with bf16 arithmetic"). Whole prompts
+# (64 of 70-210 tokens, one output token each), C over op by op past 128 rows: AVX2
+# 1.05x in 512-row steps, 1.01x in 2048-row ones; Zen 4 (emulated) 1.08x and 1.04x
+# (twelfth slice). Not past the largest measured: the stack holds every intermediate of
+# all its rows at once (~240 KB a row for an 8B model), which the KV budget does not
+# count.
+MAX_NATIVE_TOKENS_INT8_X = 2048
 
 
 def max_native_tokens(block_n: int) -> int | None:
     """The most rows a step may have to run in C, for ATen's int4 pack layout here
-    (None: no limit; a bf16 stack's products are the per-op path's own, and so are the
-    int8 panels where x is rounded to int8)."""
-    if block_n == 0 or (rounds_x_to_int8() and panel_gemms_built()):
+    (None: no limit; a bf16 stack's products are the per-op path's own)."""
+    if block_n == 0:
         return None
+    if rounds_x_to_int8() and panel_gemms_built():  # the per-op path's int8 panels
+        return MAX_NATIVE_TOKENS_INT8_X
     if block_n != 64:
         return MAX_NATIVE_TOKENS_AVX2_PANELS if panel_gemms_built() else MAX_NATIVE_TOKENS_AVX2
     if quant_tiled_available(4):
