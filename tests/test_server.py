@@ -151,6 +151,34 @@ def test_32_concurrent_streams_all_complete(server, offline):
     assert outs == [r.outputs[0].text for r in refs]
 
 
+@pytest.mark.parametrize("prompts", [1, 3])
+def test_closing_a_stream_closes_its_requests_at_once(prompts):
+    """A response that stops reading (an error mid-stream, a client gone) closes the
+    outputs it reads, and with them every engine request's generator, whose cleanup
+    aborts it: then, not when the garbage collector gets to them. A single prompt is
+    read without a pump task (serving_engine.interleave), and must close as promptly."""
+    from llmserve.entrypoints.openai.serving_engine import interleave
+    closed = []
+
+    async def request(i):
+        try:
+            for n in range(100):
+                yield n
+                await asyncio.sleep(0)
+        finally:
+            closed.append(i)
+
+    async def main():
+        outputs = interleave([request(i) for i in range(prompts)])
+        async for _, n in outputs:
+            if n == 2:
+                break
+        await outputs.aclose()
+        return sorted(closed)
+
+    assert asyncio.run(main()) == list(range(prompts))
+
+
 def test_disconnects_abort_and_free_blocks(server):
     idle = scrape(server.url)["vllm:kv_cache_usage_perc"]
 
