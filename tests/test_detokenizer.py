@@ -65,8 +65,9 @@ def test_the_rust_decode_streams_what_transformers_decode_does(tokenizer, skip):
 def test_a_tokenizer_that_cleans_up_spaces_keeps_transformers_decode(tokenizer):
     """transformers' decode also cleans up spaces where the tokenizer asks: the wrapper
     stays for those."""
+    before = tokenizer.clean_up_tokenization_spaces
     tokenizer.clean_up_tokenization_spaces = True
     try:
         assert window_decoder(tokenizer) == tokenizer.decode
     finally:
-        tokenizer.clean_up_tokenization_spaces = False
+        tokenizer.clean_up_tokenization_spaces = before

@@ -393,8 +393,9 @@ static void q8_rows_int8(const int8_t *codes, const float *step, const float *cs
     }
 }
 
-/* q8_rows_bf16 with x rounded to int8 (k a multiple of 64, n of PANEL8_COLS: 32, 16 on AVX2): the threads take
- * even shares of the panels, PANEL_ROW_BLOCK rows of x at a time. -1: out of memory. */
+/* q8_rows_bf16 with x rounded to int8 (k a multiple of 64, n of PANEL8_COLS: 32, 16 on
+ * AVX2): the threads take even shares of the panels, PANEL_ROW_BLOCK rows of x at a
+ * time. -1: out of memory. */
 static int q8_rows_bf16_int8(int num_threads, const uint16_t *x, int64_t m, int64_t ldx,
                              const int8_t *q, const uint16_t *scales, int64_t n, int64_t k,
                              const float *bias, uint16_t *y, int64_t ldy) {
@@ -432,8 +433,8 @@ static int q8_rows_bf16_int8(int num_threads, const uint16_t *x, int64_t m, int6
 /* y [m, n] = x [m, k] (bf16, rows ldx apart) times the int8 weight, rounded to bf16;
  * bias (float32 [n], or NULL) added to the rounded product and rounded again, as the
  * torch path adds it. k a multiple of 16. int8_x: from Q8_INT8_ROWS rows round x to
- * int8 where built (k a multiple of 64, n of PANEL8_COLS: 32, 16 on AVX2). Returns 0, -1 out of memory, -2 a
- * shape it does not take. */
+ * int8 where built (k a multiple of 64, n of PANEL8_COLS: 32, 16 on AVX2). Returns 0,
+ * -1 out of memory, -2 a shape it does not take. */
 int q8_rows_bf16(int num_threads, const uint16_t *x, int64_t m, int64_t ldx, const int8_t *q,
                  const uint16_t *scales, int64_t n, int64_t k, const float *bias, uint16_t *y,
                  int64_t ldy, int int8_x) {
