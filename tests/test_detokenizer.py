@@ -3,6 +3,7 @@ tokenizer's decode of the whole output, whichever decode the engine calls."""
 
 from __future__ import annotations
 
+import copy
 import random
 
 import pytest
@@ -71,3 +72,18 @@ def test_a_tokenizer_that_cleans_up_spaces_keeps_transformers_decode(tokenizer):
         assert window_decoder(tokenizer) == tokenizer.decode
     finally:
         tokenizer.clean_up_tokenization_spaces = before
+
+
+def test_a_tokenizer_class_with_its_own_decode_keeps_it(tokenizer):
+    """A class that changes the text in its decode (CPM's spaces, CTC's merged
+    repeats): the engine streams what that decode gives."""
+    class Shouting(type(tokenizer)):
+        def _decode(self, *args, **kwargs):
+            return super()._decode(*args, **kwargs).upper()
+
+    shouting = copy.copy(tokenizer)
+    shouting.__class__ = Shouting
+    assert window_decoder(shouting) == shouting.decode
+    output = tokenizer.encode("Quiet words, then café.", add_special_tokens=False)
+    text = streamed_texts(Detokenizer(shouting, set()), [], output, True)[-1]
+    assert text == "QUIET WORDS, THEN CAFÉ."
