@@ -19,7 +19,12 @@ prints a table with the ratios (>1 means llmserve is better) and the CPU's flags
     .venv/bin/python benchmarks/vs_llamacpp.py --skip-llamacpp --llmserve-args "--dtype bfloat16"
     .venv/bin/python benchmarks/vs_llamacpp.py --build-only    # just build llama-server
     .venv/bin/python benchmarks/vs_llamacpp.py --isa avx2      # both as on an AVX2-only CPU
+    .venv/bin/python benchmarks/vs_llamacpp.py --rounds 3      # medians of 3 alternating rounds
     .venv/bin/python benchmarks/vs_llamacpp.py --isa amx --llama-quant Q4_0 --skip-llmserve
+
+The peer at its best (docs/benchmarks.md, "The peer tuned" and "The peer's flash
+attention on AVX2"): ``--no-kv-unified --ctx-per-slot 512``, with ``--llama-args "-fa
+off"`` on the native build and ``--llama-args "-fa on"`` with ``--isa avx2``.
 
 ``--isa amx`` builds llama.cpp with its own AMX kernels (the default build leaves them
 out on AMX CPUs: they crash on the built-in Q4_1), and ``--llama-quant`` serves it the
@@ -809,6 +814,73 @@ def llmserve_source() -> dict:
     return {"path": str(where), "git": git or "not a git checkout"}
 
 
+def bench_round(args, cfg: dict, binary: Path | None, gguf: Path, llmserve_args: list[str],
+                loads: dict[str, dict]) -> dict[str, dict]:
+    """Both servers, one after the other (on a small machine two would fight over the
+    same cores), each started afresh: name -> its report."""
+    servers: dict[str, dict] = {}
+    if args.skip_llamacpp:
+        servers["llama.cpp"] = previous_side(args.out, "llama.cpp")
+    else:
+        spec = llama_server_spec(binary, gguf, args.threads, args.slots,
+                                 args.ctx_per_slot, args.kv_unified,
+                                 shlex.split(args.llama_args))
+        servers["llama.cpp"] = bench_server(spec, loads, args.out.parent, args.wait_quiet,
+                                            args.contended_retries)
+        if args.llama_server is None:
+            servers["llama.cpp"]["build"] = json.loads(
+                (Path(cfg["dir"]) / "build-info.json").read_text())
+    if args.skip_llmserve:
+        servers["llmserve"] = previous_side(args.out, "llmserve")
+    else:
+        servers["llmserve"] = bench_server(llmserve_spec(llmserve_args),
+                                           loads, args.out.parent, args.wait_quiet,
+                                           args.contended_retries)
+        servers["llmserve"]["source"] = llmserve_source()
+    return {k: v for k, v in servers.items() if v}
+
+
+# The numbers the table reads, per server: the median over rounds stands for them.
+TABLE_NUMBERS = ("rss_idle_mib", "rss_after_mib")
+WORKLOAD_NUMBERS = ("output_tokens_per_s", "ttft_ms_mean", "itl_ms_mean")
+
+
+def median_servers(rounds: list[dict[str, dict]]) -> dict[str, dict]:
+    """Each server's first-round report with the table's numbers replaced by their
+    medians over the rounds (a server's numbers vary by a few % from one start to the
+    next; llama.cpp's 32-stream throughput by up to 6 % on the AMX host)."""
+    out = {}
+    for name, first in rounds[0].items():
+        reports = [r[name] for r in rounds if name in r]
+        merged = {**first, "rounds": len(reports)}
+        for key in TABLE_NUMBERS:
+            values = [r[key] for r in reports if r.get(key) is not None]
+            merged[key] = statistics.median(values) if values else None
+        merged["workloads"] = {}
+        for w, summary in first["workloads"].items():
+            merged["workloads"][w] = {**summary}
+            for key in WORKLOAD_NUMBERS:
+                values = [r["workloads"][w][key] for r in reports
+                          if r["workloads"].get(w, {}).get(key) is not None]
+                merged["workloads"][w][key] = statistics.median(values) if values else None
+                merged["workloads"][w][key + "_rounds"] = values
+        out[name] = merged
+    return out
+
+
+def print_round_ratios(rounds: list[dict]) -> None:
+    """Every round's ratios, row by row: how far apart the rounds are."""
+    print("\nper round (ratio, >1 means llmserve is better; then the median of the rounds' "
+          "ratios, each from two servers run one after the other):")
+    for i, label in enumerate(row[0] for row in rounds[0]["table"]):
+        ratios = [r["table"][i][3] for r in rounds]
+        if any(ratios):
+            paired = [float(x[:-1]) for x in ratios if x]
+            print(f"  {label}: {' / '.join(x or '-' for x in ratios)} -> "
+                  f"{statistics.median(paired):.2f}x")
+    print("the table below: each number the median of its rounds, and their ratio")
+
+
 def idle_rss_only(args, binary: Path, gguf: Path, llmserve_args: list[str]) -> None:
     specs = {"llama.cpp": lambda: llama_server_spec(binary, gguf, args.threads,
                                                     args.slots, args.ctx_per_slot,
@@ -863,6 +935,10 @@ def main() -> None:
     ap.add_argument("--idle-rss-rounds", type=int, default=0,
                     help="only measure idle RSS after one warm-up request, the servers "
                          "alternating this many rounds (no workloads)")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="run both servers this many times, alternating (each round starts "
+                         "them afresh), and report the median of each number; the ratios "
+                         "of every round are printed too")
     ap.add_argument("--seed", type=int, default=0, help="prompts and output lengths")
     ap.add_argument("--wait-quiet", type=float, default=300.0,
                     help="before each server and each workload, wait up to this many "
@@ -886,6 +962,8 @@ def main() -> None:
     if args.llama_quant and args.llama_server:
         ap.error("--llama-quant requantises with the llama-quantize of the build it makes: "
                  "not with --llama-server")
+    if args.rounds < 1:
+        ap.error("--rounds: at least 1")
     cfg = build_config(cpu, args.isa)
     if args.isa == "avx2":
         os.environ.update(AVX2_ENV)
@@ -911,30 +989,18 @@ def main() -> None:
         idle_rss_only(args, binary, gguf, llmserve_args)
         return
     loads = workloads(args.quick, args.seed)
-    servers: dict[str, dict] = {}
-    # one server at a time: on a small machine two would fight over the same cores
-    if args.skip_llamacpp:
-        servers["llama.cpp"] = previous_side(args.out, "llama.cpp")
-    else:
-        spec = llama_server_spec(binary, gguf, args.threads, args.slots,
-                                 args.ctx_per_slot, args.kv_unified,
-                                 shlex.split(args.llama_args))
-        servers["llama.cpp"] = bench_server(spec, loads, args.out.parent, args.wait_quiet,
-                                            args.contended_retries)
-        if args.llama_server is None:
-            servers["llama.cpp"]["build"] = json.loads(
-                (Path(cfg["dir"]) / "build-info.json").read_text())
-    if args.skip_llmserve:
-        servers["llmserve"] = previous_side(args.out, "llmserve")
-    else:
-        servers["llmserve"] = bench_server(llmserve_spec(llmserve_args),
-                                           loads, args.out.parent, args.wait_quiet,
-                                           args.contended_retries)
-        servers["llmserve"]["source"] = llmserve_source()
-    servers = {k: v for k, v in servers.items() if v}
+    rounds = []
+    for r in range(args.rounds):
+        if args.rounds > 1:
+            print(f"\n=== round {r + 1} of {args.rounds}", flush=True)
+        rounds.append(bench_round(args, cfg, binary, gguf, llmserve_args, loads))
+    servers = rounds[0] if len(rounds) == 1 else median_servers(rounds)
     report = {"cpu": cpu, "isa": args.isa, "quick": args.quick, "seed": args.seed,
               "argv": sys.argv, "time": time.strftime("%Y-%m-%d %H:%M:%S"),
               "servers": servers, "table": table_rows(servers, loads)}
+    if len(rounds) > 1:
+        report["rounds"] = [{"servers": r, "table": table_rows(r, loads)} for r in rounds]
+        print_round_ratios(report["rounds"])
     print_table(report)
     args.out.write_text(json.dumps(report, indent=1))
     print(f"\nwrote {args.out}")
