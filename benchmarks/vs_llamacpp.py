@@ -682,8 +682,8 @@ def measure_workload(proc: subprocess.Popen, url: str, model: str, w: dict,
 
 
 def bench_server(spec: ServerSpec, loads: dict[str, dict], log_dir: Path,
-                 wait_quiet: float, retries: int) -> dict:
-    log_path = log_dir.resolve() / f"vs_llamacpp-{spec.name}.log"
+                 wait_quiet: float, retries: int, log_suffix: str = "") -> dict:
+    log_path = log_dir.resolve() / f"vs_llamacpp-{spec.name}{log_suffix}.log"
     print(f"== {spec.name}: {shlex.join(spec.cmd)}", flush=True)
     busy_before = wait_for_quiet(wait_quiet) if wait_quiet > 0 else None
     t0 = time.perf_counter()
@@ -815,9 +815,9 @@ def llmserve_source() -> dict:
 
 
 def bench_round(args, cfg: dict, binary: Path | None, gguf: Path, llmserve_args: list[str],
-                loads: dict[str, dict]) -> dict[str, dict]:
+                loads: dict[str, dict], log_suffix: str = "") -> dict[str, dict]:
     """Both servers, one after the other (on a small machine two would fight over the
-    same cores), each started afresh: name -> its report."""
+    same cores), each started afresh: name -> its report (logs named with log_suffix)."""
     servers: dict[str, dict] = {}
     if args.skip_llamacpp:
         servers["llama.cpp"] = previous_side(args.out, "llama.cpp")
@@ -826,7 +826,7 @@ def bench_round(args, cfg: dict, binary: Path | None, gguf: Path, llmserve_args:
                                  args.ctx_per_slot, args.kv_unified,
                                  shlex.split(args.llama_args))
         servers["llama.cpp"] = bench_server(spec, loads, args.out.parent, args.wait_quiet,
-                                            args.contended_retries)
+                                            args.contended_retries, log_suffix)
         if args.llama_server is None:
             servers["llama.cpp"]["build"] = json.loads(
                 (Path(cfg["dir"]) / "build-info.json").read_text())
@@ -835,7 +835,7 @@ def bench_round(args, cfg: dict, binary: Path | None, gguf: Path, llmserve_args:
     else:
         servers["llmserve"] = bench_server(llmserve_spec(llmserve_args),
                                            loads, args.out.parent, args.wait_quiet,
-                                           args.contended_retries)
+                                           args.contended_retries, log_suffix)
         servers["llmserve"]["source"] = llmserve_source()
     return {k: v for k, v in servers.items() if v}
 
@@ -848,11 +848,15 @@ WORKLOAD_NUMBERS = ("output_tokens_per_s", "ttft_ms_mean", "itl_ms_mean")
 def median_servers(rounds: list[dict[str, dict]]) -> dict[str, dict]:
     """Each server's first-round report with the table's numbers replaced by their
     medians over the rounds (a server's numbers vary by a few % from one start to the
-    next; llama.cpp's 32-stream throughput by up to 6 % on the AMX host)."""
+    next; llama.cpp's 32-stream throughput by up to 6 % on the AMX host), and every
+    round's warnings. The other fields (CPU shares, counts) are the first round's; each
+    round's whole report stays in the JSON's "rounds"."""
     out = {}
     for name, first in rounds[0].items():
         reports = [r[name] for r in rounds if name in r]
-        merged = {**first, "rounds": len(reports)}
+        merged = {**first, "rounds": len(reports),
+                  "warnings": [f"round {i + 1}: {w}" for i, r in enumerate(reports)
+                               for w in r.get("warnings", ())]}
         for key in TABLE_NUMBERS:
             values = [r[key] for r in reports if r.get(key) is not None]
             merged[key] = statistics.median(values) if values else None
@@ -861,7 +865,7 @@ def median_servers(rounds: list[dict[str, dict]]) -> dict[str, dict]:
             merged["workloads"][w] = {**summary}
             for key in WORKLOAD_NUMBERS:
                 values = [r["workloads"][w][key] for r in reports
-                          if r["workloads"].get(w, {}).get(key) is not None]
+                          if r.get("workloads", {}).get(w, {}).get(key) is not None]
                 merged["workloads"][w][key] = statistics.median(values) if values else None
                 merged["workloads"][w][key + "_rounds"] = values
         out[name] = merged
@@ -991,9 +995,13 @@ def main() -> None:
     loads = workloads(args.quick, args.seed)
     rounds = []
     for r in range(args.rounds):
+        suffix = f"-round{r + 1}" if args.rounds > 1 else ""
         if args.rounds > 1:
             print(f"\n=== round {r + 1} of {args.rounds}", flush=True)
-        rounds.append(bench_round(args, cfg, binary, gguf, llmserve_args, loads))
+        rounds.append(bench_round(args, cfg, binary, gguf, llmserve_args, loads, suffix))
+        if args.rounds > 1:  # the rounds so far survive a later round's failure
+            args.out.with_name(args.out.stem + "_rounds.json").write_text(
+                json.dumps(rounds, indent=1))
     servers = rounds[0] if len(rounds) == 1 else median_servers(rounds)
     report = {"cpu": cpu, "isa": args.isa, "quick": args.quick, "seed": args.seed,
               "argv": sys.argv, "time": time.strftime("%Y-%m-%d %H:%M:%S"),
