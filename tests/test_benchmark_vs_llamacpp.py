@@ -3,25 +3,15 @@ prints (no servers: synthetic per-round reports)."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
-PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "vs_llamacpp.py"
+from tests.benchmark_script import benchmark_script
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_vs_llamacpp", PATH)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses look their module up
-    try:
-        spec.loader.exec_module(mod)
+    with benchmark_script("vs_llamacpp") as mod:
         yield mod
-    finally:
-        sys.modules.pop(spec.name, None)
 
 
 def report(tokens_per_s: float, itl_ms: float, rss: float) -> dict:
