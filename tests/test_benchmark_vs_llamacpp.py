@@ -3,9 +3,12 @@ prints (no servers: synthetic per-round reports)."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 
-from tests.benchmark_script import benchmark_script
+from tests.benchmark_script import BENCHMARKS, benchmark_script
 
 
 @pytest.fixture(scope="module")
@@ -53,3 +56,11 @@ def test_paired_ratios_are_printed_with_their_median(bench, capsys):
     # the median of the pairs (4.32x), not the medians' ratio (400 / 95 = 4.21x)
     assert "32 streams: output tokens/s: 4.44x / 3.25x / 4.32x -> 4.32x" in out
     assert "1 stream, 128 tokens: mean ITL (ms): 2.00x / 2.00x / 2.00x -> 2.00x" in out
+
+
+def test_rounds_below_one_is_refused_before_anything_runs():
+    done = subprocess.run([sys.executable, str(BENCHMARKS / "vs_llamacpp.py"), "--rounds", "0",
+                           "--skip-llamacpp", "--skip-llmserve"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert "--rounds: at least 1" in done.stderr
