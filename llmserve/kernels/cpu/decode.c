@@ -222,13 +222,17 @@ static inline __attribute__((always_inline)) v16f tile_scores(
 /* Row offsets of the K rows of keys [first, seq_len) (all of the context, or a sliding
  * window's end of it), in token order from off[0], padded to whole tiles with the last
  * one (so tiles never branch on their length): block lookups done once, for both the
- * K and the V pass. */
+ * K and the V pass. A block at a time: a division per key (the block size is not a
+ * constant here) was two thirds of a decode's attend() outside its passes. */
 static int64_t *key_offsets(int64_t *off, const int32_t *table, int first, int seq_len,
                             int block_size, int64_t token_stride, int64_t head_off) {
     int i = 0;
-    for (int t = first; t < seq_len; t++, i++)
-        off[i] = ((int64_t)table[t / block_size] * block_size + t % block_size) * token_stride
-                 + head_off;
+    for (int t = first; t < seq_len;) {
+        const int b = t / block_size;
+        const int end = (b + 1) * block_size < seq_len ? (b + 1) * block_size : seq_len;
+        const int64_t row = (int64_t)table[b] * block_size - (int64_t)b * block_size;
+        for (; t < end; t++, i++) off[i] = (row + t) * token_stride + head_off;
+    }
     for (const int n = i; i % TILE; i++) off[i] = off[n - 1];
     return off;
 }
