@@ -230,8 +230,8 @@ static int64_t *key_offsets(int64_t *off, const int32_t *table, int first, int s
     for (int t = first; t < seq_len;) {
         const int b = t / block_size;
         const int end = (b + 1) * block_size < seq_len ? (b + 1) * block_size : seq_len;
-        const int64_t row = (int64_t)table[b] * block_size - (int64_t)b * block_size;
-        for (; t < end; t++, i++) off[i] = (row + t) * token_stride + head_off;
+        const int64_t shift = ((int64_t)table[b] - b) * block_size;  /* t's row: shift + t */
+        for (; t < end; t++, i++) off[i] = (shift + t) * token_stride + head_off;
     }
     for (const int n = i; i % TILE; i++) off[i] = off[n - 1];
     return off;
