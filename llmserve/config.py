@@ -400,6 +400,18 @@ class EngineConfig:
             self.kv_role)
         self.use_cuda_graphs = self.cuda_graphs_off_because is None
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        if self.__dict__.get("_frozen"):
+            raise AttributeError(f"this EngineConfig is resolved and frozen ({name} cannot "
+                                 f"change); dataclasses.replace makes a new one")
+        super().__setattr__(name, value)
+
+    def frozen(self) -> EngineConfig:
+        """This configuration, frozen: the engine resolves it once (model_config.py) and
+        nothing rewrites it after."""
+        super().__setattr__("_frozen", True)
+        return self
+
     @property
     def uses_triton(self) -> bool:
         """Triton attention kernels: on CUDA by default, or when asked for."""

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from llmserve import SamplingParams
 from llmserve.core.block_manager import BlockManager
 from llmserve.core.request import SequenceStatus
+from llmserve.core.sched.async_scheduler import AsyncScheduler
 from llmserve.core.sched.scheduler import Scheduler
 from llmserve.engine.llm_engine import LLMEngine
 from llmserve.engine.output import CompletionOutput
@@ -75,19 +76,51 @@ def reconfigure(engine: LLMEngine, num_blocks: int, num_cpu_blocks: int = 0, **o
     cfg = dataclasses.replace(engine.config, **overrides)
     if not cfg.enable_chunked_prefill:
         cfg.max_num_batched_tokens = max(cfg.max_num_batched_tokens, engine.max_model_len)
-    engine.config = cfg
-    engine.block_manager = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching,
-                                        cfg.watermark, num_cpu_blocks,
-                                        sliding_window=engine.block_manager.sliding_window)
-    engine.scheduler = Scheduler(cfg, engine.block_manager)
-    engine.beam_stepper.scheduler = engine.scheduler
+    core = engine.core
+    bm = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching, cfg.watermark,
+                      num_cpu_blocks, sliding_window=core.block_manager.sliding_window)
+    engine.config = core.config = engine.inputs.config = cfg
+    core.block_manager = engine.inputs.block_manager = bm
+    core.scheduler = core.beam_stepper.scheduler = (
+        AsyncScheduler if cfg.async_scheduling else Scheduler)(cfg, bm)
+    if core.features.kv_transfer is not None:
+        core.features.kv_transfer.block_manager = bm
 
 
-def drain(engine: LLMEngine, max_steps: int = 20000):
+class OutputLog:
+    """What each request of an engine ended as: its last output (the outputs are
+    cumulative) and whether it was aborted."""
+
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self.last: dict[str, object] = {}
+        self.aborted: set[str] = set()
+
+    def step(self) -> None:
+        for out in self.engine.step():
+            self.last[out.request_id] = out
+
+    def abort(self, request_id: str) -> None:
+        if self.engine.abort(request_id):
+            self.aborted.add(request_id)
+
+    def samples(self, req) -> list[CompletionOutput]:
+        """Each sample of ``req`` as it ended (an aborted one as "abort")."""
+        out = self.last.get(req.request_id)
+        samples = []
+        for i in range(req.params.n):
+            c = out.outputs[i] if out is not None else CompletionOutput(i, "", [], None)
+            if c.finish_reason is None and req.request_id in self.aborted:
+                c = dataclasses.replace(c, finish_reason="abort")
+            samples.append(c)
+        return samples
+
+
+def drain(engine: LLMEngine, max_steps: int = 20000, log: OutputLog | None = None):
     for _ in range(max_steps):
         if not engine.has_unfinished():
             return
-        engine.step()
+        log.step() if log is not None else engine.step()
     raise AssertionError("the engine never drained: livelock or starvation")
 
 
@@ -104,14 +137,16 @@ class Differential:
             reconfigure(self.engine, self.ample_blocks, enable_prefix_caching=False,
                         scheduling_policy="fcfs", preemption_mode="recompute")
             req = self.engine.add_request(list(spec.prompt), spec.params())
-            drain(self.engine)
-            self.references[spec] = [CompletionOutput.of(s) for s in req.sequences]
+            log = OutputLog(self.engine)
+            drain(self.engine, log=log)
+            self.references[spec] = log.samples(req)
         return self.references[spec]
 
     def run(self, w: Workload) -> None:
         refs = [self.reference(spec) for _, spec, _ in w.arrivals]
         reconfigure(self.engine, w.num_blocks, w.num_cpu_blocks, **w.config)
         reqs = [None] * len(w.arrivals)
+        log = OutputLog(self.engine)
         last = max([s for s, _, _ in w.arrivals] + [s for s, _ in w.aborts])
         swapped_aborts = sorted(w.swapped_aborts)
         for step in range(20000):
@@ -121,20 +156,20 @@ class Differential:
                                                       priority=priority)
             for at, i in w.aborts:
                 if at == step and reqs[i] is not None:
-                    self.engine.abort(reqs[i].request_id)
+                    log.abort(reqs[i].request_id)
             while swapped_aborts and swapped_aborts[0] <= step and (
                     victim := _swapped_out(reqs)) is not None:
-                self.engine.abort(victim.request_id)
+                log.abort(victim.request_id)
                 swapped_aborts.pop(0)
                 self.num_swapped_aborts += 1
             if step > last and not self.engine.has_unfinished():
                 break
-            self.engine.step()
+            log.step()
         else:
             raise AssertionError("the engine never drained: livelock or starvation")
         for req, ref in zip(reqs, refs):
-            for seq, want in zip(req.sequences, ref):
-                self.compare(CompletionOutput.of(seq), want, w)
+            for got, want in zip(log.samples(req), ref):
+                self.compare(got, want, w)
         self.engine.block_manager.check_all_free()
 
     def compare(self, got: CompletionOutput, want: CompletionOutput, w: Workload) -> None:

@@ -16,16 +16,12 @@ import torch
 from llmserve.core.beam_search import BeamSearch, BeamSearchParams
 from llmserve.core.request import Request, SequenceStatus
 from llmserve.core.sampling_params import SamplingParams
-from llmserve.engine.beam_search import BeamStepper
+from llmserve.engine.beam_stepper import BeamStepper
+from llmserve.engine.hooks import StepHook
 from tests.sim import check_and_write_kv, check_no_shared_writes, make_scheduler
 
 VOCAB = 50
 MAX_STEPS = 3000
-
-
-class NoText:
-    def decode(self, ids, skip_special_tokens=True):
-        return ""
 
 
 def random_requests(rng: random.Random, num_blocks: int) -> list[Request]:
@@ -60,7 +56,7 @@ def run(seed: int, batching: str) -> None:
         batching=batching, max_num_seqs=rng.randint(2, 8),
         max_num_batched_tokens=rng.randint(2, 20), watermark=rng.choice([0.0, 0.1]),
         enable_prefix_caching=rng.random() < 0.2)
-    stepper = BeamStepper(sched, NoText(), VOCAB)
+    stepper = BeamStepper(sched, VOCAB, StepHook())
     reqs = random_requests(rng, num_blocks)
     pending, arrivals = list(reqs), sorted(rng.randint(0, 3) for _ in reqs)
     idle = 0

@@ -9,8 +9,7 @@ import random
 import pytest
 
 from llmserve import SamplingParams
-from llmserve.core.request import Request, Sequence
-from llmserve.engine.detokenizer import Detokenizer, window_decoder
+from llmserve.engine.detokenizer import Detokenizer, SequenceText, window_decoder
 from llmserve.model_executor.model_loader.sources import load_tokenizer
 
 
@@ -24,10 +23,9 @@ def streamed_texts(detok: Detokenizer, prompt: list[int], output: list[int],
     """The sequence's text after each output token."""
     params = SamplingParams(max_tokens=len(output), skip_special_tokens=skip,
                             ignore_eos=True)
-    seq = Sequence(Request("r", None, prompt, params), 0, prompt)
+    seq = SequenceText(prompt, params)
     texts = []
     for token in output:
-        seq.token_ids.append(token)
         detok.update(seq, token)
         texts.append(seq.text)
     return texts
@@ -44,7 +42,7 @@ def test_streamed_text_is_the_text_decoded(tokenizer):
     text = "Naïve café — 日本語 and emoji 🙂🚀; done."
     output = tokenizer.encode(text, add_special_tokens=False)
     for prompt in ([], tokenizer.encode("Say it:", add_special_tokens=False)):
-        assert streamed_texts(Detokenizer(tokenizer, set()), prompt, output, True)[-1] == text
+        assert streamed_texts(Detokenizer(tokenizer), prompt, output, True)[-1] == text
 
 
 @pytest.mark.parametrize("skip", [True, False])
@@ -53,13 +51,13 @@ def test_the_rust_decode_streams_what_transformers_decode_does(tokenizer, skip):
     the same text as with transformers' decode."""
     rng = random.Random(7)
     special = sorted(tokenizer.all_special_ids)
-    reference = Detokenizer(tokenizer, set())
+    reference = Detokenizer(tokenizer)
     reference._decode = tokenizer.decode
     for trial in range(30):
         prompt = [rng.randrange(100, 49000) for _ in range(rng.randint(0, 12))]
         output = [rng.choice(special) if rng.random() < 0.1 else rng.randrange(0, 49152)
                   for _ in range(rng.randint(1, 40))]
-        assert (streamed_texts(Detokenizer(tokenizer, set()), prompt, output, skip)
+        assert (streamed_texts(Detokenizer(tokenizer), prompt, output, skip)
                 == streamed_texts(reference, prompt, output, skip)), trial
 
 
@@ -85,5 +83,5 @@ def test_a_tokenizer_class_with_its_own_decode_keeps_it(tokenizer):
     shouting.__class__ = Shouting
     assert window_decoder(shouting) == shouting.decode
     output = tokenizer.encode("Quiet words, then café.", add_special_tokens=False)
-    text = streamed_texts(Detokenizer(shouting, set()), [], output, True)[-1]
+    text = streamed_texts(Detokenizer(shouting), [], output, True)[-1]
     assert text == "QUIET WORDS, THEN CAFÉ."

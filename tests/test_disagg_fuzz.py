@@ -55,13 +55,12 @@ from llmserve.distributed.kv_transfer.side_channel import (
 from llmserve.distributed.kv_transfer.transport import KVTransferError, TcpTransport
 from llmserve.engine.kv_transfer_service import KVTransferService
 from llmserve.engine.llm_engine import LLMEngine
-from llmserve.engine.output import CompletionOutput
-from llmserve.engine.overlap import OverlappedSteps
 from tests.conftest import write_tiny_checkpoint
 from tests.differential import (
     BLOCK,
     TINY_BLOCK_BYTES,
     Differential,
+    OutputLog,
     Spec,
     drain,
     reconfigure,
@@ -95,10 +94,9 @@ class Clock:
 
 def setup(engine: LLMEngine, num_blocks: int, num_cpu: int, clock: Clock | None = None,
           **cfg) -> None:
-    """A fresh block manager and scheduler (differential.reconfigure), the overlap object
-    async scheduling needs, and (prefill) a lease table on ``clock``."""
+    """A fresh block manager and scheduler (differential.reconfigure) and (prefill) a
+    lease table on ``clock``."""
     reconfigure(engine, num_blocks, min(num_cpu, engine.runner.num_cpu_blocks), **cfg)
-    engine.overlap = OverlappedSteps(engine) if engine.config.async_scheduling else None
     engine.requests.clear()
     if clock is not None:
         engine.kv_transfer.leases = LeaseTable(TTL, clock=clock)
@@ -158,6 +156,7 @@ class Workload:
         self.offers: list[tuple[list[int], RemotePrefill]] = []
         self.imports: list[Import] = []  # planned or committed, not yet added
         self.decoded: list[tuple[object, Spec]] = []
+        self.decode_log = OutputLog(decode)
         self.ids = 0
         self.stats = Counter()
         nbp = rng.randint(-(-(self.max_prompt + 8) // BLOCK) + 1, 40)
@@ -322,11 +321,11 @@ class Workload:
 
     def step_decode(self) -> None:
         if self.decode.has_unfinished():
-            self.decode.step()
+            self.decode_log.step()
 
     def abort_decode(self) -> None:
         if self.decode.requests and self.rng.random() < 0.5:
-            self.decode.abort(self.rng.choice(sorted(self.decode.requests)))
+            self.decode_log.abort(self.rng.choice(sorted(self.decode.requests)))
 
     OPS = [("add_leg1", 3), ("step_prefill", 5), ("abort_prefill", 1), ("tick", 2),
            ("release_lease", 1), ("plan", 5), ("transfer", 5), ("add_decode", 5),
@@ -353,7 +352,7 @@ class Workload:
         else:
             raise AssertionError("the prefill engine never drained")
         self.step_prefill()
-        drain(self.decode)
+        drain(self.decode, log=self.decode_log)
         self.check()
         self.clock.now += TTL + 1
         self.prefill.kv_transfer.collect_leases()
@@ -376,11 +375,11 @@ def test_random_pd_interleavings_account_for_every_block(engines):
         w.run(rng.randint(60, 100))
         stats.update(w.stats)
         imported = decode.kv_transfer.imported_tokens
-        prefill.overlap = None  # the reference runs synchronously
+        reconfigure(prefill, 96, async_scheduling=False)  # the reference runs synchronously
         for req, spec in w.decoded:
             want = diff.reference(spec)
-            for seq, ref in zip(req.sequences, want):
-                diff.compare(CompletionOutput.of(seq), ref, f"decode {spec}")
+            for got, ref in zip(w.decode_log.samples(req), want):
+                diff.compare(got, ref, f"decode {spec}")
                 compared += 1
     print(f"\n{NUM_WORKLOADS} workloads, {compared} decode samples compared, "
           f"{imported} tokens imported, {dict(stats)}")

@@ -14,13 +14,13 @@ import torch
 from server_proc import ServerProcess, scrape
 
 from llmserve.distributed.kv_transfer import nixl as nixl_mod
+from llmserve.distributed.kv_transfer.backends import make_transport
 from llmserve.distributed.kv_transfer.params import RemotePrefill
 from llmserve.distributed.kv_transfer.side_channel import read_remote_blocks
 from llmserve.distributed.kv_transfer.transport import (
     KVLayout,
     KVTransferError,
     TcpTransport,
-    make_transport,
 )
 
 SECRET = b"kv-transport-secret"

@@ -269,7 +269,7 @@ def test_metrics_count_drafts_and_accepted_tokens(pair):
     _, spec = pair
     metrics = EngineMetrics("m")
     spec.generate(_prompts(2), SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
-    metrics.observe_engine(spec.engine)
+    metrics.record(spec.engine.scheduler_stats())
     text = generate_latest(metrics.registry).decode()
     s = spec.engine.spec
     for name, value in (("drafts", s.num_drafts), ("draft_tokens", s.num_draft_tokens),

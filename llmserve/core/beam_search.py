@@ -23,34 +23,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from llmserve.core.sampling_params import MAX_N, _is_int, _is_num
+from llmserve.core.sampling_params import BeamSearchParams
 
-
-@dataclass
-class BeamSearchParams:
-    """vLLM's offline beam search parameters (``LLM.beam_search``)."""
-    beam_width: int
-    max_tokens: int | None  # None: up to the model's length (the engine fills it in)
-    ignore_eos: bool = False
-    temperature: float = 0.0  # 0: the model's logprobs; t > 0: of logits / t
-    length_penalty: float = 1.0
-    early_stopping: bool | str = False  # True, False or "never" (transformers')
-
-    def __post_init__(self) -> None:
-        def check(ok: bool, name: str, msg: str) -> None:
-            if not ok:
-                raise ValueError(f"{name} {msg}")
-
-        check(_is_int(self.beam_width) and 1 <= self.beam_width <= MAX_N, "beam_width",
-              f"must be an integer in [1, {MAX_N}]")
-        check(self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1),
-              "max_tokens", "must be a positive integer")
-        check(_is_num(self.temperature) and 0.0 <= self.temperature <= 2.0, "temperature",
-              "must be in [0, 2]")
-        check(_is_num(self.length_penalty) and abs(self.length_penalty) <= 10,
-              "length_penalty", "must be a number in [-10, 10]")
-        check(self.early_stopping in (True, False, "never"), "early_stopping",
-              "must be true, false or \"never\"")
+__all__ = ["BeamSearch", "BeamSearchParams", "Candidate", "Hypothesis"]
 
 
 @dataclass
@@ -60,7 +35,6 @@ class Hypothesis:
     cum_logprob: float
     score: float  # cum_logprob / len(token_ids) ** length_penalty
     finish_reason: str  # "stop" (EOS) or "length"
-    text: str = ""  # filled in by the engine, which has the tokenizer
 
 
 @dataclass

@@ -60,11 +60,6 @@ class Sequence:
         self.num_cached_blocks = 0  # leading blocks registered in the prefix cache
         self.status = SequenceStatus.WAITING
         self.stop_reason: int | str | None = None
-        self.logprobs: list[Logprob] = []
-        # Incremental detokenisation state (see detokenizer.py).
-        self.text = ""
-        self.prefix_offset = max(self.num_prompt_tokens - 5, 0)
-        self.read_offset = self.num_prompt_tokens
         self.num_preemptions = 0
         self.recomputed_until = 0  # tokens computed before a recompute preemption
         # Parser state of a constrained output (structured.py); survives preemption,
@@ -175,6 +170,7 @@ class Request:
     remote_decode: bool = False
     kv_transfer_params: dict | None = None
     kv_hold: list[int] = field(default_factory=list)
+    emitted: bool = False  # the engine has produced an output for it
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None

@@ -3,16 +3,21 @@ it, ``StructuredOutputsParams`` (the grammar its output must match)."""
 
 from __future__ import annotations
 
+import enum
 import json
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from llmserve.core.beam_search import BeamSearchParams
 
 MAX_N = 16
 MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range: -100 bans a token, +100 all but forces it
+
+
+class RequestOutputKind(enum.Enum):
+    """What each output of a request holds (vLLM's names): everything so far, only what
+    is new since the previous output (streaming), or one output when it finishes."""
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
 
 
 class ParamError(ValueError):
@@ -59,6 +64,7 @@ class SamplingParams:
     bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False)
     # Beam search (beam_search.py) instead of sampling; n is then the beam width.
     beam: BeamSearchParams | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -163,6 +169,33 @@ class SamplingParams:
     def copy(self) -> SamplingParams:
         """A copy the engine may fill in (``max_tokens``) without touching the caller's."""
         return replace(self)
+
+
+@dataclass
+class BeamSearchParams:
+    """vLLM's offline beam search parameters (``LLM.beam_search``)."""
+    beam_width: int
+    max_tokens: int | None  # None: up to the model's length (the engine fills it in)
+    ignore_eos: bool = False
+    temperature: float = 0.0  # 0: the model's logprobs; t > 0: of logits / t
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False  # True, False or "never" (transformers')
+
+    def __post_init__(self) -> None:
+        def check(ok: bool, name: str, msg: str) -> None:
+            if not ok:
+                raise ValueError(f"{name} {msg}")
+
+        check(_is_int(self.beam_width) and 1 <= self.beam_width <= MAX_N, "beam_width",
+              f"must be an integer in [1, {MAX_N}]")
+        check(self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1),
+              "max_tokens", "must be a positive integer")
+        check(_is_num(self.temperature) and 0.0 <= self.temperature <= 2.0, "temperature",
+              "must be in [0, 2]")
+        check(_is_num(self.length_penalty) and abs(self.length_penalty) <= 10,
+              "length_penalty", "must be a number in [-10, 10]")
+        check(self.early_stopping in (True, False, "never"), "early_stopping",
+              "must be true, false or \"never\"")
 
 
 def beam_sampling_params(beam: BeamSearchParams) -> SamplingParams:

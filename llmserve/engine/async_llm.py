@@ -25,16 +25,16 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from llmserve.config import EngineConfig
 from llmserve.core.lora_request import LoRARequest
-from llmserve.core.request import Tenancy
+from llmserve.core.request import Request, Tenancy
 from llmserve.core.sampling_params import SamplingParams, StructuredOutputsParams
 from llmserve.core.sched.overload import OverloadedError, queue_full, waiting_requests
 from llmserve.distributed.kv_transfer.params import RemoteDecode, RemotePrefill
 from llmserve.engine.kv_transfer_service import KVTransferService
-from llmserve.engine.llm_engine import LLMEngine, check_cache_salt
+from llmserve.engine.llm_engine import LLMEngine
 from llmserve.engine.metrics import EngineMetrics
 from llmserve.engine.output import RequestOutput
 from llmserve.errors import EngineDeadError, EngineStartError  # noqa: F401 - re-exported
@@ -50,19 +50,10 @@ def _put_each(pairs: list[tuple[asyncio.Queue, object]]) -> None:
 
 @dataclass
 class _Add:
-    request_id: str
-    prompt_token_ids: list[int]
-    prompt: str | None
-    params: SamplingParams
-    priority: int
-    cache_salt: str | None
+    request: Request  # built and checked by the input processor, on the event loop
     sink: asyncio.Queue
-    tenant: Tenancy | None = None
-    remote_decode: bool = False  # P/D leg 1 on a prefill engine
     remote: RemotePrefill | None = None  # P/D leg 2 on a decode engine: where the KV is
-    kv_hold: list[int] = field(default_factory=list)  # its imported prefix, held
-    lora: LoRARequest | None = None  # the adapter it runs under
-    lora_parsed: tuple | None = None  # its weights, read off the engine thread if needed
+    lora_parsed: tuple | None = None  # its adapter's weights, read off the engine thread
 
 
 @dataclass
@@ -168,38 +159,38 @@ class AsyncLLMEngine:
                  kv_transfer: RemoteDecode | RemotePrefill | None = None,
                  lora_request: LoRARequest | None = None
                  ) -> AsyncIterator[RequestOutput]:
-        """The request's outputs as they come; the request is aborted if the consumer
-        stops early. Raises at once, before anything is queued, EngineDeadError when the
-        engine is not running and ValueError for a request that can never run (the
-        engine thread's add_request checks again: the offline API relies on it).
-        ``kv_transfer``: a P/D leg, honoured when this engine has that role (ignored
-        otherwise, as vLLM does). ``lora_request``: the adapter (``lora(name)``)."""
+        """The request's outputs as they come (each in ``params.output_kind``); the
+        request is aborted if the consumer stops early. Raises at once, before anything
+        is queued, EngineDeadError when the engine is not running and ValueError for a
+        request that can never run (checked here, once: the input processor reads only
+        what is fixed at start). ``kv_transfer``: a P/D leg, honoured when this engine
+        has that role (ignored otherwise, as vLLM does). ``lora_request``: the adapter
+        (``lora(name)``)."""
         if not self.alive:
             raise EngineDeadError("the engine is not running")
-        # Reads only what is fixed at start (vocabulary, max_model_len, KV cache size).
-        self.engine.validate_prompt(prompt_token_ids, params)
-        check_cache_salt(cache_salt)
-        add = _Add(request_id, prompt_token_ids, prompt, params, priority, cache_salt,
-                   asyncio.Queue(), tenant, lora=lora_request)
         role = self.config.kv_role
-        if isinstance(kv_transfer, RemoteDecode) and role == "prefill":
-            add.remote_decode = True
-        elif isinstance(kv_transfer, RemotePrefill) and role == "decode":
+        request = self.engine.inputs.process(
+            prompt, params, request_id, priority, prompt_token_ids, cache_salt, tenant,
+            remote_decode=isinstance(kv_transfer, RemoteDecode) and role == "prefill",
+            lora_request=lora_request)
+        add = _Add(request, asyncio.Queue())
+        if isinstance(kv_transfer, RemotePrefill) and role == "decode":
             add.remote = kv_transfer
         return self._stream(add)
 
     async def _stream(self, add: _Add) -> AsyncIterator[RequestOutput]:
+        req = add.request
         if add.remote is not None:  # P/D leg 2: bring the prompt's KV over first
-            add.kv_hold = await self.kv_service.import_prefix(
-                add.prompt_token_ids, (add.cache_salt or "").encode(), add.remote)
-        if add.lora is not None:  # read from its source here, never on the engine thread
-            add.lora_parsed = await asyncio.to_thread(self.engine.loras.prefetch, add.lora)
+            req.kv_hold = await self.kv_service.import_prefix(
+                req.prompt_token_ids, req.cache_salt, add.remote)
+        if req.lora is not None:  # read from its source here, never on the engine thread
+            add.lora_parsed = await asyncio.to_thread(self.engine.loras.prefetch, req.lora)
         try:
             self._admit()
         except BaseException:
-            self.release_hold(add.kv_hold)
+            self.release_hold(req.kv_hold)
             raise
-        self._sinks[add.request_id] = add.sink
+        self._sinks[req.request_id] = add.sink
         self._inbox.put(add)
         self._wake.set()
         finished = False
@@ -213,9 +204,9 @@ class AsyncLLMEngine:
                     finished = True
                     return
         finally:
-            self._sinks.pop(add.request_id, None)
+            self._sinks.pop(req.request_id, None)
             if not finished:
-                self.abort(add.request_id)
+                self.abort(req.request_id)
 
     def _admit(self) -> None:
         """Refuse at once when the waiting queue is already full (the engine thread
@@ -254,16 +245,6 @@ class AsyncLLMEngine:
         adapter = await asyncio.to_thread(registry.parse, source)
         return await self.on_engine(lambda e: e.loras.register(name, source, adapter))
 
-    async def prefetch_lora(self, lora: LoRARequest | None) -> None:
-        """Bring a request's adapter into host memory before the request is started (a
-        source read off the event loop and the engine thread); LoRAError if it cannot
-        be read any more, so the request fails with a 400 before anything is queued."""
-        if lora is None or self.engine.loras is None:
-            return
-        parsed = await asyncio.to_thread(self.engine.loras.prefetch, lora)
-        if parsed is not None:
-            await self.on_engine(lambda e: e.loras.adopt(lora, parsed))
-
     async def unload_lora(self, name: str) -> LoRARequest | None:
         """Forget ``name``; requests already running under it finish with it."""
         if self.engine.loras is None:
@@ -296,7 +277,8 @@ class AsyncLLMEngine:
                 page_out_libraries()
             self._warm_up()
             self.metrics = EngineMetrics(self.engine.model_name,
-                                         max_num_seqs=self.config.max_num_seqs)
+                                         max_num_seqs=self.config.max_num_seqs,
+                                         max_loras=self.config.max_loras)
         except BaseException as e:  # noqa: BLE001 - reported by start()
             self.error = e
             if self.engine is not None:
@@ -315,7 +297,7 @@ class AsyncLLMEngine:
                 self._expire_waiting()
                 self._publish_waiting()
                 if not self.engine.has_unfinished():
-                    self.metrics.observe_engine(self.engine)
+                    self.metrics.record(self.engine.scheduler_stats())
                     woken = self._wake.wait(timeout=0.5)
                     self._wake.clear()
                     if not woken and worked_since_trim:  # idle for 0.5 s after work
@@ -324,7 +306,7 @@ class AsyncLLMEngine:
                     continue
                 worked_since_trim = True
                 outputs = self.engine.step()
-                self.metrics.observe_step(self.engine, outputs)
+                self.metrics.record(self.engine.scheduler_stats(), self.engine.iteration_stats)
                 self._deliver_step(outputs)
         except BaseException as e:  # noqa: BLE001 - a dead engine must fail every request
             log.exception("engine loop died")
@@ -360,23 +342,22 @@ class AsyncLLMEngine:
                 continue
             with self._count_lock:
                 self._pending_adds -= 1
-            if cmd.request_id not in self._sinks:  # cancelled before it got here
-                self.engine.block_manager.unhold(cmd.kv_hold)
-                continue
-            try:
-                if cmd.lora_parsed is not None:
-                    self.engine.loras.adopt(cmd.lora, cmd.lora_parsed)
-                req = self.engine.add_request(cmd.prompt, cmd.params, cmd.request_id,
-                                              cmd.priority, prompt_token_ids=cmd.prompt_token_ids,
-                                              cache_salt=cmd.cache_salt, tenant=cmd.tenant,
-                                              remote_decode=cmd.remote_decode,
-                                              kv_hold=cmd.kv_hold, lora_request=cmd.lora)
-                self.metrics.on_arrival(req)
-            except (ValueError, OverloadedError) as e:
-                self.engine.block_manager.unhold(cmd.kv_hold)
-                if isinstance(e, OverloadedError):
-                    self.metrics.on_overload("queue_full")
-                self._deliver(cmd.request_id, e)
+            self._add(cmd)
+
+    def _add(self, cmd: _Add) -> None:
+        req = cmd.request
+        if req.request_id not in self._sinks:  # cancelled before it got here
+            self.engine.block_manager.unhold(req.kv_hold)
+            return
+        try:
+            if cmd.lora_parsed is not None:
+                self.engine.loras.adopt(req.lora, cmd.lora_parsed)
+            self.engine.add_processed(req)
+        except (ValueError, OverloadedError) as e:
+            self.engine.block_manager.unhold(req.kv_hold)
+            if isinstance(e, OverloadedError):
+                self.metrics.on_overload("queue_full")
+            self._deliver(req.request_id, e)
 
     def _call(self, cmd: _Call) -> None:
         try:

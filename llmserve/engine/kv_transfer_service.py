@@ -13,9 +13,10 @@ import asyncio
 import logging
 import time
 
+from llmserve.distributed.kv_transfer.backends import make_transport
 from llmserve.distributed.kv_transfer.params import RemotePrefill, prompt_digest
 from llmserve.distributed.kv_transfer.side_channel import SideChannelServer, read_remote_blocks
-from llmserve.distributed.kv_transfer.transport import KVTransferError, make_transport
+from llmserve.distributed.kv_transfer.transport import KVTransferError
 from llmserve.engine.disagg import KVTransferSide
 from llmserve.envs import kv_transfer_secret
 

@@ -24,6 +24,7 @@ import threading
 from pathlib import Path
 
 from llmserve.core.lora_request import LoRARequest
+from llmserve.engine.hooks import StepHook
 from llmserve.model_executor.lora.adapter import (
     LoRAAdapter,
     LoRAError,
@@ -33,7 +34,10 @@ from llmserve.model_executor.lora.adapter import (
 from llmserve.model_executor.lora.modules import check_lora_name
 
 
-class LoRARegistry:
+class LoRARegistry(StepHook):
+    """Also the step hook of LoRA: a request's adapter is read and checked before the
+    request is queued (``add_request``)."""
+
     def __init__(self, hf_config, max_rank: int, slots, base_name: str, live_requests):
         """``live_requests``: the engine's requests by id (their adapters stay cached)."""
         self.hf_config, self.max_rank = hf_config, max_rank
@@ -106,6 +110,10 @@ class LoRARegistry:
         parsed = self.prefetch(lora)
         if parsed is not None:
             self.adopt(lora, parsed)
+
+    def add_request(self, req) -> None:
+        if req.lora is not None:
+            self.ensure_loaded(req.lora)  # LoRAError (a ValueError) for a bad adapter
 
     # --- lookups (any thread) -------------------------------------------------------------
     def lookup(self, name: str) -> LoRARequest | None:

@@ -1,5 +1,9 @@
 """Prometheus collectors under vLLM's metric names, so dashboards, KEDA rules, the
-Gateway API Inference Extension and our own gateway/autoscaler read us unchanged."""
+Gateway API Inference Extension and our own gateway/autoscaler read us unchanged.
+
+The engine pushes what each step reports (``record``): the scheduler's state and
+running totals (step_stats.py) and what the step's outputs add (the output processor's
+``IterationStats``). Nothing here reads the engine."""
 
 from __future__ import annotations
 
@@ -7,13 +11,16 @@ import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from llmserve.engine.output_processor import IterationStats
+from llmserve.engine.step_stats import SchedulerStats
+
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
                    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 
 
 class EngineMetrics:
     def __init__(self, model_name: str, registry: CollectorRegistry | None = None,
-                 max_num_seqs: int | None = None):
+                 max_num_seqs: int | None = None, max_loras: int | None = None):
         self.registry = registry or CollectorRegistry()
         self.model_name = model_name
         r, labels = self.registry, ["model_name"]
@@ -82,9 +89,8 @@ class EngineMetrics:
             "vllm:lora_requests_info", "Running and waiting LoRA adapters, by name.",
             ["max_lora", "running_lora_adapters", "waiting_lora_adapters"], registry=r)
         self._lora_labels: tuple | None = None
+        self.max_loras = max_loras
         self.aborted = 0
-        self._seen_tokens: dict[str, int] = {}
-        self._last_token_at: dict[str, float] = {}
         self._synced = {"queries": 0, "hits": 0, "preemptions": 0, "swap_outs": 0,
                         "aborted": 0, "drafts": 0, "draft_tokens": 0, "accepted_tokens": 0}
 
@@ -110,11 +116,8 @@ class EngineMetrics:
             "llmserve:num_waiting_prompt_tokens", "Prompt tokens not computed yet, of "
             "waiting and prefilling requests.", labels, registry=r).labels(self.model_name)
 
-    def _observe_loras(self, max_loras: int, sched) -> None:
-        def names(seqs) -> str:
-            return ",".join(sorted({s.request.lora.lora_name for s in seqs if s.request.lora}))
-
-        labels = (str(max_loras), names(sched.running), names(sched.waiting))
+    def _observe_loras(self, running: list[str], waiting: list[str]) -> None:
+        labels = (str(self.max_loras), ",".join(running), ",".join(waiting))
         if labels != self._lora_labels:  # one series: the old label set goes
             self.lora_info.clear()
             self._lora_labels = labels
@@ -133,31 +136,47 @@ class EngineMetrics:
     def on_overload(self, reason: str) -> None:
         self.overloaded.labels(self.model_name, reason).inc()
 
-    def on_arrival(self, request) -> None:
-        self._seen_tokens[request.request_id] = 0
+    def record(self, stats: SchedulerStats, iteration: IterationStats | None = None) -> None:
+        """One step's (or an idle loop's) report."""
+        if stats.step_seconds is not None:
+            actual, predicted = stats.step_seconds
+            self.step_duration.labels(self.model_name, "actual").observe(actual)
+            if predicted is not None:
+                self.step_duration.labels(self.model_name, "predicted").observe(predicted)
+        if iteration is not None:
+            self._record_iteration(iteration)
+        self._record_scheduler(stats)
 
-    def observe_engine(self, engine) -> None:
-        """Gauges and cumulative counters read off the engine's state."""
-        sched, bm = engine.scheduler, engine.block_manager
-        self.running.set(len({s.request.request_id for s in sched.running}))
-        self.waiting.set(len({s.request.request_id for s in sched.waiting}))
-        self.swapped.set(len(getattr(sched, "swapped", ())))
-        self.kv_usage.set(bm.usage)
-        self.waiting_prompt_tokens.set(sum(
-            max(0, s.num_prompt_tokens - s.num_computed_tokens)
-            for s in (*sched.waiting, *sched.running)))
-        self._sync(self.prefix_queries, "queries", bm.prefix_queries)
-        self._sync(self.prefix_hits, "hits", bm.prefix_hits)
-        self._sync(self.preemptions, "preemptions", sched.num_preemptions)
-        self._sync(self.swap_outs, "swap_outs", sched.num_swapped_out)
-        if getattr(engine, "loras", None) is not None:
-            self._observe_loras(engine.config.max_loras, sched)
-        spec = getattr(engine, "spec", None)
-        if spec is not None:
-            self._sync(self.spec_drafts, "drafts", spec.num_drafts)
-            self._sync(self.spec_draft_tokens, "draft_tokens", spec.num_draft_tokens)
-            self._sync(self.spec_accepted_tokens, "accepted_tokens", spec.num_accepted_tokens)
-        for tenant, total in sched.shares.tokens_served.items():
+    def _record_iteration(self, it: IterationStats) -> None:
+        self.generation_tokens.inc(it.generation_tokens)
+        self.prompt_tokens.inc(it.prompt_tokens)
+        for value in it.ttfts:
+            self.ttft.observe(value)
+        for value in it.queue_times:
+            self.queue_time.observe(value)
+        for value in it.itls:
+            self.itl.observe(value)
+        for value in it.e2e_latencies:
+            self.e2e.observe(value)
+        for reason in it.finish_reasons:
+            self.success.labels(self.model_name, reason).inc()
+
+    def _record_scheduler(self, s: SchedulerStats) -> None:
+        self.running.set(s.num_running_reqs)
+        self.waiting.set(s.num_waiting_reqs)
+        self.swapped.set(s.num_swapped_seqs)
+        self.kv_usage.set(s.kv_cache_usage)
+        self.waiting_prompt_tokens.set(s.num_waiting_prompt_tokens)
+        self._sync(self.prefix_queries, "queries", s.prefix_cache_queries)
+        self._sync(self.prefix_hits, "hits", s.prefix_cache_hits)
+        self._sync(self.preemptions, "preemptions", s.num_preemptions)
+        self._sync(self.swap_outs, "swap_outs", s.num_swapped_out)
+        self._sync(self.spec_drafts, "drafts", s.spec_drafts)
+        self._sync(self.spec_draft_tokens, "draft_tokens", s.spec_draft_tokens)
+        self._sync(self.spec_accepted_tokens, "accepted_tokens", s.spec_accepted_tokens)
+        if s.running_loras is not None:
+            self._observe_loras(s.running_loras, s.waiting_loras)
+        for tenant, total in s.tenant_tokens.items():
             done = self._tenant_synced.get(tenant, 0)
             if total > done:
                 self.tenant_tokens.labels(self.model_name, tenant).inc(total - done)
@@ -166,39 +185,6 @@ class EngineMetrics:
             self.success.labels(self.model_name, "abort").inc(
                 self.aborted - self._synced["aborted"])
             self._synced["aborted"] = self.aborted
-        for request_id in list(self._seen_tokens):  # forget aborted requests
-            if request_id not in engine.requests:
-                self._seen_tokens.pop(request_id, None)
-                self._last_token_at.pop(request_id, None)
-
-    def observe_step(self, engine, outputs) -> None:
-        now = time.monotonic()
-        if engine.last_step is not None:
-            actual, predicted = engine.last_step
-            engine.last_step = None
-            self.step_duration.labels(self.model_name, "actual").observe(actual)
-            if predicted is not None:
-                self.step_duration.labels(self.model_name, "predicted").observe(predicted)
-        for out in outputs:
-            req_id = out.request_id
-            produced = sum(len(o.token_ids) for o in out.outputs)
-            new = produced - self._seen_tokens.get(req_id, 0)
-            self._seen_tokens[req_id] = produced
-            self.generation_tokens.inc(max(new, 0))
-            if req_id in self._last_token_at:
-                self.itl.observe(now - self._last_token_at[req_id])
-            else:  # first token: the prompt is prefilled
-                self.prompt_tokens.inc(len(out.prompt_token_ids))
-                self.ttft.observe(now - out.metrics["arrival_time"])
-                self.queue_time.observe(out.metrics["first_scheduled_time"]
-                                        - out.metrics["arrival_time"])
-            self._last_token_at[req_id] = now
-            if out.finished:
-                self.e2e.observe(now - out.metrics["arrival_time"])
-                self.success.labels(self.model_name, out.outputs[0].finish_reason).inc()
-                self._seen_tokens.pop(req_id, None)
-                self._last_token_at.pop(req_id, None)
-        self.observe_engine(engine)
 
     def _sync(self, counter, key: str, total: int) -> None:
         if total > self._synced[key]:

@@ -1,10 +1,50 @@
-"""What the engine hands back: vLLM-shaped RequestOutput / CompletionOutput."""
+"""What the engine hands back.
+
+Two shapes, as in vLLM v1:
+
+- ``EngineCoreOutput``: what the engine core produced for one request in one step, in
+  token ids only: each sequence's new tokens (and logprobs), and how it finished. The
+  core keeps no copy of what it already emitted.
+- ``RequestOutput`` / ``CompletionOutput``: what callers read, built from those by the
+  output processor (output_processor.py), with the text: everything so far, only
+  what is new (streaming), or once, when the request finishes
+  (``SamplingParams.output_kind``).
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from llmserve.core.request import Logprob, Request, Sequence
+from llmserve.core.beam_search import Hypothesis
+from llmserve.core.request import Logprob
+
+
+@dataclass
+class SequenceDelta:
+    """One sequence's part of a step: the tokens appended to it, in order."""
+    index: int
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[Logprob | None] = field(default_factory=list)
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: int | None = None  # the stop token id that ended it
+    # Its last token ended it before any stop string could (EOS or a stop token id,
+    # once min_tokens were out): the output processor looks for no stop string in it.
+    token_stop: bool = False
+
+
+@dataclass
+class EngineCoreOutput:
+    request_id: str
+    deltas: list[SequenceDelta]  # the sequences that changed, by index
+    finished: bool
+    arrival_time: float
+    first_scheduled_time: float | None
+    first_token_time: float | None
+    # The prompt's logprobs (SamplingParams.prompt_logprobs), complete by the request's
+    # first output, which carries them.
+    prompt_logprobs: list[Logprob | None] | None = None
+    kv_transfer_params: dict | None = None  # a prefill engine's leg-1 answer (disagg.py)
+    hypotheses: list[Hypothesis] | None = None  # beam search, once it ends
 
 
 @dataclass
@@ -16,13 +56,6 @@ class CompletionOutput:
     stop_reason: int | str | None = None  # the stop string or token that matched
     logprobs: list[Logprob] | None = None
     cum_logprob: float | None = None  # beam search: the hypothesis' total logprob
-
-    @classmethod
-    def of(cls, seq: Sequence) -> CompletionOutput:
-        reason = seq.status.value if seq.finished else None
-        return cls(index=seq.index, text=seq.text, token_ids=seq.output_token_ids,
-                   finish_reason=reason, stop_reason=seq.stop_reason,
-                   logprobs=list(seq.logprobs) if seq.params.logprobs is not None else None)
 
 
 @dataclass
@@ -37,28 +70,6 @@ class RequestOutput:
     prompt_logprobs: list[Logprob | None] | None = None
     # A prefill engine's leg-1 answer: where the prompt's KV is held (engine/disagg.py).
     kv_transfer_params: dict | None = None
-
-    @classmethod
-    def of(cls, req: Request) -> RequestOutput:
-        return cls(request_id=req.request_id, prompt=req.prompt,
-                   prompt_token_ids=req.prompt_token_ids,
-                   outputs=(beam_outputs(req) if req.beams is not None
-                            else [CompletionOutput.of(s) for s in req.sequences]),
-                   finished=req.finished,
-                   prompt_logprobs=(list(req.prompt_logprobs)
-                                    if req.prompt_logprobs is not None else None),
-                   kv_transfer_params=req.kv_transfer_params,
-                   metrics={"arrival_time": req.arrival_time,
-                            "first_scheduled_time": req.first_scheduled_time,
-                            "first_token_time": req.first_token_time})
-
-
-def beam_outputs(req: Request) -> list[CompletionOutput]:
-    """A beam search's hypotheses, best first, once it has ended (none before)."""
-    if not req.beams.done:
-        return []
-    return [CompletionOutput(k, h.text, h.token_ids, h.finish_reason, cum_logprob=h.cum_logprob)
-            for k, h in enumerate(req.beams.results())]
 
 
 @dataclass

@@ -10,7 +10,11 @@ from tqdm import tqdm
 from llmserve.config import EngineConfig
 from llmserve.core.beam_search import BeamSearchParams
 from llmserve.core.lora_request import LoRARequest
-from llmserve.core.sampling_params import SamplingParams, beam_sampling_params
+from llmserve.core.sampling_params import (
+    RequestOutputKind,
+    SamplingParams,
+    beam_sampling_params,
+)
 from llmserve.engine.llm_engine import LLMEngine
 from llmserve.engine.output import BeamSearchOutput, BeamSearchSequence, RequestOutput
 
@@ -43,8 +47,8 @@ class LLM:
         params = [sp or SamplingParams() for sp in params]
         loras = _one_per_prompt(lora_request, len(prompts), "LoRARequest")
         for lora in {lora for lora in loras if lora is not None}:
-            self.engine._check_lora(lora)  # a bad adapter fails here, nothing queued
-        ids = [self.engine.add_request(p, sp.copy(), lora_request=lora).request_id
+            self.engine.check_lora(lora)  # a bad adapter fails here, nothing queued
+        ids = [self.engine.add_request(p, final_only(sp), lora_request=lora).request_id
                for p, sp, lora in zip(prompts, params, loras)]
         return self._run(ids, use_tqdm)
 
@@ -54,7 +58,7 @@ class LLM:
         per prompt, its ``sequences`` best first."""
         prompts = _as_prompt_list(prompts)
         sampling = beam_sampling_params(params)
-        ids = [self.engine.add_request(p, sampling.copy()).request_id for p in prompts]
+        ids = [self.engine.add_request(p, final_only(sampling)).request_id for p in prompts]
         outputs = []
         for out in self._run(ids, use_tqdm):
             ids = out.prompt_token_ids
@@ -85,6 +89,13 @@ class LLM:
                     bar.update(1)
         bar.close()
         return [done[i] for i in request_ids]
+
+
+def final_only(params: SamplingParams) -> SamplingParams:
+    """A copy the engine may fill in, asking for one output per request, at its end."""
+    params = params.copy()
+    params.output_kind = RequestOutputKind.FINAL_ONLY
+    return params
 
 
 def render_chat(tokenizer, messages: list[dict], **template_args) -> str:

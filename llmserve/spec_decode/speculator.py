@@ -30,6 +30,10 @@ class Speculator:
         self.proposer = (NgramProposer(config.num_speculative_tokens, config.prompt_lookup_max,
                                        config.prompt_lookup_min)
                          if draft is None else None)
+        self.reset()
+
+    def reset(self) -> None:
+        """Counters at zero and the draft policy unlearnt (after the warm-up)."""
         # How long a draft pays (None: always k, where the proposer has that many).
         self.policy: DraftPolicy | None = DraftPolicy()
         # This step's (sequences, draft tokens), if decodes only.

@@ -17,14 +17,11 @@ tensor (``worker/kv_cache.py``); both caches must have the same ``KVLayout``.
 
 from __future__ import annotations
 
-import logging
 import socket
 from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass
 
 import torch
-
-log = logging.getLogger(__name__)
 
 # Blocks per message: bounds the gather buffer (a block of the built-in model is
 # ~370 KB over all layers) while keeping per-message overhead negligible.
@@ -126,20 +123,3 @@ def recv_exactly(sock: socket.socket, view: memoryview) -> None:
         if n == 0:
             raise KVTransferError("protocol", "the peer closed the side channel mid-transfer")
         got += n
-
-
-def make_transport(name: str) -> KVTransport:
-    """``tcp``, ``nixl``, or ``auto`` (NIXL where it loads, else TCP, logging why)."""
-    if name == "tcp":
-        return TcpTransport()
-    if name not in ("nixl", "auto"):
-        raise ValueError(f"unknown KV transfer backend {name!r} (tcp, nixl or auto)")
-    try:
-        from llmserve.distributed.kv_transfer.nixl import NixlTransport
-        return NixlTransport()
-    except Exception as e:  # ImportError, a library that does not load, UCX failing
-        if name == "nixl":
-            raise
-        log.warning("KV transfer: NIXL does not load here (%s: %s); using the TCP "
-                    "transport", type(e).__name__, e)
-        return TcpTransport()

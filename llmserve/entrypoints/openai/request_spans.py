@@ -45,26 +45,44 @@ def request_trace(request: web.Request, model: str) -> RequestTrace | None:
 
 async def traced(outputs: AsyncIterator[RequestOutput], rt: RequestTrace, request_id: str,
                  params: SamplingParams) -> AsyncIterator[RequestOutput]:
-    """One engine request's ``outputs``, passed through; when they end (finished,
-    failed, or closed early by a client that left) the request's spans are made."""
+    """One engine request's ``outputs`` (deltas, or one final output), passed through;
+    when they end (finished, failed, or closed early by a client that left) the
+    request's spans are made."""
     created = time.monotonic()
-    last: RequestOutput | None = None
+    usage = Usage()
     error: BaseException | None = None
     try:
         async with contextlib.aclosing(outputs):  # closing us aborts the request
             async for out in outputs:
-                last = out
+                usage.add(out)
                 yield out
     except BaseException as e:
         error = e
         raise
     finally:
-        record(rt, request_id, params, last, created, error)
+        record(rt, request_id, params, usage, created, error)
 
 
-def record(rt: RequestTrace, request_id: str, params: SamplingParams,
-           last: RequestOutput | None, created: float, error: BaseException | None) -> None:
+class Usage:
+    """What a request's outputs added up to."""
+
+    def __init__(self):
+        self.last: RequestOutput | None = None
+        self.completion_tokens = 0
+        self.finish_reasons: dict[int, str] = {}  # by choice index
+
+    def add(self, out: RequestOutput) -> None:
+        self.last = out
+        for c in out.outputs:
+            self.completion_tokens += len(c.token_ids)
+            if c.finish_reason:
+                self.finish_reasons[c.index] = c.finish_reason
+
+
+def record(rt: RequestTrace, request_id: str, params: SamplingParams, usage: Usage,
+           created: float, error: BaseException | None) -> None:
     end, clock = time.monotonic(), WallClock()
+    last = usage.last
     stamps = last.metrics if last is not None else {}
     arrival = stamps.get("arrival_time") or created  # no output: failed before the queue
     span = rt.tracer.start_span(
@@ -78,7 +96,7 @@ def record(rt: RequestTrace, request_id: str, params: SamplingParams,
             end_time=clock.ns(stop))
     span.set_attributes(latency_attributes(arrival, stamps, end))
     if last is not None:
-        span.set_attributes(usage_attributes(last))
+        span.set_attributes(usage_attributes(last, usage))
     if last is None or not last.finished:  # failed, or cancelled (error None or not)
         set_error(span, error)
     span.end(end_time=clock.ns(end))
@@ -114,10 +132,10 @@ def latency_attributes(arrival: float, stamps: dict, end: float) -> dict:
     return attrs
 
 
-def usage_attributes(out: RequestOutput) -> dict:
-    reasons = [c.finish_reason for c in out.outputs if c.finish_reason]
+def usage_attributes(out: RequestOutput, usage: Usage) -> dict:
+    reasons = [usage.finish_reasons[i] for i in sorted(usage.finish_reasons)]
     attrs = {A.GEN_AI_USAGE_PROMPT_TOKENS: len(out.prompt_token_ids),
-             A.GEN_AI_USAGE_COMPLETION_TOKENS: sum(len(c.token_ids) for c in out.outputs)}
+             A.GEN_AI_USAGE_COMPLETION_TOKENS: usage.completion_tokens}
     if reasons:
         attrs[A.GEN_AI_RESPONSE_FINISH_REASONS] = reasons
     return attrs

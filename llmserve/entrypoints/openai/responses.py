@@ -51,7 +51,11 @@ def with_prompt(tok, parsed: ParsedRequest, chat: bool, choice: dict,
 
 
 def usage(prompt_lens: list[int], outputs: list[CompletionOutput]) -> dict:
-    p, c = sum(prompt_lens), sum(len(o.token_ids) for o in outputs)
+    return usage_counts(prompt_lens, sum(len(o.token_ids) for o in outputs))
+
+
+def usage_counts(prompt_lens: list[int], completion_tokens: int) -> dict:
+    p, c = sum(prompt_lens), completion_tokens
     return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
 

@@ -13,7 +13,7 @@ import uuid
 from aiohttp import web
 
 from llmserve.core.request import Tenancy
-from llmserve.core.sampling_params import GrammarError
+from llmserve.core.sampling_params import GrammarError, RequestOutputKind
 from llmserve.distributed.kv_transfer.params import RemoteDecode
 from llmserve.engine.async_llm import AsyncLLMEngine
 from llmserve.entrypoints.openai.prompt_echo import hide_generated
@@ -88,16 +88,7 @@ async def accept_generation(request: web.Request, parse):
     req, parsed = parse(body)
     parsed.tenant = tenancy_of(request)
     parsed.lora = request["lora"]
-    await prefetch_lora(request.app[ENGINE], parsed.lora)
     return request.app[ENGINE], model, req, parsed
-
-
-async def prefetch_lora(engine: AsyncLLMEngine, lora) -> None:
-    """The request's adapter in host memory, or a 400 naming why it cannot be read."""
-    try:
-        await engine.prefetch_lora(lora)
-    except ValueError as e:  # LoRAError: e.g. its source vanished after it was loaded
-        raise bad_request(str(e), "model") from e
 
 
 async def compile_constraint(engine: AsyncLLMEngine, parsed: ParsedRequest,
@@ -131,15 +122,22 @@ async def respond(request: web.Request, model: str, parsed: ParsedRequest, promp
 
 
 def start_requests(engine: AsyncLLMEngine, prompt_ids: list[list[int]], prompts,
-                   parsed: ParsedRequest, rt: RequestTrace | None = None) -> list:
+                   parsed: ParsedRequest, rt: RequestTrace | None = None,
+                   stream: bool | None = None) -> list:
     """One engine request per prompt, each checked before any is started (a bad second
-    prompt is a 400, not a half-answered request); each traced when ``rt`` is given."""
+    prompt is a 400, not a half-answered request); each traced when ``rt`` is given.
+    Streamed (``stream``, else ``parsed.stream``), the outputs are deltas; else one,
+    when the request finishes."""
     base = uuid.uuid4().hex[:16]
+    stream = parsed.stream if stream is None else stream
+    kind = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
     gens = []
     for i, ids in enumerate(prompt_ids):
         request_id = f"{base}-{i}"
+        params = parsed.params.copy()
+        params.output_kind = kind
         try:
-            gen = engine.generate(ids, parsed.params.copy(), request_id,
+            gen = engine.generate(ids, params, request_id,
                                   prompts[i] if isinstance(prompts[i], str) else None,
                                   parsed.priority, parsed.cache_salt, parsed.tenant,
                                   kv_leg(parsed), parsed.lora)

@@ -47,12 +47,11 @@ from llmserve.entrypoints.openai.serving_engine import (
     check_model,
     compile_constraint,
     interleave,
-    prefetch_lora,
     read_json,
     start_requests,
     tenancy_of,
 )
-from llmserve.entrypoints.openai.streaming import StreamText, fail_as_event
+from llmserve.entrypoints.openai.streaming import fail_as_event
 from llmserve.entrypoints.openai.tool_calls import ToolCallStream, messages_for_template
 
 STORE = web.AppKey("responses_store", ResponseStore)
@@ -72,7 +71,6 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     req = parse_request(body)
     tenant = tenancy_of(request)
     engine = request.app[ENGINE]
-    await prefetch_lora(engine, request["lora"])
     messages = conversation(request.app[STORE], req, tenant)
     tools = function_tools(req)
     with responses_names():
@@ -85,7 +83,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     if req.stream:
         return await stream_answer(request, answer, parsed, outputs, store, tenant, headers)
     final = await last_output(outputs)
-    answer.finish(final, whole_deltas(parsed, final))
+    answer.finish(final.finish_reason, len(final.token_ids), whole_deltas(parsed, final))
     answer.keep(store, tenant)
     return web.json_response(answer.body(), headers=headers)
 
@@ -118,7 +116,8 @@ async def start(engine: AsyncLLMEngine, req: ResponsesRequest, tools: list[Funct
     ids = engine.tokenizer.encode(text, add_special_tokens=False)
     await compile_constraint(engine, parsed, "tools" if choice and choice.constrained
                              else "text")
-    return parsed, len(ids), start_requests(engine, [ids], [text], parsed, rt)
+    return parsed, len(ids), start_requests(engine, [ids], [text], parsed, rt,
+                                            stream=bool(req.stream))
 
 
 async def last_output(outputs) -> CompletionOutput:
@@ -232,13 +231,13 @@ def whole_deltas(parsed: ParsedRequest, c: CompletionOutput) -> list[dict]:
 
 
 def stream_deltas(parsed: ParsedRequest):
-    """A function from each new output to its deltas: content as it comes, tool calls as
-    chat streams them (a named call's arguments as generated, others whole at the end)."""
+    """A function from each output delta to the answer's deltas: content as it comes,
+    tool calls as chat streams them (a named call's arguments as generated, others
+    whole at the end)."""
     if parsed.tools is not None:
         tools = ToolCallStream(parsed.tools)
-        return lambda c: tools.update(c.text, c.finish_reason is not None)
-    text = StreamText(parsed.params.stop, parsed.params.include_stop_str_in_output)
-    return lambda c: [{"content": d}] if (d := text.delta(c)) else []
+        return lambda c: tools.feed(c.text, c.finish_reason is not None)
+    return lambda c: [{"content": c.text}] if c.text else []
 
 
 # --- the answer -----------------------------------------------------------------------------
@@ -254,10 +253,10 @@ class Answer:
         self.status = "in_progress"
         self.output_tokens = 0
 
-    def finish(self, c: CompletionOutput, deltas: list[dict]) -> list[dict]:
+    def finish(self, finish_reason: str, output_tokens: int, deltas: list[dict]) -> list[dict]:
         """The last deltas of the output; returns their events, the items' closing ones."""
-        self.status = "incomplete" if c.finish_reason == "length" else "completed"
-        self.output_tokens = len(c.token_ids)
+        self.status = "incomplete" if finish_reason == "length" else "completed"
+        self.output_tokens = output_tokens
         events = [e for d in deltas for e in self.items.feed(d)]
         return events + self.items.finish(self.status)
 
@@ -298,6 +297,7 @@ async def stream_answer(request: web.Request, answer: Answer, parsed: ParsedRequ
                                        "Cache-Control": "no-cache", **headers})
     deltas = stream_deltas(parsed)
     sink: EventSink | None = None
+    output_tokens = 0
     async with contextlib.aclosing(fail_as_event(outputs)) as events:
         async for i, out in events:
             if sink is None:
@@ -310,10 +310,11 @@ async def stream_answer(request: web.Request, answer: Answer, parsed: ParsedRequ
                 await resp.write_eof()
                 return resp
             c = out.outputs[0]
+            output_tokens += len(c.token_ids)
             if c.finish_reason is None:
                 await sink.send([e for d in deltas(c) for e in answer.items.feed(d)])
             else:
-                await sink.send(answer.finish(c, deltas(c)))
+                await sink.send(answer.finish(c.finish_reason, output_tokens, deltas(c)))
     if sink is None:  # no output at all (not expected): still a well-formed stream
         await resp.prepare(request)
         sink = EventSink(resp)

@@ -208,8 +208,14 @@ class ToolCallStream:
 
     def __init__(self, choice: ToolChoice):
         self.choice = choice
+        self.text = ""  # what ``feed`` was given so far
         self.sent = 0
         self.calls: list[dict] = []
+
+    def feed(self, new_text: str, finished: bool) -> list[dict]:
+        """``update`` with the choice's text so far being what was fed, plus ``new_text``."""
+        self.text += new_text
+        return self.update(self.text, finished)
 
     def update(self, text: str, finished: bool) -> list[dict]:
         if self.choice.mode == "named":

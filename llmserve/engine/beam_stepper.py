@@ -12,6 +12,7 @@ import torch
 
 from llmserve.core.request import Request, Sequence, SequenceStatus
 from llmserve.core.sched.scheduler import Scheduler
+from llmserve.engine.hooks import StepHook
 
 
 @torch.inference_mode()
@@ -30,11 +31,10 @@ def top_candidates(logits: torch.Tensor, seqs: list[Sequence],
 
 
 class BeamStepper:
-    def __init__(self, scheduler: Scheduler, tokenizer, vocab_size: int, kv_check=None):
+    def __init__(self, scheduler: Scheduler, vocab_size: int, hooks: StepHook):
         self.scheduler = scheduler
-        self.tokenizer = tokenizer
         self.vocab_size = vocab_size
-        self.kv_check = kv_check
+        self.hooks = hooks  # a fork is a feature's business (the KV check follows it)
 
     def __call__(self, seqs: list[Sequence], logits: torch.Tensor) -> list[Request]:
         """Offer the due beams' candidates and decide every request whose live beams
@@ -59,8 +59,6 @@ class BeamStepper:
         if search.done:
             for seq in live.values():
                 self.scheduler.finish(seq, SequenceStatus.FINISHED_STOPPED)
-            for h in search.hypotheses:
-                h.text = self.tokenizer.decode(h.token_ids, skip_special_tokens=True)
             return
         parents = {c.parent for c in chosen}
         for key, seq in live.items():
@@ -76,8 +74,8 @@ class BeamStepper:
             if c.parent in used:
                 child = req.fork_beam(seq)
                 self.scheduler.fork_beam(seq, child)
-                if self.kv_check and child.status is SequenceStatus.RUNNING:
-                    self.kv_check.forked(seq, child)
+                if child.status is SequenceStatus.RUNNING:
+                    self.hooks.forked(seq, child)
                 seq = child
             used.add(c.parent)
             picks.append((seq, c))
