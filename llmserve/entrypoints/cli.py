@@ -329,7 +329,8 @@ def cmd_operator(args) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """Every subcommand and its flags (tests/test_cli_flags.py pins the flag sets)."""
     parser = argparse.ArgumentParser(prog="llmserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="offline chat generation, printed to stdout")
@@ -371,7 +372,11 @@ def main(argv: list[str] | None = None) -> int:
                          "signals and decisions) on this port; 0 (default): off")
     op.add_argument("--log-level", default="INFO")
     op.set_defaults(func=cmd_operator)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     try:
         return args.func(args)
     except (ModelLoadError, ValueError) as e:
