@@ -8,7 +8,7 @@ import logging
 import os
 import sys
 import typing
-from dataclasses import Field, fields
+from dataclasses import Field, fields, replace
 
 from llmserve.config import EngineConfig
 from llmserve.errors import EngineDeadError, EngineStartError, ModelLoadError, WorkerDiedError
@@ -253,15 +253,21 @@ def add_up_parser(sub) -> argparse.ArgumentParser:
     return up
 
 
+def up_gateway_config(args, backends: list[str]):
+    """The gateway `up` runs in its own process: its --api-key is a key the gateway
+    accepts, given in the config (not through the environment its engines inherit)."""
+    config = gateway_config(args, backends)
+    return replace(config, api_keys=args.api_key) if args.api_key else config
+
+
 def check_up_args(args) -> None:
     """Refuse what the gateway would refuse, before the engines take their time to start."""
     if args.tenants:
-        from llmserve.gateway.server import ApiKeys, check_tenant_keys
+        from llmserve.gateway.server import ApiKeys, check_tenant_keys, listed_keys
         from llmserve.gateway.tenants import TenantsFile
         TenantsFile(args.tenants)  # TenantsError (a ValueError) names what is wrong
-        # --api-key reaches the gateway as LLMSERVE_API_KEYS (cmd_up).
-        check_tenant_keys(args.tenants, ApiKeys(args.api_key_file, args.api_key or
-                                                os.environ.get("LLMSERVE_API_KEYS")))
+        config = up_gateway_config(args, [])
+        check_tenant_keys(args.tenants, ApiKeys(config.api_key_file, listed_keys(config)))
     if (args.peer or args.peer_service) and not args.tenants:
         raise ValueError("--peer / --peer-service share tenants' limits: give --tenants")
     if args.otlp_traces_endpoint:  # the engines' own refusal would go to /dev/null
@@ -275,18 +281,16 @@ def cmd_up(args) -> int:
     import subprocess
 
     from llmserve.entrypoints.launcher import ServerProcess
-    from llmserve.gateway.server import serve_gateway
+    from llmserve.gateway.server import listed_keys, serve_gateway
     check_up_args(args)
     configure_logging(args.log_level)
     engine_args = ["serve", "--log-level", "WARNING", *engine_argv(args)]
-    if args.api_key:
-        os.environ["LLMSERVE_API_KEYS"] = args.api_key  # the gateway checks keys
     print(f"starting {args.engines} engine(s) with {args.model} ...", flush=True)
     engines = []
     try:
         for _ in range(args.engines):
             engines.append(ServerProcess(engine_args, "127.0.0.1", stdout=subprocess.DEVNULL))
-        config = gateway_config(args, [e.url for e in engines])
+        config = up_gateway_config(args, [e.url for e in engines])
         name = args.served_model_name or args.model
 
         async def main() -> None:
@@ -297,7 +301,7 @@ def cmd_up(args) -> int:
             if task in done:
                 task.result()
             url = f"http://{args.host}:{args.port}"
-            key = os.environ.get("LLMSERVE_API_KEYS", "").split(",")[0]
+            key = (listed_keys(config) or "").split(",")[0]
             auth = f" -H 'Authorization: Bearer {key}'" if key else ""
             print(f"\nllmserve is up: {url}  (model {name!r}, {len(engines)} engine(s): "
                   f"{', '.join(e.url for e in engines)})\n"

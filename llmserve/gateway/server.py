@@ -78,6 +78,9 @@ class GatewayConfig:
     max_kv_usage: float = 0.95
     eject_seconds: float = 10.0
     api_key_file: str | None = None
+    # Keys accepted besides the file's, comma-separated (`up` gives its --api-key here);
+    # None: $LLMSERVE_API_KEYS.
+    api_keys: str | None = None
     upstream_api_key: str | None = None
     max_body_bytes: int = 4 << 20
     drain_timeout: float = 30.0
@@ -119,6 +122,11 @@ class GatewayConfig:
     otlp_traces_endpoint: str | None = None
 
 
+def listed_keys(config: GatewayConfig) -> str | None:
+    """The comma-separated keys a gateway of ``config`` accepts besides its key file's."""
+    return config.api_keys if config.api_keys is not None else os.environ.get("LLMSERVE_API_KEYS")
+
+
 def check_tenant_keys(tenants_file: str | None, keys: ApiKeys) -> None:
     """With a tenants file, its keys are the only ones (each names its tenant): a
     second source of keys would let requests in under no tenant."""
@@ -129,11 +137,11 @@ def check_tenant_keys(tenants_file: str | None, keys: ApiKeys) -> None:
 
 class ApiKeys:
     """Keys from a file (one per line; re-read when it changes, as a mounted Secret
-    does) and from LLMSERVE_API_KEYS (comma-separated). None configured = open."""
+    does) and from a comma-separated list (``listed_keys``). None configured = open."""
 
-    def __init__(self, path: str | None, env: str | None):
+    def __init__(self, path: str | None, listed: str | None):
         self.path = Path(path) if path else None
-        self.env_keys = {k.strip() for k in (env or "").split(",") if k.strip()}
+        self.listed = {k.strip() for k in (listed or "").split(",") if k.strip()}
         self._file_keys: set[str] = set()
         self._mtime = None
 
@@ -144,11 +152,11 @@ class ApiKeys:
                 self._mtime = mtime
                 text = self.path.read_text() if mtime is not None else ""
                 self._file_keys = {k.strip() for k in text.splitlines() if k.strip()}
-        return self.env_keys | self._file_keys
+        return self.listed | self._file_keys
 
     @property
     def enabled(self) -> bool:
-        return self.path is not None or bool(self.env_keys)
+        return self.path is not None or bool(self.listed)
 
     def check(self, header: str) -> bool:
         token = header[7:].strip() if header.startswith("Bearer ") else ""
@@ -171,7 +179,7 @@ class Gateway:
         self.metrics = GatewayMetrics()
         self.disagg = Disaggregation(config, self.metrics)
         self.disagg.pool.probe_headers = probe_headers  # its /v1/models probes, too
-        self.keys = ApiKeys(config.api_key_file, os.environ.get("LLMSERVE_API_KEYS"))
+        self.keys = ApiKeys(config.api_key_file, listed_keys(config))
         check_tenant_keys(config.tenants_file, self.keys)
         self.tenants = None
         if config.tenants_file:
