@@ -20,10 +20,10 @@ prefix-cache hit (``BlockManager.match_prefix``).
 from __future__ import annotations
 
 import logging
-import os
 import uuid
 from dataclasses import dataclass
 
+from llmserve import envs
 from llmserve.core.block_manager import prefix_hashes
 from llmserve.core.request import Request, Sequence, SequenceStatus
 from llmserve.distributed.kv_transfer.leases import LeaseTable
@@ -145,4 +145,4 @@ class KVTransferSide:
 
 def default_host() -> str:
     """The address decode engines reach this engine at: the pod's IP on Kubernetes."""
-    return os.environ.get("POD_IP") or "127.0.0.1"
+    return envs.POD_IP or "127.0.0.1"

@@ -5,11 +5,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import os
 import sys
 import typing
 from dataclasses import Field, fields, replace
 
+from llmserve import envs
 from llmserve.config import EngineConfig
 from llmserve.errors import EngineDeadError, EngineStartError, ModelLoadError, WorkerDiedError
 
@@ -125,7 +125,7 @@ def _generate(llm, args) -> None:
 def add_server_args(p: argparse.ArgumentParser, port: int) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=port)
-    p.add_argument("--api-key", default=os.environ.get("LLMSERVE_API_KEY"),
+    p.add_argument("--api-key", default=envs.LLMSERVE_API_KEY,
                    help="require this Bearer token on /v1 paths (or LLMSERVE_API_KEY)")
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="seconds in-flight requests may take after SIGTERM")
@@ -166,7 +166,7 @@ def add_gateway_args(p: argparse.ArgumentParser, spill_over_flag: str = "--max-w
     g.add_argument("--api-key-file", default=None,
                    help="file with one accepted API key per line (e.g. a mounted Secret); "
                         "LLMSERVE_API_KEYS (comma-separated) adds more")
-    g.add_argument("--upstream-api-key", default=os.environ.get("LLMSERVE_UPSTREAM_API_KEY"))
+    g.add_argument("--upstream-api-key", default=envs.LLMSERVE_UPSTREAM_API_KEY)
     g.add_argument("--no-endpoint-wait", type=float, default=0.0,
                    help="seconds a request waits for an endpoint when none exists "
                         "(scale from zero)")

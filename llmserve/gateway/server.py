@@ -23,7 +23,6 @@ import asyncio
 import hmac
 import json
 import logging
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,6 +33,7 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanKind
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from llmserve import envs
 from llmserve.errors import APIError
 from llmserve.gateway import dashboard
 from llmserve.gateway.admission import INTERNAL_HEADERS, TenantAdmission, Turn
@@ -124,7 +124,7 @@ class GatewayConfig:
 
 def listed_keys(config: GatewayConfig) -> str | None:
     """The comma-separated keys a gateway of ``config`` accepts besides its key file's."""
-    return config.api_keys if config.api_keys is not None else os.environ.get("LLMSERVE_API_KEYS")
+    return config.api_keys if config.api_keys is not None else envs.LLMSERVE_API_KEYS
 
 
 def check_tenant_keys(tenants_file: str | None, keys: ApiKeys) -> None:
