@@ -40,12 +40,18 @@ def environment_reads(path: Path) -> list[str]:
     return found
 
 
-def envs_attributes(path: Path) -> set[str]:
-    """The NAMEs of every ``envs.NAME`` in ``path``."""
+def variables_read(path: Path) -> set[str]:
+    """The NAMEs of every ``envs.NAME`` in ``path``, and of every ``flag(..., env=NAME)``
+    (a flag whose default is that variable's value)."""
     tree = ast.parse(path.read_text())
-    return {node.attr for node in ast.walk(tree)
-            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
-            and node.value.id == "envs"}
+    attributes = {node.attr for node in ast.walk(tree)
+                  if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+                  and node.value.id == "envs"}
+    flag_defaults = {k.value.value for node in ast.walk(tree)
+                     if isinstance(node, ast.Call) and getattr(node.func, "id", "") == "flag"
+                     for k in node.keywords
+                     if k.arg == "env" and isinstance(k.value, ast.Constant)}
+    return attributes | flag_defaults
 
 
 def test_only_envs_reads_the_environment():
@@ -54,7 +60,7 @@ def test_only_envs_reads_the_environment():
 
 
 def test_every_variable_read_is_declared_and_every_declared_one_is_read():
-    read = set().union(*(envs_attributes(path) for path in SOURCES))
+    read = set().union(*(variables_read(path) for path in SOURCES))
     functions = {name for name, value in vars(envs).items() if callable(value)}
     assert read - functions - set(envs.VARIABLES) == set()
     internal = {"LLMSERVE_CACHE", "LLMSERVE_KV_TRANSFER_SECRET"}  # read by envs.py's own
