@@ -10,8 +10,9 @@ and the GPU machine's image has no pydantic.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from llmserve.flags import flag
 from llmserve.platforms.threads import usable_cpu_count
 
 if TYPE_CHECKING:
@@ -29,15 +30,6 @@ _DTYPES = {
 }
 # Weight-only quantisation of the linear layers (model_executor/layers/quantization.py).
 QUANTIZATION_MODES = ("auto", "none", "int8", "int4")
-
-
-def flag(default: Any, help: str = "", *, choices: tuple[str, ...] | None = None,
-         **argparse_extras: Any) -> Any:
-    """A field that is also an engine flag of ``llmserve serve|generate|up``: its help,
-    its choices (checked in ``__post_init__`` too), and what else the flag's help shows
-    (metavar, aliases, group)."""
-    return field(default=default, metadata={"help": help, "choices": choices,
-                                            **argparse_extras})
 
 
 GPU_GROUP = "GPU fast path (CUDA only)"

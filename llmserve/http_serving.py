@@ -21,6 +21,7 @@ from llmserve.errors import APIError
 
 HEADER_TIMEOUT = 30.0
 BODY_TIMEOUT = 30.0
+DRAIN_TIMEOUT = 30.0  # seconds in-flight requests may take after SIGTERM
 
 
 def read_body_middleware(seconds: float):

@@ -10,7 +10,6 @@ traces reads ours.
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Iterator, Mapping, MutableMapping
 from contextlib import contextmanager
@@ -20,6 +19,8 @@ from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.trace import Span, Status, StatusCode, Tracer
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+from llmserve import envs
 
 TRACE_HEADERS = ("traceparent", "tracestate")
 _PROPAGATOR = TraceContextTextMapPropagator()
@@ -66,7 +67,7 @@ class Tracing:
         self.provider = None
         self.tracer: Tracer = trace.NoOpTracer()
         if endpoint:
-            self.provider = _provider(os.environ.get("OTEL_SERVICE_NAME") or service_name,
+            self.provider = _provider(envs.OTEL_SERVICE_NAME or service_name,
                                       traces_url(endpoint))
             self.tracer = self.provider.get_tracer("llmserve")
 

@@ -10,10 +10,14 @@ ROOT = Path(__file__).resolve().parent.parent
 CRD = ROOT / "crds" / "llmdeployments.serving.llmserve.io.yaml"
 
 
-def test_chart_crd_is_the_same_as_crds_dir():
-    chart_crd = ROOT / "charts" / "llmserve" / "crds" / CRD.name
-    assert chart_crd.read_text() == CRD.read_text(), \
-        "charts/llmserve/crds/ must be a copy of crds/ (cp crds/*.yaml charts/llmserve/crds/)"
+def test_the_chart_links_the_one_crd_source():
+    """crds/ holds the CRD's only copy; the chart's crds/ is a link to it, which Helm
+    follows (lint, template, install; `helm package` stores the file itself)."""
+    chart_crds = ROOT / "charts" / "llmserve" / "crds"
+    assert chart_crds.is_symlink() and chart_crds.resolve() == CRD.parent, \
+        "charts/llmserve/crds must be a link to ../../crds, not a copy"
+    chart_crd = chart_crds / CRD.name
+    assert chart_crd.read_text() == CRD.read_text()
 
 
 def test_crd_has_subresources_and_printer_columns():

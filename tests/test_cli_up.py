@@ -211,3 +211,39 @@ def test_overload_flags_reach_the_engine_config():
     config = engine_config(given)
     assert (config.max_waiting, config.max_queue_delay) == (3, 2.5)
     assert engine_config(parse(["--device", "cpu"])).max_waiting is None
+
+
+def test_up_gives_its_api_key_to_the_gateway_not_to_the_environment(monkeypatch, capsys):
+    """`up --api-key K`: the gateway accepts K because its config says so; nothing is
+    written to os.environ, so the engines it starts inherit no key."""
+    import os
+
+    import llmserve.gateway.server as server
+    from llmserve.entrypoints import launcher
+    started, served = [], []
+
+    class Engine:
+        url = "http://127.0.0.1:1"
+
+        def __init__(self, args, host, **kwargs):
+            started.append((args, kwargs.get("env")))
+
+        def stop(self):
+            return 0
+
+    async def gateway(config, host, port, ready=None):
+        served.append(config)
+
+    monkeypatch.setattr(launcher, "ServerProcess", Engine)
+    monkeypatch.setattr(server, "serve_gateway", gateway)
+    monkeypatch.delenv("LLMSERVE_API_KEYS", raising=False)
+    assert main(["up", "--api-key", "sk-up", "--engines", "2"]) == 0
+    assert "LLMSERVE_API_KEYS" not in os.environ
+    [config] = served
+    keys = server.ApiKeys(config.api_key_file, server.listed_keys(config))
+    assert keys.check("Bearer sk-up") and not keys.check("Bearer other")
+    assert len(started) == 2
+    assert all("sk-up" not in args and env is None for args, env in started)
+    assert "Authorization: Bearer sk-up" in capsys.readouterr().out
+    monkeypatch.setenv("LLMSERVE_API_KEYS", "sk-env")  # without --api-key: the environment's
+    assert server.listed_keys(gateway_config(parse_up([]), [])) == "sk-env"

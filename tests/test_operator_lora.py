@@ -240,7 +240,6 @@ def test_crd_declares_adapters_lora_sizes_and_their_status():
         "maxLoras", "maxLoraRank", "maxCpuLoras"}
     item = props["status"]["properties"]["adapters"]["items"]["properties"]
     assert item["state"]["enum"] == ["Loaded", "Loading", "Failed"]
-    assert CRD.read_text() == (ROOT / "charts/llmserve/crds" / CRD.name).read_text()
 
 
 @pytest.mark.parametrize("source,ok", [

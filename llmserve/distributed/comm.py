@@ -5,15 +5,15 @@ call them, the executor starts the group."""
 from __future__ import annotations
 
 import datetime
-import os
 
 import torch
 import torch.distributed as dist
 
+from llmserve import envs
+
 # A collective that does not complete in this long fails (a hung peer). Workers wait
 # for work on their pipe, not in a collective, so an idle engine never times out.
-COLLECTIVE_TIMEOUT = datetime.timedelta(
-    seconds=float(os.environ.get("LLMSERVE_TP_TIMEOUT_S", "600")))
+COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=envs.LLMSERVE_TP_TIMEOUT_S)
 
 
 def tp_size() -> int:

@@ -20,10 +20,10 @@ prefix-cache hit (``BlockManager.match_prefix``).
 from __future__ import annotations
 
 import logging
-import os
 import uuid
 from dataclasses import dataclass
 
+from llmserve import envs
 from llmserve.config import EngineConfig
 from llmserve.core.block_manager import BlockManager, prefix_hashes
 from llmserve.core.request import Request, Sequence, SequenceStatus
@@ -168,4 +168,4 @@ class KVTransferSide(StepHook):
 
 def default_host() -> str:
     """The address decode engines reach this engine at: the pod's IP on Kubernetes."""
-    return os.environ.get("POD_IP") or "127.0.0.1"
+    return envs.POD_IP or "127.0.0.1"

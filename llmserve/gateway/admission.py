@@ -11,7 +11,6 @@ When it ends, its real token usage replaces the estimate it was charged.
 from __future__ import annotations
 
 import json
-import os
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -19,6 +18,7 @@ from dataclasses import dataclass
 from aiohttp import web
 from opentelemetry.trace import NoOpTracer, Tracer
 
+from llmserve import envs
 from llmserve.errors import APIError
 from llmserve.gateway.fairness import FairQueue, Waiter
 from llmserve.gateway.metrics import GatewayMetrics
@@ -124,7 +124,7 @@ class TenantAdmission:
         self.limiter = RateLimiter()
         self.fair = FairQueue(self.file.config.classes_by_urgency, free_slots)
         self.peers = PeerCounters(self.limiter, lambda: self.file.digest, peer_interval,
-                                  own_host=os.environ.get("POD_IP"))
+                                  own_host=envs.POD_IP)
 
     def refresh(self) -> None:
         """Pick up an edited tenants file."""

@@ -23,9 +23,7 @@ import asyncio
 import hmac
 import json
 import logging
-import os
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import aiohttp
@@ -34,9 +32,11 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanKind
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from llmserve import envs
 from llmserve.errors import APIError
 from llmserve.gateway import dashboard
 from llmserve.gateway.admission import INTERNAL_HEADERS, TenantAdmission, Turn
+from llmserve.gateway.config import GatewayConfig
 from llmserve.gateway.disagg import PD_PATHS, Disaggregation, leg2_body, strip_client_params
 from llmserve.gateway.endpoints import EndpointPool
 from llmserve.gateway.metrics import GatewayMetrics, outcome_of
@@ -49,8 +49,6 @@ from llmserve.gateway.routing import Decision, make_policy
 from llmserve.gateway.spans import server_span_middleware
 from llmserve.gateway.upstream_watch import HangWatch, UpstreamHung
 from llmserve.http_serving import (
-    BODY_TIMEOUT,
-    HEADER_TIMEOUT,
     http_error_response,
     read_body_middleware,
     serve_until_signal,
@@ -64,59 +62,9 @@ HOP_HEADERS = {"connection", "keep-alive", "transfer-encoding", "content-length"
                "content-encoding", "authorization", *INTERNAL_HEADERS}
 
 
-@dataclass
-class GatewayConfig:
-    backends: list[str]
-    k8s_service: str | None = None  # "namespace/name"
-    k8s_port_name: str | None = None
-    policy: str = "prefix-hash"
-    load_factor: float = 1.25
-    prefix_chars: int = 100
-    max_attempts: int = 3
-    scrape_interval: float = 2.0
-    max_waiting: float = 16
-    max_kv_usage: float = 0.95
-    eject_seconds: float = 10.0
-    api_key_file: str | None = None
-    upstream_api_key: str | None = None
-    max_body_bytes: int = 4 << 20
-    drain_timeout: float = 30.0
-    # Seconds a request may wait for an endpoint to exist (scale from zero).
-    no_endpoint_wait: float = 0.0
-    # Requests one endpoint may have in flight before the gateway holds more back
-    # (0 = no cap; with tenants, the cap is what makes the class queues matter).
-    # None: with tenants, what each engine reports it runs at once (max_num_seqs,
-    # endpoints.py); without, no cap.
-    max_in_flight: int | None = None
-    tenants_file: str | None = None
-    peers: list[str] | None = None  # other gateway replicas' URLs
-    peer_service: str | None = None  # "namespace/name" of the gateway's headless Service
-    peer_interval: float = 1.0
-    # Slow clients: seconds to send a request head / a request body.
-    header_timeout: float = HEADER_TIMEOUT
-    body_timeout: float = BODY_TIMEOUT
-    # Hung engines: seconds a request waits for the response head / for the next body
-    # chunk before the gateway asks the engine's /health (0 = never). Only an engine
-    # that does not answer is hung (ejected, its requests ended); one that answers is
-    # busy and the request waits on. So these bound how long a hang goes unnoticed,
-    # never how long a request may take: a healthy engine may send no head for minutes
-    # (a long prefill behind a deep queue under load; a non-streamed answer comes whole,
-    # after its last token). 60 s for the head: long enough that even a long prefill
-    # under load rarely costs a probe, and probes should be rare, since a wrong verdict
-    # (a probe unanswered on a starved CPU) ends every request on the engine. 30 s
-    # between chunks: a healthy stream sends a token every fraction of a second even
-    # under load, so half a minute of silence is already suspicious.
-    upstream_first_byte_timeout: float = 60.0
-    upstream_idle_timeout: float = 30.0
-    # Prefill/decode disaggregation (disagg.py): the prefill pool (the backends above
-    # are then the decode pool), the shortest prompt worth a prefill leg, and how long
-    # that leg may take before the decode engine is asked to prefill instead.
-    prefill_backends: list[str] = field(default_factory=list)
-    prefill_k8s_service: str | None = None  # "namespace/name"
-    pd_min_prompt_tokens: int = 256
-    pd_prefill_timeout: float = 60.0
-    # OpenTelemetry (spans.py): where to export spans; None = off (a no-op tracer).
-    otlp_traces_endpoint: str | None = None
+def listed_keys(config: GatewayConfig) -> str | None:
+    """The comma-separated keys a gateway of ``config`` accepts besides its key file's."""
+    return config.api_keys if config.api_keys is not None else envs.LLMSERVE_API_KEYS
 
 
 def check_tenant_keys(tenants_file: str | None, keys: ApiKeys) -> None:
@@ -129,11 +77,11 @@ def check_tenant_keys(tenants_file: str | None, keys: ApiKeys) -> None:
 
 class ApiKeys:
     """Keys from a file (one per line; re-read when it changes, as a mounted Secret
-    does) and from LLMSERVE_API_KEYS (comma-separated). None configured = open."""
+    does) and from a comma-separated list (``listed_keys``). None configured = open."""
 
-    def __init__(self, path: str | None, env: str | None):
+    def __init__(self, path: str | None, listed: str | None):
         self.path = Path(path) if path else None
-        self.env_keys = {k.strip() for k in (env or "").split(",") if k.strip()}
+        self.listed = {k.strip() for k in (listed or "").split(",") if k.strip()}
         self._file_keys: set[str] = set()
         self._mtime = None
 
@@ -144,11 +92,11 @@ class ApiKeys:
                 self._mtime = mtime
                 text = self.path.read_text() if mtime is not None else ""
                 self._file_keys = {k.strip() for k in text.splitlines() if k.strip()}
-        return self.env_keys | self._file_keys
+        return self.listed | self._file_keys
 
     @property
     def enabled(self) -> bool:
-        return self.path is not None or bool(self.env_keys)
+        return self.path is not None or bool(self.listed)
 
     def check(self, header: str) -> bool:
         token = header[7:].strip() if header.startswith("Bearer ") else ""
@@ -171,7 +119,7 @@ class Gateway:
         self.metrics = GatewayMetrics()
         self.disagg = Disaggregation(config, self.metrics)
         self.disagg.pool.probe_headers = probe_headers  # its /v1/models probes, too
-        self.keys = ApiKeys(config.api_key_file, os.environ.get("LLMSERVE_API_KEYS"))
+        self.keys = ApiKeys(config.api_key_file, listed_keys(config))
         check_tenant_keys(config.tenants_file, self.keys)
         self.tenants = None
         if config.tenants_file:

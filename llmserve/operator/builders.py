@@ -9,10 +9,10 @@ calls for (``stale_children``) is pruned by the operator.
 from __future__ import annotations
 
 import hashlib
-import os
 from dataclasses import dataclass, replace
 from types import SimpleNamespace
 
+from llmserve import envs
 from llmserve.distributed.shapes import check_tensor_parallel
 from llmserve.operator import lora, prefill, speculative
 from llmserve.operator.observability import tracing_args
@@ -22,9 +22,9 @@ BUILTIN_MODELS = {"smollm2-135m-instruct"}
 # without reading a checkpoint (tests check them against the converted config).
 BUILTIN_SHAPES = {"smollm2-135m-instruct": {"num_attention_heads": 9, "num_key_value_heads": 3,
                                             "intermediate_size": 1536}}
-DEFAULT_IMAGE = os.environ.get("LLMSERVE_IMAGE", "ghcr.io/llmserve/llmserve:0.1.0")
-DEFAULT_GPU_IMAGE = os.environ.get("LLMSERVE_GPU_IMAGE", "ghcr.io/llmserve/llmserve-cuda:0.1.0")
-DEFAULT_VLLM_IMAGE = os.environ.get("LLMSERVE_VLLM_IMAGE", "vllm/vllm-openai:latest")
+DEFAULT_IMAGE = envs.LLMSERVE_IMAGE
+DEFAULT_GPU_IMAGE = envs.LLMSERVE_GPU_IMAGE
+DEFAULT_VLLM_IMAGE = envs.LLMSERVE_VLLM_IMAGE
 OPERATOR_LABELS = {"app.kubernetes.io/name": "llmserve-operator"}
 MANAGED_BY = {"app.kubernetes.io/managed-by": "llmserve-operator"}
 GATEWAY_PORT = 8080

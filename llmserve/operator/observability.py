@@ -9,7 +9,7 @@ and the gateway take the same flag, so one endpoint follows a request across bot
 
 from __future__ import annotations
 
-import os
+from llmserve import envs
 
 DEFAULT_ENV = "LLMSERVE_OTLP_TRACES_ENDPOINT"
 FLAG = "--otlp-traces-endpoint"
@@ -21,7 +21,7 @@ def traces_endpoint(spec: dict) -> str | None:
     observability = spec.get("observability") or {}
     if "otlpTracesEndpoint" in observability:
         return observability["otlpTracesEndpoint"] or None
-    return os.environ.get(DEFAULT_ENV) or None
+    return envs.LLMSERVE_OTLP_TRACES_ENDPOINT or None
 
 
 def tracing_args(spec: dict) -> list[str]:

@@ -21,10 +21,11 @@ exactly with transformers on any machine; bf16 is tested where a test asks for i
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
+
+from llmserve import envs
 
 # oneDNN ISA names below AVX512_CORE_BF16 (see oneDNN's cpu_isa_t): no native bf16.
 _ONEDNN_WITHOUT_BF16 = ("SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE",
@@ -62,23 +63,23 @@ def cpu_features() -> CpuFeatures:
     caps = torch.cpu.get_capabilities() if hasattr(torch.cpu, "get_capabilities") else {}
     return CpuFeatures(aten_isa=torch.backends.cpu.get_cpu_capability(),
                        amx_bf16=bool(caps.get("amx_bf16"))
-                       and onednn_allows_amx(os.environ.get("ONEDNN_MAX_CPU_ISA")),
+                       and onednn_allows_amx(envs.ONEDNN_MAX_CPU_ISA),
                        avx512_bf16=bool(caps.get("avx512_bf16")),
-                       onednn_max_isa=os.environ.get("ONEDNN_MAX_CPU_ISA"))
+                       onednn_max_isa=envs.ONEDNN_MAX_CPU_ISA)
 
 
 def dtype_from_cpu_features(device: str) -> bool:
     """Whether ``auto_dtype(device)`` is decided by the CPU's features (not by CUDA,
     nor by ``LLMSERVE_CPU_DTYPE``)."""
-    return not device.startswith("cuda") and not os.environ.get("LLMSERVE_CPU_DTYPE")
+    return not device.startswith("cuda") and not envs.LLMSERVE_CPU_DTYPE
 
 
 def auto_dtype(device: str) -> str:
     """``--dtype auto``: bf16 on CUDA and on CPUs with native bf16, else float32."""
     if device.startswith("cuda"):
         return "bfloat16"
-    if os.environ.get("LLMSERVE_CPU_DTYPE"):
-        return os.environ["LLMSERVE_CPU_DTYPE"]
+    if envs.LLMSERVE_CPU_DTYPE:
+        return envs.LLMSERVE_CPU_DTYPE
     if cpu_features().native_bf16:
         return "bfloat16"
     return "float32"

@@ -28,6 +28,8 @@ import logging
 import os
 import re
 
+from llmserve import envs
+
 log = logging.getLogger(__name__)
 
 
@@ -150,7 +152,7 @@ HUGE_PAGE = 2 << 20
 def huge_pages_wanted() -> bool:
     """Whether the CPU weights go on huge pages (``LLMSERVE_CPU_HUGE_PAGES=0``: kept on 4
     KB pages, to measure against)."""
-    return os.environ.get("LLMSERVE_CPU_HUGE_PAGES", "1") != "0"
+    return envs.LLMSERVE_CPU_HUGE_PAGES
 
 
 def advise_huge_pages(start: int, length: int, collapse: bool) -> bool:

@@ -34,6 +34,7 @@ from collections import OrderedDict
 import numpy as np
 import torch
 
+from llmserve import envs
 from llmserve.distributed.kv_transfer.side_channel import recv_message, send_message
 from llmserve.distributed.kv_transfer.transport import (
     KVTransferError,
@@ -77,7 +78,7 @@ class NixlTransport(KVTransport):
         if "UCX" not in self.agent.get_plugin_list():
             raise ImportError("NIXL loads but has no UCX plugin")
         params = {}
-        if _shared_memory_only(os.environ.get("UCX_TLS", "")):
+        if _shared_memory_only(envs.UCX_TLS):
             # UCX's shared-memory transports cannot do peer error handling: the backend
             # fails to start ("no peer failure handler") unless it is off.
             params["ucx_error_handling_mode"] = "none"

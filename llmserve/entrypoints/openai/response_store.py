@@ -16,10 +16,11 @@ LLMSERVE_RESPONSES_STORE_MAX_CHARS (default 64 Mi).
 from __future__ import annotations
 
 import json
-import os
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
+
+from llmserve import envs
 
 
 @dataclass
@@ -40,10 +41,8 @@ class ResponseStore:
 
     @classmethod
     def from_env(cls) -> ResponseStore:
-        env = os.environ
-        return cls(int(env.get("LLMSERVE_RESPONSES_STORE_MAX", "1024")),
-                   float(env.get("LLMSERVE_RESPONSES_STORE_TTL_S", "3600")),
-                   int(env.get("LLMSERVE_RESPONSES_STORE_MAX_CHARS", str(64 << 20))))
+        return cls(envs.LLMSERVE_RESPONSES_STORE_MAX, envs.LLMSERVE_RESPONSES_STORE_TTL_S,
+                   envs.LLMSERVE_RESPONSES_STORE_MAX_CHARS)
 
     def __len__(self) -> int:
         return len(self._entries)

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import os
 
 import torch
 
+from llmserve import envs
 from llmserve.kernels.cpu.native import decode_kernel, panel_int8_block_n
 
 LINEAR_INT4, LINEAR_BF16 = 0, 1  # kernels.h: a projection's format
@@ -84,7 +84,7 @@ def int8_activations() -> bool:
     faster for; and AVX2) and ATen packs int4 in the column blocks it reads (64 and 32:
     an AVX-512 build under a forced AVX2 ATen does not match, and the products keep
     their other routes), unless ``LLMSERVE_CPU_INT8_ACTIVATIONS=0``."""
-    return (os.environ.get("LLMSERVE_CPU_INT8_ACTIVATIONS", "1") != "0"
+    return (envs.LLMSERVE_CPU_INT8_ACTIVATIONS
             and panel_int8_block_n() > 0 and int4_pack_block_n() == panel_int8_block_n())
 
 

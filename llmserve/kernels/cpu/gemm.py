@@ -7,10 +7,10 @@ layers that use them are ``model_executor/layers/cpu_linear.py``.
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
+from llmserve import envs
 from llmserve.kernels.cpu.decoder import int4_pack_block_n, int8_activations
 from llmserve.kernels.cpu.native import decode_kernel, panel_gemms_built
 from llmserve.platforms.cpu import cpu_features
@@ -93,7 +93,7 @@ def native_gemm_available() -> bool:
 
 
 def forced_backend() -> str:
-    forced = os.environ.get("LLMSERVE_BF16_GEMM", "auto")
+    forced = envs.LLMSERVE_BF16_GEMM
     if forced not in ("auto", "native", "onednn"):
         raise ValueError(f"LLMSERVE_BF16_GEMM={forced!r}: one of auto, native, onednn")
     return forced

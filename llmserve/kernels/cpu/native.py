@@ -43,6 +43,7 @@ from pathlib import Path
 
 import torch
 
+from llmserve import envs
 from llmserve.envs import cache_root
 from llmserve.platforms.cpu import onednn_allows_amx
 
@@ -110,15 +111,15 @@ def _bind(lib: ctypes.CDLL) -> None:
 
 
 def _march() -> list[str]:
-    if os.environ.get("LLMSERVE_CPU_MARCH"):  # tests: another CPU kind this one can run
-        return [f"-march={os.environ['LLMSERVE_CPU_MARCH']}"]  # (icelake-server on an AMX Xeon)
-    isa = os.environ.get("ATEN_CPU_CAPABILITY", "").lower()
+    if envs.LLMSERVE_CPU_MARCH:  # tests: another CPU kind this one can run
+        return [f"-march={envs.LLMSERVE_CPU_MARCH}"]  # (icelake-server on an AMX Xeon)
+    isa = envs.ATEN_CPU_CAPABILITY.lower()
     if isa == "avx2":
         return ["-march=haswell"]  # AVX2 + FMA, what torch's AVX2 kernels assume
     if isa == "default" or platform.machine() not in ("x86_64", "AMD64"):
         return []  # the compiler's baseline for the architecture
     if "amx_tile" in _cpu_signature().split() and not onednn_allows_amx(
-            os.environ.get("ONEDNN_MAX_CPU_ISA")):  # an AMX Xeon acting as a Zen 4
+            envs.ONEDNN_MAX_CPU_ISA):  # an AMX Xeon acting as a Zen 4
         return ["-march=native", "-mno-amx-tile", "-mno-amx-bf16", "-mno-amx-int8"]
     return ["-march=native"]
 
@@ -228,9 +229,9 @@ def q8_rows_int8_built() -> bool:
 def decode_kernel():
     """The compiled library, its entry points typed (SIGNATURES), or None (the torch
     path is used)."""
-    if os.environ.get("LLMSERVE_CPU_KERNELS", "native") == "torch":
+    if envs.LLMSERVE_CPU_KERNELS == "torch":
         return None
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    cc = envs.CC or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         log.warning("no C compiler found: CPU decode attention uses the slower torch path")
         return None

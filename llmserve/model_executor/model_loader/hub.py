@@ -25,6 +25,7 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from llmserve import envs
 from llmserve.errors import ModelLoadError
 from llmserve.model_executor.model_loader.weights import INDEX_FILE, indexed_shards
 
@@ -78,34 +79,33 @@ def settings() -> HubSettings:
     """huggingface_hub's settings, from the environment as it is now (huggingface_hub
     itself reads most of them once, at import)."""
     from huggingface_hub import constants
-    env = os.environ
 
     def path(value: str) -> str:
         return os.path.expandvars(os.path.expanduser(value))
 
     # The precedence of huggingface_hub.constants: HF_HUB_CACHE, the legacy
     # HUGGINGFACE_HUB_CACHE, HF_HOME/hub, XDG_CACHE_HOME/huggingface/hub.
-    if env.get("HF_HUB_CACHE"):
-        cache = path(env["HF_HUB_CACHE"])
-    elif env.get("HUGGINGFACE_HUB_CACHE"):
-        cache = path(env["HUGGINGFACE_HUB_CACHE"])
-    elif env.get("HF_HOME"):
-        cache = os.path.join(path(env["HF_HOME"]), "hub")
-    elif env.get("XDG_CACHE_HOME"):
-        cache = os.path.join(path(env["XDG_CACHE_HOME"]), "huggingface", "hub")
+    if envs.HF_HUB_CACHE:
+        cache = path(envs.HF_HUB_CACHE)
+    elif envs.HUGGINGFACE_HUB_CACHE:
+        cache = path(envs.HUGGINGFACE_HUB_CACHE)
+    elif envs.HF_HOME:
+        cache = os.path.join(path(envs.HF_HOME), "hub")
+    elif envs.XDG_CACHE_HOME:
+        cache = os.path.join(path(envs.XDG_CACHE_HOME), "huggingface", "hub")
     else:
         cache = constants.HF_HUB_CACHE
-    offline_env = env.get("HF_HUB_OFFLINE") or env.get("TRANSFORMERS_OFFLINE")
+    offline_env = envs.HF_HUB_OFFLINE or envs.TRANSFORMERS_OFFLINE
     # Offline if either says so: huggingface_hub refuses to connect when its
     # import-time constant is set, whatever we pass.
     offline = (offline_env or "").upper() in _TRUE or bool(constants.HF_HUB_OFFLINE)
-    token = (env.get("HF_TOKEN") or env.get("HUGGING_FACE_HUB_TOKEN") or "").strip() or None
+    token = (envs.HF_TOKEN or envs.HUGGING_FACE_HUB_TOKEN or "").strip() or None
     default_timeout = getattr(constants, "HF_HUB_ETAG_TIMEOUT", 10)
     try:
-        etag_timeout = float(env.get("HF_HUB_ETAG_TIMEOUT") or default_timeout)
+        etag_timeout = float(envs.HF_HUB_ETAG_TIMEOUT or default_timeout)
     except ValueError:
         etag_timeout = float(default_timeout)
-    endpoint = (env.get("HF_ENDPOINT") or constants.ENDPOINT).rstrip("/")
+    endpoint = (envs.HF_ENDPOINT or constants.ENDPOINT).rstrip("/")
     return HubSettings(cache, endpoint, token, offline, etag_timeout)
 
 
