@@ -89,7 +89,7 @@ def step_section(batches: list[int], context: int, steps: int, quantization: str
     for batch in batches:
         # Unmeasured: the first run of a batch's prompts prefills them over many steps,
         # and those prefilled first finish (steps + 8 tokens) before the timed steps,
-        # which then have fewer rows (11 of 64 seen). Later runs find them cached.
+        # which then have fewer rows. Later runs find them cached.
         step_time(engine, batch, context, 2)
         times = {}
         for label, decoder in (("ops", None), ("c", native), ("ops2", None), ("c2", native)):

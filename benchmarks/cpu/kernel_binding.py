@@ -1,5 +1,5 @@
 """What binding the C kernels costs per call: today's ctypes call against the same
-kernel registered as a torch op (issue 25: custom ops "if measured no slower").
+kernel registered as a torch op (the custom ops the kernels would move to if no slower).
 
 One cheap entry point (``silu_and_mul_bf16`` on one row of 2 x 16 bf16 values: the
 kernel itself is tens of ns) called through
@@ -19,9 +19,6 @@ kernel itself is tens of ns) called through
 
 Printed: us per call (best of several repetitions) and the ratio to the ctypes
 wrapper (> 1: slower than today). Machines here are shared and noisy: compare ratios.
-One run on a shared 2-core Xeon VM with AMX (us/call, ratio): ctypes raw 1.28 (0.28x),
-ctypes wrapper 4.51 (1x), custom_op 13.65 (3.03x), Library.impl 7.28 (1.62x), C++ op
-3.16 (0.70x), aten.silu 3.47 (0.77x).
 
     python benchmarks/cpu/kernel_binding.py
     python benchmarks/cpu/kernel_binding.py --cpp

@@ -1,5 +1,5 @@
 """A mixture-of-experts model's CPU decode speed against a dense model of equal active
-parameters, in one run (issue 31).
+parameters, in one run.
 
 Two random checkpoints of the same attention and depth, written on the spot:
 

@@ -7,15 +7,14 @@ Each round measures, in turn (machines here are noisy: the ratio is what counts)
 1. a STREAM-like read probe: torch's float32 sum over a 512 MB array on the engine's
    threads (read-only, as weight streaming is), best of 5, on 4 KB pages and on 2 MB
    pages (where Linux gives them: the engine's weights are on them,
-   ``worker/weight_arena.py``); the limit is the faster of the two (on the AMX Xeon
-   huge pages read 29 GB/s against 21);
+   ``worker/weight_arena.py``); the limit is the faster of the two;
 2. the engine's decode step at batch 1, context ``--context`` (default config: on a
    bf16 CPU the built-in model serves int4 with an int8 LM head), mean of ``--steps``.
 
 The bytes a step reads are counted from the model: every tensor of the decoder layers
 and the LM head, one row of the embedding, and the context's KV. Prints the floor
 (bytes / bandwidth), the step and the fraction of the limit reached, median over the
-rounds (issue 30's target: at least 50 %).
+rounds (the target: at least 50 %).
 
     .venv/bin/python benchmarks/cpu/stream_limit.py
     .venv/bin/python benchmarks/cpu/stream_limit.py --rounds 5 --context 500

@@ -1,5 +1,5 @@
-"""The sampler's decode step (issue 27) against the path it replaced, both measured in
-the same run (machines here are noisy and shared: compare ratios, not absolute times).
+"""The sampler's decode step against the path it replaced, both measured in the same
+run (machines here are noisy and shared: compare ratios, not absolute times).
 
 New: top-k/top-p over a topk of CANDIDATES tokens (a full sort only for rows whose kept
 set may reach past them), seeded rows drawn by a counter-based hash on the logits'
@@ -50,7 +50,7 @@ def make_seqs(batch: int, seeded: bool, top_k_rows: bool = True):
 
 
 class ReferenceSampler:
-    """The sampling part of the sampler before issue 27, for sampled rows without
+    """The sampling part of the sampler before its candidate pass, for sampled rows without
     penalties, logprobs or controls (what the cases exercise)."""
 
     def __init__(self, seqs):

@@ -3,7 +3,7 @@
 1. Decode attention (bf16) over a sweep of batch sizes and context lengths:
    achieved bytes/s against the HBM roofline, and time against PyTorch SDPA on the
    same K/V laid out contiguously (the ratio is printed).
-   Then issue 27's comparison at batch 1/32/128 x 2k and 1/32 x 8k (Llama-3-8B's
+   Then the split rule's comparison at batch 1/32/128 x 2k and 1/32 x 8k (Llama-3-8B's
    attention shape): the split-KV rule before (``legacy``: no split at >= 128
    sequences x KV heads) and now (``occupancy``: enough programs for the SMs), each
    with the 16-row decode tile of before (``padded``) and the group-sized one (``fit``).
@@ -137,7 +137,7 @@ def decode_sweep(args, device, dtype) -> list[dict]:
     return rows
 
 
-# Issue 27: (split rule, decode tile) before and after, and each change alone.
+# (split rule, decode tile) before and after the occupancy rule, and each change alone.
 DECODE_VARIANTS = (("legacy", "padded"), ("occupancy", "padded"), ("legacy", "fit"),
                    ("occupancy", "fit"))
 DECODE_RULE_SHAPES = ((1, 2048), (32, 2048), (128, 2048), (1, 8192), (32, 8192))
@@ -222,7 +222,7 @@ def correctness(device, dtype) -> list[dict]:
     all_heads = ((4, 4), (8, 2), (6, 1), (9, 3))
     cases = {"mixed": ([(1, 1328), (5, 18), (129, 463)], all_heads, (None,)),
              "decode": ([(1, 523), (1, 37), (1, 2011)], all_heads, (None, 4)),
-             # issue #18: default splits for one 576-token decode of Llama-3-8B's shape
+             # default splits for one 576-token decode of Llama-3-8B's shape
              "decode576": ([(1, 576)], ((32, 8),), (None,))}
     for name, (shapes, head_configs, split_options) in cases.items():
         for heads in head_configs:

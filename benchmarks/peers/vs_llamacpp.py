@@ -240,8 +240,8 @@ def llama_server_spec(binary: Path, gguf: Path, threads: int, slots: int,
            # Unified: one KV pool shared by all slots (like llmserve's paged cache), and
            # llama.cpp's default when -np is not given. Per-slot KV streams make it split
            # each batch into equal per-sequence pieces, so a prompt arriving while 31
-           # streams decode is prefilled about one token per step (measured: ~40 tokens/s
-           # at 32 streams, slower than one stream).
+           # streams decode is prefilled about one token per step (slower at 32 streams
+           # than at one).
            "--kv-unified" if kv_unified else "--no-kv-unified", *extra_args]
     return ServerSpec("llama.cpp", cmd, port, ctx, {"gguf": gguf.name, "kv_unified": kv_unified,
                                                     "ctx_per_slot": ctx_per_slot,
@@ -568,7 +568,7 @@ def measure_workload(proc: subprocess.Popen, url: str, model: str, w: dict,
     """Run one workload; if other processes took more than CONTENDED of the cores
     meanwhile, wait for quiet and run it again (up to ``retries`` times), keeping the
     least contended attempt. Both servers synchronise threads every step, so a busy
-    neighbour slows them far more than its share (measured: 4x for 41 %)."""
+    neighbour slows them far more than its share."""
     best = None
     for attempt in range(1 + retries):
         if wait_quiet > 0:
@@ -757,7 +757,7 @@ WORKLOAD_NUMBERS = ("output_tokens_per_s", "ttft_ms_mean", "itl_ms_mean")
 def median_servers(rounds: list[dict[str, dict]]) -> dict[str, dict]:
     """Each server's first-round report with the table's numbers replaced by their
     medians over the rounds (a server's numbers vary by a few % from one start to the
-    next; llama.cpp's 32-stream throughput by up to 6 % on the AMX host), and every
+    next, llama.cpp's 32-stream throughput most), and every
     round's warnings. The other fields (CPU shares, counts) are the first round's; each
     round's whole report stays in the JSON's "rounds"."""
     out = {}

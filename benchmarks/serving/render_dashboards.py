@@ -1,4 +1,4 @@
-"""The chart's Grafana dashboards rendered with data, without Grafana (issue 34).
+"""The chart's Grafana dashboards rendered with data, without Grafana.
 
 Starts ``llmserve up`` (the built-in model, two engines, a tenants file) and a real
 Prometheus (built from the Go module proxy by e2e/controlplane/build_prometheus.sh)

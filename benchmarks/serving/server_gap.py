@@ -6,8 +6,8 @@ whatever else takes a core (the server's HTTP thread, the benchmark's client, th
 host's daemons) stops one of them, and the other then waits for it at the product's
 barrier. This runs ``vs_llamacpp.py``'s 32-stream workload (the same prompts, tokenized
 as the server does, and output lengths) in-process, alternately alone and beside a
-process that takes ``--steal`` of one core in 10 ms periods (the server's HTTP thread,
-client and host together took ~5 % of a core in that run), and prints the throughput
+process that takes ``--steal`` of one core in 10 ms periods (about what the server's
+HTTP thread, the client and the host take together), and prints the throughput
 of each, the loss, and the loss per share of the machine's CPU time taken.
 
     python benchmarks/serving/server_gap.py [--steal 0.06] [--rounds 2]
