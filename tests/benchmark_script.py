@@ -1,4 +1,4 @@
-"""A ``benchmarks/`` script imported by its path (``benchmarks/`` is not a package), for
+"""A ``benchmarks/`` script imported by its path (``name``: "serving/disaggregation"), for
 tests of its pure functions: under a module name of its own, registered while in use
 (dataclasses look their module up) and removed after."""
 
@@ -14,7 +14,8 @@ BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 @contextlib.contextmanager
 def benchmark_script(name: str):
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCHMARKS / f"{name}.py")
+    module = "bench_" + name.replace("/", "_")
+    spec = importlib.util.spec_from_file_location(module, BENCHMARKS / f"{name}.py")
     mod = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = mod
     try:

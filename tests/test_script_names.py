@@ -13,15 +13,18 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+# benchmarks/ holds its scripts in one folder per topic
+FOLDERS = ("tests", "e2e", *sorted(f"benchmarks/{p.name}" for p in (ROOT / "benchmarks").iterdir()
+                                   if p.is_dir()))
 
 
 def script_names() -> list[str]:
-    return sorted(p.stem for folder in ("benchmarks", "tests", "e2e")
+    return sorted(p.stem for folder in FOLDERS
                   for p in (ROOT / folder).glob("*.py") if p.stem != "__init__")
 
 
 def test_no_script_shadows_an_installed_module():
-    ours = {str(ROOT / folder) for folder in ("benchmarks", "tests", "e2e")} | {"", str(ROOT)}
+    ours = {str(ROOT / folder) for folder in FOLDERS} | {"", str(ROOT)}
     path = [p for p in sys.path if p not in ours]
     names = script_names()
     assert "vs_llamacpp" in names  # the glob found the scripts

@@ -1,9 +1,9 @@
-"""A short soak (benchmarks/soak.py) in CI: nothing lost among clients that stayed,
+"""A short soak (benchmarks/serving/soak.py) in CI: nothing lost among clients that stayed,
 nothing leaked on any engine after clients walked away at random points."""
 
 from __future__ import annotations
 
-from benchmarks.soak import soak
+from benchmarks.serving.soak import soak
 from llmserve.entrypoints.launcher import ServerProcess
 from tests.server_proc import ServerProcess as EngineProcess
 from tests.test_gateway import start_gateway

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Build Prometheus (the server, no web UI assets: only its HTTP API is used) from
-# the Go module proxy, pinned, for benchmarks/render_dashboards.py. Output:
+# the Go module proxy, pinned, for benchmarks/serving/render_dashboards.py. Output:
 # $BIN_DIR/prometheus. The Go caches make a rebuild quick; a cold build takes
 # several minutes on 2 cores.
 set -euo pipefail

@@ -1,0 +1,1 @@
+"""The engine in-process, feature by feature (see benchmarks/README.md)."""

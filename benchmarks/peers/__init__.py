@@ -1,0 +1,1 @@
+"""llmserve against other systems: llama.cpp, lm-evaluation-harness (see benchmarks/README.md)."""

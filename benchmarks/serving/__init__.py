@@ -1,0 +1,1 @@
+"""Through real serve / gateway / up processes over HTTP (see benchmarks/README.md)."""
