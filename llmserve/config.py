@@ -392,7 +392,7 @@ class EngineConfig:
             self.kv_role)
         self.use_cuda_graphs = self.cuda_graphs_off_because is None
 
-    def __setattr__(self, name: str, value: Any) -> None:
+    def __setattr__(self, name: str, value: object) -> None:
         if self.__dict__.get("_frozen"):
             raise AttributeError(f"this EngineConfig is resolved and frozen ({name} cannot "
                                  f"change); dataclasses.replace makes a new one")

@@ -21,7 +21,7 @@ from tests.differential import (
     with_stop_strings,
 )
 
-# benchmarks/fuzz_sensitivity.py: every injected bug the harness reaches is caught by
+# benchmarks/engine/fuzz_sensitivity.py: every injected bug the harness reaches is caught by
 # workload 27 on this seed, the prefix hash's by 69 (docs/architecture.md).
 NUM_WORKLOADS = int(os.environ.get("LLMSERVE_FUZZ_WORKLOADS", "80"))
 

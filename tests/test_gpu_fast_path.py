@@ -2,7 +2,7 @@
 sizing), checked on CPU as far as a CPU can: the Triton kernels run under
 TRITON_INTERPRET=1 (see conftest), the graphs run their static padded path without
 capture, and the staging buffer is not pinned. Speed and the capture itself wait for
-a GPU run (benchmarks/gpu_check.sh)."""
+a GPU run (benchmarks/gpu/gpu_check.sh)."""
 
 from __future__ import annotations
 

@@ -30,7 +30,7 @@ DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 # --- the references (the sampler's code before issue 27) ------------------------------------
 def reference_filtered_probs(logits, top_k, top_p, min_p):
     """Softmax after top-k, top-p and min-p by one sort of the whole vocabulary (also
-    the baseline of benchmarks/sampler.py, hence the devices)."""
+    the baseline of benchmarks/engine/sampler.py, hence the devices)."""
     dev = logits.device
     if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
         sorted_logits, order = logits.sort(dim=-1, descending=True)

@@ -28,7 +28,7 @@ def test_long_prompt_is_chunked_while_decodes_continue():
 
 def test_a_step_refuses_a_sequence_with_no_tokens_to_compute():
     """A scheduler bug that put a sequence in a step with 0 tokens reached the CPU
-    kernels as an empty query (heap corruption, found by benchmarks/fuzz_sensitivity.py);
+    kernels as an empty query (heap corruption, found by benchmarks/engine/fuzz_sensitivity.py);
     the batch names it instead, and stays as it was."""
     sched = make_scheduler(num_blocks=16, block_size=4)
     seq = add(sched, make_request(prompt_len=3, max_tokens=2)).sequences[0]

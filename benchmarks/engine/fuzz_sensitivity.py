@@ -37,10 +37,10 @@ import llmserve.model_executor.layers.sampler as sampler_mod
 from llmserve.config import EngineConfig
 from llmserve.core.block_manager import NO_HASH, BlockManager
 from llmserve.core.request import Sequence, SequenceStatus
+from llmserve.core.sched.async_scheduler import AsyncScheduler
 from llmserve.core.sched.scheduler import Scheduler
 from llmserve.engine.detokenizer import Detokenizer
 from llmserve.engine.llm_engine import LLMEngine
-from llmserve.engine.overlap import OverlappedSteps
 from llmserve.model_executor.model_loader.sources import resolve_model
 from tests import differential as diff
 from tests.conftest import BUILTIN, write_tiny_checkpoint  # (sets the CPU dtype)
@@ -155,7 +155,7 @@ def seed_restarts_on_preemption(mp):
 def stop_string_window(mp):
     """Stop-string search window off by one: a match ending on the first new character is
     missed (the same alone as in a batch: the run-alone oracle cannot see it)."""
-    def _check_stop_strings(self, seq, old_len):
+    def _check_stop_strings(seq, old_len):
         text, stops = seq.text, seq.params.stop
         right = max(0, old_len - max(len(s) for s in stops) + 1)
         for stop in stops:
@@ -165,9 +165,9 @@ def stop_string_window(mp):
             if at >= 0:
                 seq.text = text[:at + len(stop) if seq.params.include_stop_str_in_output else at]
                 seq.stop_reason = stop
-                return True
-        return False
-    mp.setattr(Detokenizer, "_check_stop_strings", _check_stop_strings)
+                return stop
+        return None
+    mp.setattr(Detokenizer, "_check_stop_strings", staticmethod(_check_stop_strings))
 
 
 def abort_leaks_swap(mp):
@@ -212,10 +212,9 @@ def prefix_match_takes_all(mp):
 def abort_keeps_placeholder(mp):
     """Async scheduling: aborting a request with a token in flight keeps its placeholder
     as an output token (reachable in the async harness only)."""
-    def drop_pending(self, seq):
-        if self.inflight is not None and seq.seq_id in self.inflight.placed:
-            hit()
-    mp.setattr(OverlappedSteps, "drop_pending", drop_pending)
+    def drop_place(seq):  # called only for a sequence holding one
+        hit()
+    mp.setattr(AsyncScheduler, "drop_place", staticmethod(drop_place))
 
 
 MUTANTS = {f.__name__: f for f in (

@@ -58,7 +58,7 @@ def _nbytes(t: torch.Tensor) -> int:
 def huge_page_block(nbytes: int) -> tuple[torch.Tensor, bool]:
     """A uint8 tensor of ``nbytes`` starting on a 2 MB boundary, its memory asked onto
     huge pages before anything touches it (and whether Linux took the advice). Also
-    ``benchmarks/stream_limit.py``'s read probe: the bandwidth the weights can have."""
+    ``benchmarks/cpu/stream_limit.py``'s read probe: the bandwidth the weights can have."""
     raw = torch.empty(nbytes + 2 * HUGE_PAGE, dtype=torch.uint8)
     skip = -raw.data_ptr() % HUGE_PAGE
     span = -(-nbytes // HUGE_PAGE) * HUGE_PAGE  # whole pages, within raw's slack

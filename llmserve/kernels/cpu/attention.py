@@ -6,7 +6,7 @@ A step's ``CPUAttentionPlan`` is built once and read by every layer:
 - Decodes (one new token each) run together in the compiled C kernel
   (``decode.c`` via ``native.py``) when the plan is ``native``: straight from
   the paged cache, each KV block read once for its GQA group, 8-35x faster than the
-  torch path below (batches of 1-64, ``benchmarks/cpu_attention.py``). Otherwise (no C
+  torch path below (batches of 1-64, ``benchmarks/cpu/cpu_attention.py``). Otherwise (no C
   compiler, fp16, ``LLMSERVE_CPU_KERNELS=torch``) they run together in torch: Their
   block ids, padded to the longest context, are gathered with one ``index_select``
   per layer (K and V rows together, from the layer's contiguous cache viewed as one

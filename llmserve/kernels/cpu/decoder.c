@@ -291,7 +291,7 @@ static void q4_chunks(const stack_linear *lin, int BN, int M, const float *xf, c
  * the rows, where q4_pass dequantises it again for each tile of TILE rows. A panel is
  * one half of a block of Q4_PANEL_BN (2 PANEL_COLS) columns, ATen's block on the ISA
  * panel.h is built for: its low nibbles (the block's first PANEL_COLS columns) or its
- * high ones. Ice Lake Xeon, 2 threads (benchmarks/cpu_decoder.py): 1.2x the tiles at
+ * high ones. Ice Lake Xeon, 2 threads (benchmarks/cpu/cpu_decoder.py): 1.2x the tiles at
  * 16-24 rows, 1.2-1.6x at 32; the decode step of 32 sequences ~1.1x. */
 #define Q4_PANEL_ROWS 16
 #define Q4_PANEL_BN (2 * PANEL_COLS)
@@ -422,7 +422,7 @@ static int q4_matmul_panels(int num_threads, const stack_linear *lin, const floa
 /* The weight streams from memory once a step, and a decode step's few rows leave too
  * little work per byte for the hardware prefetchers to hide it (the int4 products of
  * the built-in model's 30 layers at 21 rows: 21.9 ms, 17.0 with the weight in the
- * caches; AVX2 build; benchmarks/cold_weights.py). So the panels ask for what they read
+ * caches; AVX2 build; benchmarks/cpu/cold_weights.py). So the panels ask for what they read
  * next:
  *  - block b + 1's rows [k0, k1) while block b's second panel (its high nibbles, whose
  *    bytes the first panel brought in) reads the same rows;

@@ -221,7 +221,7 @@ static inline __m512 q4_row(const uint8_t *bytes, __m128i shift, __m512 scale,
  * 16.7-18.5 ms against 14.3-14.4 and 15.6-16.2. A decode step's few rows leave the
  * weight's stream from memory exposed otherwise (30 layers at 21 rows through AMX
  * tiles: 19.9-20.4 ms, 13.3-13.7 with the weight in the caches;
- * benchmarks/cold_weights.py), and the scale lines, K / 32 runs n * 4 bytes apart, no
+ * benchmarks/cpu/cold_weights.py), and the scale lines, K / 32 runs n * 4 bytes apart, no
  * prefetcher follows. */
 static void q4_panel(const uint8_t *qweight, const uint16_t *scale_zero, int64_t n,
                      int64_t k, int64_t j, int ahead, uint16_t *out) {

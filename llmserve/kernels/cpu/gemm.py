@@ -106,7 +106,7 @@ def gemm_backend() -> str:
     ``gemm.c``'s VDPBF16PS tiles lose to oneDNN's AMX kernels past a few rows.
     ``LLMSERVE_BF16_GEMM`` forces one ("native" only where the kernel is built).
     Measured on the Sapphire Rapids Xeon, all the built-in model's projections for
-    one step, ``gemm.c`` over oneDNN (``benchmarks/cpu_linear.py``): 1.54x at 1 row
+    one step, ``gemm.c`` over oneDNN (``benchmarks/cpu/cpu_linear.py``): 1.54x at 1 row
     (VDPBF16PS), with AMX 1.36x at 8, 1.37x at 32, even at 64 and 128."""
     forced = forced_backend()
     if forced == "onednn" or not native_gemm_available():
@@ -139,7 +139,7 @@ def quant_tiled_min_rows(int8_x: bool | None = None) -> int | None:
     panels take them all, 2.6-3.2x faster than quant_gemm's VDPBF16PS for int4, 2.3-4.4x
     for the LM head). Fewer rows stay on ATen's kernels, which read the packed bytes.
     Crossovers over
-    ATen measured with benchmarks/cpu_linear.py --quantized, 2 threads, all the
+    ATen measured with benchmarks/cpu/cpu_linear.py --quantized, 2 threads, all the
     built-in model's projections:
     - Zen 4 (AVX512-BF16, no AMX): between 4 and 8 rows (at 32 rows 1.9x for int4,
       3.1x for the int8 LM head);

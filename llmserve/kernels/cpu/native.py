@@ -15,7 +15,7 @@ called through ctypes (which releases the GIL), typed by one table (SIGNATURES, 
 against ``kernels.h``). Each call runs on torch's thread count; with torch's own
 ``libgomp.so.1`` already loaded, the kernel shares its thread pool too.
 
-Why ctypes and not torch custom ops (``benchmarks/kernel_binding.py``): a bf16 decode
+Why ctypes and not torch custom ops (``benchmarks/cpu/kernel_binding.py``): a bf16 decode
 step makes 5-9 calls a layer, and a Python custom op costs 3x today's call (~+9 us
 each: ~1.4 ms a step of 16 layers). A C++ op saves ~1 us a call (~0.2 ms a step) but
 needs torch's headers, a C++ compiler and a 1-2 minute build per CPU and torch version

@@ -286,7 +286,7 @@ static void q8_rows_many(const float *xf, int64_t m, const int8_t *q, const uint
  * AVX2: 8 x 8, transpose8). Both builds sum the same integers and scale them alike:
  * the same bits. From 4 rows (gemm.py's Q8_INT8_MIN_ROWS): the built-in model's LM head
  * [49152 x 576], Ice Lake Xeon, 2 threads, float32 path / int8
- * (benchmarks/int8_products.py): 0.85-1.13x at 3 rows, 1.2x at 4, 1.6x at 5, 2.3x at
+ * (benchmarks/cpu/int8_products.py): 0.85-1.13x at 3 rows, 1.2x at 4, 1.6x at 5, 2.3x at
  * 12, 2.3-2.6x at 16-32, 2.7-3.0x at 64-96. */
 #define Q8_INT8_ROWS 4
 #endif

@@ -11,12 +11,12 @@ as much as the product itself. Reordering each weight once (what ``torch.compile
 freezing and IPEX do) and calling oneDNN's linear on the packed weight gives the same
 results (bit-identical on a Zen 4, within bf16 rounding wherever oneDNN picks another
 kernel), 1.04x faster at 1 row, 1.6x at 8, 1.25x at 64 and 1.14x at 128 for the
-built-in model's shapes (``benchmarks/cpu_linear.py``).
+built-in model's shapes (``benchmarks/cpu/cpu_linear.py``).
 
 On a Zen 4 (AVX512-BF16, no AMX), oneDNN reaches 63 % of the bf16 peak at 32 rows
 and ~18 GB/s of weights below 16, where our kernel reaches ~90 % and ~30 GB/s: a whole
 decode step's linears 1.4-1.6x faster than oneDNN's at 1 row, 1.2-1.3x at 32,
-1.15-1.2x at 64, 1.0-1.05x at 512 (``benchmarks/cpu_linear.py``, several runs).
+1.15-1.2x at 64, 1.0-1.05x at 512 (``benchmarks/cpu/cpu_linear.py``, several runs).
 With AMX, oneDNN's tile kernels are another class of fast, and it keeps them.
 ``LLMSERVE_BF16_GEMM=onednn|native`` forces the choice.
 

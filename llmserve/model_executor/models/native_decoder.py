@@ -46,7 +46,7 @@ log = logging.getLogger(__name__)
 # rounded to int8 on a CPU with quant_gemm (LLMSERVE_CPU_INT8_ACTIVATIONS=0 on AMX or
 # Zen 4), steps of at most this many rows run in C: its kernel dequantises each weight
 # chunk once per 8 tokens (4 on AVX2), where the per-op path's quant_gemm dequantises
-# each block once for all rows (benchmarks/cpu_decoder.py measures the crossover). With
+# each block once for all rows (benchmarks/cpu/cpu_decoder.py measures the crossover). With
 # the 8-token tiles, Zen 4, 2 cores, quiet, context 200, op by op / C: 1.57 at 4 rows,
 # 1.42 at 8, 1.26 at 12, 1.10 at 16, 0.94 at 24. 16 lets two or three streams' drafted
 # steps (1 + k rows each) run in C too.
@@ -56,7 +56,7 @@ MAX_NATIVE_TOKENS = 16
 # GEMM (a library built without it keeps that limit).
 MAX_NATIVE_TOKENS_AVX2 = 8
 # With the panel GEMM (emulated AVX2 on an Ice Lake Xeon, 2 cores,
-# benchmarks/cpu_decoder.py, context 200), op by op / C: 1.91 at 1 row, 1.53 at 4,
+# benchmarks/cpu/cpu_decoder.py, context 200), op by op / C: 1.91 at 1 row, 1.53 at 4,
 # 1.22 at 8, 1.13 at 16, 1.16 at 32; past 32 C seemed to lose (0.85 at 64, 0.32 at
 # 128), but the script's op-by-op runs had had fewer rows than asked. Fixed, emulated
 # AVX2 on an AMX Xeon, x rounded to int8 in both paths: 1.29 at 8, 1.15 at 32, 1.09 at
@@ -78,7 +78,7 @@ MAX_NATIVE_TOKENS_TILES_ONLY = 32
 # tiles in use, with or without bf16 arithmetic), the stack's products are the same int8
 # panels as the per-op path's (from 1 row on AVX2, 3 on VNNI), so the stack runs whole
 # prompt steps in C too: it saves the per-op path's ~25 calls a layer and their
-# intermediates. AMX Xeon with its tiles off (as Zen 4), benchmarks/cpu_decoder.py
+# intermediates. AMX Xeon with its tiles off (as Zen 4), benchmarks/cpu/cpu_decoder.py
 # --quantization int4, op by op / C: 1.36 at 8 rows, 1.27 at 32, 1.10 at 128
 # (docs/benchmarks.md, "int8 products on CPUs with bf16 arithmetic"). Whole prompts
 # (64 of 70-210 tokens, one output token each), C over op by op past 128 rows: AVX2
