@@ -15,7 +15,7 @@ import yaml
 
 from llmserve.operator import speculative
 from llmserve.operator.builders import DRAFT_DIR, MODELS_DIR, Owner, SpecError, children
-from llmserve.spec_decode.config import UNSUPPORTED_WITH, SpeculativeConfig
+from llmserve.config.speculative import UNSUPPORTED_WITH, SpeculativeConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 CRD = ROOT / "crds" / "llmdeployments.serving.llmserve.io.yaml"

@@ -24,7 +24,7 @@ from llmserve.core.sampling_params import StructuredOutputsParams
 from llmserve.engine.llm_engine import LLMEngine
 from llmserve.engine.metrics import EngineMetrics
 from llmserve.entrypoints.cli import add_engine_args, engine_kwargs
-from llmserve.spec_decode.config import SpeculativeConfig
+from llmserve.config.speculative import SpeculativeConfig
 from llmserve.spec_decode.draft_policy import PRIOR_ROW_COST, DraftPolicy
 from llmserve.spec_decode.ngram_proposer import NgramProposer
 from llmserve.spec_decode.speculator import Speculator

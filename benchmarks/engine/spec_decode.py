@@ -143,7 +143,7 @@ def ngram_ceiling(llm: LLM, speculative_config: str, max_tokens: int) -> dict:
     """Tokens per verification step that ``speculative_config``'s n-gram proposer (read
     as the engine reads it) gets on each workload's greedy outputs, and its acceptance
     rate (every draft verified: no draft policy)."""
-    from llmserve.spec_decode.config import SpeculativeConfig
+    from llmserve.config.speculative import SpeculativeConfig
     from llmserve.spec_decode.ngram_proposer import NgramProposer
     config = SpeculativeConfig.parse(speculative_config)
     if config.method != "ngram":

@@ -13,6 +13,7 @@ import threading
 from dataclasses import dataclass
 
 from llmserve.config import EngineConfig
+from llmserve.config.lora import parse_lora_modules
 from llmserve.core.block_manager import BlockManager
 from llmserve.core.request import Request, Sequence, SequenceStatus
 from llmserve.engine.disagg import KVTransferSide
@@ -20,7 +21,6 @@ from llmserve.engine.hooks import Hooks, StepHook
 from llmserve.engine.lora_registry import LoRARegistry
 from llmserve.engine.model_config import ModelConfig
 from llmserve.engine.runners import RunnerGroup
-from llmserve.model_executor.lora.modules import parse_lora_modules
 from llmserve.spec_decode.speculator import Speculator
 from llmserve.structured_output.grammar import StructuredOutputs
 from llmserve.worker.kv_integrity import SequenceKVCheck

@@ -23,6 +23,7 @@ import itertools
 import threading
 from pathlib import Path
 
+from llmserve.config.lora import check_lora_name
 from llmserve.core.lora_request import LoRARequest
 from llmserve.engine.hooks import StepHook
 from llmserve.model_executor.lora.adapter import (
@@ -31,7 +32,6 @@ from llmserve.model_executor.lora.adapter import (
     load_adapter,
     resolve_adapter_source,
 )
-from llmserve.model_executor.lora.modules import check_lora_name
 
 
 class LoRARegistry(StepHook):

@@ -4,9 +4,9 @@ and the counters behind vLLM's ``spec_decode`` metrics."""
 
 from __future__ import annotations
 
+from llmserve.config.speculative import SpeculativeConfig
 from llmserve.core.request import Sequence
 from llmserve.core.sched.output import ScheduledBatch
-from llmserve.spec_decode.config import SpeculativeConfig
 from llmserve.spec_decode.draft_model import DraftModel
 from llmserve.spec_decode.draft_policy import DraftPolicy
 from llmserve.spec_decode.ngram_proposer import NgramProposer

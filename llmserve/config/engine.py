@@ -12,6 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING
 
+from llmserve.config.clashes import check_clashes
+from llmserve.config.lora import parse_lora_modules
+from llmserve.config.speculative import SpeculativeConfig
 from llmserve.flags import flag
 from llmserve.platforms.threads import usable_cpu_count
 
@@ -241,11 +244,11 @@ class EngineConfig:
         self._check_tensor_parallel()
         self._check_gpu_fast_path()
         self._check_kv_transfer()
-        self._check_speculative()
+        self.speculative = SpeculativeConfig.parse(self.speculative_config)  # None: off
         self._check_lora()
+        check_clashes(self)  # the settings that refuse each other (clashes.py)
 
     def _check_lora(self) -> None:
-        """Sizes and the settings LoRA cannot be combined with yet, named at once."""
         if self.lora_modules and not self.enable_lora:
             raise ValueError("--lora-modules needs --enable-lora")
         if not self.enable_lora:
@@ -259,31 +262,7 @@ class EngineConfig:
         if self.max_cpu_loras < self.max_loras:
             raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras "
                              f"({self.max_loras})")
-        from llmserve.model_executor.lora.modules import parse_lora_modules
         parse_lora_modules(self.lora_modules or [])  # ValueError naming the bad entry
-        clashes = [why for on, why in (
-            (self.compile, "--compile (the compiled layers do not apply adapters)"),
-            (self.kv_role != "both", "--kv-role prefill/decode (the KV would cross "
-                                     "engines without its adapter)")) if on]
-        if clashes:
-            raise ValueError("--enable-lora is not supported together with "
-                             + "; ".join(clashes) + " yet")
-
-    def _check_speculative(self) -> None:
-        """Parse ``speculative_config`` into ``speculative`` (None: off) and refuse the
-        settings it cannot be combined with yet, all of them named at once."""
-        from llmserve.spec_decode.config import UNSUPPORTED_WITH, SpeculativeConfig
-        self.speculative = SpeculativeConfig.parse(self.speculative_config)
-        if self.speculative is None:
-            return
-        clashes = [UNSUPPORTED_WITH[name] for name, on in (
-            ("async_scheduling", self.async_scheduling),
-            ("tensor_parallel_size", self.tensor_parallel_size > 1),
-            ("kv_role", self.kv_role != "both"),
-            ("check_kv_integrity", self.check_kv_integrity)) if on]
-        if clashes:
-            raise ValueError("--speculative-config is not supported together with "
-                             + "; ".join(clashes) + " yet")
 
     def _check_kv_transfer(self) -> None:
         if not 0 <= self.kv_transfer_port < 65536:
@@ -291,16 +270,6 @@ class EngineConfig:
                              f"{self.kv_transfer_port}")
         if not self.kv_lease_ttl > 0:
             raise ValueError("kv_lease_ttl must be a positive number of seconds")
-        if self.kv_role == "both":
-            return
-        if self.tensor_parallel_size > 1:
-            raise ValueError(f"--kv-role {self.kv_role} is not supported with "
-                             f"--tensor-parallel-size > 1 yet (each rank holds a shard of "
-                             f"the KV); serve each pool with --tensor-parallel-size 1")
-        if self.kv_role == "decode" and not self.enable_prefix_caching:
-            raise ValueError("--kv-role decode needs prefix caching (the KV read from a "
-                             "prefill engine enters the prefix cache): drop "
-                             "--no-prefix-caching")
 
     def _check_choices(self) -> None:
         """Each field with choices (the CLI's argparse checks its own; the Python API
@@ -331,14 +300,10 @@ class EngineConfig:
                                  f"has {available} visible")
         elif self.device != "cpu":
             raise ValueError(f"tensor parallelism runs on cuda or cpu, not {self.device!r}")
-        if self.compile:
-            raise ValueError("--compile is not supported with --tensor-parallel-size > 1 yet "
-                             "(the all-reduces inside the layers are not traced)")
-
-    GPU_FAST_PATH = ("cuda_graphs", "pinned_staging", "device_block_tables", "profile_kv_cache")
 
     def _check_gpu_fast_path(self) -> None:
-        """The GPU fast-path flags: CUDA only, one rank, and consistent with the rest."""
+        """CUDA graphs decided, and their sizes parsed (what the fast-path flags refuse
+        is in clashes.py)."""
         self._resolve_cuda_graphs()
         if self.cuda_graph_sizes is not None:
             self.cuda_graph_sizes = _parse_sizes(self.cuda_graph_sizes, self.max_num_seqs)
@@ -346,37 +311,6 @@ class EngineConfig:
                 raise ValueError("--cuda-graph-sizes is given with CUDA graphs off ("
                                  + (self.cuda_graphs_off_because or "--no-cuda-graphs")
                                  + ")")
-        if self.fused_kernels and not self.uses_triton:
-            raise ValueError("--fused-kernels are Triton kernels: give --attention-backend "
-                             "triton (on a CPU they run under TRITON_INTERPRET=1)")
-        if self.async_scheduling and self.tensor_parallel_size > 1:
-            raise ValueError("--async-scheduling is not supported with "
-                             "--tensor-parallel-size > 1 yet (the workers would need the "
-                             "previous step's tokens)")
-        if self.async_scheduling and self.check_kv_integrity:
-            raise ValueError("--async-scheduling and --check-kv-integrity are not supported "
-                             "together (the check hashes blocks whose tokens are pending)")
-        if self.fused_kernels and self.compile:
-            raise ValueError("--fused-kernels and --compile are not supported together: "
-                             "the compiled layers fuse their own elementwise ops")
-        flags = ["--" + name.replace("_", "-") for name in self.GPU_FAST_PATH
-                 if getattr(self, name)]
-        if not flags:
-            return
-        if not self.device.startswith("cuda"):
-            raise ValueError(f"{', '.join(flags)}: GPU optimisations that need --device cuda "
-                             f"(this engine runs on {self.device!r})")
-        if self.tensor_parallel_size > 1:
-            raise ValueError(f"{', '.join(flags)}: not supported with "
-                             f"--tensor-parallel-size > 1 yet")
-        if self.cuda_graphs and not self.uses_triton:
-            raise ValueError("--cuda-graphs captures the Triton attention kernels; it cannot "
-                             "run with --attention-backend torch")
-        if self.cuda_graphs and self.compile:
-            raise ValueError("--cuda-graphs and --compile are not supported together yet")
-        if self.profile_kv_cache and self.kv_cache_memory is not None:
-            raise ValueError("--profile-kv-cache sizes the KV cache and --kv-cache-memory "
-                             "fixes it: give one of them")
 
     def _resolve_cuda_graphs(self) -> None:
         """``use_cuda_graphs``: ``cuda_graphs`` where given (an explicit True is checked
