@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from llmserve.config.speculative import UNSUPPORTED_WITH, SpeculativeConfig
 from llmserve.operator import speculative
 from llmserve.operator.builders import DRAFT_DIR, MODELS_DIR, Owner, SpecError, children
-from llmserve.config.speculative import UNSUPPORTED_WITH, SpeculativeConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 CRD = ROOT / "crds" / "llmdeployments.serving.llmserve.io.yaml"

@@ -19,12 +19,12 @@ from prometheus_client import generate_latest
 
 from llmserve import LLM, SamplingParams
 from llmserve.config import EngineConfig
+from llmserve.config.speculative import SpeculativeConfig
 from llmserve.core.request import Request
 from llmserve.core.sampling_params import StructuredOutputsParams
 from llmserve.engine.llm_engine import LLMEngine
 from llmserve.engine.metrics import EngineMetrics
 from llmserve.entrypoints.cli import add_engine_args, engine_kwargs
-from llmserve.config.speculative import SpeculativeConfig
 from llmserve.spec_decode.draft_policy import PRIOR_ROW_COST, DraftPolicy
 from llmserve.spec_decode.ngram_proposer import NgramProposer
 from llmserve.spec_decode.speculator import Speculator
