@@ -6,6 +6,7 @@ a GPU run (benchmarks/gpu/gpu_check.sh)."""
 
 from __future__ import annotations
 
+import copy
 import logging
 import random
 from contextlib import contextmanager
@@ -355,6 +356,13 @@ def test_the_default_resolves_off_on_cpu_with_its_reason():
     assert not asked_off.use_cuda_graphs and asked_off.cuda_graphs_off_because is None
 
 
+def thawed(config: EngineConfig) -> EngineConfig:
+    """A copy of a resolved (frozen) configuration that a test may change."""
+    config = copy.copy(config)
+    del config.__dict__["_frozen"]
+    return config
+
+
 def test_graphs_the_config_decided_on_are_attached_at_load(tiny_llama):
     """What the runner does with use_cuda_graphs (as decided on CUDA): its buckets, the
     default ones or --cuda-graph-sizes; on a CPU without capture."""
@@ -363,6 +371,7 @@ def test_graphs_the_config_decided_on_are_attached_at_load(tiny_llama):
                                     max_num_seqs=8, max_model_len=128, num_threads=1))
     runner = engine.runner
     assert runner.graphs is None
+    runner.config = thawed(runner.config)  # the engine's is frozen: decide as CUDA would
     runner.config.use_cuda_graphs = True
     enable_fast_path_from_config(runner, engine.max_model_len)
     assert runner.graphs.sizes == [1, 2, 4, 8] and not runner.graphs.capture

@@ -41,7 +41,7 @@ if not __package__:  # run as a file: the repository root, so that `benchmarks` 
     sys.path.append(str(Path(__file__).resolve().parents[2]))
 
 from benchmarks.lib.device_memory import recorded_engines
-from benchmarks.lib.greedy_agreement import compare
+from benchmarks.lib.greedy_agreement import compare, run_to_end, with_margins
 from benchmarks.lib.lora_adapter import write_adapter
 from benchmarks.lib.model_families import write_family
 from benchmarks.lib.paths import RESULTS
@@ -86,12 +86,7 @@ def generate(engine, batches):
         reqs = [engine.add_request(p, SamplingParams(temperature=0, max_tokens=n,
                                                      ignore_eos=True, logprobs=2),
                                    lora_request=lora) for p, lora, n in batch]
-        while engine.has_unfinished():
-            engine.step()
-        for r in reqs:
-            seq = r.sequences[0]
-            out.append([(t, lp.logprob, lp.top[0][1] - lp.top[1][1])
-                        for t, lp in zip(seq.output_token_ids, seq.logprobs)])
+        out += [with_margins(o) for o in run_to_end(engine, reqs)]
     return out
 
 

@@ -11,6 +11,22 @@ before anything imports the kernels."""
 from __future__ import annotations
 
 
+def run_to_end(engine, reqs) -> list:
+    """Step ``engine`` until it is idle; each request's final output."""
+    done = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    return [done[r.request_id] for r in reqs]
+
+
+def with_margins(output) -> list[tuple[int, float, float]]:
+    """(token, its logprob, top-1 minus top-2 logprob) of a greedy output's first choice."""
+    c = output.outputs[0]
+    return [(t, lp.logprob, lp.top[0][1] - lp.top[1][1]) for t, lp in zip(c.token_ids, c.logprobs)]
+
+
 def greedy(engine, prompts, max_tokens: int) -> list[list[int]]:
     """Each prompt's greedy tokens (``ignore_eos``), all prompts in one batch."""
     from llmserve import SamplingParams
@@ -26,14 +42,7 @@ def greedy_with_margins(engine, prompts, max_tokens: int) -> list[list[tuple[int
     from llmserve import SamplingParams
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=2)
     reqs = [engine.add_request(p, params) for p in prompts]
-    while engine.has_unfinished():
-        engine.step()
-    out = []
-    for r in reqs:
-        seq = r.sequences[0]
-        out.append([(tok, lp.logprob, lp.top[0][1] - lp.top[1][1])
-                    for tok, lp in zip(seq.output_token_ids, seq.logprobs)])
-    return out
+    return [with_margins(out) for out in run_to_end(engine, reqs)]
 
 
 def compare(base: list, other: list) -> dict:
