@@ -196,6 +196,20 @@ class EngineConfig:
     cuda_graphs_off_because: str | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
+        """Every setting checked on its own, the defaults that depend on the machine
+        decided, then the settings that refuse each other (clashes.py)."""
+        self._resolve_device_and_dtype()
+        self._check_step_sizes()
+        self._check_choices()
+        self._check_limits()
+        self._check_tensor_parallel()
+        self._check_gpu_fast_path()
+        self._check_kv_transfer()
+        self.speculative = SpeculativeConfig.parse(self.speculative_config)  # None: off
+        self._check_lora()
+        check_clashes(self)
+
+    def _resolve_device_and_dtype(self) -> None:
         import torch
         if self.device == "auto":
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -211,6 +225,9 @@ class EngineConfig:
             self.dtype_from_cpu = dtype_from_cpu_features(self.device)
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+
+    def _check_step_sizes(self) -> None:
+        """The KV block and what one step may hold."""
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
             raise ValueError(f"block_size must be a power of two <= 128, got {self.block_size}")
         if self.uses_triton:
@@ -222,7 +239,10 @@ class EngineConfig:
             raise ValueError("max_num_seqs must be >= 1")
         if self.max_num_batched_tokens < 1:
             raise ValueError("max_num_batched_tokens must be >= 1")
-        self._check_choices()
+
+    def _check_limits(self) -> None:
+        """Latency target, quantisation's device, memory, overload bounds, tracing,
+        threads."""
         if self.target_itl_ms is not None and not self.target_itl_ms > 0:
             raise ValueError("target_itl_ms must be a positive number of milliseconds")
         if self.quantization in ("int8", "int4") and self.device.startswith("cuda"):
@@ -241,12 +261,6 @@ class EngineConfig:
             traces_url(self.otlp_traces_endpoint)  # ValueError unless an http(s) URL
         if self.num_threads is None:
             self.num_threads = usable_cpu_count()
-        self._check_tensor_parallel()
-        self._check_gpu_fast_path()
-        self._check_kv_transfer()
-        self.speculative = SpeculativeConfig.parse(self.speculative_config)  # None: off
-        self._check_lora()
-        check_clashes(self)  # the settings that refuse each other (clashes.py)
 
     def _check_lora(self) -> None:
         if self.lora_modules and not self.enable_lora:

@@ -23,76 +23,90 @@ class EngineMetrics:
                  max_num_seqs: int | None = None, max_loras: int | None = None):
         self.registry = registry or CollectorRegistry()
         self.model_name = model_name
-        r, labels = self.registry, ["model_name"]
+        self.max_loras = max_loras
+        self._scheduler_metrics(max_num_seqs)
+        self._request_metrics()
+        self._tenant_and_overload_metrics()
+        self._kv_transfer_metrics(self.registry)
+        self._feature_metrics()
+        self.aborted = 0
+        self._synced = {"queries": 0, "hits": 0, "preemptions": 0, "swap_outs": 0,
+                        "aborted": 0, "drafts": 0, "draft_tokens": 0, "accepted_tokens": 0}
 
-        def gauge(name, doc):
-            return Gauge(name, doc, labels, registry=r).labels(model_name)
+    # --- one labelled child per metric (label model_name) ---------------------------------
+    def _gauge(self, name: str, doc: str):
+        return Gauge(name, doc, ["model_name"], registry=self.registry).labels(self.model_name)
 
-        def counter(name, doc):
-            return Counter(name, doc, labels, registry=r).labels(model_name)
+    def _counter(self, name: str, doc: str):
+        return Counter(name, doc, ["model_name"], registry=self.registry).labels(self.model_name)
 
-        def hist(name, doc):
-            return Histogram(name, doc, labels, buckets=LATENCY_BUCKETS,
-                             registry=r).labels(model_name)
+    def _hist(self, name: str, doc: str):
+        return Histogram(name, doc, ["model_name"], buckets=LATENCY_BUCKETS,
+                         registry=self.registry).labels(self.model_name)
 
-        self.running = gauge("vllm:num_requests_running", "Requests in the running batch.")
-        self.waiting = gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled.")
-        self.swapped = gauge("vllm:num_requests_swapped", "Requests swapped out to CPU.")
-        self.kv_usage = gauge("vllm:kv_cache_usage_perc", "KV-cache usage, 1 = 100%.")
+    def _scheduler_metrics(self, max_num_seqs: int | None) -> None:
+        self.running = self._gauge("vllm:num_requests_running", "Requests in the running batch.")
+        self.waiting = self._gauge("vllm:num_requests_waiting",
+                                   "Requests waiting to be scheduled.")
+        self.swapped = self._gauge("vllm:num_requests_swapped", "Requests swapped out to CPU.")
+        self.kv_usage = self._gauge("vllm:kv_cache_usage_perc", "KV-cache usage, 1 = 100%.")
         # What the gateway caps its in-flight requests at with tenants (endpoints.py):
         # more would wait here, outside the gateway's fair queue.
-        self.max_num_seqs = gauge("llmserve:max_num_seqs",
-                                  "Sequences the engine runs at once (--max-num-seqs).")
+        self.max_num_seqs = self._gauge("llmserve:max_num_seqs",
+                                        "Sequences the engine runs at once (--max-num-seqs).")
         if max_num_seqs is not None:
             self.max_num_seqs.set(max_num_seqs)
-        self.prefix_queries = counter("vllm:prefix_cache_queries",
-                                      "Prompt tokens looked up in the prefix cache.")
-        self.prefix_hits = counter("vllm:prefix_cache_hits",
-                                   "Prompt tokens found in the prefix cache.")
-        self.preemptions = counter("vllm:num_preemptions", "Preempted sequences.")
-        self.swap_outs = counter("llmserve:swapped_out_sequences",
-                                 "Sequences preempted by swapping their KV blocks to CPU.")
-        self.prompt_tokens = counter("vllm:prompt_tokens", "Prefilled prompt tokens.")
-        self.generation_tokens = counter("vllm:generation_tokens", "Generated tokens.")
+        self.prefix_queries = self._counter("vllm:prefix_cache_queries",
+                                            "Prompt tokens looked up in the prefix cache.")
+        self.prefix_hits = self._counter("vllm:prefix_cache_hits",
+                                         "Prompt tokens found in the prefix cache.")
+        self.preemptions = self._counter("vllm:num_preemptions", "Preempted sequences.")
+        self.swap_outs = self._counter("llmserve:swapped_out_sequences",
+                                       "Sequences preempted by swapping their KV blocks to CPU.")
+
+    def _request_metrics(self) -> None:
+        self.prompt_tokens = self._counter("vllm:prompt_tokens", "Prefilled prompt tokens.")
+        self.generation_tokens = self._counter("vllm:generation_tokens", "Generated tokens.")
         self.success = Counter("vllm:request_success", "Finished requests.",
-                               ["model_name", "finished_reason"], registry=r)
-        self.ttft = hist("vllm:time_to_first_token_seconds", "Time to first token.")
-        self.itl = hist("vllm:inter_token_latency_seconds", "Time between output tokens.")
-        self.e2e = hist("vllm:e2e_request_latency_seconds", "Arrival to finish.")
-        self.queue_time = hist("vllm:request_queue_time_seconds", "Arrival to first schedule.")
+                               ["model_name", "finished_reason"], registry=self.registry)
+        self.ttft = self._hist("vllm:time_to_first_token_seconds", "Time to first token.")
+        self.itl = self._hist("vllm:inter_token_latency_seconds", "Time between output tokens.")
+        self.e2e = self._hist("vllm:e2e_request_latency_seconds", "Arrival to finish.")
+        self.queue_time = self._hist("vllm:request_queue_time_seconds",
+                                     "Arrival to first schedule.")
         self.step_duration = Histogram(
             "llmserve:step_duration_seconds",
             "Engine step durations: measured (kind=actual) and as the cost model predicted "
             "them when it scheduled the step (kind=predicted).",
-            ["model_name", "kind"], buckets=LATENCY_BUCKETS, registry=r)
+            ["model_name", "kind"], buckets=LATENCY_BUCKETS, registry=self.registry)
+
+    def _tenant_and_overload_metrics(self) -> None:
         self.tenant_tokens = Counter(
             "llmserve:tenant_tokens", "Tokens computed (prompt and output) per tenant, as "
             "the gateway named it; the engine's fair order among tenants is by these.",
-            ["model_name", "tenant"], registry=r)
+            ["model_name", "tenant"], registry=self.registry)
         self._tenant_synced: dict[str, int] = {}
         self.overloaded = Counter(
             "llmserve:overload_rejections",
             "Requests answered 503 server_overloaded: reason=queue_full (max_waiting) or "
-            "queue_delay (max_queue_delay).", ["model_name", "reason"], registry=r)
-        self._kv_transfer_metrics(r)
+            "queue_delay (max_queue_delay).", ["model_name", "reason"], registry=self.registry)
+
+    def _feature_metrics(self) -> None:
         # Speculative decoding (spec_decode/); prometheus_client adds the _total suffix.
-        self.spec_drafts = counter("vllm:spec_decode_num_drafts",
-                                   "Sequence steps verified with a draft.")
-        self.spec_draft_tokens = counter("vllm:spec_decode_num_draft_tokens",
-                                         "Draft tokens proposed and verified.")
-        self.spec_accepted_tokens = counter("vllm:spec_decode_num_accepted_tokens",
-                                            "Draft tokens the target model accepted.")
+        self.spec_drafts = self._counter("vllm:spec_decode_num_drafts",
+                                         "Sequence steps verified with a draft.")
+        self.spec_draft_tokens = self._counter("vllm:spec_decode_num_draft_tokens",
+                                               "Draft tokens proposed and verified.")
+        self.spec_accepted_tokens = self._counter("vllm:spec_decode_num_accepted_tokens",
+                                                  "Draft tokens the target model accepted.")
         # Multi-LoRA, vLLM's shape (the Gateway API Inference Extension's LoRA affinity
         # reads it): one series, labelled with the adapters running and waiting
         # (comma-separated names), whose value is when it was set.
         self.lora_info = Gauge(
             "vllm:lora_requests_info", "Running and waiting LoRA adapters, by name.",
-            ["max_lora", "running_lora_adapters", "waiting_lora_adapters"], registry=r)
+            ["max_lora", "running_lora_adapters", "waiting_lora_adapters"],
+            registry=self.registry)
         self._lora_labels: tuple | None = None
-        self.max_loras = max_loras
-        self.aborted = 0
-        self._synced = {"queries": 0, "hits": 0, "preemptions": 0, "swap_outs": 0,
-                        "aborted": 0, "drafts": 0, "draft_tokens": 0, "accepted_tokens": 0}
 
     def _kv_transfer_metrics(self, r: CollectorRegistry) -> None:
         """P/D (engine/disagg.py): KV moved between engines, and what a prefill pool's
