@@ -91,6 +91,12 @@ class Scheduler:
         self.shares.arrive(seq.request)
         self.waiting.add(seq)
 
+    def _requeue(self, seq: Sequence) -> None:
+        """Queue ``seq`` of a request that has run: it keeps its place in the batch it
+        ran in (``batching.py``)."""
+        self.add(seq)
+        self.batching.requeued(seq)
+
     def waiting_head(self, skip: set[int] | None = None) -> Sequence | None:
         """The next waiting sequence to admit: the most urgent; among those of its
         priority, the one whose tenant has been served least (``fair_share.py``).
@@ -290,8 +296,7 @@ class Scheduler:
         """A beam the search extended: queued again if it was preempted while waiting
         for its siblings (``preempt``)."""
         if seq.status is SequenceStatus.WAITING and seq not in self.waiting:
-            self.add(seq)
-            self.batching.requeued(seq)
+            self._requeue(seq)
 
     def fork_beam(self, parent: Sequence, child: Sequence) -> None:
         """Beam search chose ``parent`` twice: ``child`` shares its blocks (copy-on-write,
@@ -302,8 +307,7 @@ class Scheduler:
             child.status = SequenceStatus.RUNNING
             self.running.append(child)
         else:
-            self.add(child)
-            self.batching.requeued(child)
+            self._requeue(child)
 
     def _has_lora_slot(self, seq: Sequence) -> bool:
         """Multi-LoRA: at most ``max_loras`` distinct adapters run at once (a step
@@ -365,8 +369,7 @@ class Scheduler:
             return
         self.bm.free(seq)
         seq.reset_for_recompute()
-        self.add(seq)
-        self.batching.requeued(seq)  # still a member of the batch it was running in
+        self._requeue(seq)
 
     def finish(self, seq: Sequence, status: SequenceStatus) -> None:
         """Leave the batch now and give back the blocks at once."""
