@@ -85,13 +85,10 @@ class RequestQueue(ABC):
 
 
 class UrgencyQueue(RequestQueue):
-    """A binary heap of ``(key(seq), seq)`` entries, smallest key first."""
+    """A binary heap of ``(key(seq), seq)`` entries, smallest key first (``key``: a
+    subclass's order)."""
 
-    key: Key
-
-    def __init__(self, key: Key | None = None):
-        if key is not None:
-            self.key = key
+    def __init__(self):
         self._heap: list[tuple[tuple, Sequence]] = []
         self._live: dict[Sequence, tuple[tuple, Sequence]] = {}  # seq -> its heap entry
         self._order: list[Sequence] | None = None  # the iteration order, until a change
