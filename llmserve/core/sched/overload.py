@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 
 from llmserve.core.request import Request
+from llmserve.core.sched.request_queue import RequestQueue
 
 
 class OverloadedError(RuntimeError):
@@ -32,14 +33,11 @@ class OverloadedError(RuntimeError):
         return str(max(1, math.ceil(self.retry_after)))
 
 
-def waiting_requests(waiting) -> list[Request]:
-    """Distinct requests in the scheduler's waiting queue that never ran."""
-    seen: dict[str, Request] = {}
-    for seq in waiting:
-        req = seq.request
-        if req.first_scheduled_time is None:
-            seen.setdefault(req.request_id, req)
-    return list(seen.values())
+def waiting_requests(waiting: RequestQueue) -> list[Request]:
+    """Distinct requests in the scheduler's waiting queue that never ran, in no
+    particular order (counted on every engine step: the queue is not sorted for it)."""
+    return list({seq.request.request_id: seq.request for seq in waiting.members
+                 if seq.request.first_scheduled_time is None}.values())
 
 
 def queue_full(n: int, max_waiting: int, max_queue_delay: float | None) -> OverloadedError:
@@ -49,8 +47,8 @@ def queue_full(n: int, max_waiting: int, max_queue_delay: float | None) -> Overl
         retry_after=max_queue_delay or 1.0)
 
 
-def check_admission(max_waiting: int | None, max_queue_delay: float | None, waiting,
-                    free_slots: int = 0) -> None:
+def check_admission(max_waiting: int | None, max_queue_delay: float | None,
+                    waiting: RequestQueue, free_slots: int = 0) -> None:
     """Raise OverloadedError when one more request would leave more than
     ``max_waiting`` waiting once the next step has filled the ``free_slots`` sequence
     slots (a burst into an idle engine is not refused for want of a queue it does
@@ -62,8 +60,12 @@ def check_admission(max_waiting: int | None, max_queue_delay: float | None, wait
         raise queue_full(n, max_waiting, max_queue_delay)
 
 
-def expired(max_queue_delay: float | None, waiting, now: float) -> list[Request]:
-    """Requests that have waited unscheduled longer than ``max_queue_delay``."""
+def expired(max_queue_delay: float | None, waiting: RequestQueue, now: float) -> list[Request]:
+    """Requests that have waited unscheduled longer than ``max_queue_delay``, in the
+    queue's order (only they are sorted)."""
     if max_queue_delay is None:
         return []
-    return [r for r in waiting_requests(waiting) if now - r.arrival_time > max_queue_delay]
+    late = [seq for seq in waiting.members if seq.request.first_scheduled_time is None
+            and now - seq.request.arrival_time > max_queue_delay]
+    late.sort(key=waiting.key)
+    return list({seq.request.request_id: seq.request for seq in late}.values())
