@@ -28,7 +28,6 @@ OUTPUTS = ("benchmarks/results/",)
 # already describes. Once they exist the xfail below turns into a failure: then empty
 # this set and re-read that section against the code.
 PLANNED = {
-    "llmserve/core/sched/request_queue.py",
     "llmserve/kernels/cpu/dispatch.py",
 }
 

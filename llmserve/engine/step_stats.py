@@ -32,16 +32,17 @@ class SchedulerStats:
 
 
 def scheduler_stats(core) -> SchedulerStats:
-    """The core's state now. Distinct requests are counted (parallel samples and beams
-    share one)."""
+    """The core's state now, read off what the scheduler's collections keep as sequences
+    come and go (``SequenceTally``): no queue is scanned, only the running batch for its
+    prompts still prefilling. A waiting sequence has computed nothing (a preempted one is
+    queued again from its start), so its prompt is all still to compute."""
     sched, bm = core.scheduler, core.block_manager
+    running, waiting = sched.running.tally, sched.waiting.tally
+    prefilling = sum(max(0, s.num_prompt_tokens - s.num_computed_tokens) for s in sched.running)
     stats = SchedulerStats(
-        num_running_reqs=len({s.request.request_id for s in sched.running}),
-        num_waiting_reqs=len({s.request.request_id for s in sched.waiting}),
-        num_swapped_seqs=len(sched.swapped),
-        kv_cache_usage=bm.usage,
-        num_waiting_prompt_tokens=sum(max(0, s.num_prompt_tokens - s.num_computed_tokens)
-                                      for s in (*sched.waiting, *sched.running)),
+        num_running_reqs=running.num_requests, num_waiting_reqs=waiting.num_requests,
+        num_swapped_seqs=len(sched.swapped), kv_cache_usage=bm.usage,
+        num_waiting_prompt_tokens=waiting.prompt_tokens + prefilling,
         prefix_cache_queries=bm.prefix_queries, prefix_cache_hits=bm.prefix_hits,
         num_preemptions=sched.num_preemptions, num_swapped_out=sched.num_swapped_out,
         tenant_tokens=sched.shares.tokens_served, step_seconds=core.last_step)
@@ -51,13 +52,9 @@ def scheduler_stats(core) -> SchedulerStats:
         stats.spec_drafts, stats.spec_draft_tokens = s.num_drafts, s.num_draft_tokens
         stats.spec_accepted_tokens = s.num_accepted_tokens
     if core.features.loras is not None:
-        stats.running_loras = _adapters(sched.running)
-        stats.waiting_loras = _adapters(sched.waiting)
+        stats.running_loras, stats.waiting_loras = (running.adapter_names(),
+                                                    waiting.adapter_names())
     return stats
-
-
-def _adapters(seqs) -> list[str]:
-    return sorted({s.request.lora.lora_name for s in seqs if s.request.lora})
 
 
 class EngineStats:

@@ -1,7 +1,8 @@
 """The scheduler's request queues: sequences waiting (or swapped out) for the batch.
 
 Every queue has the same interface (``RequestQueue``): ``add`` and ``remove`` in
-O(log n), membership and ``len`` in O(1), ``head(skip)`` (the most urgent sequence
+O(log n), membership, ``len`` and what it holds (``tally``: requests, prompt tokens,
+adapters) in O(1), ``head(skip)`` (the most urgent sequence
 not in ``skip``, O(1) when nothing is skipped) and iteration most urgent first. The
 order is a key each queue is built with, smallest first; two sequences never tie,
 since every key ends with the sequence id.
@@ -23,6 +24,8 @@ import heapq
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Collection, Iterator
 from typing import TYPE_CHECKING
+
+from llmserve.core.sched.tally import SequenceTally
 
 if TYPE_CHECKING:  # typing only: importing core.request would load torch
     from llmserve.core.request import Sequence
@@ -92,6 +95,7 @@ class UrgencyQueue(RequestQueue):
         self._heap: list[tuple[tuple, Sequence]] = []
         self._live: dict[Sequence, tuple[tuple, Sequence]] = {}  # seq -> its heap entry
         self._order: list[Sequence] | None = None  # the iteration order, until a change
+        self.tally = SequenceTally()
 
     def add(self, seq: Sequence) -> None:
         if seq in self._live:
@@ -100,10 +104,12 @@ class UrgencyQueue(RequestQueue):
         self._live[seq] = entry
         heapq.heappush(self._heap, entry)
         self._order = None
+        self.tally.add(seq)
 
     def remove(self, seq: Sequence) -> None:
         del self._live[seq]
         self._order = None
+        self.tally.remove(seq)
         if len(self._heap) > 2 * len(self._live) + 16:
             self._heap = list(self._live.values())
             heapq.heapify(self._heap)
@@ -211,6 +217,10 @@ class TenantFairQueue(RequestQueue):
     @property
     def members(self) -> Collection[Sequence]:
         return self._all.members
+
+    @property
+    def tally(self) -> SequenceTally:
+        return self._all.tally
 
     def __len__(self) -> int:
         return len(self._all)

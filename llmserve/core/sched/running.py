@@ -2,16 +2,17 @@
 scheduler serves them (sorted by urgency at the start of each step; admitted and
 forked ones join at the end).
 
-Membership, ``append`` and ``remove`` are O(1), and so is the multi-LoRA question of
-whether an adapter runs (how many sequences of each adapter run is kept as they come
-and go).
+Membership, ``append`` and ``remove`` are O(1), and so are the multi-LoRA question of
+whether an adapter runs and the engine's counts of what runs (``tally``: kept as
+sequences come and go).
 """
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
+
+from llmserve.core.sched.tally import SequenceTally
 
 if TYPE_CHECKING:  # typing only: importing core.request would load torch
     from llmserve.core.request import Sequence
@@ -21,22 +22,17 @@ class RunningBatch:
     def __init__(self, urgency: Callable[[Sequence], tuple]):
         self._urgency = urgency
         self._seqs: dict[Sequence, tuple] = {}  # in serving order -> its urgency
-        self._adapters: Counter[int] = Counter()  # lora_int_id -> running sequences
+        self.tally = SequenceTally()
 
     def append(self, seq: Sequence) -> None:
         if seq in self._seqs:
             raise ValueError(f"{seq} is already running")
         self._seqs[seq] = self._urgency(seq)
-        if seq.request.lora is not None:
-            self._adapters[seq.request.lora.lora_int_id] += 1
+        self.tally.add(seq)
 
     def remove(self, seq: Sequence) -> None:
         del self._seqs[seq]
-        lora = seq.request.lora
-        if lora is not None:
-            self._adapters[lora.lora_int_id] -= 1
-            if not self._adapters[lora.lora_int_id]:
-                del self._adapters[lora.lora_int_id]
+        self.tally.remove(seq)
 
     def sort(self) -> None:
         """Most urgent first."""
@@ -46,12 +42,12 @@ class RunningBatch:
         return self._seqs[seq]
 
     def runs_adapter(self, lora_int_id: int) -> bool:
-        return lora_int_id in self._adapters
+        return self.tally.runs_adapter(lora_int_id)
 
     @property
     def num_adapters(self) -> int:
         """Distinct adapters running."""
-        return len(self._adapters)
+        return self.tally.num_adapters
 
     def __iter__(self) -> Iterator[Sequence]:
         return iter(self._seqs)
