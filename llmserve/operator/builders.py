@@ -9,7 +9,7 @@ calls for (``stale_children``) is pruned by the operator.
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from types import SimpleNamespace
 
 from llmserve import envs
@@ -324,76 +324,28 @@ def check_known_shape(owner: Owner, tp: int) -> None:
         raise SpecError(f"{e} (from resources.gpus / engine.tensorParallelSize)") from e
 
 
+# spec.engine keys each engine kind takes as a flag of the same meaning.
+LLMSERVE_FLAGS = {"maxNumSeqs": "--max-num-seqs", "maxNumBatchedTokens":
+                  "--max-num-batched-tokens", "maxModelLen": "--max-model-len",
+                  "kvCacheMemory": "--kv-cache-memory", "targetITLMs": "--target-itl-ms",
+                  "maxWaiting": "--max-waiting", "maxQueueDelaySeconds": "--max-queue-delay"}
+VLLM_FLAGS = {"maxNumSeqs": "--max-num-seqs", "maxNumBatchedTokens":
+              "--max-num-batched-tokens", "maxModelLen": "--max-model-len"}
+
+
 def engine_container(owner: Owner, role: str = "both") -> dict:
     """The engine container of one pool; ``role`` is its P/D role (``prefill``,
     ``decode``, or ``both`` without a prefill pool)."""
-    spec, engine = owner.spec, owner.spec.get("engine", {})
-    kind = engine.get("kind", "llmserve")
-    flag = prefill.owned_flag_in(engine.get("args", []))
-    if flag:
-        raise SpecError(f"{flag} in engine.args: the operator sets the P/D flags from "
-                        f"spec.prefill (add spec.prefill for a prefill pool)")
-    flag = lora.owned_flag_in(engine.get("args", [])) if lora.enabled(spec) else None
-    if flag:
-        raise SpecError(f"{flag} in engine.args: with spec.adapters or engine.lora the "
-                        f"operator sets the LoRA flags and loads the adapters itself "
-                        f"(list them in spec.adapters, sizes in engine.lora)")
+    refuse_owned_flags(owner)
     desired_adapters(owner)  # a spec the engines could not load is refused up front
-    port = engine.get("port", 8000)
-    model, _, mounts = model_source(owner)
-    _, adapter_mounts = adapter_volumes(owner)
-    _, _, draft_mounts = draft_model(owner)
-    gpus = spec.get("resources", {}).get("gpus", 0)
-    dtype = engine.get("dtype", "auto")
+    model, _, model_mounts = model_source(owner)
+    mounts = [*model_mounts, *adapter_volumes(owner)[1], *draft_model(owner)[2]]
     tp = tensor_parallel_size(owner)
-    if kind == "llmserve":
-        check_known_shape(owner, tp)
-        image = engine.get("image") or (DEFAULT_GPU_IMAGE if gpus else DEFAULT_IMAGE)
-        command = ["llmserve", "serve"]
-        args = ["--model", model, "--served-model-name", owner.model_name,
-                "--host", "0.0.0.0", "--port", str(port), "--dtype", dtype]
-        flags = {"maxNumSeqs": "--max-num-seqs", "maxNumBatchedTokens":
-                 "--max-num-batched-tokens", "maxModelLen": "--max-model-len",
-                 "kvCacheMemory": "--kv-cache-memory", "targetITLMs": "--target-itl-ms",
-                 "maxWaiting": "--max-waiting", "maxQueueDelaySeconds": "--max-queue-delay"}
-        if tp > 1:
-            args += ["--tensor-parallel-size", str(tp)]
-    else:  # the vLLM OpenAI server, with equivalent arguments
-        if engine.get("targetITLMs") is not None:
-            raise SpecError("engine.targetITLMs needs engine.kind llmserve (vLLM has no "
-                            "step-latency cap)")
-        for key in ("maxWaiting", "maxQueueDelaySeconds"):
-            if engine.get(key) is not None:
-                # Silently dropping an overload bound would leave the queue unbounded.
-                raise SpecError(f"engine.{key} needs engine.kind llmserve (vLLM's waiting "
-                                f"queue has no bound; bound the gateway's instead)")
-        image = engine.get("image") or DEFAULT_VLLM_IMAGE
-        command = ["vllm", "serve", model]
-        args = ["--served-model-name", owner.model_name, "--host", "0.0.0.0",
-                "--port", str(port), "--dtype", dtype]
-        flags = {"maxNumSeqs": "--max-num-seqs", "maxNumBatchedTokens":
-                 "--max-num-batched-tokens", "maxModelLen": "--max-model-len"}
-        if tp > 1:
-            args += ["--tensor-parallel-size", str(tp)]
-        revision = hf_revision(owner)
-        if revision:  # the tokenizer from the same commit as the weights
-            args += ["--revision", revision, "--tokenizer-revision", revision]
-    for key, flag in flags.items():
-        if engine.get(key) is not None:
-            args += [flag, str(engine[key])]
-    if tenants_secret(owner):
-        # Classes reach the engine as request priorities; vLLM refuses a nonzero
-        # priority unless it schedules by priority, and ours ignores it under fcfs.
-        args += ["--scheduling-policy", "priority"]
-    if gpus and kind == "llmserve":
-        # A node whose runtime hides the GPU must not quietly serve on its CPU: with
-        # --device cuda the engine refuses to start without CUDA.
-        args += ["--device", "cuda"]
-    args += prefill.role_args(role)
-    args += lora.engine_args(spec)
-    args += speculative_args(owner, tp, role)
-    args += tracing_args(spec)
-    args += list(engine.get("args", []))
+    launch = llmserve_launch if engine_kind(owner) == "llmserve" else vllm_launch
+    image, command, args = launch(owner, model, tp)
+    args += feature_args(owner, tp, role)
+    gpus = owner.spec.get("resources", {}).get("gpus", 0)
+    port = owner.spec.get("engine", {}).get("port", 8000)
     probe = {"httpGet": {"path": "/health", "port": "http"}}
     return {
         "name": "engine", "image": image, "command": command, "args": args,
@@ -401,18 +353,108 @@ def engine_container(owner: Owner, role: str = "both") -> dict:
                   *prefill.role_ports(role)],
         # The image bakes the built-in model's converted cache (LLMSERVE_CACHE);
         # anything downloaded at run time (hf:// snapshots) goes to the /cache volume.
-        "env": (engine_env(owner) + prefill.role_env(role, names(owner)["kv_secret"])
-                + ([lora.VLLM_RUNTIME_ENV] if kind == "vllm" and lora.enabled(spec) else [])),
-        "resources": resources(spec.get("resources", {})),
+        "env": engine_container_env(owner, role),
+        "resources": resources(owner.spec.get("resources", {})),
         "readinessProbe": {**probe, "periodSeconds": 2, "failureThreshold": 2},
         "startupProbe": {**probe, "periodSeconds": 2, "failureThreshold": 900},
         "livenessProbe": {**probe, "periodSeconds": 10, "failureThreshold": 6},
         "securityContext": CONTAINER_SECURITY,
         "volumeMounts": [{"name": "cache", "mountPath": CACHE_DIR},
-                         {"name": "tmp", "mountPath": "/tmp"}, *mounts, *adapter_mounts,
-                         *draft_mounts,
+                         {"name": "tmp", "mountPath": "/tmp"}, *mounts,
                          *([{"name": "dshm", "mountPath": "/dev/shm"}] if gpus else [])],
     }
+
+
+def engine_kind(owner: Owner) -> str:
+    return owner.spec.get("engine", {}).get("kind", "llmserve")
+
+
+def refuse_owned_flags(owner: Owner) -> None:
+    """engine.args may not set the flags the operator derives from the spec itself."""
+    args = owner.spec.get("engine", {}).get("args", [])
+    flag = prefill.owned_flag_in(args)
+    if flag:
+        raise SpecError(f"{flag} in engine.args: the operator sets the P/D flags from "
+                        f"spec.prefill (add spec.prefill for a prefill pool)")
+    flag = lora.owned_flag_in(args) if lora.enabled(owner.spec) else None
+    if flag:
+        raise SpecError(f"{flag} in engine.args: with spec.adapters or engine.lora the "
+                        f"operator sets the LoRA flags and loads the adapters itself "
+                        f"(list them in spec.adapters, sizes in engine.lora)")
+
+
+def llmserve_launch(owner: Owner, model: str, tp: int) -> tuple[str, list[str], list[str]]:
+    """(image, command, args) of llmserve's OpenAI server, before the features' flags."""
+    engine = owner.spec.get("engine", {})
+    check_known_shape(owner, tp)
+    gpus = owner.spec.get("resources", {}).get("gpus", 0)
+    image = engine.get("image") or (DEFAULT_GPU_IMAGE if gpus else DEFAULT_IMAGE)
+    args = ["--model", model, "--served-model-name", owner.model_name,
+            "--host", "0.0.0.0", "--port", str(engine.get("port", 8000)),
+            "--dtype", engine.get("dtype", "auto")]
+    if tp > 1:
+        args += ["--tensor-parallel-size", str(tp)]
+    return image, ["llmserve", "serve"], args + spec_flag_args(engine, LLMSERVE_FLAGS)
+
+
+def vllm_launch(owner: Owner, model: str, tp: int) -> tuple[str, list[str], list[str]]:
+    """(image, command, args) of the vLLM OpenAI server, with arguments equivalent to
+    llmserve's; a setting vLLM has no equivalent of is refused, not dropped."""
+    engine = owner.spec.get("engine", {})
+    refuse_llmserve_only_settings(engine)
+    image = engine.get("image") or DEFAULT_VLLM_IMAGE
+    args = ["--served-model-name", owner.model_name, "--host", "0.0.0.0",
+            "--port", str(engine.get("port", 8000)), "--dtype", engine.get("dtype", "auto")]
+    if tp > 1:
+        args += ["--tensor-parallel-size", str(tp)]
+    revision = hf_revision(owner)
+    if revision:  # the tokenizer from the same commit as the weights
+        args += ["--revision", revision, "--tokenizer-revision", revision]
+    return image, ["vllm", "serve", model], args + spec_flag_args(engine, VLLM_FLAGS)
+
+
+def refuse_llmserve_only_settings(engine: dict) -> None:
+    if engine.get("targetITLMs") is not None:
+        raise SpecError("engine.targetITLMs needs engine.kind llmserve (vLLM has no "
+                        "step-latency cap)")
+    for key in ("maxWaiting", "maxQueueDelaySeconds"):
+        if engine.get(key) is not None:
+            # Silently dropping an overload bound would leave the queue unbounded.
+            raise SpecError(f"engine.{key} needs engine.kind llmserve (vLLM's waiting "
+                            f"queue has no bound; bound the gateway's instead)")
+
+
+def spec_flag_args(engine: dict, flags: dict[str, str]) -> list[str]:
+    """``flag value`` for each of ``flags``' spec.engine keys that is set."""
+    args = []
+    for key, flag in flags.items():
+        if engine.get(key) is not None:
+            args += [flag, str(engine[key])]
+    return args
+
+
+def feature_args(owner: Owner, tp: int, role: str) -> list[str]:
+    """The flags the spec's features add to either engine kind, then engine.args."""
+    args = []
+    if tenants_secret(owner):
+        # Classes reach the engine as request priorities; vLLM refuses a nonzero
+        # priority unless it schedules by priority, and ours ignores it under fcfs.
+        args += ["--scheduling-policy", "priority"]
+    if owner.spec.get("resources", {}).get("gpus", 0) and engine_kind(owner) == "llmserve":
+        # A node whose runtime hides the GPU must not quietly serve on its CPU: with
+        # --device cuda the engine refuses to start without CUDA.
+        args += ["--device", "cuda"]
+    args += prefill.role_args(role)
+    args += lora.engine_args(owner.spec)
+    args += speculative_args(owner, tp, role)
+    args += tracing_args(owner.spec)
+    return args + list(owner.spec.get("engine", {}).get("args", []))
+
+
+def engine_container_env(owner: Owner, role: str) -> list[dict]:
+    vllm_lora = engine_kind(owner) == "vllm" and lora.enabled(owner.spec)
+    return (engine_env(owner) + prefill.role_env(role, names(owner)["kv_secret"])
+            + ([lora.VLLM_RUNTIME_ENV] if vllm_lora else []))
 
 
 def resources(res: dict) -> dict:
@@ -561,56 +603,9 @@ def kv_transfer_secret(owner: Owner, value: str) -> dict:
 def gateway_deployment(owner: Owner) -> dict:
     gw = owner.spec.get("gateway", {})
     n = names(owner)
-    args = ["--k8s-service", f"{owner.namespace}/{n['engine']}", "--k8s-port-name", "http",
-            "--host", "0.0.0.0", "--port", str(GATEWAY_PORT),
-            "--policy", gw.get("policy", "prefix-hash"),
-            "--load-factor", str(gw.get("loadFactor", 1.25)),
-            "--prefix-chars", str(gw.get("prefixChars", 100))]
-    if prefill.has_prefill(owner.spec):  # long prompts go through both pools
-        args += ["--prefill-k8s-service", f"{owner.namespace}/{n['prefill']}"]
-    args += tracing_args(owner.spec)
-    mounts, volumes = [], []
-    secret = gw.get("apiKeySecret")
-    if secret:
-        key = secret.get("key", "api-keys")
-        volumes.append({"name": "api-keys", "secret": {"secretName": secret["name"],
-                                                        "items": [{"key": key, "path": key}]}})
-        mounts.append({"name": "api-keys", "mountPath": "/etc/llmserve/keys", "readOnly": True})
-        args += ["--api-key-file", f"/etc/llmserve/keys/{key}"]
-    env = []
-    tenants = tenants_secret(owner)
-    if tenants:
-        if secret:
-            raise SpecError("gateway.apiKeySecret and gateway.tenantsSecret are exclusive: "
-                            "with tenants, API keys are in the tenants file")
-        name, key = tenants
-        volumes.append({"name": "tenants", "secret": {"secretName": name,
-                                                       "items": [{"key": key, "path": key}]}})
-        mounts.append({"name": "tenants", "mountPath": TENANTS_DIR, "readOnly": True})
-        args += ["--tenants", f"{TENANTS_DIR}/{key}",
-                 "--peer-service", f"{owner.namespace}/{n['gateway_peers']}"]
-        # Peers are found by address; this pod's own is left out.
-        env.append({"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}})
-    max_in_flight = gw.get("maxInFlightPerEngine")
-    if max_in_flight is None and tenants:
-        # The class queues only hold requests back if engines have a bound; by default,
-        # the batch an engine can run at once.
-        max_in_flight = owner.spec.get("engine", {}).get("maxNumSeqs", 128)
-    if max_in_flight:
-        args += ["--max-in-flight", str(max_in_flight)]
-    probe = {"httpGet": {"path": "/metrics", "port": "http"}}
-    container = {
-        "name": "gateway", "image": gw.get("image") or DEFAULT_IMAGE,
-        "command": ["llmserve", "gateway"], "args": args,
-        "ports": [{"name": "http", "containerPort": GATEWAY_PORT, "protocol": "TCP"}],
-        "readinessProbe": {**probe, "periodSeconds": 2},
-        "livenessProbe": {**probe, "periodSeconds": 10},
-        "resources": {"requests": {"cpu": "100m", "memory": "128Mi"},
-                      "limits": {"memory": "512Mi"}},
-        "securityContext": CONTAINER_SECURITY,
-        "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}, *mounts],
-        **({"env": env} if env else {}),
-    }
+    files = gateway_secret_files(owner)
+    args = [*gateway_routing_args(owner), *tracing_args(owner.spec), *files.args,
+            *max_in_flight_args(owner)]
     return {
         "apiVersion": "apps/v1", "kind": "Deployment",
         "metadata": meta(owner, n["gateway"], "gateway"),
@@ -620,10 +615,89 @@ def gateway_deployment(owner: Owner) -> dict:
             "template": {"metadata": {"labels": labels(owner, "gateway")}, "spec": {
                 "serviceAccountName": n["gateway_sa"],
                 "securityContext": POD_SECURITY, "enableServiceLinks": False,
-                "containers": [container],
+                "containers": [gateway_container(gw, args, files)],
                 "volumes": [{"name": "tmp", "emptyDir": {"medium": "Memory",
-                                                          "sizeLimit": "64Mi"}}, *volumes]}},
+                                                          "sizeLimit": "64Mi"}},
+                            *files.volumes]}},
         },
+    }
+
+
+def gateway_routing_args(owner: Owner) -> list[str]:
+    """Where the engines (and the prefill pool) are, and how the gateway picks one."""
+    gw = owner.spec.get("gateway", {})
+    n = names(owner)
+    args = ["--k8s-service", f"{owner.namespace}/{n['engine']}", "--k8s-port-name", "http",
+            "--host", "0.0.0.0", "--port", str(GATEWAY_PORT),
+            "--policy", gw.get("policy", "prefix-hash"),
+            "--load-factor", str(gw.get("loadFactor", 1.25)),
+            "--prefix-chars", str(gw.get("prefixChars", 100))]
+    if prefill.has_prefill(owner.spec):  # long prompts go through both pools
+        args += ["--prefill-k8s-service", f"{owner.namespace}/{n['prefill']}"]
+    return args
+
+
+@dataclass
+class SecretFiles:
+    """Files the gateway reads from Secrets: their volumes and mounts, and the flags
+    and environment that point it at them."""
+    args: list[str] = field(default_factory=list)
+    volumes: list[dict] = field(default_factory=list)
+    mounts: list[dict] = field(default_factory=list)
+    env: list[dict] = field(default_factory=list)
+
+    def add(self, volume: str, secret: str, key: str, mount_path: str) -> None:
+        self.volumes.append({"name": volume, "secret": {"secretName": secret,
+                                                         "items": [{"key": key, "path": key}]}})
+        self.mounts.append({"name": volume, "mountPath": mount_path, "readOnly": True})
+
+
+def gateway_secret_files(owner: Owner) -> SecretFiles:
+    """The API keys file, or the tenants file (whose tenants hold the API keys, and
+    whose limits the replicas share through their peers)."""
+    files = SecretFiles()
+    api_keys = owner.spec.get("gateway", {}).get("apiKeySecret")
+    if api_keys:
+        key = api_keys.get("key", "api-keys")
+        files.add("api-keys", api_keys["name"], key, "/etc/llmserve/keys")
+        files.args += ["--api-key-file", f"/etc/llmserve/keys/{key}"]
+    tenants = tenants_secret(owner)
+    if tenants:
+        if api_keys:
+            raise SpecError("gateway.apiKeySecret and gateway.tenantsSecret are exclusive: "
+                            "with tenants, API keys are in the tenants file")
+        name, key = tenants
+        files.add("tenants", name, key, TENANTS_DIR)
+        files.args += ["--tenants", f"{TENANTS_DIR}/{key}",
+                       "--peer-service", f"{owner.namespace}/{names(owner)['gateway_peers']}"]
+        # Peers are found by address; this pod's own is left out.
+        files.env.append({"name": "POD_IP",
+                          "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}})
+    return files
+
+
+def max_in_flight_args(owner: Owner) -> list[str]:
+    max_in_flight = owner.spec.get("gateway", {}).get("maxInFlightPerEngine")
+    if max_in_flight is None and tenants_secret(owner):
+        # The class queues only hold requests back if engines have a bound; by default,
+        # the batch an engine can run at once.
+        max_in_flight = owner.spec.get("engine", {}).get("maxNumSeqs", 128)
+    return ["--max-in-flight", str(max_in_flight)] if max_in_flight else []
+
+
+def gateway_container(gw: dict, args: list[str], files: SecretFiles) -> dict:
+    probe = {"httpGet": {"path": "/metrics", "port": "http"}}
+    return {
+        "name": "gateway", "image": gw.get("image") or DEFAULT_IMAGE,
+        "command": ["llmserve", "gateway"], "args": args,
+        "ports": [{"name": "http", "containerPort": GATEWAY_PORT, "protocol": "TCP"}],
+        "readinessProbe": {**probe, "periodSeconds": 2},
+        "livenessProbe": {**probe, "periodSeconds": 10},
+        "resources": {"requests": {"cpu": "100m", "memory": "128Mi"},
+                      "limits": {"memory": "512Mi"}},
+        "securityContext": CONTAINER_SECURITY,
+        "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}, *files.mounts],
+        **({"env": files.env} if files.env else {}),
     }
 
 
