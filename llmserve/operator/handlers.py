@@ -16,6 +16,8 @@ import json
 import logging
 import secrets
 import time
+from dataclasses import dataclass
+from typing import NamedTuple
 
 import aiohttp
 import kopf
@@ -125,75 +127,126 @@ def update_prefill_status(patch, fields: dict) -> None:
     patch.status["prefill"] = {**(patch.status.get("prefill") or {}), **fields}
 
 
+@dataclass
+class Plan:
+    """What one pass applies: each pool's replicas, and the children they render to."""
+    replicas: int
+    prefill_replicas: int
+    desired: list[dict]
+    tenants_problem: str | None  # a bad tenants file the running gateways outlive
+
+
 async def reconcile(body, patch, logger) -> None:
+    """One pass: plan the children, apply them, read the pools back, bring the
+    adapters in line, write the status."""
     o = owner_of(body)
     status = dict(body.get("status") or {})
-    conditions = []
     async with client.ApiClient() as api:
-        tenants_problem = None
         try:
-            replicas = await engine_replicas(api, o, status)
-            # A prefill pool with no decode engine to hand KV to follows it to zero.
-            prefill_n = (await prefill_replicas(api, o, status)
-                         if has_prefill(o.spec) and replicas > 0 else 0)
-            desired = children(o, replicas, prefill_n)
-            try:
-                await check_tenants(api, o)
-            except SpecError as e:
-                # Running gateways keep their last good file, so a bad edit must not
-                # stop reconciling (scaling, drift repair); a first rollout waits.
-                if await kube.get_deployment(api, o.namespace, names(o)["gateway"]) is None:
-                    raise
-                tenants_problem = str(e)
-                kopf.warn(body, reason="InvalidTenants", message=tenants_problem)
-                metrics.record_reconcile_error(o.namespace, o.name, "InvalidTenants")
+            plan = await plan_children(api, body, o, status)
         except SpecError as e:
-            kopf.warn(body, reason="InvalidSpec", message=str(e))
-            metrics.record_reconcile_error(o.namespace, o.name, "InvalidSpec")
-            conditions = [condition("Degraded", True, "InvalidSpec", str(e), o.generation),
-                          condition("Ready", False, "InvalidSpec", str(e), o.generation),
-                          condition("Progressing", False, "InvalidSpec", str(e), o.generation)]
-            patch.status["conditions"] = merge_conditions(status.get("conditions"), conditions)
-            patch.status["observedGeneration"] = o.generation
+            refuse_spec(body, patch, o, status, str(e))
             return
-        # A fresh random value each pass, used only when the Secret does not exist yet.
-        once = [kv_transfer_secret(o, secrets.token_urlsafe(32))] if has_prefill(o.spec) else []
-        try:
-            fingerprint = await create_once(api, body, once)
-            if fingerprint:  # the pods, stamped with the value they will read
-                desired = children(o, replicas, prefill_n, fingerprint)
-            await converge(api, body, o, desired, once)
-        except ConvergeError as e:
-            message = str(e)
-            kopf.warn(body, reason="ApplyFailed", message=message)
-            metrics.record_reconcile_error(o.namespace, o.name, "ApplyFailed")
-            patch.status["conditions"] = merge_conditions(status.get("conditions"), [
-                condition("Degraded", True, "ApplyFailed", message, o.generation)])
-            raise kopf.TemporaryError(message, delay=10) from e
-        engine = await kube.get_deployment(api, o.namespace, names(o)["engine"]) or {}
-        gateway = await kube.get_deployment(api, o.namespace, names(o)["gateway"]) or {}
-        pool = (await kube.get_deployment(api, o.namespace, names(o)["prefill"]) or {}
-                if has_prefill(o.spec) else None)
+        await apply_children(api, body, patch, o, status, plan)
+        live = await read_deployments(api, o)
     adapters = await sync_adapters(patch, o, status, body)
-    ready = int((engine.get("status") or {}).get("readyReplicas") or 0)
-    gw_ready = int((gateway.get("status") or {}).get("readyReplicas") or 0)
-    current = int((engine.get("status") or {}).get("replicas") or 0)
-    metrics.record_replicas(o.namespace, o.name, "engine", replicas, current)
+    write_status(patch, o, status, plan, live, adapters)
+
+
+async def plan_children(api, body, o: Owner, status: dict) -> Plan:
+    """The replicas and children this pass applies; SpecError when the spec cannot be
+    realised."""
+    replicas = await engine_replicas(api, o, status)
+    # A prefill pool with no decode engine to hand KV to follows it to zero.
+    prefill_n = (await prefill_replicas(api, o, status)
+                 if has_prefill(o.spec) and replicas > 0 else 0)
+    desired = children(o, replicas, prefill_n)
+    return Plan(replicas, prefill_n, desired, await tenants_problem(api, body, o))
+
+
+async def tenants_problem(api, body, o: Owner) -> str | None:
+    """What is wrong with the tenants file, once gateways already run; SpecError for a
+    first rollout."""
+    try:
+        await check_tenants(api, o)
+    except SpecError as e:
+        # Running gateways keep their last good file, so a bad edit must not
+        # stop reconciling (scaling, drift repair); a first rollout waits.
+        if await kube.get_deployment(api, o.namespace, names(o)["gateway"]) is None:
+            raise
+        kopf.warn(body, reason="InvalidTenants", message=str(e))
+        metrics.record_reconcile_error(o.namespace, o.name, "InvalidTenants")
+        return str(e)
+    return None
+
+
+def refuse_spec(body, patch, o: Owner, status: dict, message: str) -> None:
+    """A spec that cannot be realised: Degraded, not Ready, not Progressing."""
+    kopf.warn(body, reason="InvalidSpec", message=message)
+    metrics.record_reconcile_error(o.namespace, o.name, "InvalidSpec")
+    conditions = [condition("Degraded", True, "InvalidSpec", message, o.generation),
+                  condition("Ready", False, "InvalidSpec", message, o.generation),
+                  condition("Progressing", False, "InvalidSpec", message, o.generation)]
+    patch.status["conditions"] = merge_conditions(status.get("conditions"), conditions)
+    patch.status["observedGeneration"] = o.generation
+
+
+async def apply_children(api, body, patch, o: Owner, status: dict, plan: Plan) -> None:
+    """Create what is made once, then converge on the plan; a failed API call is
+    Degraded and retried (kopf.TemporaryError)."""
+    # A fresh random value each pass, used only when the Secret does not exist yet.
+    once = [kv_transfer_secret(o, secrets.token_urlsafe(32))] if has_prefill(o.spec) else []
+    desired = plan.desired
+    try:
+        fingerprint = await create_once(api, body, once)
+        if fingerprint:  # the pods, stamped with the value they will read
+            desired = children(o, plan.replicas, plan.prefill_replicas, fingerprint)
+        await converge(api, body, o, desired, once)
+    except ConvergeError as e:
+        message = str(e)
+        kopf.warn(body, reason="ApplyFailed", message=message)
+        metrics.record_reconcile_error(o.namespace, o.name, "ApplyFailed")
+        patch.status["conditions"] = merge_conditions(status.get("conditions"), [
+            condition("Degraded", True, "ApplyFailed", message, o.generation)])
+        raise kopf.TemporaryError(message, delay=10) from e
+
+
+class LiveDeployments(NamedTuple):
+    """The pools' Deployments as read back after applying ({} when absent)."""
+    engine: dict
+    gateway: dict
+    prefill: dict | None  # None without spec.prefill
+
+
+async def read_deployments(api, o: Owner) -> LiveDeployments:
+    engine = await kube.get_deployment(api, o.namespace, names(o)["engine"]) or {}
+    gateway = await kube.get_deployment(api, o.namespace, names(o)["gateway"]) or {}
+    pool = (await kube.get_deployment(api, o.namespace, names(o)["prefill"]) or {}
+            if has_prefill(o.spec) else None)
+    return LiveDeployments(engine, gateway, pool)
+
+
+def replica_count(deployment: dict, field: str) -> int:
+    """status.replicas or status.readyReplicas of a Deployment read back (0 if unset)."""
+    return int((deployment.get("status") or {}).get(field) or 0)
+
+
+def write_status(patch, o: Owner, status: dict, plan: Plan, live: LiveDeployments,
+                 adapters: lora.Report | None) -> None:
+    """The status from the Deployments read back: replicas, readiness, conditions."""
+    ready = replica_count(live.engine, "readyReplicas")
+    gw_ready = replica_count(live.gateway, "readyReplicas")
+    current = replica_count(live.engine, "replicas")
+    metrics.record_replicas(o.namespace, o.name, "engine", plan.replicas, current)
     # Serving needs the main pool and a gateway; without prefill engines the decode
     # engines prefill themselves, so the prefill pool shows in Progressing only.
-    is_ready = (ready >= 1 or replicas == 0) and gw_ready >= 1
-    progressing = ready < replicas or gw_ready < 1
-    message = f"{ready}/{replicas} engine replicas ready, {gw_ready} gateway ready"
-    if pool is not None:
-        p_ready = int((pool.get("status") or {}).get("readyReplicas") or 0)
-        metrics.record_replicas(o.namespace, o.name, "prefill", prefill_n,
-                                int((pool.get("status") or {}).get("replicas") or 0))
-        progressing = progressing or p_ready < prefill_n
-        message += f", {p_ready}/{prefill_n} prefill replicas ready"
-        update_prefill_status(patch, {
-            "replicas": int((pool.get("status") or {}).get("replicas") or 0),
-            "readyReplicas": p_ready, "desiredReplicas": prefill_n,
-            "ready": f"{p_ready}/{prefill_n}"})
+    is_ready = (ready >= 1 or plan.replicas == 0) and gw_ready >= 1
+    progressing = ready < plan.replicas or gw_ready < 1
+    message = f"{ready}/{plan.replicas} engine replicas ready, {gw_ready} gateway ready"
+    if live.prefill is not None:
+        p_ready = write_prefill_status(patch, o, live.prefill, plan.prefill_replicas)
+        progressing = progressing or p_ready < plan.prefill_replicas
+        message += f", {p_ready}/{plan.prefill_replicas} prefill replicas ready"
     elif status.get("prefill") is not None:
         patch.status["prefill"] = None  # spec.prefill removed: so is its column
     conditions = [
@@ -201,13 +254,25 @@ async def reconcile(body, patch, logger) -> None:
                   o.generation),
         condition("Progressing", progressing, "ScalingOrStarting" if progressing else "Stable",
                   message, o.generation),
-        degraded(tenants_problem, adapters, o, status),
+        degraded(plan.tenants_problem, adapters, o, status),
     ]
     patch.status.update({
         "observedGeneration": o.generation, "replicas": current, "readyReplicas": ready,
-        "desiredReplicas": replicas, "selector": selector_string(o),
+        "desiredReplicas": plan.replicas, "selector": selector_string(o),
         "endpoint": endpoint_url(o),
         "conditions": merge_conditions(status.get("conditions"), conditions)})
+
+
+def write_prefill_status(patch, o: Owner, pool: dict, desired: int) -> int:
+    """status.prefill from the prefill Deployment read back; its ready replicas."""
+    p_ready = replica_count(pool, "readyReplicas")
+    metrics.record_replicas(o.namespace, o.name, "prefill", desired,
+                            replica_count(pool, "replicas"))
+    update_prefill_status(patch, {
+        "replicas": replica_count(pool, "replicas"),
+        "readyReplicas": p_ready, "desiredReplicas": desired,
+        "ready": f"{p_ready}/{desired}"})
+    return p_ready
 
 
 async def sync_adapters(patch, o: Owner, status: dict, body) -> lora.Report | None:
