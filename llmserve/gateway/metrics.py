@@ -15,14 +15,28 @@ def outcome_of(status: int) -> str:
 
 
 class GatewayMetrics:
+    """Collectors grouped by what they measure, registered in this order (the order
+    /metrics lists them in)."""
+
     def __init__(self):
-        self.registry = r = CollectorRegistry()
+        self.registry = CollectorRegistry()
+        self._request_metrics()
+        self._upstream_health_metrics()
+        self._routing_metrics()
+        self._disaggregation_metrics()
+        self._tenant_metrics()
+
+    def _request_metrics(self) -> None:
         # model / adapter: a request's base model and LoRA adapter ("" for the base
         # model itself); names no engine lists are "unknown" (models.labels_for).
         self.requests = Counter("llmserve_gateway_requests",
                                 "Requests answered, by base model and LoRA adapter too.",
                                 ["path", "code", "tenant", "class", "outcome", "model",
-                                 "adapter"], registry=r)
+                                 "adapter"], registry=self.registry)
+
+    def _upstream_health_metrics(self) -> None:
+        """How engines failed, stalled or pushed back, and what the gateway did about it."""
+        r = self.registry
         self.upstream_errors = Counter(
             "llmserve_gateway_upstream_errors",
             "Upstream failures, each of which ejects the endpoint, by reason: connection "
@@ -46,6 +60,10 @@ class GatewayMetrics:
             "error event and [DONE]).", registry=r)
         self.retries = Counter("llmserve_gateway_retries",
                                "Requests retried on another endpoint.", registry=r)
+
+    def _routing_metrics(self) -> None:
+        """Where requests went, what each endpoint holds, and how fast it answers."""
+        r = self.registry
         self.decisions = Counter("llmserve_gateway_routing_decisions",
                                  "Routing decisions by endpoint and reason.",
                                  ["endpoint", "reason"], registry=r)
@@ -63,7 +81,10 @@ class GatewayMetrics:
             "model and LoRA adapter.", ["model", "adapter"],
             buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
             registry=r)
-        # --- prefill/decode disaggregation (with a prefill pool; disagg.py) ---
+
+    def _disaggregation_metrics(self) -> None:
+        """Prefill/decode disaggregation, with a prefill pool (disagg.py)."""
+        r = self.registry
         self.pd_requests = Counter(
             "llmserve_gateway_pd_requests",
             "Completions and chat requests by prefill/decode mode: disaggregated (leg 1 on "
@@ -80,7 +101,11 @@ class GatewayMetrics:
         self.prefill_endpoints = Gauge("llmserve_gateway_prefill_endpoints",
                                        "Known prefill endpoints by state.", ["state"],
                                        registry=r)
-        # --- tenants (with --tenants) ---
+
+    def _tenant_metrics(self) -> None:
+        """Class queues, limits and the replicas sharing them (with --tenants), and the
+        time to first byte per class."""
+        r = self.registry
         self.queue_depth = Gauge("llmserve_gateway_queue_depth",
                                  "Requests waiting in a class queue, per tenant.",
                                  ["class", "tenant"], registry=r)
