@@ -20,6 +20,7 @@ sends nothing until it is complete), and the request keeps waiting.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import json
 import logging
@@ -287,55 +288,84 @@ class Gateway:
         ep = self.pool.endpoints.get(url)
         if ep is None:
             return "endpoint left"
-        ep.in_flight += 1
+        with self._counted_in_flight(ep, url, request):
+            watch = self.hangs.watch(url)
+            try:
+                return await self._exchange(request, body, url, watch)
+            finally:
+                self.hangs.unwatch(watch)
+
+    @contextlib.contextmanager
+    def _counted_in_flight(self, ep, url: str, request: web.Request):
+        """Count the request on its endpoint (by its class's priority too, with tenants)
+        and in the in-flight gauge while it is there."""
         turn: Turn | None = request.get("turn")
         priority = turn.cls.priority if turn is not None else None
+        ep.in_flight += 1
         if priority is not None:
             ep.by_priority[priority] = ep.by_priority.get(priority, 0) + 1
         gauge = self.metrics.in_flight.labels(url)
         gauge.inc()
-        upstream = None
-        done = False
-        watch = self.hangs.watch(url)
         try:
-            t0 = time.perf_counter()
-            try:
-                upstream = await watch.head(self.session.request(
-                    request.method, url + request.rel_url.path_qs, data=body,
-                    headers=self.upstream_headers(request)),
-                    self.config.upstream_first_byte_timeout)
-            except UpstreamHung as e:  # ejected already; nothing reached the client
-                request[HUNG] = f"{url}: {e}"
-                return request[HUNG]
-            except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
-                self._failed(url, "connection")
-                return f"{url}: {e!r}"
-            self.metrics.upstream_latency.labels(*request.get(MODEL_LABELS, ("", ""))).observe(
-                time.perf_counter() - t0)
-            if upstream.status == 503 and await overloaded(upstream):
-                # Busy, not broken: try another endpoint, but do not eject this one.
-                self.metrics.upstream_overloaded.labels(url).inc()
-                request[OVERLOADED] = upstream.headers.get("Retry-After", "1")
-                done = upstream.content.at_eof()
-                return f"{url}: overloaded"
-            if upstream.status >= 500:
-                self._failed(url, "status")
-                return f"{url}: HTTP {upstream.status}"
-            self.pool.succeeded(url)
-            self.affinity.remember(upstream.headers, url)
-            response = await self._stream_back(request, upstream, watch)
-            done = upstream.content.at_eof()
-            return response
+            yield
         finally:
-            self.hangs.unwatch(watch)
             ep.in_flight -= 1
             if priority is not None:
                 ep.by_priority[priority] -= 1
             gauge.dec()
-            if upstream is not None:
-                # Reuse the connection only when the response was read to the end; closing
-                # it otherwise also tells the engine to abort (client gone, error).
-                upstream.release() if done else upstream.close()
+
+    async def _exchange(self, request: web.Request, body: bytes | None, url: str, watch):
+        """Send the request to ``url`` and act on its answer (``_answer``)."""
+        upstream = await self._send(request, body, url, watch)
+        if isinstance(upstream, str):
+            return upstream
+        done = False
+        try:
+            result, done = await self._answer(request, url, upstream, watch)
+            return result
+        finally:
+            # Reuse the connection only when the response was read to the end; closing
+            # it otherwise also tells the engine to abort (client gone, error).
+            upstream.release() if done else upstream.close()
+
+    async def _send(self, request: web.Request, body: bytes | None, url: str, watch
+                    ) -> aiohttp.ClientResponse | str:
+        """The upstream's response head, or an error string when none came: the
+        endpoint hung (the watch ejected it already) or the connection failed (ejected
+        here). Nothing has reached the client either way."""
+        t0 = time.perf_counter()
+        try:
+            upstream = await watch.head(self.session.request(
+                request.method, url + request.rel_url.path_qs, data=body,
+                headers=self.upstream_headers(request)),
+                self.config.upstream_first_byte_timeout)
+        except UpstreamHung as e:
+            request[HUNG] = f"{url}: {e}"
+            return request[HUNG]
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+            self._failed(url, "connection")
+            return f"{url}: {e!r}"
+        self.metrics.upstream_latency.labels(*request.get(MODEL_LABELS, ("", ""))).observe(
+            time.perf_counter() - t0)
+        return upstream
+
+    async def _answer(self, request: web.Request, url: str, upstream, watch
+                      ) -> tuple[web.StreamResponse | str, bool]:
+        """(the response streamed back to the client, or an error string when the
+        engine is busy or failed, so another endpoint may be tried; whether the upstream
+        body was read to its end)."""
+        if upstream.status == 503 and await overloaded(upstream):
+            # Busy, not broken: try another endpoint, but do not eject this one.
+            self.metrics.upstream_overloaded.labels(url).inc()
+            request[OVERLOADED] = upstream.headers.get("Retry-After", "1")
+            return f"{url}: overloaded", upstream.content.at_eof()
+        if upstream.status >= 500:
+            self._failed(url, "status")
+            return f"{url}: HTTP {upstream.status}", False
+        self.pool.succeeded(url)
+        self.affinity.remember(upstream.headers, url)
+        response = await self._stream_back(request, upstream, watch)
+        return response, upstream.content.at_eof()
 
     async def read_model_lists(self) -> list[dict[str, dict] | None]:
         """Each live endpoint's /v1/models now (URL order), or its last known list."""
