@@ -30,6 +30,7 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -167,42 +168,33 @@ class NixlTransport(KVTransport):
 
     def _read(self, remote: dict, src_ids: list[int], dst_ids: list[int],
               timeout: float) -> int:
+        """READ the peer's blocks ``src_ids`` into ours ``dst_ids``; the bytes moved."""
         st = self.storage
         if st is None:
             raise RuntimeError("NixlTransport.register was not called")
         if len(src_ids) != len(dst_ids):
             raise KVTransferError("protocol", "src_ids and dst_ids differ in length")
-        region = _region_bytes(st)
-        try:
-            shape = [int(x) for x in remote["shape"]]
-            base, agent = int(remote["base"]), str(remote["agent"])
-            remote_region = int(remote["region_bytes"])
-            mem_type = str(remote["mem_type"])
-            device_id = int(remote.get("device_id", 0))
-            agent_metadata = base64.b64decode(remote["agent_metadata"])
-        except (KeyError, TypeError, ValueError) as e:
-            raise KVTransferError("protocol", f"bad NIXL metadata from the peer: {e}") from e
-        if (len(shape) != 6 or shape[:2] != list(st.shape[:2]) or remote_region != region
-                or mem_type not in ("DRAM", "VRAM")):
-            raise KVTransferError("mismatch", f"the peer's KV storage {shape} "
-                                  f"({remote_region} B regions) does not fit ours "
-                                  f"{list(st.shape)} ({region} B regions)")
+        peer = PeerStorage.parse(remote, st)
         if not src_ids:
             return 0
-        # In the peer's address order: a block run listed out of order still merges.
-        order = np.argsort(np.asarray(src_ids, dtype=np.int64), kind="stable")
-        src = np.asarray(src_ids, dtype=np.int64)[order]
-        dst = np.asarray(dst_ids, dtype=np.int64)[order]
-        if src.min() < 0 or src.max() >= shape[2] or dst.min() < 0 or dst.max() >= st.shape[2]:
-            raise KVTransferError("protocol", "block ids out of range")
-        remote_descs = _descs(base, shape[0] * shape[1], shape[2], region, src, dst,
-                              device_id, source=True)
+        src, dst = _in_peer_order(src_ids, dst_ids, peer.shape[2], st.shape[2])
+        region = _region_bytes(st)  # the peer's as well (PeerStorage.parse)
+        remote_descs = _descs(peer.base, peer.shape[0] * peer.shape[1], peer.shape[2],
+                              region, src, dst, peer.device_id, source=True)
         local_descs = _descs(st.data_ptr(), st.shape[0] * st.shape[1], st.shape[2], region,
                              src, dst, max(st.get_device(), 0), source=False)
-        remote_name = self._remote_agent(agent, agent_metadata)
+        remote_name = self._remote_agent(peer.agent, peer.agent_metadata)
+        local = self.agent.get_xfer_descs(local_descs, _mem_type(st))
+        remote_list = self.agent.get_xfer_descs(remote_descs, peer.mem_type)
+        self._transfer(local, remote_list, remote_name, peer.agent, timeout)
+        if st.is_cuda:
+            torch.cuda.synchronize(st.device)
+        return len(src_ids) * peer.shape[0] * peer.shape[1] * region
+
+    def _transfer(self, local, remote_list, remote_name: str, agent: str,
+                  timeout: float) -> None:
+        """Post the READ and drive it to completion; the handle is released either way."""
         ag = self.agent
-        local = ag.get_xfer_descs(local_descs, _mem_type(st))
-        remote_list = ag.get_xfer_descs(remote_descs, mem_type)
         handle = ag.initialize_xfer("READ", local, remote_list, remote_name)
         try:
             state = ag.transfer(handle)
@@ -219,9 +211,6 @@ class NixlTransport(KVTransport):
                 ag.release_xfer_handle(handle)
             except Exception as e:  # an in-flight READ that cannot be cancelled
                 log.warning("NIXL: could not release a transfer handle: %s", e)
-        if st.is_cuda:
-            torch.cuda.synchronize(st.device)
-        return len(src_ids) * shape[0] * shape[1] * region
 
     def _remote_agent(self, agent: str, agent_metadata: bytes) -> str:
         with self._lock:
@@ -266,6 +255,50 @@ def _shared_memory_only(ucx_tls: str) -> bool:
     if not names or names[0].startswith("^"):
         return False
     return not any(t.startswith(_NETWORK_TLS) for t in names)
+
+
+@dataclass(frozen=True)
+class PeerStorage:
+    """The prefill engine's KV storage, as its hello's ``metadata()`` describes it."""
+    shape: list[int]
+    base: int
+    agent: str
+    region_bytes: int
+    mem_type: str
+    device_id: int
+    agent_metadata: bytes
+
+    @classmethod
+    def parse(cls, remote: dict, ours: torch.Tensor) -> PeerStorage:
+        """The peer's metadata, refused unless its blocks are laid out as ``ours``."""
+        try:
+            peer = cls(shape=[int(x) for x in remote["shape"]], base=int(remote["base"]),
+                       agent=str(remote["agent"]),
+                       region_bytes=int(remote["region_bytes"]),
+                       mem_type=str(remote["mem_type"]),
+                       device_id=int(remote.get("device_id", 0)),
+                       agent_metadata=base64.b64decode(remote["agent_metadata"]))
+        except (KeyError, TypeError, ValueError) as e:
+            raise KVTransferError("protocol", f"bad NIXL metadata from the peer: {e}") from e
+        region = _region_bytes(ours)
+        if (len(peer.shape) != 6 or peer.shape[:2] != list(ours.shape[:2])
+                or peer.region_bytes != region or peer.mem_type not in ("DRAM", "VRAM")):
+            raise KVTransferError("mismatch", f"the peer's KV storage {peer.shape} "
+                                  f"({peer.region_bytes} B regions) does not fit ours "
+                                  f"{list(ours.shape)} ({region} B regions)")
+        return peer
+
+
+def _in_peer_order(src_ids: list[int], dst_ids: list[int], peer_blocks: int,
+                   our_blocks: int) -> tuple[np.ndarray, np.ndarray]:
+    """(src, dst) sorted by the peer's block ids, so a block run listed out of order
+    still merges into one region; refused when an id is out of either storage."""
+    order = np.argsort(np.asarray(src_ids, dtype=np.int64), kind="stable")
+    src = np.asarray(src_ids, dtype=np.int64)[order]
+    dst = np.asarray(dst_ids, dtype=np.int64)[order]
+    if src.min() < 0 or src.max() >= peer_blocks or dst.min() < 0 or dst.max() >= our_blocks:
+        raise KVTransferError("protocol", "block ids out of range")
+    return src, dst
 
 
 def _region_bytes(storage: torch.Tensor) -> int:
