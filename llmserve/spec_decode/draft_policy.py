@@ -54,7 +54,8 @@ class StepCost:
         if len(self._seen) < 2:
             self._seen.add(drafted)
         self._unfitted += 1
-        # A fit costs ~0.2 ms, a CPU decode step ~10: refit every few steps.
+        # A fit is small next to a decode step but not free, and the costs drift
+        # slowly: refit every few steps, not every step.
         if len(self._seen) == 2 and (self.coef is None or self._unfitted >= REFIT_EVERY):
             self.coef = tuple(float(c) for c in self._fit.solve())
             self._unfitted = 0

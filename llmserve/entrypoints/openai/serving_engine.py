@@ -161,9 +161,9 @@ async def interleave(gens: list):
     Closing this generator aborts the requests."""
     if len(gens) == 1:
         # One prompt (most requests): read in the caller's task, without a pump task and
-        # a second queue, whose extra wake-up a token cost the HTTP thread a fifth of its
-        # CPU time under 32 streams, time the engine's threads then lose too
-        # (docs/benchmarks.md, twelfth slice). Closing us closes it, which aborts.
+        # a second queue, whose extra wake-up per token costs the HTTP thread CPU time
+        # that the engine's threads, sharing the cores, then lose too. Closing us
+        # closes it, which aborts.
         async with contextlib.aclosing(gens[0]) as gen:
             try:
                 async for out in gen:
