@@ -14,8 +14,9 @@ from llmserve.core.sched.output import ScheduledBatch
 from llmserve.distributed.shapes import rank_shape
 from llmserve.kernels.cpu.attention import make_cpu_plan
 from llmserve.kernels.cpu.gemm import packing_applies
-from llmserve.kernels.cpu.native import DTYPE_CODES, decode_kernel
+from llmserve.kernels.cpu.native import DTYPE_CODES, cpu_library
 from llmserve.model_executor.layers.attention import AttentionMetadata, forward_context
+from llmserve.model_executor.layers.backends import backends_for, bind_backends
 from llmserve.model_executor.layers.cpu_linear import pack_linears
 from llmserve.model_executor.layers.fused_moe.layer import SparseMoeBlock
 from llmserve.model_executor.layers.prompt_logprobs import (
@@ -96,8 +97,6 @@ class ModelRunner:
             # A Q8_0 embedding (GGUF) kept as its int8 blocks: the same rows, half the memory.
             compact_embedding(model, checkpoint_slice(model, model_path,
                                                       "model.embed_tokens.weight"))
-        if config.fused_kernels:  # Triton add+RMSNorm, rotary+KV write, SiLU*up
-            model.enable_fused_kernels()
         self.model = model.eval()
         if self.device.type == "cpu" and huge_pages_wanted():
             # The weights onto 2 MB pages: before anything keeps pointers into them (the
@@ -106,11 +105,14 @@ class ModelRunner:
         self.hf_config = hf_config
         self.block_size = config.block_size
         self.use_triton = self._want_triton()
+        # Each norm, attention and MLP takes its implementation, once.
+        bind_backends(self.model, backends_for(self.device, self.dtype, config.fused_kernels,
+                                               self.use_triton))
         if self.use_triton:  # a MoE layer's experts in one grouped launch, as attention
             for module in self.model.modules():
                 if isinstance(module, SparseMoeBlock):
                     module.use_triton_kernel()
-        self.native_decode = self._want_native_decode()
+        self.c_attention = self._want_c_attention()
         # Multi-LoRA: the packed or quantised projections wrapped, their adapter slots
         # allocated before the KV cache takes what memory is left (the native decoder
         # computes the wrapped projections and steps aside when an adapter runs).
@@ -126,7 +128,7 @@ class ModelRunner:
         self.model.bind_kv_cache(self.kv_cache.storage)
         if config.compile:
             self.model.model.compile_layers()
-        elif self.native_decode:  # after the cache is bound: it keeps pointers into it
+        elif self.c_attention:  # after the cache is bound: it keeps pointers into it
             self.model.model.native_decoder = NativeDecoder.try_build(self.model)
         if self.lora is not None and self.model.model.native_decoder is not None:
             self.model.model.native_decoder.lora_state = self.lora.state
@@ -214,12 +216,12 @@ class ModelRunner:
                         dtype=self.dtype)
         return True
 
-    def _want_native_decode(self) -> bool:
-        """Decodes in the C kernel: on CPUs, for the dtypes it knows, when it builds
-        (at start-up, so no request waits for the compiler)."""
+    def _want_c_attention(self) -> bool:
+        """Decodes and short prefills attend in the C kernel: on CPUs, for the dtypes it
+        knows, when it builds (at start-up, so no request waits for the compiler)."""
         if self.device.type != "cpu" or self.use_triton or self.dtype not in DTYPE_CODES:
             return False
-        return decode_kernel() is not None
+        return cpu_library() is not None
 
     # --- one step ---------------------------------------------------------------------
     def flatten(self, batch: ScheduledBatch, pending_row_of: dict[int, int] | None = None
@@ -289,7 +291,7 @@ class ModelRunner:
         )
         if not self.use_triton:
             meta.plan = make_cpu_plan(inputs.query_start, inputs.seq_lens, tables,
-                                      self.block_size, self.num_blocks, self.native_decode,
+                                      self.block_size, self.num_blocks, self.c_attention,
                                       device=dev)
         ids = torch.tensor(inputs.input_ids, dtype=torch.long, device=dev)
         pos = torch.tensor(inputs.positions, dtype=torch.long, device=dev)

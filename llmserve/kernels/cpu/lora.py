@@ -6,7 +6,7 @@ slice i's A in rows ``i*R : i*R + rank`` (zero past the slot's rank), and one
 ``b[i] [S, N_i, R]`` per output slice. A step's ``CPULoRAPlan`` (built once per step,
 for every layer) groups the batch's rows by slot.
 
-Where the CPU kernels are built (``native.decode_kernel``), one call of ``lora.c`` does
+Where the CPU kernels are built (``native.cpu_library``), one call of ``lora.c`` does
 a projection's whole LoRA: every group's rows are read and written in place (whatever
 their number, order or size), shrunk and expanded slice by slice in float32 sums, and
 added to y rounded once. Its weights are gathered once (``gather_native_weights``) per set of
@@ -179,7 +179,7 @@ def _native_applies(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor) -> bool:
     return (x.dim() == 2 and y.dim() == 2 and x.dtype == y.dtype
             and x.dtype in native.DTYPE_CODES and a.dtype in native.DTYPE_CODES
             and x.is_cpu and y.is_cpu and x.stride(1) == 1 and y.stride(1) == 1
-            and not torch.compiler.is_compiling() and native.decode_kernel() is not None)
+            and not torch.compiler.is_compiling() and native.cpu_library() is not None)
 
 
 def _add_small(y, x, ag, bg, plan: CPULoRAPlan) -> None:

@@ -17,7 +17,7 @@ from typing import NamedTuple
 import torch
 
 from llmserve.core.request import Sequence
-from llmserve.kernels.cpu.native import argmax_rows, native_bf16_applies
+from llmserve.kernels.cpu.native import argmax_applies, argmax_rows
 from llmserve.model_executor.layers.token_controls import apply_token_controls
 
 # Top-k/top-p rows race over their CANDIDATES likeliest tokens (one topk) instead of a
@@ -408,7 +408,7 @@ def uniform_from_bits(h: torch.Tensor) -> torch.Tensor:
 
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     """The argmax of each row (the first, on ties), by the C kernel for bf16 CPU logits."""
-    if logits.dim() == 2 and native_bf16_applies(logits):
+    if argmax_applies(logits):
         return argmax_rows(logits)
     return logits.argmax(dim=-1)
 
