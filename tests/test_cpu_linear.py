@@ -30,7 +30,7 @@ from llmserve.model_executor.layers.cpu_linear import (
     pack_linears,
 )
 from llmserve.model_executor.layers.quantization import QuantizedLinear, weight_only_mm
-from llmserve.worker import model_runner
+from llmserve.worker import model_builder
 from tests.cpu_dispatch import quant_tiled_min_rows
 
 pytestmark = pytest.mark.skipif(not packing_available(),
@@ -332,7 +332,7 @@ def test_the_engine_packs_its_dense_projections_and_computes_the_same(tiny_model
         packed = first_token_logprobs(llm)
     finally:
         llm.shutdown()
-    monkeypatch.setattr(model_runner, "packing_applies", lambda device, dtype: False)
+    monkeypatch.setattr(model_builder, "packing_applies", lambda device, dtype: False)
     llm = LLM(str(tiny_models[kind]), dtype="bfloat16", quantization="none",
               kv_cache_memory=16 << 20)
     try:

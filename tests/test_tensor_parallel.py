@@ -237,7 +237,7 @@ def test_worker_killed_mid_generation_fails_the_step(tiny_qwen2_tied):
     engine.step()
     _live.clear()  # nobody else may use this engine
     try:
-        [worker] = engine.tp_group.procs
+        [worker] = engine.runner.group.procs
         os.kill(worker.pid, signal.SIGKILL)
         with pytest.raises(WorkerDiedError, match=r"rank 1 \(pid \d+\) exited with signal "
                                                   r"SIGKILL"):

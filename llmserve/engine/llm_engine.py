@@ -28,7 +28,7 @@ from llmserve.engine.disagg import KVTransferSide
 from llmserve.engine.lora_registry import LoRARegistry
 from llmserve.engine.output import RequestOutput
 from llmserve.engine.overlap import OverlappedSteps
-from llmserve.executor.tensor_parallel import TensorParallelGroup, WorkerDiedError
+from llmserve.executor.executor import Executor
 from llmserve.model_executor.layers.quantization import (
     bf16_storage_for_int4,
     resolve_quantization,
@@ -47,7 +47,6 @@ from llmserve.spec_decode.rejection_sampler import verify
 from llmserve.spec_decode.speculator import Speculator
 from llmserve.structured_output.grammar import StructuredOutputs
 from llmserve.worker.kv_integrity import SequenceKVCheck
-from llmserve.worker.model_runner import ModelRunner
 
 log = logging.getLogger(__name__)
 
@@ -68,16 +67,12 @@ class LLMEngine:
             config.max_num_batched_tokens = max(config.max_num_batched_tokens,
                                                 self.max_model_len)
         check_tensor_parallel(self.hf_config, config.tensor_parallel_size, config.model)
-        self.tp_group = None
-        if config.tensor_parallel_size > 1:
-            self.tp_group = TensorParallelGroup(config, self.hf_config, self.model_path,
-                                                self.max_model_len)
-            # Workers stop with the engine, or at exit if it is never shut down.
-            self._stop_workers = weakref.finalize(self, self.tp_group.shutdown)
         # A draft model's cache has the target's blocks: the budget sizes them for both.
         self.draft = (DraftModel(config, self.hf_config, self.max_model_len)
                       if config.speculative is not None and config.speculative.model else None)
         self.runner = self._build_runner()
+        # Tensor-parallel workers stop with the engine, or at exit if it is never shut down.
+        self._stop_workers = weakref.finalize(self, self.runner.shutdown)
         if self.draft is not None:
             self.draft.build(self.runner.num_blocks, self.runner.num_cpu_blocks)
         # A prefill engine keeps a windowed prompt's every block: its decode peer
@@ -133,37 +128,20 @@ class LLMEngine:
                      c.dtype, c.device)
         c.quantization = resolved
 
-    def _build_runner(self) -> ModelRunner:
+    def _build_runner(self) -> Executor:
         """Rank 0's model runner; with tensor parallelism, once every worker built its."""
-        if self.tp_group is None:
-            draft = self.draft
-            return ModelRunner(self.config, self.hf_config, self.model_path, self.max_model_len,
-                               extra_bytes_per_block=draft.bytes_per_block() if draft else 0,
-                               reserved_bytes=draft.weight_bytes() if draft else 0)
-        try:
-            runner = ModelRunner(self.config, self.hf_config, self.model_path,
-                                 self.max_model_len, group=self.tp_group)
-            self.tp_group.wait_ready()
-            return runner
-        except BaseException as e:
-            # A worker that failed to load makes rank 0's collectives fail: its own
-            # message says why.
-            worker_error = self.tp_group.worker_errors()
-            self._stop_workers()
-            if worker_error:
-                raise WorkerDiedError(worker_error) from e
-            raise
+        draft = self.draft
+        return Executor.start(self.config, self.hf_config, self.model_path, self.max_model_len,
+                              extra_bytes_per_block=draft.bytes_per_block() if draft else 0,
+                              reserved_bytes=draft.weight_bytes() if draft else 0)
 
     def check_health(self) -> None:
         """Raises WorkerDiedError once a tensor-parallel worker has died."""
-        if self.tp_group is not None:
-            self.tp_group.check()
+        self.runner.check_health()
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers (nothing to do on one rank)."""
-        if self.tp_group is not None:
-            self._stop_workers()
-            self.tp_group = None
+        self._stop_workers()
 
     def structured_outputs(self) -> StructuredOutputs:
         """The grammar compiler and mask worker, built on first use (wrapping the
