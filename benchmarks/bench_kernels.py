@@ -133,7 +133,7 @@ def decode_sweep(args, device, dtype) -> list[dict]:
 
 
 def legacy_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, block_size: int) -> int:
-    """The split-KV rule before issue 27, for the comparison below (the kernel takes its
+    """The split-KV rule before the occupancy rule, compared below (the kernel takes its
     count as ``num_splits``): split only below 128 sequences x KV heads, aiming at ~256
     programs whatever the GPU (at batch 32 of an 8-KV-head model that is 256 programs,
     under two per SM of an H200)."""

@@ -28,7 +28,8 @@ from llmserve.kernels.cpu.native import cpu_library, panel_gemms_built
 from llmserve.platforms.cpu import cpu_features
 
 # The float32 copy is at most this big (a larger weight goes in chunks of columns): it
-# is memory the KV budget does not know of. An 8B model's gate_up whole would be 470 MB.
+# is memory the KV budget does not know of (an 8B model's gate_up whole is several
+# times this).
 MAX_SCRATCH_BYTES = 64 << 20
 
 _local = threading.local()  # each thread's scratch (tensor-parallel ranks may be threads)

@@ -13,11 +13,11 @@ added to y rounded once. Its weights are gathered once (``gather_native_weights`
 slots, cut to their largest rank r, in their own dtype (bf16 weights are exact in bf16,
 and half the bytes of float32): A ``[G, n*r, K]`` and B transposed over the slices,
 ``[G, r, N]``. Decode steps keep the same adapters for many steps, so the gathered copy
-is reused until the set of slots changes. A decode step's projection costs ~6 small
-torch ops on the path below, and one ctypes call on this one.
+is reused until the set of slots changes. A decode step's projection costs several
+small torch ops on the path below, and one ctypes call on this one.
 
 Without the kernels (no C compiler, torch.compile'd layers, other layouts), torch
-ops: the weights gathered in float32 (the CPU's small matmuls are ~10x faster in
+ops: the weights gathered in float32 (the CPU's small matmuls are far faster in
 float32 than in bf16 at these shapes), with B block-diagonal over the slices so that
 one matmul expands every slice and writes whole rows of y. Then:
 
@@ -191,7 +191,7 @@ def _add_small(y, x, ag, bg, plan: CPULoRAPlan) -> None:
     delta = torch.bmm(xa, bg.transpose(1, 2)).view(g * m, -1).to(y.dtype)  # every slice
     if span is not None:
         y[span] += delta
-    else:  # whole rows of y (a column slice of y is ~4x slower to scatter into)
+    else:  # whole rows of y (a column slice of y is much slower to scatter into)
         y.index_add_(0, plan.rows, delta)
 
 

@@ -486,7 +486,7 @@ def unified_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     shape and the GPU's SM count. ``decode_tile="padded"`` brings back the 16-row decode
     tile of before (``warm_up`` does not compile its variants). Raises ValueError for
     shapes outside ``check_supported``."""
-    num_tokens, num_heads, head_dim = q.shape
+    _, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     check_supported(block_size=block_size, head_dim=head_dim, num_heads=num_heads,
                     num_kv_heads=num_kv_heads, dtype=q.dtype)
@@ -512,9 +512,19 @@ def unified_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
                 num_splits, group, group_p, head_dim, head_dim_p,
                 _decode_rows(group_p, decode_tile), window, extras)
         return out
-    # Prefill chunks and mixed batches: BLOCK_Q query tokens x the group per tile. A
-    # decode inside a mixed batch still fills one BLOCK_Q row of its tile; choosing the
-    # tile per sequence would need the decode/prefill split on the host every step.
+    _mixed(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables, scale, group,
+           group_p, head_dim_p, window, extras)
+    return out
+
+
+def _mixed(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables, scale, group,
+           group_p, head_dim_p, window, extras):
+    """Prefill chunks and mixed batches: BLOCK_Q query tokens x the group per tile. A
+    decode inside a mixed batch still fills one BLOCK_Q row of its tile; choosing the
+    tile per sequence would need the decode/prefill split on the host every step."""
+    num_tokens, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    num_seqs = seq_lens.shape[0]
     block_m = max(16, group_p)
     block_q = block_m // group_p
     grid = (num_tokens // block_q + num_seqs, num_kv_heads)
@@ -526,7 +536,6 @@ def unified_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         NUM_HEADS=num_heads, GROUP=group, GROUP_P=group_p, HEAD_DIM=head_dim,
         HEAD_DIM_P=head_dim_p, BLOCK_SIZE=block_size, BLOCK_Q=block_q, BLOCK_M=block_m,
         USE_SOFTCAP=extras.use_softcap, HAS_SINKS=extras.has_sinks)
-    return out
 
 
 class _Extras:

@@ -145,7 +145,7 @@ def _attend(q: torch.Tensor, kv_cache: torch.Tensor, scale: float,
 
 
 # The op wraps the plain function, which eager calls keep calling directly (through
-# the dispatcher they would also import TorchDynamo: ~150 MB resident).
+# the dispatcher they would also import TorchDynamo, and its memory: platforms/memory.py).
 _paged_attention = torch.library.custom_op("llmserve::paged_attention", _paged_attention_kernel,
                                            mutates_args=("kv_cache",))
 

@@ -51,9 +51,9 @@ def bf16_storage_for_int4(requested: str, gguf_layer_types: dict[str, int] | Non
     so that ``--quantization auto`` serves a 4-bit GGUF in int4 there too: where the
     int4 kernels compute in float32 (``int4_runs_in_float32``: the C decoder stack for
     decode steps, the dequantised float32 GEMM for many rows), bf16 being only the
-    storage of activations and the KV cache. A decode step then streams ~100 MB of
-    int4 weights instead of 540 MB of float32 ones (docs/benchmarks.md, "int4 on CPUs
-    without bf16 arithmetic")."""
+    storage of activations and the KV cache. A decode step then streams an eighth of
+    the float32 weights' bytes (docs/benchmarks.md, "int4 on CPUs without bf16
+    arithmetic")."""
     return (requested == "auto" and is_4bit_gguf(gguf_layer_types) and device == "cpu"
             and tensor_parallel_size == 1 and int4_runs_in_float32())
 

@@ -65,7 +65,7 @@ MAX_NATIVE_TOKENS_TILES_ONLY = 32
 #   products are the same int8 panels as the per-op path's, so it runs whole prompt
 #   steps in C too, saving the per-op path's ~25 calls a layer and their intermediates.
 #   Not past the largest measured: the stack holds every intermediate of all its rows at
-#   once (~240 KB a row for an 8B model), which the KV budget does not count.
+#   once (hundreds of KB a row for an 8B model), which the KV budget does not count.
 MAX_NATIVE_TOKENS_INT8_X = 2048
 
 
