@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from llmserve.kernels.cpu.attention import make_cpu_plan, paged_attention_cpu
-from llmserve.kernels.cpu.native import decode_kernel
+from llmserve.kernels.cpu.native import cpu_library
 from llmserve.kernels.triton.attention import unified_attention
 from tests.kernel_reference import dense_reference, paged_batch
 
@@ -68,7 +68,7 @@ def run_path(path, q, cache, tables, query_lens, seq_lens, scale, window, sinks,
 
 
 def skip_without_c(path):
-    if path == "native" and decode_kernel() is None:
+    if path == "native" and cpu_library() is None:
         pytest.skip("the C kernels are not built here (no compiler)")
 
 

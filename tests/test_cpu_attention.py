@@ -25,7 +25,7 @@ PATHS = [pytest.param(False, id="torch"), pytest.param(True, id="native")]
 
 @pytest.fixture(autouse=True)
 def _native_kernel_builds():
-    assert cpu_native.decode_kernel() is not None, "the CPU decode kernel did not build"
+    assert cpu_native.cpu_library() is not None, "the CPU decode kernel did not build"
 
 
 def random_batch(rng, seqs, heads, kv_heads, head_dim, block_size, dtype):
@@ -178,7 +178,7 @@ import random, torch
 from llmserve.kernels.cpu import native as cpu_native
 from llmserve.kernels.cpu.attention import make_cpu_plan, paged_attention_cpu
 assert "-march=haswell" in cpu_native._march()
-assert cpu_native.decode_kernel() is not None
+assert cpu_native.cpu_library() is not None
 rng = random.Random(1)
 num_blocks, tables = 64, [rng.sample(range(64), 20) for _ in range(4)]
 lens = [300, 17, 1, 250]
@@ -215,7 +215,7 @@ def test_the_avx2_build_is_what_an_avx2_machine_gets():
 @pytest.mark.parametrize("broken", ["CC names no program", "no cc on PATH"])
 def test_without_a_compiler_decodes_fall_back_to_torch(tmp_path, broken):
     check = ("from llmserve.kernels.cpu import native as cpu_native\n"
-             "print(cpu_native.decode_kernel() is None)\n")
+             "print(cpu_native.cpu_library() is None)\n")
     env = {k: v for k, v in os.environ.items() if k != "CC"}
     if broken == "CC names no program":
         env["CC"] = str(tmp_path / "no-such-cc")
@@ -249,7 +249,7 @@ def test_the_ctypes_table_is_the_header():
 
 @pytest.mark.skipif(shutil.which("nm") is None, reason="needs binutils' nm")
 def test_the_header_declares_every_function_the_library_exports():
-    lib = cpu_native.decode_kernel()
+    lib = cpu_native.cpu_library()
     out = subprocess.run(["nm", "-D", "--defined-only", lib._name], capture_output=True,
                          text=True, check=True).stdout
     exported = {line.split()[2] for line in out.splitlines() if line.split()[1] == "T"}
@@ -260,7 +260,7 @@ def test_the_cpu_engine_decodes_with_the_native_kernel(tiny_llama):
     from llmserve.config import EngineConfig
     from llmserve.engine.llm_engine import LLMEngine
     engine = LLMEngine(EngineConfig(model=str(tiny_llama), kv_cache_memory=1 << 22))
-    assert engine.runner.native_decode
+    assert engine.runner.c_attention
     engine.shutdown()
 
 
@@ -381,7 +381,7 @@ def test_both_step_builders_plan_on_their_device(tiny_llama):
                         slots=list(range(19)), query_start=s["query_start"],
                         seq_lens=s["seq_lens"], block_tables=s["block_tables"],
                         sample_rows=[0, 12, 13, 18], max_query_len=12)
-    runner.device, runner.native_decode = META, False  # the C kernel is CPU-only
+    runner.device, runner.c_attention = META, False  # the C kernel is CPU-only
     _, _, meta = runner.build(inputs)
     assert {t.device for t in plan_tensors(meta.plan)} == {META}
     builder = StepBuilder(META, runner.block_size, runner.num_blocks, use_triton=False,

@@ -14,11 +14,13 @@ import torch
 
 from llmserve import SamplingParams
 from llmserve.kernels.cpu import decoder as cpu_decoder
-from llmserve.kernels.cpu import gemm
+from llmserve.kernels.cpu import dispatch, gemm
 from llmserve.kernels.cpu.decoder import int4_pack_block_n, q4_matmul
 from llmserve.model_executor.layers.quantization import QuantizedLinear, weight_only_mm
 from llmserve.model_executor.models import native_decoder
 from llmserve.model_executor.models.native_decoder import NativeDecoder
+from llmserve.platforms.cpu import cpu_features
+from tests.cpu_dispatch import quant_tiled_min_rows
 from tests.forced_isa import run_as
 
 pytestmark = pytest.mark.skipif(int4_pack_block_n() is None,
@@ -99,6 +101,26 @@ def int4_llm():
     llm.shutdown()
 
 
+@pytest.fixture
+def rebind(int4_llm, monkeypatch):
+    """``rebind()`` binds ``int4_llm``'s quantised layers and builds its C stack again for
+    the CPU state the test set (AMX tiles, LLMSERVE_CPU_INT8_ACTIVATIONS: a model binds
+    its kernels once, at load) and returns the stack; after the test, as they were."""
+    model = int4_llm.engine.runner.model
+
+    def bind(facts=None) -> NativeDecoder:
+        for module in model.modules():
+            if isinstance(module, QuantizedLinear):
+                module.bind_kernels(facts)
+        model.model.native_decoder = NativeDecoder.try_build(model)
+        return model.model.native_decoder
+
+    before = dispatch.probe()
+    yield bind
+    monkeypatch.undo()  # the environment back first: the stack reads its row limit
+    bind(before)
+
+
 def decode_step_inputs(llm, prompts: int, draft: int = 0):
     """A decode step of ``prompts`` running sequences, each with ``draft`` drafted
     tokens after its last one (speculative decoding's 1 + draft rows, causal among
@@ -129,7 +151,6 @@ def run_layers(decoder: NativeDecoder, first: int, count: int, x, cos, sin,
     tokens = x.shape[0]
     cos, sin = cos.reshape(tokens, -1).contiguous(), sin.reshape(tokens, -1).contiguous()
     layers = ctypes.byref(decoder.layers, first * ctypes.sizeof(cpu_decoder.StackLayer))
-    decoder.refresh_dims()  # as run() does
     rc = decoder._lib.stack_decode_layers(
         torch.get_num_threads(), ctypes.byref(decoder.dims), layers, count,
         x.data_ptr(), tokens, cos.data_ptr(), sin.data_ptr(), meta.slot_mapping.data_ptr(),
@@ -204,6 +225,7 @@ def test_the_engine_runs_small_steps_in_c_only(int4_llm, monkeypatch):
     # stay short
     monkeypatch.setattr(native_decoder, "max_native_tokens", lambda block_n: 16)
     limit = native_decoder.max_native_tokens(decoder.dims.block_n)
+    monkeypatch.setattr(decoder, "row_limit", limit)  # what the stack bound
     sizes = []
     real_run = NativeDecoder.run
     monkeypatch.setattr(NativeDecoder, "run",
@@ -256,25 +278,28 @@ QUANT_GEMM_STACK = pytest.mark.skipif(not gemm.quant_tiled_available(4),
 
 
 @QUANT_GEMM_STACK
-def test_an_int4_stack_takes_quant_gemm_for_many_rows_bit_for_bit(int4_llm, monkeypatch):
+def test_an_int4_stack_takes_quant_gemm_for_many_rows_bit_for_bit(int4_llm, monkeypatch,
+                                                                  rebind):
     """Where the per-op path's int4 products of many rows are quant_gemm's (AMX, Zen 4,
     with x not rounded to int8), the stack's are too: from quant_tiled_min_rows() every
     layer equals the torch layer bit for bit, and the engine runs decode steps of any
     size in C."""
     monkeypatch.setenv("LLMSERVE_CPU_INT8_ACTIVATIONS", "0")
-    decoder = int4_llm.engine.runner.model.model.native_decoder
-    untiled_amx = gemm.cpu_features().amx_bf16 and not gemm.amx_tiles()  # AMX not granted
-    assert decoder.quant_gemm_rows() == gemm.quant_tiled_min_rows() == (24 if untiled_amx else 8)
+    decoder = rebind()
+    untiled_amx = cpu_features().amx_bf16 and not gemm.amx_tiles()  # AMX not granted
+    assert decoder.quant_gemm_rows() == quant_tiled_min_rows() == (24 if untiled_amx else 8)
     meta = assert_the_stack_is_the_torch_layers(int4_llm, 40)
     assert decoder.applies(40, meta) and decoder.applies(1000, meta)
     if gemm.amx_tiles():  # without the tiles quant_gemm takes 24 rows and more, op by op
         try:              # and in C: 17-23 rows (past the tiles' 16) stay op by op
             gemm.amx_tiles(False)
+            decoder = rebind()
             assert decoder.quant_gemm_rows() == 24
             assert decoder.applies(16, meta) and decoder.applies(24, meta)
             assert not decoder.applies(20, meta)
         finally:
             gemm.amx_tiles(True)
+            decoder = rebind()
     monkeypatch.setattr(decoder, "quant_gemm_rows", lambda: 0)  # the tiles' limit alone
     assert not decoder.applies(40, meta)
 
@@ -288,7 +313,7 @@ INT8_STACK = pytest.mark.skipif(not (gemm.quant_tiled_available(4)
 @INT8_STACK
 @pytest.mark.parametrize("tiles", ["amx", "none"])
 def test_an_int4_stack_rounds_x_exactly_where_the_per_op_path_does(int4_llm, tiles,
-                                                                   monkeypatch):
+                                                                   monkeypatch, rebind):
     """Without AMX tiles in use (Zen 4) x is rounded to int8: from 3 rows the stack's
     int4 products are the per-op path's int8 panels, bit for bit, and steps of up to
     MAX_NATIVE_TOKENS_INT8_X rows run in C. With the tiles x stays bf16 in both paths
@@ -297,11 +322,10 @@ def test_an_int4_stack_rounds_x_exactly_where_the_per_op_path_does(int4_llm, til
     if tiles == "amx" and not gemm.amx_tiles():
         pytest.skip("no AMX tiles here (CPU, compiler or OS)")
     monkeypatch.delenv("LLMSERVE_CPU_INT8_ACTIVATIONS", raising=False)
-    decoder = int4_llm.engine.runner.model.model.native_decoder
     was = gemm.amx_tiles()
     try:
         gemm.amx_tiles(tiles == "amx")
-        decoder.refresh_dims()
+        decoder = rebind()
         assert decoder.dims.int8_x == (tiles == "none")
         assert decoder.quant_gemm_rows() == (8 if tiles == "amx" else 0)
         meta = assert_the_stack_is_the_torch_layers(int4_llm, 12)
@@ -346,7 +370,7 @@ def test_a_long_prompt_runs_in_c_where_x_is_rounded_to_int8(monkeypatch):
         gemm.amx_tiles(was)
 
 
-BF16_STACK = pytest.mark.skipif(gemm.gemm_backend() != "native",
+BF16_STACK = pytest.mark.skipif(dispatch.gemm_backend() != "native",
                                 reason="bf16 linears stay on oneDNN here (no AVX512-BF16)")
 
 
@@ -422,6 +446,7 @@ def tiny_qwen2(seed: int = 0, quantization: str = "int4"):
     the built-in model does not have."""
     from transformers import Qwen2Config
 
+    from llmserve.model_executor.layers.backends import backends_for, bind_backends
     from llmserve.model_executor.layers.cpu_linear import pack_linears
     from llmserve.model_executor.layers.quantization import quantize_model
     from llmserve.model_executor.models.llama import LlamaForCausalLM, RotaryEmbedding
@@ -445,6 +470,9 @@ def tiny_qwen2(seed: int = 0, quantization: str = "int4"):
         pack_linears(model)
     else:
         quantize_model(model, quantization)
+    # the implementations an engine binds at load: the per-op path's C kernels
+    bind_backends(model, backends_for(torch.device("cpu"), torch.bfloat16, fused=False,
+                                      triton_attention=False))
     cache = torch.randn(2, 2, 24, 16, config.num_key_value_heads, config.head_dim)
     model.bind_kv_cache(cache.to(torch.bfloat16))
     return model.eval()
@@ -463,11 +491,14 @@ def test_qwen2_shapes_with_biases_match_the_torch_layers(seed, quantization, mon
     from llmserve.kernels.cpu.attention import make_cpu_plan
     from llmserve.model_executor.layers.attention import AttentionMetadata, forward_context
     monkeypatch.setenv("LLMSERVE_BF16_GEMM", "native")  # gemm.c for every bf16 width
+    if quantization == "int4-quant_gemm":  # quant_gemm for the 5 rows, op by op and in C
+        facts = dispatch.probe()
+        here = (dispatch.cpu_kind(facts), dispatch.x_format(facts))
+        monkeypatch.setitem(dispatch.TABLE, here, {
+            **dispatch.TABLE[here], 4: (dispatch.Route(dispatch.QUANT_GEMM, 1),)})
     model = tiny_qwen2(seed, quantization.removesuffix("-quant_gemm"))
     decoder = NativeDecoder.try_build(model)
     assert decoder is not None
-    if quantization == "int4-quant_gemm":  # quant_gemm for the 5 rows, op by op and in C
-        monkeypatch.setattr(gemm, "_min_rows_while", lambda amx_in_use, int8_x: 1)
     seq_lens, block_size = [1, 5, 17, 33, 48], 16
     free = iter(torch.randperm(24).tolist())
     tables = [[next(free) for _ in range(-(-n // block_size))] for n in seq_lens]

@@ -5,21 +5,20 @@ C panel GEMM or the float32 GEMM over it, where the layer takes those paths, and
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from llmserve.config import EngineConfig
-from llmserve.kernels.cpu import dequant
+from llmserve.kernels.cpu import dequant, dispatch
 from llmserve.kernels.cpu.decoder import int4_pack_block_n
-from llmserve.kernels.cpu.dequant import (
-    DEQUANT_MIN_ROWS,
-    PANEL_MIN_ROWS,
-    q4_weight_f32,
-    quant_dense_f32,
-)
-from llmserve.kernels.cpu.native import decode_kernel
+from llmserve.kernels.cpu.dequant import q4_dequant_mm, q4_weight_f32
+from llmserve.kernels.cpu.dispatch import DEQUANT_MIN_ROWS, INT4_DEQUANT, INT4_F32, PANEL_MIN_ROWS
+from llmserve.kernels.cpu.native import cpu_library
 from llmserve.model_executor.layers import quantization
 from llmserve.model_executor.layers.quantization import (
+    KERNELS,
     QuantizedLinear,
     _quantize_int4,
     bf16_storage_for_int4,
@@ -27,7 +26,7 @@ from llmserve.model_executor.layers.quantization import (
 )
 from tests.forced_isa import run_as
 
-pytestmark = pytest.mark.skipif(int4_pack_block_n() is None or decode_kernel() is None,
+pytestmark = pytest.mark.skipif(int4_pack_block_n() is None or cpu_library() is None,
                                 reason="no C kernels, or an int4 pack layout they do not read")
 
 
@@ -39,6 +38,17 @@ def x_in_float32(monkeypatch):
 
 
 BF16_ULP = 2 ** -7  # relative spacing of bf16 numbers
+
+
+HERE = dispatch.probe()
+
+
+def without_bf16(int4_in_float32: bool = True) -> dispatch.CpuFacts:
+    """This machine's facts as an AVX-512 CPU without bf16 arithmetic (no quant_gemm) with
+    x not rounded to int8, where int4 runs in float32 (or, ``False``, does not)."""
+    return dataclasses.replace(HERE, library_isa="avx512", bf16_gemm=False,
+                               amx_tiles=False, int8_x=False, quant_gemm_bits=frozenset(),
+                               int4_in_float32=int4_in_float32)
 SHAPES = [(960, 576), (128, 64), (3072, 576), (576, 1536)]
 
 
@@ -84,7 +94,8 @@ def test_many_rows_match_atens_kernel(out_features, in_features, rows, bias):
     want = weight_only_mm(x, q4.qweight, q4.scales, 4).float()
     if bias:
         want = want + q4.bias.float()
-    got = quant_dense_f32(x, q4)
+    q4.bind_kernels(without_bf16())  # the panel GEMM or the float32 copy, by rows
+    got = q4(x)
     assert got.dtype == torch.bfloat16 and got.shape == want.shape
     torch.testing.assert_close(got.float(), want, rtol=2 * BF16_ULP, atol=2e-2)
 
@@ -99,13 +110,13 @@ def test_a_weight_too_big_for_the_scratch_goes_in_chunks(monkeypatch):
     """The same product, a few columns at a time, with the scratch never bigger."""
     _, q4 = linear_pair(3072, 576, bias=True)
     x = torch.randn(DEQUANT_MIN_ROWS, 576).to(torch.bfloat16)
-    whole = quant_dense_f32(x, q4)
+    whole = q4_dequant_mm(x, q4)
     # 256 columns: whole blocks of either layout (64 or 32 columns)
     monkeypatch.setattr(dequant, "MAX_SCRATCH_BYTES", 256 * 576 * 4)
     monkeypatch.setattr(dequant, "_local", type(dequant._local)())  # a fresh scratch
     assert dequant.column_step(576, 3072) == 256
     # equal up to a bf16 rounding that a differently blocked float32 sum may flip
-    torch.testing.assert_close(quant_dense_f32(x, q4), whole, rtol=BF16_ULP, atol=1e-3)
+    torch.testing.assert_close(q4_dequant_mm(x, q4), whole, rtol=BF16_ULP, atol=1e-3)
     assert dequant._local.buf.numel() == 576 * 256
 
 
@@ -114,23 +125,23 @@ def test_a_shape_off_the_pack_grid_is_refused(monkeypatch):
     _, q4 = linear_pair(80, 64)
     with pytest.raises(ValueError, match="shape unsupported"):
         q4_weight_f32(q4)
-    monkeypatch.setattr(dequant, "int4_runs_in_float32", lambda: True)
-    assert dequant.dequant_applies(torch.zeros(64, 64), linear_pair(64, 64)[1])
-    assert not dequant.dequant_applies(torch.zeros(64, 64), q4)
+    monkeypatch.setattr(dispatch, "probe", without_bf16)
+    assert linear_pair(64, 64)[1].kernel_for(torch.zeros(64, 64)) == INT4_F32
+    q4.bind_kernels()
+    assert q4.kernel_for(torch.zeros(64, 64)) not in (INT4_F32, INT4_DEQUANT)
 
 
 @pytest.fixture
 def calls(monkeypatch):
-    """The layer on a CPU without bf16 arithmetic (quant_gemm's tiles never run there),
-    with every call to the float32 path counted."""
-    monkeypatch.setattr(dequant, "int4_runs_in_float32", lambda: True)
-    monkeypatch.setattr(quantization, "quant_tiled", lambda x, linear: None)
+    """The layers built on a CPU without bf16 arithmetic (quant_gemm's tiles never run
+    there), with every call to the float32 paths counted."""
+    monkeypatch.setattr(dispatch, "probe", without_bf16)
     seen = []
-
-    def counted(x, linear):
-        seen.append(x.shape[0])
-        return quant_dense_f32(x, linear)
-    monkeypatch.setattr(quantization, "quant_dense_f32", counted)
+    for name in (INT4_F32, INT4_DEQUANT):
+        def counted(x, linear, _kernel=KERNELS[name]):
+            seen.append(x.shape[0])
+            return _kernel(x, linear)
+        monkeypatch.setitem(KERNELS, name, counted)
     return seen
 
 
@@ -152,7 +163,7 @@ def test_the_layer_takes_the_many_row_paths_from_their_row_thresholds(calls, mon
 
 
 def test_cpus_with_bf16_arithmetic_never_take_it(calls, monkeypatch):
-    monkeypatch.setattr(dequant, "int4_runs_in_float32", lambda: False)
+    monkeypatch.setattr(dispatch, "probe", lambda: without_bf16(int4_in_float32=False))
     _, q4 = linear_pair(960, 576)
     q4(torch.randn(64, 576))
     assert calls == []
@@ -240,14 +251,16 @@ def test_the_int8_row_thresholds_are_the_c_kernels():
     from pathlib import Path
 
     from llmserve.kernels.cpu import gemm
-    from llmserve.kernels.cpu.native import decode_kernel, panel_int8_built
+    from llmserve.kernels.cpu.native import cpu_library, panel_int8_built
 
     def define(source: str, name: str) -> int:
         text = (Path(dequant.__file__).parent / source).read_text()
         return int(re.search(rf"#define {name} (\d+)", text).group(1))
     text = (Path(dequant.__file__).parent / "decoder.c").read_text()
     assert [int(n) for n in re.findall(r"#define Q4_INT8_ROWS (\d+)", text)] == [
-        1, dequant.INT8_MIN_ROWS]  # the AVX2 build's, then the others'
+        1, dispatch.INT8X_ROWS]  # the AVX2 build's, then the others'
     if panel_int8_built():
-        assert dequant.int8_min_rows() == decode_kernel().q4_int8_min_rows()
+        rounding = dataclasses.replace(dispatch.probe(), int8_x=True, amx_tiles=False)
+        assert (dispatch.route(4, (dispatch.INT4_INT8X,), rounding).first
+                == cpu_library().q4_int8_min_rows())
     assert define("q8_rows.c", "Q8_INT8_ROWS") == gemm.Q8_INT8_MIN_ROWS

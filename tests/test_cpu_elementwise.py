@@ -17,7 +17,7 @@ from tests.forced_isa import run_as
 
 @pytest.fixture(autouse=True)
 def _native_kernel_builds():
-    assert cpu_native.decode_kernel() is not None, "the CPU kernels did not build"
+    assert cpu_native.cpu_library() is not None, "the CPU kernels did not build"
 
 
 @pytest.mark.parametrize("rows, intermediate", [(1, 1536), (3, 1536), (64, 1536), (5, 300),
@@ -73,7 +73,7 @@ def test_the_avx2_builds_argmax_is_torchs_argmax():
     script = """
 import torch
 from llmserve.kernels.cpu import native
-assert native.decode_kernel() is not None
+assert native.cpu_library() is not None
 assert native.panel_int8_block_n() == 32  # only the AVX2 build's int8 panels read 32
 for rows, vocab in [(1, 49152), (7, 49152), (32, 1000), (3, 15), (2, 16), (4, 23), (2, 5)]:
     torch.manual_seed(rows + vocab)
@@ -138,14 +138,14 @@ def test_min_tokens_still_bans_eos_for_greedy_rows():
 
 
 def test_the_library_is_built_and_loaded_once_per_process(monkeypatch):
-    """Every bf16 op asks decode_kernel() for the library, several times a step: it must
+    """Every bf16 op asks cpu_library() for the library, several times a step: it must
     be the one loaded object, not a compiler check, a hash of the sources and a dlopen
     each time (a step of one stream took 3x as long when the cache was lost)."""
-    first = cpu_native.decode_kernel()
+    first = cpu_native.cpu_library()
 
     def no_compiler(*args, **kwargs):
-        raise AssertionError("decode_kernel() ran the compiler check again")
+        raise AssertionError("cpu_library() ran the compiler check again")
 
     monkeypatch.setattr(cpu_native.subprocess, "run", no_compiler)
-    assert cpu_native.decode_kernel() is first
-    assert cpu_native.native_bf16_applies(torch.ones(2, 8, dtype=torch.bfloat16))
+    assert cpu_native.cpu_library() is first
+    assert cpu_native.argmax_applies(torch.ones(2, 8, dtype=torch.bfloat16))

@@ -14,6 +14,7 @@ the build at hand does not (a CPU without it cannot run them) and the AVX2 ones 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -22,20 +23,24 @@ import sys
 import pytest
 import torch
 
-from llmserve.kernels.cpu import decoder, dequant, gemm
+from llmserve.kernels.cpu import decoder, dispatch, gemm
 from llmserve.kernels.cpu.decoder import int4_pack_block_n, q4_matmul
-from llmserve.kernels.cpu.dequant import int8_min_rows, q4_weight_f32, quant_dense_f32
+from llmserve.kernels.cpu.dequant import q4_weight_f32
+from llmserve.kernels.cpu.dispatch import INT4_DEQUANT, INT4_F32, INT4_INT8X, QUANT_GEMM
 from llmserve.kernels.cpu.gemm import Q8_INT8_MIN_ROWS, q8_rows
 from llmserve.kernels.cpu.native import (
-    decode_kernel,
+    cpu_library,
     panel_int8_block_n,
     panel_int8_built,
+    q4_int8_min_rows,
     q8_rows_int8_built,
 )
-from llmserve.model_executor.layers.quantization import QuantizedLinear, weight_only_mm
+from llmserve.model_executor.layers.quantization import KERNELS, QuantizedLinear, weight_only_mm
+from llmserve.model_executor.models.native_decoder import quant_gemm_rows
+from tests.cpu_dispatch import quant_tiled_min_rows
 
 # the fewest rows this build rounds x for (int4: 1 on AVX2, 3 on AVX-512 VNNI)
-MIN_ROWS = {4: int8_min_rows(), 8: Q8_INT8_MIN_ROWS}
+MIN_ROWS = {4: q4_int8_min_rows() or dispatch.INT8X_ROWS, 8: Q8_INT8_MIN_ROWS}
 SHAPES = {4: [(960, 576), (128, 64), (3072, 576), (576, 1536), (192, 96)],  # 96: k % 64 == 32
           8: [(4096, 576), (128, 64), (960, 1536)]}  # int8: an LM head's rows
 
@@ -53,7 +58,7 @@ def has_avx2() -> bool:
     return {"avx2", "fma"} <= cpu_flags()
 
 
-pytestmark = pytest.mark.skipif(decode_kernel() is None or int4_pack_block_n() is None
+pytestmark = pytest.mark.skipif(cpu_library() is None or int4_pack_block_n() is None
                                 or not has_avx2(),
                                 reason="needs the C kernels, ATen's int4 pack and AVX2")
 
@@ -261,7 +266,7 @@ def avx2_routing_check() -> dict:
         "int8_activations": decoder.int8_activations(),
         "q8_rows_int8_built": q8_rows_int8_built(),
         "layer rounds from 1 row": all(
-            dequant.dequant_applies(x[:rows], lin)
+            lin.kernel_for(x[:rows]) == INT4_INT8X
             and torch.equal(lin(x[:rows]), q4_matmul(x[:rows], lin, int8_x=True))
             and torch.equal(q4_matmul(x[:rows], lin), q4_matmul(x[:rows], lin, int8_x=True))
             for rows in (1, 2, 3, 16, 400)),
@@ -350,10 +355,10 @@ def test_an_int8_weight_off_the_panels_grid_keeps_x_in_float32(out_features, in_
 
 @needs_kernel_here
 def test_it_is_the_default_unless_switched_off(monkeypatch, without_amx_tiles):
-    lin = quantized(960, 576, True, seed=0)
+    monkeypatch.delenv("LLMSERVE_CPU_INT8_ACTIVATIONS", raising=False)
+    lin = quantized(960, 576, True, seed=0)  # bound for the default
     x = torch.randn(40, 576).to(torch.bfloat16)
     head = quantized(960, 576, True, seed=0, bits=8)
-    monkeypatch.delenv("LLMSERVE_CPU_INT8_ACTIVATIONS", raising=False)
     assert decoder.int8_activations()
     assert torch.equal(lin(x), q4_matmul(x, lin, int8_x=True))
     assert torch.equal(q4_matmul(x, lin), q4_matmul(x, lin, int8_x=True))
@@ -385,12 +390,12 @@ def test_the_layer_rounds_x_from_int8_min_rows_on(rows, monkeypatch, without_amx
     monkeypatch.delenv("LLMSERVE_CPU_INT8_ACTIVATIONS", raising=False)
     lin = quantized(960, 576, False, seed=rows)
     x = torch.randn(rows, 576).to(torch.bfloat16)
-    assert gemm.quant_tiled(x, lin) is None
-    assert dequant.dequant_applies(x, lin)
+    assert lin.kernel_for(x) != QUANT_GEMM
+    assert lin.kernel_for(x) == INT4_INT8X
     assert torch.equal(lin(x), q4_matmul(x, lin, int8_x=True))
-    assert torch.equal(quant_dense_f32(x, lin), q4_matmul(x, lin, int8_x=True))
+    assert torch.equal(KERNELS[lin.kernel_for(x)](x, lin), q4_matmul(x, lin, int8_x=True))
     if MIN_ROWS[4] > 1:  # (AVX2 builds round from 1 row: nothing below)
-        assert not dequant.dequant_applies(x[:MIN_ROWS[4] - 1], lin)
+        assert lin.kernel_for(x[:MIN_ROWS[4] - 1]) != INT4_INT8X
 
 
 def test_amx_tiles_keep_x_in_bf16(monkeypatch):
@@ -402,12 +407,12 @@ def test_amx_tiles_keep_x_in_bf16(monkeypatch):
         pytest.skip("no AMX tiles here (CPU, compiler or OS)")
     monkeypatch.delenv("LLMSERVE_CPU_INT8_ACTIVATIONS", raising=False)
     assert decoder.int8_activations() and not gemm.rounds_x_to_int8()
-    assert gemm.quant_tiled_min_rows() == 8 and gemm.quant_tiled_rows() == 8
     lin = quantized(960, 576, False, seed=4)
     head = quantized(4096, 576, False, seed=4, bits=8)
+    assert quant_tiled_min_rows() == 8 and quant_gemm_rows([lin]) == 8
     x = torch.randn(8, 576).to(torch.bfloat16)
     few = x[:7]
-    assert not dequant.dequant_applies(few, lin)
+    assert lin.kernel_for(few) not in (INT4_INT8X, INT4_F32, INT4_DEQUANT)
     assert torch.equal(lin(few), weight_only_mm(few, lin.qweight, lin.scales, 4))  # ATen's
     assert torch.equal(lin(x), gemm.quant_gemm(x, lin))
     assert torch.equal(q4_matmul(few, lin), q4_matmul(few, lin, int8_x=False))
@@ -426,12 +431,12 @@ def test_an_int8_weight_off_the_int8_grid_keeps_quant_gemms_crossover(monkeypatc
         pytest.skip("quant_gemm needs AVX512-BF16")
     monkeypatch.delenv("LLMSERVE_CPU_INT8_ACTIVATIONS", raising=False)
     monkeypatch.setenv("LLMSERVE_BF16_GEMM", "native")  # any shape, not only those measured
-    assert gemm.rounds_x_to_int8() and gemm.quant_tiled_min_rows() is None
-    least = gemm.quant_tiled_min_rows(int8_x=False)
+    assert gemm.rounds_x_to_int8() and quant_tiled_min_rows() is None
+    least = quant_tiled_min_rows(dataclasses.replace(dispatch.probe(), int8_x=False))
     head = quantized(944, 576, False, seed=5, bits=8)
     x = torch.randn(least, 576).to(torch.bfloat16)
     assert torch.equal(head(x), gemm.quant_gemm(x, head))
-    assert gemm.quant_tiled(x[:least - 1], head) is None
+    assert head.kernel_for(x[:least - 1]) != QUANT_GEMM
 
 
 def has_avx512_bf16() -> bool:
@@ -446,7 +451,7 @@ def without_amx_routing_check() -> list:
     lin = quantized(960, 576, False, seed=2)
     x = torch.randn(600, 576).to(torch.bfloat16)
     return [cpu_features().amx_bf16, gemm.amx_tiles(), gemm.quant_tiled_available(4),
-            gemm.rounds_x_to_int8(), gemm.quant_tiled_min_rows(),
+            gemm.rounds_x_to_int8(), quant_tiled_min_rows(),
             torch.equal(lin(x), q4_matmul(x, lin, int8_x=True))]
 
 

@@ -14,16 +14,15 @@ import torch
 import torch.nn.functional as F
 
 from llmserve import LLM, SamplingParams
+from llmserve.kernels.cpu import dispatch
 from llmserve.kernels.cpu.decoder import int4_pack_block_n
+from llmserve.kernels.cpu.dispatch import QUANT_GEMM, gemm_backend
 from llmserve.kernels.cpu.gemm import (
     amx_tiles,
-    gemm_backend,
     native_gemm_available,
     packing_available,
     quant_gemm,
-    quant_tiled,
     quant_tiled_available,
-    quant_tiled_min_rows,
 )
 from llmserve.model_executor.layers.cpu_linear import (
     NativeLinear,
@@ -31,7 +30,8 @@ from llmserve.model_executor.layers.cpu_linear import (
     pack_linears,
 )
 from llmserve.model_executor.layers.quantization import QuantizedLinear, weight_only_mm
-from llmserve.worker import model_runner
+from llmserve.worker import model_builder
+from tests.cpu_dispatch import quant_tiled_min_rows
 
 pytestmark = pytest.mark.skipif(not packing_available(),
                                 reason="oneDNN has no bf16 kernels on this CPU")
@@ -158,14 +158,11 @@ def test_the_default_backend_follows_the_cpu_kind(monkeypatch):
     """gemm.c without AMX (Zen 4) and with the AMX tiles granted (Sapphire Rapids);
     oneDNN's AMX kernels on an AMX CPU whose tiles Linux does not grant, where gemm.c
     would fall back to its slower VDPBF16PS tiles."""
-    from llmserve.kernels.cpu import gemm
     monkeypatch.setenv("LLMSERVE_BF16_GEMM", "auto")
     for amx_cpu, granted, backend in ((False, False, "native"), (True, True, "native"),
                                       (True, False, "onednn")):
-        features = dataclasses.replace(gemm.cpu_features(), amx_bf16=amx_cpu)
-        monkeypatch.setattr(gemm, "cpu_features", lambda f=features: f)
-        monkeypatch.setattr(gemm, "amx_tiles", lambda g=granted: g)
-        assert gemm.gemm_backend() == backend, (amx_cpu, granted)
+        facts = dataclasses.replace(dispatch.probe(), amx_cpu=amx_cpu, amx_tiles=granted)
+        assert gemm_backend(facts) == backend, (amx_cpu, granted)
 
 
 def test_an_avx2_build_has_no_native_gemm_and_keeps_onednn():
@@ -173,9 +170,9 @@ def test_an_avx2_build_has_no_native_gemm_and_keeps_onednn():
     library for AVX2, where gemm.c is a stub that says so: linears stay on oneDNN
     even when forced, and a NativeLinear is refused, never garbage from the stub."""
     check = ("import torch\n"
-             "from llmserve.kernels.cpu import gemm\n"
+             "from llmserve.kernels.cpu import dispatch, gemm\n"
              "from llmserve.model_executor.layers.cpu_linear import NativeLinear\n"
-             "print(gemm.native_gemm_available(), gemm.gemm_backend())\n"
+             "print(gemm.native_gemm_available(), dispatch.gemm_backend())\n"
              "try:\n"
              "    NativeLinear(torch.nn.Linear(32, 32).to(torch.bfloat16))\n"
              "except RuntimeError:\n"
@@ -193,16 +190,16 @@ def test_the_quant_tiles_crossover_follows_the_cpu_kind(monkeypatch):
     without them; where x is rounded to int8 (the int8 panels built, AMX tiles not in
     use), never; and the tiles are not kept off by oneDNN computing the dense bf16
     linears there."""
-    from llmserve.kernels.cpu import gemm
+    from llmserve.kernels.cpu import decoder, gemm
     for panels, amx_cpu, tiles, rows in (
             (False, False, False, 8), (False, True, True, 8), (False, True, False, 24),
             (True, True, True, 8), (True, True, False, None), (True, False, False, None)):
-        features = dataclasses.replace(gemm.cpu_features(), amx_bf16=amx_cpu)
-        monkeypatch.setattr(gemm, "cpu_features", lambda f=features: f)
-        monkeypatch.setattr(gemm, "int8_activations", lambda on=panels: on)
-        monkeypatch.setattr(gemm, "_amx_in_use", tiles)
+        monkeypatch.setattr(decoder, "int8_activations", lambda on=panels: on)
+        monkeypatch.setattr(decoder, "amx_tiles", lambda on=tiles: on)
         assert gemm.rounds_x_to_int8() == (panels and not tiles)
-        assert gemm.quant_tiled_min_rows() == rows
+        facts = dataclasses.replace(dispatch.probe(), bf16_gemm=True, amx_cpu=amx_cpu,
+                                    amx_tiles=tiles, int8_x=gemm.rounds_x_to_int8())
+        assert quant_tiled_min_rows(facts) == rows
     if native_gemm_available() and int4_pack_block_n() == 64:
         assert quant_tiled_available(4) and quant_tiled_available(8)
 
@@ -273,10 +270,10 @@ def test_quantized_linears_off_the_grid_stay_on_aten(bits, out_features):
     a wrong input width fall back to ATen, whatever the row count."""
     lin = quantized_linear(bits, out_features, 64, bias=False, seed=2)
     x = torch.randn(40, 64).to(torch.bfloat16)
-    assert quant_tiled(x, lin) is None
+    assert lin.kernel_for(x) != QUANT_GEMM
     assert torch.equal(lin(x), weight_only_mm(x, lin.qweight, lin.scales, bits))
     wide = quantized_linear(bits, 128, 64, bias=False, seed=3)
-    assert quant_tiled(torch.randn(40, 32).to(torch.bfloat16), wide) is None
+    assert wide.kernel_for(torch.randn(40, 32).to(torch.bfloat16)) != QUANT_GEMM
 
 
 @needs_quant_tiled
@@ -300,7 +297,7 @@ def test_quantized_linears_take_the_tiles_from_enough_rows(bits, monkeypatch):
     lin = quantized_linear(bits, 128, 64, bias=True, seed=0)
     many = torch.randn(2, least, 64).to(torch.bfloat16)
     few = torch.randn(least - 1, 64).to(torch.bfloat16)
-    assert quant_tiled(few, lin) is None
+    assert lin.kernel_for(few) != QUANT_GEMM
     assert torch.equal(lin(many[0]), quant_gemm(many[0], lin))  # exactly the least
     assert torch.equal(lin(many), quant_gemm(many, lin))
     assert torch.equal(lin(many.float()), quant_gemm(many, lin).float())
@@ -335,7 +332,7 @@ def test_the_engine_packs_its_dense_projections_and_computes_the_same(tiny_model
         packed = first_token_logprobs(llm)
     finally:
         llm.shutdown()
-    monkeypatch.setattr(model_runner, "packing_applies", lambda device, dtype: False)
+    monkeypatch.setattr(model_builder, "packing_applies", lambda device, dtype: False)
     llm = LLM(str(tiny_models[kind]), dtype="bfloat16", quantization="none",
               kv_cache_memory=16 << 20)
     try:

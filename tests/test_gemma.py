@@ -96,7 +96,7 @@ def test_greedy_tokens_equal_transformers(gemma_models, family, path, budget):
     model = gemma_models[family]
     llm = LLM(str(model), kv_cache_memory=16 << 20, max_num_batched_tokens=budget,
               enable_chunked_prefill=budget < 2048)
-    llm.engine.runner.native_decode = path == "native"
+    llm.engine.runner.c_attention = path == "native"
     attn = [layer.self_attn for layer in llm.engine.runner.model.model.layers]
     assert [a.sliding_window for a in attn] == [WINDOW, None]
     assert [a.softcap for a in attn] == [ATTN_CAP if family == "gemma2" else None] * 2

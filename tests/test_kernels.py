@@ -13,9 +13,12 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
+from tests.benchmark_script import benchmark_script  # noqa: E402
 from tests.kernel_reference import unified_attention_ref, write_kv_cache_ref  # noqa: E402
 
 triton_attention = pytest.importorskip("llmserve.kernels.triton.attention")
+with benchmark_script("bench_kernels") as _bench:  # the rule before issue 27, compared there
+    legacy_splits = _bench.legacy_splits
 
 INTERPRETED = triton_attention.INTERPRETED
 DEVICE = "cpu" if INTERPRETED else "cuda"
@@ -198,7 +201,7 @@ def test_choose_splits_is_a_supported_power_of_two():
 def test_choose_splits_fills_the_sms_where_the_legacy_rule_stopped():
     """The occupancy rule on an H200 (132 SMs), 8 KV heads, 16-token blocks: batch 32 at
     2k was 256 programs (under two per SM) and the legacy rule did not split it."""
-    choose, legacy = triton_attention.choose_splits, triton_attention._legacy_splits
+    choose, legacy = triton_attention.choose_splits, legacy_splits
     assert legacy(32, 8, 2048, 16) == 1
     assert choose(32, 8, 2048, 16, sms=132) == 4  # 1024 programs >= 4 x 132
     assert choose(16, 8, 2048, 16, sms=132) == 8
@@ -253,7 +256,7 @@ def test_many_decodes_at_long_context_now_split():
     (the interpreter's cost grows with the programs)."""
     batch = make_batch(MANY_DECODES, 4, 4, 64, 64, torch.float16)
     assert batch["max_seq_len"] == 593
-    assert triton_attention._legacy_splits(32, 4, 593, 64) == 1
+    assert legacy_splits(32, 4, 593, 64) == 1
     assert triton_attention._choose_splits(32, 4, 593, 64) == 2
     check(batch, torch.float16)  # the default path: 2 splits
 
@@ -333,7 +336,7 @@ def test_decode_rows_rule():
 def test_unified_attention_rejects_unknown_rules():
     batch = make_batch([(1, 100)], 4, 2, 64, 16, torch.float32)
     out = torch.empty_like(batch["q"])
-    with pytest.raises(ValueError, match="split_rule"):
+    with pytest.raises(TypeError, match="split_rule"):  # the split rule is the kernel's own
         triton_attention.unified_attention(out=out, **batch, split_rule="greedy")
     with pytest.raises(ValueError, match="decode_tile"):
         triton_attention.unified_attention(out=out, **batch, decode_tile="wide")

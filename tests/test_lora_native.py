@@ -16,7 +16,7 @@ from llmserve.kernels.cpu import lora as cpu_lora
 from llmserve.kernels.cpu import native
 from llmserve.kernels.triton.lora import lora_expand_reference, lora_shrink_reference
 
-pytestmark = pytest.mark.skipif(native.decode_kernel() is None,
+pytestmark = pytest.mark.skipif(native.cpu_library() is None,
                                 reason="no C compiler: the torch path only")
 
 RANKS = [8, 3, 1, 6]  # slot s's rank; the gathered rank is the step's largest
@@ -166,12 +166,12 @@ def test_inputs_that_do_not_fit_are_refused_and_leave_y_alone():
 
 
 def test_without_the_kernels_lora_add_keeps_the_torch_path(monkeypatch):
-    """No compiler (decode_kernel() None): the torch ops, with their own weights."""
+    """No compiler (cpu_library() None): the torch ops, with their own weights."""
     torch.manual_seed(4)
     a, b = make_weights([24, 8], 32, torch.float32)
     starts, groups = segments([2, 1, 3], [0, -1, 1])
     x, y = torch.randn(6, 32), torch.randn(6, 32)
-    monkeypatch.setattr(native, "decode_kernel", lambda: None)
+    monkeypatch.setattr(native, "cpu_library", lambda: None)
     cache: dict = {}
     got = y.clone()
     cpu_lora.lora_add(got, x, a, b, cpu_lora.CPULoRAPlan.build(groups, RANKS), cache)
@@ -193,7 +193,7 @@ x, y = torch.randn(17, k).bfloat16(), torch.randn(17, 65).bfloat16()
 plan = lora.CPULoRAPlan.build(groups, [8, 8, 8, 8])
 got, want = y.clone(), y.clone()
 lora.lora_add(got, x, a, b, plan, cache={})
-assert native.decode_kernel() is not None
+assert native.cpu_library() is not None
 lora._native_applies = lambda *args: False
 lora.lora_add(want, x, a, b, plan, cache={})
 print(((got.float() - want.float()).abs() / (1 + want.float().abs())).max().item())

@@ -4,6 +4,7 @@ weight and scales, on the ISA this machine has and on the AVX2 and plain builds.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -11,13 +12,15 @@ import sys
 import pytest
 import torch
 
-from llmserve.kernels.cpu import gemm
-from llmserve.kernels.cpu.gemm import Q8_ROWS_MAX, q8_rows, q8_rows_max
-from llmserve.kernels.cpu.native import decode_kernel
+from llmserve.kernels.cpu import dispatch
+from llmserve.kernels.cpu.dispatch import Q8_ROWS, Q8_ROWS_INT8X, Q8_ROWS_MAX
+from llmserve.kernels.cpu.gemm import q8_rows
+from llmserve.kernels.cpu.native import cpu_library
 from llmserve.model_executor.layers import quantization
 from llmserve.model_executor.layers.quantization import QuantizedLinear, weight_only_mm
+from tests.cpu_dispatch import q8_rows_max
 
-pytestmark = pytest.mark.skipif(decode_kernel() is None, reason="no C compiler here")
+pytestmark = pytest.mark.skipif(cpu_library() is None, reason="no C compiler here")
 
 
 @pytest.fixture(autouse=True)
@@ -66,7 +69,7 @@ def test_q8_rows_matches_atens_int8_kernel(out_features, in_features, rows, bias
     x = torch.randn(rows, in_features).to(torch.bfloat16)
     limit = q8_rows_max()
     if limit is not None and rows > limit:  # no panel GEMM (AMX, Zen 4): quant_gemm's rows
-        assert q8_rows(x, lin) is None
+        assert lin.kernel_for(x) not in (Q8_ROWS, Q8_ROWS_INT8X)
         return
     want, got = aten_int8(x, lin).float(), q8_rows(x, lin).float()
     product = weight_only_mm(x, lin.qweight, lin.scales, 8).float()
@@ -88,18 +91,26 @@ def test_q8_rows_reads_strided_rows_and_leading_dims():
 @pytest.mark.parametrize("case", ["int4", "too many rows", "k not a multiple of 16",
                                   "float32 input"])
 def test_q8_rows_declines_what_it_does_not_compute(case, monkeypatch):
-    """Outside its domain it returns None, and the layer keeps ATen's kernel."""
+    """Outside its domain it returns None, and the layer keeps ATen's kernel; past the
+    rows the dispatch table gives it (the limit of builds without AVX-512), the layer
+    does not take it."""
     bits, rows, k, dtype = 8, 1, 64, torch.bfloat16
     if case == "int4":
         bits = 4
     elif case == "too many rows":  # the limit of builds without AVX-512
-        monkeypatch.setattr(gemm, "q8_rows_max", lambda: Q8_ROWS_MAX)
+        baseline = dataclasses.replace(dispatch.probe(), library_isa="baseline",
+                                       bf16_gemm=False, amx_tiles=False, int8_x=False,
+                                       int4_in_float32=False, quant_gemm_bits=frozenset())
+        monkeypatch.setattr(dispatch, "probe", lambda: baseline)
         rows = Q8_ROWS_MAX + 1
     elif case == "k not a multiple of 16":
         k = 24
     else:
         dtype = torch.float32
     lin = QuantizedLinear(torch.nn.Linear(k, 64), bits)
+    if case == "too many rows":
+        assert lin.kernel_for(torch.randn(rows, k).to(dtype)) == dispatch.ATEN
+        return
     assert q8_rows(torch.randn(rows, k).to(dtype), lin) is None
 
 
@@ -110,9 +121,9 @@ def test_the_lm_head_of_a_decode_step_takes_q8_rows(monkeypatch):
 
     def spy(x, linear):
         calls.append(x.shape[0])
-        return q8_rows(x, linear)
+        return q8_rows(x, linear, int8_x=False)
 
-    monkeypatch.setattr(quantization, "q8_rows", spy)
+    monkeypatch.setitem(quantization.KERNELS, Q8_ROWS, spy)  # what the layers bind
     lin = int8_linear(256, 64, True, seed=1)
     x = torch.randn(3, 64).to(torch.bfloat16)
     got = lin(x)
@@ -130,9 +141,9 @@ def test_the_lm_head_of_a_decode_step_takes_q8_rows(monkeypatch):
     slack = BF16_ULP * want.abs() + 2 ** -8 * magnitude + 1e-2
     assert ((got.float() - want).abs() <= slack).all()
     if q8_rows_max() is None:  # ...and taken with AVX-512 (the GEMM over panels)...
-        assert gemm.q8_rows(many, lin) is not None
+        assert lin.kernel_for(many) == Q8_ROWS
     else:  # ...declined without
-        assert gemm.q8_rows(many, lin) is None
+        assert lin.kernel_for(many) != Q8_ROWS
 
 
 def test_q8_rows_takes_any_number_of_rows_exactly_where_the_panel_gemm_is_built():

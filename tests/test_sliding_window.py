@@ -18,7 +18,7 @@ import torch
 
 from llmserve import LLM, SamplingParams
 from llmserve.kernels.cpu.attention import make_cpu_plan, paged_attention_cpu
-from llmserve.kernels.cpu.native import decode_kernel
+from llmserve.kernels.cpu.native import cpu_library
 from llmserve.kernels.triton.attention import unified_attention
 from tests.conftest import write_tiny_checkpoint
 from tests.differential import reconfigure
@@ -42,7 +42,7 @@ BATCHES = {
 @pytest.mark.parametrize("batch", list(BATCHES))
 @pytest.mark.parametrize("path", ["native", "torch", "triton"])
 def test_each_path_equals_the_windowed_reference(path, batch, window):
-    if path == "native" and decode_kernel() is None:
+    if path == "native" and cpu_library() is None:
         pytest.skip("the C kernels are not built here (no compiler)")
     query_lens, seq_lens = BATCHES[batch]
     q, cache, tables, ks, vs = paged_batch(query_lens, seq_lens)
@@ -100,7 +100,7 @@ def prompts_of(seed, lengths=(3, 23, 24, 25, 60, 150)):
 def test_models_past_their_window_equal_transformers(windowed_models, model, path, budget):
     llm = LLM(str(windowed_models[model]), kv_cache_memory=16 << 20,
               max_num_batched_tokens=budget, enable_chunked_prefill=budget < 2048)
-    llm.engine.runner.native_decode = path == "native"
+    llm.engine.runner.c_attention = path == "native"
     assert_greedy_matches(llm, windowed_models[model], prompts_of(1))
     llm.engine.block_manager.check_all_free()
 

@@ -29,7 +29,8 @@ from llmserve import LLM, SamplingParams
 from llmserve.config import EngineConfig
 from llmserve.distributed.shapes import check_tensor_parallel, rank_shape
 from llmserve.entrypoints.launcher import ServerProcess
-from llmserve.kernels.cpu.gemm import gemm_backend, packing_available
+from llmserve.kernels.cpu.dispatch import gemm_backend
+from llmserve.kernels.cpu.gemm import packing_available
 from llmserve.model_executor.layers.cpu_linear import NativeLinear, PackedLinear
 from tests.conftest import BUILTIN, write_tiny_checkpoint
 from tests.differential import reconfigure
@@ -236,7 +237,7 @@ def test_worker_killed_mid_generation_fails_the_step(tiny_qwen2_tied):
     engine.step()
     _live.clear()  # nobody else may use this engine
     try:
-        [worker] = engine.tp_group.procs
+        [worker] = engine.runner.group.procs
         os.kill(worker.pid, signal.SIGKILL)
         with pytest.raises(WorkerDiedError, match=r"rank 1 \(pid \d+\) exited with signal "
                                                   r"SIGKILL"):

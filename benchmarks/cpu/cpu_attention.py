@@ -29,7 +29,7 @@ if not __package__:  # run as a file: the repository root, so that `benchmarks` 
 
 from benchmarks.lib.args import add_threads, apply_threads, int_list
 from llmserve.kernels.cpu.attention import make_cpu_plan, paged_attention_cpu
-from llmserve.kernels.cpu.native import decode_kernel, paged_decode
+from llmserve.kernels.cpu.native import cpu_library, paged_decode
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -125,7 +125,7 @@ def main() -> int:
             ap.error("--cpu-time counts this thread only: add --threads 1")
         global CLOCK
         CLOCK = time.thread_time
-    if decode_kernel() is None:
+    if cpu_library() is None:
         print("the C kernel did not build on this machine")
         return 1
     dtype = DTYPES[args.dtype]

@@ -5,12 +5,13 @@ AMX CPUs both with VDPBF16PS and with AMX tiles); same run, alternating. Ratios 
 against the plain ``F.linear``.
 
 ``--quantized``: the weight-only projections instead (int4, and the int8 LM head of
-both quantised modes), ATen's kernels (what the engine uses below
-``quant_tiled_min_rows()``) versus ``gemm.c``'s quant_gemm (dequantised per group of
-panels into the bf16 tiles; on AMX CPUs both with AVX512-BF16 dot products and with AMX
-tiles), ratios against ATen. On a CPU without bf16 arithmetic (no quant_gemm) ATen's
-versus the int4 weight dequantised for the float32 GEMM (``kernels/cpu/dequant.py``)
-and the float32 GEMM of the float32 weight (the float32 model's product).
+both quantised modes), ATen's kernels (what the engine uses below the dispatch
+table's quant_gemm row, ``kernels/cpu/dispatch.py``) versus ``gemm.c``'s quant_gemm
+(dequantised per group of panels into the bf16 tiles; on AMX CPUs both with
+AVX512-BF16 dot products and with AMX tiles), ratios against ATen. On a CPU without
+bf16 arithmetic (no quant_gemm) ATen's versus the int4 weight dequantised for the
+float32 GEMM (``kernels/cpu/dequant.py``) and the float32 GEMM of the float32 weight
+(the float32 model's product).
 
 Each shape is timed over as many distinct weights as the built-in model has layers,
 so that the weights come from memory as they do in a decode step, not from a cache
@@ -26,13 +27,16 @@ import time
 
 import torch
 
-from llmserve.kernels.cpu.dequant import int4_runs_in_float32, quant_dense_f32
+from llmserve.kernels.cpu.decoder import q4_matmul
+from llmserve.kernels.cpu.dequant import int4_runs_in_float32, q4_dequant_mm
+from llmserve.kernels.cpu.dispatch import DEQUANT_MIN_ROWS
 from llmserve.kernels.cpu.gemm import (
     amx_tiles,
     native_gemm_available,
     packing_available,
     quant_gemm,
     quant_tiled_available,
+    rounds_x_to_int8,
 )
 from llmserve.model_executor.layers.cpu_linear import NativeLinear, PackedLinear
 from llmserve.model_executor.layers.quantization import QuantizedLinear, weight_only_mm
@@ -119,9 +123,13 @@ def aten_quantized(q: QuantizedLinear):
 
 
 def dequantised(q: QuantizedLinear):
+    """The C kernel's product (x rounded to int8 where it is here), or from
+    DEQUANT_MIN_ROWS rows the float32 copy and MKL."""
     if q.bits != 4:
         return aten_quantized(q)
-    return lambda x: quant_dense_f32(x, q)
+    int8_x = rounds_x_to_int8()
+    return lambda x: (q4_matmul(x, q, int8_x=int8_x)
+                      if int8_x or x.shape[0] < DEQUANT_MIN_ROWS else q4_dequant_mm(x, q))
 
 
 def tiled_quantized(q: QuantizedLinear, amx: bool | None = None):

@@ -25,9 +25,10 @@ if not __package__:  # run as a file: the repository root, so that `benchmarks` 
     sys.path.append(str(Path(__file__).resolve().parents[2]))
 
 from benchmarks.lib.args import add_threads, apply_threads, int_list
+from llmserve.kernels.cpu import dispatch
 from llmserve.kernels.cpu.decoder import q4_matmul
 from llmserve.kernels.cpu.dequant import q4_weight_f32
-from llmserve.kernels.cpu.gemm import q8_rows, q8_rows_max
+from llmserve.kernels.cpu.gemm import q8_rows
 from llmserve.model_executor.layers.quantization import QuantizedLinear, weight_only_mm
 
 LAYER = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (out, in) of qkv, o, gate_up, down
@@ -47,7 +48,7 @@ def alternate(fns: dict, repeats: int) -> dict:
 
 
 def dequant_mkl(x: torch.Tensor, lin) -> torch.Tensor:
-    """The float32 copy + MKL (what quant_dense_f32 does from DEQUANT_MIN_ROWS)."""
+    """The float32 copy + MKL (what the dispatch table takes from DEQUANT_MIN_ROWS)."""
     return torch.mm(x.float(), q4_weight_f32(lin)).to(x.dtype)
 
 
@@ -55,8 +56,9 @@ def lm_head(rows: list[int], repeats: int) -> None:
     torch.manual_seed(0)
     lin = QuantizedLinear(torch.nn.Linear(576, 49152, bias=False), 8)
     print("int8 LM head [49152 x 576], ms (median): ATen vs q8_rows")
-    if q8_rows_max() is not None:
-        print(f"  (q8_rows takes at most {q8_rows_max()} rows on this build: skipped)")
+    limit = dispatch.route(8, (dispatch.Q8_ROWS, dispatch.Q8_ROWS_INT8X)).last
+    if limit is not None:
+        print(f"  (q8_rows takes at most {limit} rows on this build: skipped)")
         return
     for m in rows:
         x = torch.randn(m, 576).to(torch.bfloat16)

@@ -101,7 +101,7 @@ def cpp_op():
                 extra_cflags=["-O2"])
     print(f"C++ extension built (or loaded from torch's cache) in "
           f"{time.perf_counter() - t0:.1f} s")
-    address = ctypes.cast(native.decode_kernel().silu_and_mul_bf16, ctypes.c_void_p).value
+    address = ctypes.cast(native.cpu_library().silu_and_mul_bf16, ctypes.c_void_p).value
     torch.ops.llmserve_bench_cpp.bind(address)
     return torch.ops.llmserve_bench_cpp.silu_and_mul
 
@@ -113,7 +113,7 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=20000)
     args = parser.parse_args()
     torch.set_num_threads(1)  # the kernel's threads are not what is measured
-    lib = native.decode_kernel()
+    lib = native.cpu_library()
     if lib is None:
         raise SystemExit("the C kernels did not build here")
     x = torch.randn(1, 2 * INTER).to(torch.bfloat16)

@@ -137,6 +137,19 @@ def decode_sweep(args, device, dtype) -> list[dict]:
     return rows
 
 
+def legacy_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, block_size: int) -> int:
+    """The split-KV rule before the occupancy rule, compared below (the kernel takes its
+    count as ``num_splits``): split only below 128 sequences x KV heads, aiming at ~256
+    programs whatever the GPU (at batch 32 of an 8-KV-head model that is 256 programs,
+    under two per SM of an H200)."""
+    programs = num_seqs * num_kv_heads
+    if programs >= 128 or max_seq_len < 512:
+        return 1
+    wanted = 1 << (256 // programs - 1).bit_length()  # the power of two at or above
+    top = min(wanted, 32, max_seq_len // (4 * block_size))  # MAX_SPLITS: 32
+    return 1 << (max(1, top).bit_length() - 1)  # the power of two at or below
+
+
 # (split rule, decode tile) before and after the occupancy rule, and each change alone.
 DECODE_VARIANTS = (("legacy", "padded"), ("occupancy", "padded"), ("legacy", "fit"),
                    ("occupancy", "fit"))
@@ -159,13 +172,14 @@ def decode_rules(args, device, dtype) -> list[dict]:
         out = torch.empty_like(b["q"])
         kv_bytes = 2 * kv_heads * head_dim * b["k_cache"].element_size() * batch * ctx
         for rule, tile in DECODE_VARIANTS:
+            splits = (legacy_splits(batch, kv_heads, ctx, block_size) if rule == "legacy"
+                      else _choose_splits(batch, kv_heads, ctx, block_size, num_sms(device)))
             row = {"batch": batch, "context": ctx, "split_rule": rule, "decode_tile": tile,
-                   "num_splits": _choose_splits(batch, kv_heads, ctx, block_size,
-                                                num_sms(device), rule)}
+                   "num_splits": splits}
             rows.append(row)
             try:
-                call = (lambda rule=rule, tile=tile, b=b, out=out: unified_attention(
-                    out=out, split_rule=rule, decode_tile=tile, **b))
+                call = (lambda splits=splits, tile=tile, b=b, out=out: unified_attention(
+                    out=out, num_splits=splits, decode_tile=tile, **b))
                 t = bench(call, device)
                 t_graph = bench_graph(call, device)
                 row.update(us=t * 1e6, graph_us=t_graph * 1e6 if t_graph else None,

@@ -278,8 +278,7 @@ def llmserve_kv(extra_args: list[str]) -> tuple[int | None, dict]:
 
         from llmserve.entrypoints.cli import add_engine_args, engine_config
         from llmserve.model_executor.model_loader.sources import load_config, resolve_model
-        from llmserve.worker.kv_sizing import kv_block_bytes
-        from llmserve.worker.model_runner import DEFAULT_CPU_KV_BYTES
+        from llmserve.worker.kv_sizing import DEFAULT_CPU_KV_BYTES, kv_block_bytes
         parser = argparse.ArgumentParser()
         add_engine_args(parser)
         args, _ = parser.parse_known_args(["--model", LLMSERVE_MODEL, *extra_args])

@@ -28,7 +28,8 @@ def window_decoder(tokenizer):
     cls = type(tokenizer)
     if (isinstance(tokenizer, PreTrainedTokenizerFast)
             and cls.decode is PreTrainedTokenizerFast.decode
-            and cls._decode is PreTrainedTokenizerFast._decode  # e.g. CPM's, CTC's: their own
+            # e.g. CPM's, CTC's: their own (transformers' class, read, not reached into)
+            and cls._decode is PreTrainedTokenizerFast._decode  # noqa: SLF001
             and not getattr(tokenizer, "clean_up_tokenization_spaces", True)):
         return tokenizer.backend_tokenizer.decode
     return tokenizer.decode

@@ -26,6 +26,7 @@ from llmserve.model_executor.model_loader.sources import (
     load_tokenizer,
     resolve_model,
 )
+from llmserve.model_executor.models.registry import check_architecture
 from llmserve.model_executor.models.supported import check_model_config
 
 log = logging.getLogger(__name__)
@@ -51,6 +52,7 @@ def resolve(config: EngineConfig) -> tuple[EngineConfig, ModelConfig]:
     path = resolve_model(config.model)
     config = _resolve_precision(config, path)
     hf_config = load_config(path)
+    check_architecture(hf_config)
     tokenizer = load_tokenizer(path)
     model_max = getattr(hf_config, "max_position_embeddings", None) or 4096
     max_model_len = min(config.max_model_len or model_max, model_max)

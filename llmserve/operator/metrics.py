@@ -123,7 +123,7 @@ def forget(namespace: str, name: str) -> None:
 
 def _forget(metric, prefix: tuple[str, ...]) -> None:
     """Remove every child of ``metric`` whose label values start with ``prefix``."""
-    for values in list(metric._metrics):  # prometheus_client has no prefix removal
+    for values in list(metric._metrics):  # noqa: SLF001 - prometheus_client has no prefix removal
         if values[:len(prefix)] == prefix:
             metric.remove(*values)
 

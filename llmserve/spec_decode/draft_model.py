@@ -45,6 +45,7 @@ from llmserve.config import EngineConfig
 from llmserve.core.request import Sequence
 from llmserve.core.sched.output import ScheduledBatch
 from llmserve.model_executor.model_loader.sources import load_config, resolve_model
+from llmserve.model_executor.models.registry import check_architecture
 from llmserve.model_executor.models.supported import layer_sliding_window
 from llmserve.spec_decode.rejection_sampler import DraftPosition
 from llmserve.structured_output.grammar import GrammarWalk, new_bitmask
@@ -65,6 +66,7 @@ class DraftModel:
         source = config.speculative.model
         self.path = resolve_model(source)
         self.hf_config = load_config(self.path)
+        check_architecture(self.hf_config)
         check_draft(source, target_hf_config, self.hf_config, max_model_len)
         self.config = dataclasses.replace(config, model=source, **_DRAFT_OFF)
         self.max_model_len = max_model_len

@@ -18,6 +18,9 @@ from llmserve.kernels.cpu.attention import make_cpu_plan
 from llmserve.model_executor.layers.attention import AttentionMetadata, forward_context
 from llmserve.utils import cdiv
 
+# A CPU engine's KV budget unless --kv-cache-memory says otherwise.
+DEFAULT_CPU_KV_BYTES = 1 << 30
+
 
 def kv_budget_from_profile(*, total: int, free: int, utilization: float, torch_peak: int,
                            torch_reserved: int) -> int:

@@ -1,6 +1,7 @@
-"""The model runner: builds the model and its KV cache on the device, turns each
-scheduled batch into device tensors (with step_buffers.py) and runs one forward per step.
-The scheduler and block manager above it never touch tensors."""
+"""The model runner: serves one rank's model and KV cache (built by ``model_builder.py``),
+turning each scheduled batch into device tensors (with step_buffers.py) and running one
+forward per step. The scheduler and block manager above it never touch tensors; the
+executor above it (``executor/executor.py``) sends the steps to tensor-parallel workers."""
 
 from __future__ import annotations
 
@@ -11,179 +12,57 @@ import torch
 from llmserve.config import EngineConfig
 from llmserve.core.block_manager import DROPPED
 from llmserve.core.sched.output import ScheduledBatch
-from llmserve.distributed.shapes import rank_shape
 from llmserve.kernels.cpu.attention import make_cpu_plan
-from llmserve.kernels.cpu.gemm import packing_applies
-from llmserve.kernels.cpu.native import DTYPE_CODES, decode_kernel
 from llmserve.model_executor.layers.attention import AttentionMetadata, forward_context
-from llmserve.model_executor.layers.cpu_linear import pack_linears
-from llmserve.model_executor.layers.fused_moe.layer import SparseMoeBlock
 from llmserve.model_executor.layers.prompt_logprobs import (
     ROWS_PER_SLICE,
     PromptScores,
     score_rows,
 )
-from llmserve.model_executor.layers.q8_embedding import compact_embedding
-from llmserve.model_executor.layers.quantization import quantize_model
-from llmserve.model_executor.lora.slots import LoRASlots
-from llmserve.model_executor.model_loader.weights import (
-    checkpoint_slice,
-    empty_model_init,
-    load_weights,
-)
-from llmserve.model_executor.models.llama import Attention, RotaryEmbedding
-from llmserve.model_executor.models.native_decoder import NativeDecoder
-from llmserve.model_executor.models.registry import SUPPORTED_ARCHITECTURES
-from llmserve.platforms.memory import huge_pages_wanted
+from llmserve.model_executor.models.llama import Attention
+from llmserve.worker import model_builder
 from llmserve.worker.cuda_graphs import DecodeGraphs
-from llmserve.worker.kv_cache import KVCache
-from llmserve.worker.kv_sizing import kv_block_bytes, profile_kv_budget
+from llmserve.worker.kv_sizing import kv_block_bytes
 from llmserve.worker.step_buffers import StepBuilder, enable_fast_path_from_config
 from llmserve.worker.step_inputs import StepInputs
-from llmserve.worker.weight_arena import pack_weights
 
 log = logging.getLogger(__name__)
 
-DEFAULT_CPU_KV_BYTES = 1 << 30
-
 
 class ModelRunner:
-    """One rank's model and KV cache. With tensor parallelism (``group`` on rank 0,
-    ``rank`` > 0 in a worker) rank 0 sends each step's block moves and flat batch to the
-    workers (``executor.tensor_parallel.TensorParallelGroup``) and every rank runs ``execute``."""
+    """One rank's model and KV cache; every rank runs ``execute`` on the same inputs."""
 
     def __init__(self, config: EngineConfig, hf_config, model_path, max_model_len: int,
-                 rank: int = 0, group=None, extra_bytes_per_block: int = 0,
-                 reserved_bytes: int = 0, blocks: tuple[int, int] | None = None):
+                 rank: int = 0, extra_bytes_per_block: int = 0, reserved_bytes: int = 0,
+                 blocks: tuple[int, int] | None = None):
         """``extra_bytes_per_block``: what each KV block also costs elsewhere (a draft
         model's cache of the same blocks), so the budget holds both. ``reserved_bytes``:
         device memory a budget sized from free GPU memory leaves for what loads after
         it (a draft model's weights). ``blocks``: (device, CPU swap) block counts to use
         instead of sizing them (the draft model's runner takes the target's: its cache
         has the same blocks)."""
-        self.config = config
-        self.extra_bytes_per_block = extra_bytes_per_block
-        self.reserved_bytes = reserved_bytes
-        self.rank, self.group = rank, group
-        tp = config.tensor_parallel_size
-        self.device = torch.device(f"cuda:{rank}" if config.device == "cuda" and tp > 1
-                                   else config.device)
-        self.dtype = config.torch_dtype
-        if self.device.type == "cpu":
-            # The engine's threads, shared among its ranks.
-            torch.set_num_threads(max(1, config.num_threads // tp))
-        if getattr(hf_config, "head_dim", None) is None:
-            hf_config.head_dim = hf_config.hidden_size // hf_config.num_attention_heads
-        self.shard = rank_shape(hf_config, rank, tp)
-        self._pending_ops = []  # rank 0: block moves the workers have not been sent yet
-        arch = next(a for a in hf_config.architectures if a in SUPPORTED_ARCHITECTURES)
-        with empty_model_init():
-            model = SUPPORTED_ARCHITECTURES[arch](hf_config, max_model_len,
-                                                  self.shard).to(self.dtype)
-        # Built on the meta device (no random init of 100M+ parameters), then
-        # materialised empty in the serving dtype (never an fp32 copy first: that would
-        # double the peak memory of a bf16 model on a GPU) and filled from the checkpoint.
-        model.to_empty(device=self.device)
-        model.tie_weights()
-        load_weights(model, model_path, self.dtype, str(self.device))
-        # cos/sin tables were on meta too; they stay fp32 whatever the weights are.
-        model.model.rotary = RotaryEmbedding(hf_config, max_model_len).to(self.device)
-        model.fuse()
-        quantize_model(model, config.quantization)
-        if packing_applies(self.device, self.dtype) and not config.compile:
-            pack_linears(model)  # the dense ones: oneDNN's layout once, not every call
-        if self.device.type == "cpu" and self.shard.size == 1:
-            # A Q8_0 embedding (GGUF) kept as its int8 blocks: the same rows, half the memory.
-            compact_embedding(model, checkpoint_slice(model, model_path,
-                                                      "model.embed_tokens.weight"))
-        if config.fused_kernels:  # Triton add+RMSNorm, rotary+KV write, SiLU*up
-            model.enable_fused_kernels()
-        self.model = model.eval()
-        if self.device.type == "cpu" and huge_pages_wanted():
-            # The weights onto 2 MB pages: before anything keeps pointers into them (the
-            # LoRA slots, the native decoder).
-            pack_weights(self.model)
-        self.hf_config = hf_config
-        self.block_size = config.block_size
-        self.use_triton = self._want_triton()
-        if self.use_triton:  # a MoE layer's experts in one grouped launch, as attention
-            for module in self.model.modules():
-                if isinstance(module, SparseMoeBlock):
-                    module.use_triton_kernel()
-        self.native_decode = self._want_native_decode()
-        # Multi-LoRA: the packed or quantised projections wrapped, their adapter slots
-        # allocated before the KV cache takes what memory is left (the native decoder
-        # computes the wrapped projections and steps aside when an adapter runs).
-        self.lora = (LoRASlots(self.model, hf_config, self.shard, config, self.use_triton)
-                     if config.enable_lora else None)
-        self.num_blocks, num_swap_blocks = blocks or (self._num_kv_blocks(),
-                                                      self._num_swap_blocks())
-        c = hf_config
-        self.kv_cache = KVCache(c.num_hidden_layers, self.num_blocks, self.block_size,
-                                self.shard.num_kv_heads, c.head_dim, self.dtype, self.device,
-                                num_swap_blocks, config.check_kv_integrity)
-        self.num_cpu_blocks = self.kv_cache.num_cpu_blocks
-        self.model.bind_kv_cache(self.kv_cache.storage)
-        if config.compile:
-            self.model.model.compile_layers()
-        elif self.native_decode:  # after the cache is bound: it keeps pointers into it
-            self.model.model.native_decoder = NativeDecoder.try_build(self.model)
-        if self.lora is not None and self.model.model.native_decoder is not None:
-            self.model.model.native_decoder.lora_state = self.lora.state
+        load = model_builder.build(model_builder.start(
+            config, hf_config, model_path, max_model_len, rank,
+            extra_bytes_per_block=extra_bytes_per_block, reserved_bytes=reserved_bytes,
+            blocks=blocks))
+        self.config, self.hf_config, self.rank = config, hf_config, rank
+        self.device, self.dtype, self.shard = load.device, load.dtype, load.shard
+        self.block_size, self.reserved_bytes = config.block_size, reserved_bytes
+        self.model, self.lora, self.kv_cache = load.model, load.lora, load.kv_cache
+        self.use_triton, self.c_attention = load.use_triton, load.c_attention
+        self.num_blocks, self.num_cpu_blocks = load.num_blocks, load.kv_cache.num_cpu_blocks
         # The GPU fast path (each piece behind its flag; CUDA graphs on by default on CUDA).
         self.step_builder: StepBuilder | None = None
         self.graphs: DecodeGraphs | None = None
         enable_fast_path_from_config(self, max_model_len)
 
-    # --- KV cache -----------------------------------------------------------------
     def kv_bytes_per_block(self) -> int:
         elem = torch.tensor([], dtype=self.dtype).element_size()
         return kv_block_bytes(self.hf_config, self.block_size, elem, self.shard.num_kv_heads)
 
-    def _num_kv_blocks(self) -> int:
-        budget = self.config.kv_cache_memory
-        if budget is None:
-            if self.device.type == "cuda" and self.config.profile_kv_cache:
-                budget = profile_kv_budget(self, self.config.max_num_batched_tokens,
-                                           self.config.max_num_seqs) - self.reserved_bytes
-            elif self.device.type == "cuda":
-                free, total = torch.cuda.mem_get_info(self.device)
-                budget = int(free - total * (1 - self.config.gpu_memory_utilization)
-                             - self.reserved_bytes)
-            else:
-                budget = DEFAULT_CPU_KV_BYTES
-        num = budget // (self.kv_bytes_per_block() + self.extra_bytes_per_block)
-        if self.shard.size > 1:  # every rank's cache has the same blocks: the smallest
-            t = torch.tensor([num], dtype=torch.int64,
-                             device=self.device if self.device.type == "cuda" else "cpu")
-            torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN)
-            num = int(t.item())
-        if num < 1:
-            left = (f", after {self.reserved_bytes} bytes left for a draft model's weights"
-                    if self.reserved_bytes and self.config.kv_cache_memory is None
-                    and self.device.type == "cuda" else "")
-            raise ValueError(f"kv_cache_memory={budget} bytes holds no KV block "
-                             f"(one block takes {self.kv_bytes_per_block()} bytes{left})")
-        return int(num)
-
-    def _num_swap_blocks(self) -> int:
-        if self.config.preemption_mode != "swap":
-            return 0
-        return int(self.config.swap_space
-                   // (self.kv_bytes_per_block() + self.extra_bytes_per_block))
-
     def apply_block_ops(self, batch: ScheduledBatch) -> None:
-        """Swap-outs, swap-ins and copy-on-write copies, in the order they were decided.
-        The workers get them with the step's batch (``run``) or ``flush_block_ops``."""
+        """Swap-outs, swap-ins and copy-on-write copies, in the order they were decided."""
         self.kv_cache.apply(batch.block_ops)
-        if self.group is not None:
-            self._pending_ops += batch.block_ops
-
-    def flush_block_ops(self) -> None:
-        """A step with block moves and nothing to run: the workers apply the moves now."""
-        if self.group is not None and self._pending_ops:
-            self.group.send(("step", self._pending_ops, None))
-            self._pending_ops = []
 
     def warm_up_kernels(self, max_model_len: int, max_num_seqs: int) -> None:
         """Compile every Triton attention variant this engine can launch (the split
@@ -191,8 +70,6 @@ class ModelRunner:
         warm-up request alone cannot cover). Nothing to do on the torch path."""
         if not self.use_triton:
             return
-        if self.group is not None:
-            self.group.send(("warm_up", max_model_len, max_num_seqs))
         from llmserve.kernels.triton.attention import warm_up
         c = self.hf_config
         attention = [m for m in self.model.modules() if isinstance(m, Attention)]
@@ -203,23 +80,6 @@ class ModelRunner:
                 softcap=any(getattr(a, "softcap", None) for a in attention))
         if self.graphs is not None:
             self.graphs.capture_all()
-
-    def _want_triton(self) -> bool:
-        if not self.config.uses_triton:
-            return False
-        from llmserve.kernels.triton.attention import check_supported
-        c = self.hf_config
-        check_supported(block_size=self.block_size, head_dim=c.head_dim,
-                        num_heads=self.shard.num_heads, num_kv_heads=self.shard.num_kv_heads,
-                        dtype=self.dtype)
-        return True
-
-    def _want_native_decode(self) -> bool:
-        """Decodes in the C kernel: on CPUs, for the dtypes it knows, when it builds
-        (at start-up, so no request waits for the compiler)."""
-        if self.device.type != "cpu" or self.use_triton or self.dtype not in DTYPE_CODES:
-            return False
-        return decode_kernel() is not None
 
     # --- one step ---------------------------------------------------------------------
     def flatten(self, batch: ScheduledBatch, pending_row_of: dict[int, int] | None = None
@@ -289,7 +149,7 @@ class ModelRunner:
         )
         if not self.use_triton:
             meta.plan = make_cpu_plan(inputs.query_start, inputs.seq_lens, tables,
-                                      self.block_size, self.num_blocks, self.native_decode,
+                                      self.block_size, self.num_blocks, self.c_attention,
                                       device=dev)
         ids = torch.tensor(inputs.input_ids, dtype=torch.long, device=dev)
         pos = torch.tensor(inputs.positions, dtype=torch.long, device=dev)
@@ -368,26 +228,14 @@ class ModelRunner:
     def run(self, batch: ScheduledBatch,
             pending: tuple[dict[int, int], torch.Tensor] | None = None
             ) -> tuple[torch.Tensor | None, PromptScores | None, list[int]]:
-        """Forward the batch once (on every rank); logits only for rows that sample,
-        and the scores of the rows that score prompt tokens (``prompt_rows``).
-        ``pending`` (async scheduling, one rank): seq_id -> row of the previous step's
-        token tensor, and that tensor.
+        """Forward the batch once; logits only for rows that sample, and the scores of
+        the rows that score prompt tokens (``prompt_rows``). ``pending`` (async
+        scheduling): seq_id -> row of the previous step's token tensor, and that tensor.
 
         Returns (logits ``[num_sampling, vocab]`` or None, the prompt rows' scores or
         None, indices into ``batch.seqs`` of the sequences the sampling rows belong
         to)."""
         row_of, prev_tokens = pending if pending is not None else (None, None)
         inputs, due = self.flatten(batch, row_of)
-        if self.group is None:
-            seq_ids = [s.seq_id for s in batch.seqs] if self.step_builder is not None else None
-            return *self.execute(inputs, seq_ids, prev_tokens), due
-        assert pending is None, "async scheduling runs on one rank"
-        self.group.send(("step", self._pending_ops, inputs))
-        self._pending_ops = []
-        try:
-            return *self.execute(inputs), due
-        except RuntimeError as e:  # a collective failed: a dead worker is the likely cause
-            blamed = self.group.blame(e)
-            if blamed is e:
-                raise
-            raise blamed from e
+        seq_ids = [s.seq_id for s in batch.seqs] if self.step_builder is not None else None
+        return *self.execute(inputs, seq_ids, prev_tokens), due

@@ -45,7 +45,7 @@ def _movable(t: torch.Tensor | None) -> bool:
 def _registered(model: nn.Module):
     """(the module's table, name, tensor) of every movable parameter and buffer."""
     for module in model.modules():
-        for table in (module._parameters, module._buffers):
+        for table in (module._parameters, module._buffers):  # noqa: SLF001
             for name, t in table.items():
                 if _movable(t):
                     yield table, name, t

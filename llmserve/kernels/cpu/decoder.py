@@ -1,6 +1,6 @@
 """The C decoder stack's interface (``decoder.c``): the structures it reads (a
 projection int4 in ATen's pack, or dense bf16 in ``gemm.c``'s panels), ATen's int4 pack
-layout, and one int4 product for tests.
+layout, and its int4 product (``q4_matmul``), which the layers take too.
 
 A kernel knows tensors, not models: ``model_executor/models/native_decoder.py`` fills
 these structures from a model's layers. Their C side is declared in ``kernels.h``.
@@ -14,7 +14,7 @@ import functools
 import torch
 
 from llmserve import envs
-from llmserve.kernels.cpu.native import decode_kernel, panel_int8_block_n
+from llmserve.kernels.cpu.native import amx_tiles, cpu_library, panel_int8_block_n
 
 LINEAR_INT4, LINEAR_BF16 = 0, 1  # kernels.h: a projection's format
 
@@ -47,7 +47,7 @@ def int4_pack_block_n() -> int | None:
     the C kernel does not read (ATen's scalar build, a future change)."""
     n, k = 128, 64
     codes = torch.arange(n * k, dtype=torch.int32).view(n, k) * 7 % 16
-    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 2).view(-1)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 2).view(-1)  # noqa: SLF001
     for block_n in (64, 32):
         blocks = codes.view(n // block_n, block_n, k).transpose(1, 2)  # [nb, k, block_n]
         half = block_n // 2
@@ -75,37 +75,49 @@ def bf16_struct(linear) -> StackLinear:
 
 
 def int8_activations() -> bool:
-    """Whether int4 products of 3 rows and more (AVX2 builds: 1; the int8 LM head, where
-    built: 4) round x to int8 per group of 32, as llama.cpp does for its Q4 models
-    (``panel_int8.h``: 2-4x the float32 panel GEMM's multiplies per instruction, 2x bf16
-    dot products'):
-    wherever the library has that kernel (AVX-512 VNNI: Ice Lake and Cascade Lake
-    Xeons, Zen 4, AMX Xeons, where ``gemm.quant_tiled`` still takes the products it is
-    faster for; and AVX2) and ATen packs int4 in the column blocks it reads (64 and 32:
+    """Whether int4 products (and the int8 LM head's, where built) may round x to int8
+    per group of 32, as llama.cpp does for its Q4 models (``panel_int8.h``: 2-4x the
+    float32 panel GEMM's multiplies per instruction, 2x bf16 dot products'): wherever
+    the library has that kernel (AVX-512 VNNI: Ice Lake and Cascade Lake Xeons, Zen 4,
+    AMX Xeons; and AVX2) and ATen packs int4 in the column blocks it reads (64 and 32:
     an AVX-512 build under a forced AVX2 ATen does not match, and the products keep
-    their other routes), unless ``LLMSERVE_CPU_INT8_ACTIVATIONS=0``."""
+    their other routes), unless ``LLMSERVE_CPU_INT8_ACTIVATIONS=0``. Whether they do
+    is ``rounds_x_to_int8`` (not while AMX tiles are in use)."""
     return (envs.LLMSERVE_CPU_INT8_ACTIVATIONS
             and panel_int8_block_n() > 0 and int4_pack_block_n() == panel_int8_block_n())
 
 
+def rounds_x_to_int8() -> bool:
+    """Whether int4 products (and the int8 LM head's) round x to int8 here now: where
+    the library has the int8 panels (``int8_activations``: AVX-512 VNNI or
+    AVX2) and AMX tiles are not in use. Where they are, every product keeps x in bf16:
+    quant_gemm's tiles are faster from 24 rows and the int8 panels below, but a switch
+    between the two at some row count would make a prompt's logits depend on how many
+    of its tokens a step computes (a prefix-cache hit leaves a few), and a greedy answer
+    near a tie flipped with it in the e2e tests (docs/benchmarks.md, "int8 products on
+    CPUs with bf16 arithmetic"). Without the tiles (Zen 4) the int8 panels win at every
+    row count and take them all, as on Ice Lake."""
+    return int8_activations() and not amx_tiles()
+
+
 def q4_matmul(x: torch.Tensor, linear, int8_x: bool | None = None) -> torch.Tensor:
-    """``linear(x)`` by the C kernel (bf16 ``x [M, K]``): its tiles, or from 16 rows its
-    panel GEMM where built (dequant.quant_dense_f32 calls it for 16-383 rows), with x
-    rounded to int8 where ``int8_x`` (default: ``gemm.rounds_x_to_int8()``, as the
-    layers route) and built."""
+    """``linear(x)`` by the C kernel (bf16 ``x [..., K]``): its tiles, or from 16 rows its
+    panel GEMM where built, with x rounded to int8 where ``int8_x`` (default:
+    ``rounds_x_to_int8()``, as the layers bind) and built."""
     if int8_x is None:
-        from llmserve.kernels.cpu.gemm import rounds_x_to_int8  # (gemm imports this module)
         int8_x = rounds_x_to_int8()
     block_n = int4_pack_block_n()
-    if block_n is None or decode_kernel() is None:
+    if block_n is None or cpu_library() is None:
         raise RuntimeError("the C int4 kernel is not available here")
-    x = x.to(torch.bfloat16).contiguous()
-    y = torch.empty(x.shape[0], linear.out_features, dtype=torch.bfloat16)
+    k, n = linear.in_features, linear.out_features
+    rows = x.reshape(-1, k).to(torch.bfloat16).contiguous()
+    y = torch.empty(rows.shape[0], n, dtype=torch.bfloat16)
     lin = q4_struct(linear)
-    rc = decode_kernel().q4_linear_bf16(torch.get_num_threads(), ctypes.byref(lin), block_n,
-                                        x.data_ptr(), x.shape[0], y.data_ptr(), int(int8_x))
+    rc = cpu_library().q4_linear_bf16(torch.get_num_threads(), ctypes.byref(lin), block_n,
+                                      rows.data_ptr(), rows.shape[0], y.data_ptr(),
+                                      int(int8_x))
     if rc == -1:
         raise MemoryError("q4_linear_bf16: out of memory for its copy of x")
     if rc != 0:
         raise ValueError(f"q4_linear_bf16: shapes unsupported ({rc})")
-    return y
+    return y.view(*x.shape[:-1], n)

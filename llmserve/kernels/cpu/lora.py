@@ -6,18 +6,18 @@ slice i's A in rows ``i*R : i*R + rank`` (zero past the slot's rank), and one
 ``b[i] [S, N_i, R]`` per output slice. A step's ``CPULoRAPlan`` (built once per step,
 for every layer) groups the batch's rows by slot.
 
-Where the CPU kernels are built (``native.decode_kernel``), one call of ``lora.c`` does
+Where the CPU kernels are built (``native.cpu_library``), one call of ``lora.c`` does
 a projection's whole LoRA: every group's rows are read and written in place (whatever
 their number, order or size), shrunk and expanded slice by slice in float32 sums, and
 added to y rounded once. Its weights are gathered once (``gather_native_weights``) per set of
 slots, cut to their largest rank r, in their own dtype (bf16 weights are exact in bf16,
 and half the bytes of float32): A ``[G, n*r, K]`` and B transposed over the slices,
 ``[G, r, N]``. Decode steps keep the same adapters for many steps, so the gathered copy
-is reused until the set of slots changes. A decode step's projection costs ~6 small
-torch ops on the path below, and one ctypes call on this one.
+is reused until the set of slots changes. A decode step's projection costs several
+small torch ops on the path below, and one ctypes call on this one.
 
 Without the kernels (no C compiler, torch.compile'd layers, other layouts), torch
-ops: the weights gathered in float32 (the CPU's small matmuls are ~10x faster in
+ops: the weights gathered in float32 (the CPU's small matmuls are far faster in
 float32 than in bf16 at these shapes), with B block-diagonal over the slices so that
 one matmul expands every slice and writes whole rows of y. Then:
 
@@ -179,7 +179,7 @@ def _native_applies(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor) -> bool:
     return (x.dim() == 2 and y.dim() == 2 and x.dtype == y.dtype
             and x.dtype in native.DTYPE_CODES and a.dtype in native.DTYPE_CODES
             and x.is_cpu and y.is_cpu and x.stride(1) == 1 and y.stride(1) == 1
-            and not torch.compiler.is_compiling() and native.decode_kernel() is not None)
+            and not torch.compiler.is_compiling() and native.cpu_library() is not None)
 
 
 def _add_small(y, x, ag, bg, plan: CPULoRAPlan) -> None:
@@ -191,7 +191,7 @@ def _add_small(y, x, ag, bg, plan: CPULoRAPlan) -> None:
     delta = torch.bmm(xa, bg.transpose(1, 2)).view(g * m, -1).to(y.dtype)  # every slice
     if span is not None:
         y[span] += delta
-    else:  # whole rows of y (a column slice of y is ~4x slower to scatter into)
+    else:  # whole rows of y (a column slice of y is much slower to scatter into)
         y.index_add_(0, plan.rows, delta)
 
 

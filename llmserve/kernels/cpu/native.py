@@ -3,10 +3,10 @@
 ``panel_int8.h``'s int8 panel GEMMs; ``dequant.c``: int4 weights in
 float32 for CPUs without bf16 arithmetic; ``gemm.c``: bf16 linears
 on AVX512-BF16; ``q8_rows.c``: int8 weight-only products (the LM head); ``lora.c``: a
-projection's multi-LoRA), compiled for this machine into one library.
+projection's multi-LoRA), compiled for this machine into one library (``cpu_library``).
 
-Compiled once with the system C compiler (``$CC`` or ``cc``, 1-3 s) for the CPU it
-runs on (``-march=native``; AVX2 + FMA when ``ATEN_CPU_CAPABILITY=avx2`` asks torch to
+Compiled once with the system C compiler (``$CC`` or ``cc``, a few seconds) for the CPU
+it runs on (``-march=native``; AVX2 + FMA when ``ATEN_CPU_CAPABILITY=avx2`` asks torch to
 act as an AVX2 machine, the baseline ISA for ``default``, without AMX when
 ``ONEDNN_MAX_CPU_ISA`` leaves it out; ``$LLMSERVE_CPU_MARCH``, for tests, another kind
 the CPU can run, e.g. ``icelake-server``), cached under the llmserve
@@ -16,13 +16,13 @@ against ``kernels.h``). Each call runs on torch's thread count; with torch's own
 ``libgomp.so.1`` already loaded, the kernel shares its thread pool too.
 
 Why ctypes and not torch custom ops (``benchmarks/cpu/kernel_binding.py``): a bf16 decode
-step makes 5-9 calls a layer, and a Python custom op costs 3x today's call (~+9 us
-each: ~1.4 ms a step of 16 layers). A C++ op saves ~1 us a call (~0.2 ms a step) but
-needs torch's headers, a C++ compiler and a 1-2 minute build per CPU and torch version
-on every machine, where this C builds in seconds. The price: torch.compile'd layers
-do not call these kernels (``native_bf16_applies``).
+step makes 5-9 calls a layer, and a Python custom op's dispatch costs several times a
+ctypes call; a C++ op would save little more but needs torch's headers, a C++ compiler
+and a minutes-long build per CPU and torch version on every machine, where this C
+builds in seconds. The price: torch.compile'd layers do not call these kernels (the
+loader binds them to torch's ops: ``model_executor/layers/backends.py``).
 
-Where no compiler is found or the build fails, ``decode_kernel()`` returns None and
+Where no compiler is found or the build fails, ``cpu_library()`` returns None and
 the engine keeps the pure-torch path (``attention.py``), with one warning.
 """
 
@@ -190,7 +190,7 @@ def panel_gemms_built() -> bool:
     """Whether the library has panel.h's GEMMs (AVX-512 and AVX2 builds): q8_rows of any
     number of rows, int4 products of 16+ rows, the C decoder stack to 128 rows where
     quant_gemm does not take its products. Asked once."""
-    lib = decode_kernel()
+    lib = cpu_library()
     return lib is not None and lib.panel_gemms() == 1
 
 
@@ -199,7 +199,7 @@ def panel_int8_block_n() -> int:
     """The column block of ATen's int4 pack that the library's int8 panels read (64: an
     AVX-512 VNNI build; 32: an AVX2 build), or 0: no such panels
     (panel_int8.h). Asked once."""
-    lib = decode_kernel()
+    lib = cpu_library()
     return 0 if lib is None else lib.panel_int8()
 
 
@@ -213,7 +213,7 @@ def q4_int8_min_rows() -> int:
     """The fewest rows whose int4 products the library rounds x to int8 for, where asked
     (decoder.c's Q4_INT8_ROWS: 1 on AVX2, whose float32 tiles are slower than the
     weight's stream, 3 on AVX-512 VNNI), or 0: no int8 panels. Asked once."""
-    lib = decode_kernel()
+    lib = cpu_library()
     return 0 if lib is None or not panel_int8_built() else lib.q4_int8_min_rows()
 
 
@@ -221,14 +221,15 @@ def q4_int8_min_rows() -> int:
 def q8_rows_int8_built() -> bool:
     """Whether q8_rows.c can round x to int8 for the int8 LM head (AVX-512 VNNI builds,
     and AVX2 ones, which take the weight as two int4 weights of nibbles). Asked once."""
-    lib = decode_kernel()
+    lib = cpu_library()
     return lib is not None and lib.q8_int8_built() == 1
 
 
 @functools.cache
-def decode_kernel():
-    """The compiled library, its entry points typed (SIGNATURES), or None (the torch
-    path is used)."""
+def cpu_library():
+    """The compiled library of every CPU kernel (a ``ctypes.CDLL`` whose entry points
+    SIGNATURES types), or None: no compiler, a failed build, or
+    ``LLMSERVE_CPU_KERNELS=torch`` (the torch paths are used)."""
     if envs.LLMSERVE_CPU_KERNELS == "torch":
         return None
     cc = envs.CC or shutil.which("cc") or shutil.which("gcc")
@@ -246,16 +247,12 @@ def decode_kernel():
     return lib
 
 
-def native_bf16_applies(x: torch.Tensor) -> bool:
-    """An eager bf16 CPU tensor, with the kernels built: the domain of the bf16 kernels
-    below (``add_rms_norm``, ``silu_and_mul``, ``argmax_rows``)."""
-    return (x.dtype == torch.bfloat16 and x.device.type == "cpu"
-            and not torch.compiler.is_compiling() and decode_kernel() is not None)
-
-
-def native_norm_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """``add_rms_norm``'s domain: bf16 rows and a bf16 weight."""
-    return weight.dtype == torch.bfloat16 and native_bf16_applies(x)
+def argmax_applies(x: torch.Tensor) -> bool:
+    """``argmax_rows``' domain: an eager 2-D bf16 CPU tensor, with the kernels built (the
+    sampler's logits are bf16 or float32 from step to step: tensor-parallel ranks
+    gather float32)."""
+    return (x.dim() == 2 and x.dtype == torch.bfloat16 and x.device.type == "cpu"
+            and not torch.compiler.is_compiling() and cpu_library() is not None)
 
 
 def silu_and_mul(gate_up: torch.Tensor, intermediate: int) -> torch.Tensor:
@@ -265,7 +262,7 @@ def silu_and_mul(gate_up: torch.Tensor, intermediate: int) -> torch.Tensor:
     gate_up = gate_up.contiguous()
     rows = gate_up.numel() // (2 * intermediate)
     act = torch.empty(*gate_up.shape[:-1], intermediate, dtype=gate_up.dtype)
-    decode_kernel().silu_and_mul_bf16(torch.get_num_threads(), gate_up.data_ptr(), rows,
+    cpu_library().silu_and_mul_bf16(torch.get_num_threads(), gate_up.data_ptr(), rows,
                                       intermediate, act.data_ptr())
     return act
 
@@ -276,7 +273,7 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     if x.stride(-1) != 1:
         x = x.contiguous()
     out = torch.empty(x.shape[0], dtype=torch.int64)
-    decode_kernel().argmax_rows_bf16(torch.get_num_threads(), x.data_ptr(), x.shape[0],
+    cpu_library().argmax_rows_bf16(torch.get_num_threads(), x.data_ptr(), x.shape[0],
                                      x.shape[1], x.stride(0), out.data_ptr())
     return out
 
@@ -292,7 +289,7 @@ def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     out = torch.empty_like(x)
     residual = x if delta is None else torch.empty_like(x)
     delta_ptr = None if delta is None else delta.contiguous().data_ptr()
-    rc = decode_kernel().add_rms_norm_bf16(
+    rc = cpu_library().add_rms_norm_bf16(
         torch.get_num_threads(), x.data_ptr(), delta_ptr, weight.data_ptr(), out.data_ptr(),
         None if delta is None else residual.data_ptr(), x.numel() // dim, dim, eps)
     if rc != 0:
@@ -325,7 +322,7 @@ def rope_and_cache(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     sin = sin.reshape(tokens, -1).float().contiguous()
     slots = slots.to(torch.int64).contiguous()
     q = torch.empty(tokens, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
-    rc = decode_kernel().rope_and_cache(
+    rc = cpu_library().rope_and_cache(
         torch.get_num_threads(), qkv.data_ptr(), qkv.stride(0), q.data_ptr(),
         kv_cache.data_ptr(), cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), tokens,
         num_blocks, block_size, num_heads, kv_heads, head_dim, DTYPE_CODES[qkv.dtype])
@@ -361,7 +358,7 @@ def paged_decode(q: torch.Tensor, out: torch.Tensor, kv_cache: torch.Tensor,
             raise ValueError(f"paged_decode: sinks of shape {tuple(sinks.shape)}, "
                              f"not ({num_heads},)")
         sinks = sinks.detach().float().contiguous()  # kept alive until the call returns
-    rc = decode_kernel().paged_decode(
+    rc = cpu_library().paged_decode(
         torch.get_num_threads(), q.data_ptr(), q.stride(0), out.data_ptr(),
         kv_cache.data_ptr(), q_rows.data_ptr(), tables.data_ptr(), tables.shape[1],
         None if first_keys is None else first_keys.data_ptr(), seq_lens.data_ptr(),
@@ -412,7 +409,7 @@ def lora_add_rows(y: torch.Tensor, x: torch.Tensor, rows_args: tuple[int, int, i
         raise ValueError(f"lora_add_rows: x {x.dtype} {tuple(x.shape)}, y {y.dtype} "
                          f"{tuple(y.shape)}: 2-D, contiguous rows, one dtype of "
                          f"{sorted(map(str, DTYPE_CODES))}")
-    rc = decode_kernel().lora_add_rows(
+    rc = cpu_library().lora_add_rows(
         torch.get_num_threads(), x.data_ptr(), x.stride(0), x.shape[1], y.data_ptr(),
         y.stride(0), y.shape[1], min(x.shape[0], y.shape[0]), DTYPE_CODES[x.dtype],
         *rows_args, *weights_args)
@@ -421,3 +418,12 @@ def lora_add_rows(y: torch.Tensor, x: torch.Tensor, rows_args: tuple[int, int, i
                          f"fit the weights (K {weights_args[5]}) or the groups' rows")
     if rc != 0:
         raise MemoryError("lora_add_rows: out of memory for its scratch buffers")
+
+
+def amx_tiles(want: bool | None = None) -> bool:
+    """Whether gemm.c multiplies with AMX tiles (TDPBF16PS) rather than AVX512-BF16 dot
+    products: where it was built for an AMX CPU and Linux grants the tile state.
+    ``want`` switches them on or off for the process (tests and benchmarks compare
+    both); None only asks. Layers bound before keep the kernels they chose."""
+    lib = cpu_library()
+    return lib is not None and lib.gemm_use_amx(-1 if want is None else int(want)) == 1

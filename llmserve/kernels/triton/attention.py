@@ -345,7 +345,6 @@ DEFAULT_NUM_SMS = 132  # an H200; used where there is no CUDA device (CPU, the i
 PROGRAMS_PER_SM = 4
 MIN_SPLIT_BLOCKS = 4  # no split shorter than this many cache blocks (of the longest sequence)
 MIN_SPLIT_CONTEXT = 512  # below this many keys a decode step is launch-bound: never split
-SPLIT_RULES = ("occupancy", "legacy")
 
 
 @functools.cache
@@ -375,9 +374,7 @@ def choose_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, block_size
 
     Powers of two because the reduce kernel loads the splits of one head as
     ``tl.arange(0, NUM_SPLITS)``, and because NUM_SPLITS is a compile-time constant:
-    powers of two keep the variants few (six), so ``warm_up`` compiles them all ahead.
-    (The legacy rule stopped splitting at 128 sequences x KV heads: at batch 32 of an
-    8-KV-head model that is 256 programs, under two per SM of an H200.)"""
+    powers of two keep the variants few (six), so ``warm_up`` compiles them all ahead."""
     programs = num_seqs * num_kv_heads
     target = PROGRAMS_PER_SM * sms
     if programs >= target or max_seq_len < MIN_SPLIT_CONTEXT:
@@ -387,21 +384,9 @@ def choose_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, block_size
     return _prev_power_of_2(min(wanted, MAX_SPLITS, by_length))
 
 
-def _legacy_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, block_size: int) -> int:
-    """The rule before issue 27 (kept for benchmarks/kernels.py's comparison): split only
-    below 128 sequences x KV heads, aiming at ~256 programs whatever the GPU."""
-    programs = num_seqs * num_kv_heads
-    if programs >= 128 or max_seq_len < 512:
-        return 1
-    wanted = triton.next_power_of_2(256 // programs)
-    return _prev_power_of_2(min(wanted, MAX_SPLITS, max_seq_len // (4 * block_size)))
-
-
 def _choose_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, block_size: int,
-                   sms: int | None = None, rule: str = "occupancy") -> int:
+                   sms: int | None = None) -> int:
     """``choose_splits`` on this machine's GPU (``sms`` None: the current device's)."""
-    if rule == "legacy":
-        return _legacy_splits(num_seqs, num_kv_heads, max_seq_len, block_size)
     return choose_splits(num_seqs, num_kv_heads, max_seq_len, block_size,
                          num_sms() if sms is None else sms)
 
@@ -487,7 +472,7 @@ def unified_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
                       out: torch.Tensor, *, query_start_loc: torch.Tensor,
                       seq_lens: torch.Tensor, block_tables: torch.Tensor, max_query_len: int,
                       max_seq_len: int, scale: float, num_splits: int | None = None,
-                      split_rule: str = "occupancy", decode_tile: str = "fit",
+                      decode_tile: str = "fit",
                       window: int | None = None, sinks: torch.Tensor | None = None,
                       softcap: float | None = None) -> torch.Tensor:
     """Causal paged attention of each sequence's new tokens over its cached keys
@@ -498,10 +483,10 @@ def unified_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
 
     ``num_splits`` forces the split-KV path (decode-only batches) with that many
     splits (a power of two <= MAX_SPLITS); by default it is chosen from the batch
-    shape and the GPU's SM count. ``split_rule="legacy"`` and ``decode_tile="padded"``
-    bring back the rules before issue 27, for benchmarks only (``warm_up`` does not
-    compile their variants). Raises ValueError for shapes outside ``check_supported``."""
-    num_tokens, num_heads, head_dim = q.shape
+    shape and the GPU's SM count. ``decode_tile="padded"`` brings back the 16-row decode
+    tile of before (``warm_up`` does not compile its variants). Raises ValueError for
+    shapes outside ``check_supported``."""
+    _, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     check_supported(block_size=block_size, head_dim=head_dim, num_heads=num_heads,
                     num_kv_heads=num_kv_heads, dtype=q.dtype)
@@ -509,9 +494,8 @@ def unified_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
                                        and num_splits & (num_splits - 1) == 0):
         raise ValueError(f"num_splits must be a power of two in [1, {MAX_SPLITS}], "
                          f"got {num_splits}")
-    if split_rule not in SPLIT_RULES or decode_tile not in ("fit", "padded"):
-        raise ValueError(f"split_rule must be one of {SPLIT_RULES} and decode_tile 'fit' or "
-                         f"'padded', got {split_rule!r}, {decode_tile!r}")
+    if decode_tile not in ("fit", "padded"):
+        raise ValueError(f"decode_tile must be 'fit' or 'padded', got {decode_tile!r}")
     num_seqs = seq_lens.shape[0]
     group = num_heads // num_kv_heads
     group_p = triton.next_power_of_2(group)
@@ -522,15 +506,25 @@ def unified_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     extras = _Extras(sinks, softcap, num_heads)
     if num_splits is None:
         num_splits = (_choose_splits(num_seqs, num_kv_heads, max_seq_len, block_size,
-                                     num_sms(q.device), split_rule) if decode else 1)
+                                     num_sms(q.device)) if decode else 1)
     if decode and (num_splits > 1 or decode_tile == "fit"):
         _decode(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables, scale,
                 num_splits, group, group_p, head_dim, head_dim_p,
                 _decode_rows(group_p, decode_tile), window, extras)
         return out
-    # Prefill chunks and mixed batches: BLOCK_Q query tokens x the group per tile. A
-    # decode inside a mixed batch still fills one BLOCK_Q row of its tile; choosing the
-    # tile per sequence would need the decode/prefill split on the host every step.
+    _mixed(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables, scale, group,
+           group_p, head_dim_p, window, extras)
+    return out
+
+
+def _mixed(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables, scale, group,
+           group_p, head_dim_p, window, extras):
+    """Prefill chunks and mixed batches: BLOCK_Q query tokens x the group per tile. A
+    decode inside a mixed batch still fills one BLOCK_Q row of its tile; choosing the
+    tile per sequence would need the decode/prefill split on the host every step."""
+    num_tokens, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    num_seqs = seq_lens.shape[0]
     block_m = max(16, group_p)
     block_q = block_m // group_p
     grid = (num_tokens // block_q + num_seqs, num_kv_heads)
@@ -542,7 +536,6 @@ def unified_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         NUM_HEADS=num_heads, GROUP=group, GROUP_P=group_p, HEAD_DIM=head_dim,
         HEAD_DIM_P=head_dim_p, BLOCK_SIZE=block_size, BLOCK_Q=block_q, BLOCK_M=block_m,
         USE_SOFTCAP=extras.use_softcap, HAS_SINKS=extras.has_sinks)
-    return out
 
 
 class _Extras:

@@ -63,20 +63,15 @@ def step_metadata() -> AttentionMetadata | None:
     return _current
 
 
-def native_rope_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                          kv_cache: torch.Tensor, scale: float, num_heads: int,
-                          window: int | None = None, sinks: torch.Tensor | None = None,
-                          softcap: float | None = None) -> torch.Tensor | None:
-    """Eager CPU steps with decodes, where the C kernels are built: rotary embedding and
-    the K/V store in one call (``cpu_native.rope_and_cache``), then the attention of
-    ``paged_attention_cpu`` (decodes in C, any prefill chunks in SDPA). None where this
-    does not apply (compiling, Triton, the torch path, prefill-only steps): the caller
-    takes the general path."""
-    if torch.compiler.is_compiling():
-        return None
+def c_rope_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                     kv_cache: torch.Tensor, scale: float, num_heads: int,
+                     window: int | None = None, sinks: torch.Tensor | None = None,
+                     softcap: float | None = None) -> torch.Tensor:
+    """A step whose CPU plan is the C kernel's (``plan.native``): rotary embedding and
+    the K/V store in one call (``native.rope_and_cache``), then the attention of
+    ``paged_attention_cpu`` (decodes and short prefill chunks in C, longer chunks in
+    SDPA). Eager only: the layers bound to it are never compiled."""
     meta = _current
-    if meta is None or meta.plan is None or not meta.plan.native:
-        return None
     q = rope_and_cache(qkv, cos, sin, kv_cache, meta.slot_mapping, num_heads)
     return paged_attention_cpu(q, kv_cache, meta.plan, scale, window, sinks, softcap)
 
@@ -106,7 +101,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | N
     ``kv_written``: a fused kernel has stored them already (``k``, ``v`` unused);
     ``window``, ``sinks``, ``softcap``: the layer's variants (module docstring).
     Under torch.compile this is the opaque op; eagerly its body is called directly (a
-    custom op's dispatch costs ~100 us a call, 3 ms a step of the built-in model)."""
+    custom op's dispatch costs more than many of the kernels it would wrap)."""
     if kv_written:
         meta = _current
         assert meta is not None, "paged_attention runs inside forward_context()"
@@ -150,7 +145,7 @@ def _attend(q: torch.Tensor, kv_cache: torch.Tensor, scale: float,
 
 
 # The op wraps the plain function, which eager calls keep calling directly (through
-# the dispatcher they would also import TorchDynamo: ~150 MB resident).
+# the dispatcher they would also import TorchDynamo, and its memory: platforms/memory.py).
 _paged_attention = torch.library.custom_op("llmserve::paged_attention", _paged_attention_kernel,
                                            mutates_args=("kv_cache",))
 

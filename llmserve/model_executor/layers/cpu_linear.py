@@ -1,8 +1,7 @@
 """Dense bf16 linears on the CPU with their weights packed once, at load time: in
-oneDNN's layout (``PackedLinear``), or, on AVX512-BF16 CPUs without AMX, in the layout
-of our own GEMM (``NativeLinear``, ``gemm.c``), whichever this CPU runs faster.
-Where our GEMM runs, int4 and int8 linears of many rows go through it too
-(``quant_tiled``).
+oneDNN's layout (``PackedLinear``), or, on AVX512-BF16 CPUs, in the layout of our own
+GEMM (``NativeLinear``, ``gemm.c``), whichever this CPU runs faster
+(``dispatch.gemm_backend``).
 
 ``F.linear`` on a bf16 CPU tensor gives oneDNN the checkpoint's plain ``[N, K]``
 weight, which oneDNN copies into its own blocked layout on every call. At decode
@@ -10,15 +9,14 @@ batch sizes that copy, a pass over every weight of the model per step, costs abo
 as much as the product itself. Reordering each weight once (what ``torch.compile``'s
 freezing and IPEX do) and calling oneDNN's linear on the packed weight gives the same
 results (bit-identical on a Zen 4, within bf16 rounding wherever oneDNN picks another
-kernel), 1.04x faster at 1 row, 1.6x at 8, 1.25x at 64 and 1.14x at 128 for the
-built-in model's shapes (``benchmarks/cpu/cpu_linear.py``).
+kernel), faster at every decode batch size (``benchmarks/cpu/cpu_linear.py``; the figures
+are in docs/benchmarks.md).
 
-On a Zen 4 (AVX512-BF16, no AMX), oneDNN reaches 63 % of the bf16 peak at 32 rows
-and ~18 GB/s of weights below 16, where our kernel reaches ~90 % and ~30 GB/s: a whole
-decode step's linears 1.4-1.6x faster than oneDNN's at 1 row, 1.2-1.3x at 32,
-1.15-1.2x at 64, 1.0-1.05x at 512 (``benchmarks/cpu/cpu_linear.py``, several runs).
-With AMX, oneDNN's tile kernels are another class of fast, and it keeps them.
-``LLMSERVE_BF16_GEMM=onednn|native`` forces the choice.
+On a Zen 4 (AVX512-BF16, no AMX), our kernel reaches a larger share of the bf16 peak
+and of the memory bandwidth than oneDNN does at decode sizes, and is no slower for
+long prefills. With AMX, oneDNN's tile kernels are another class of fast, and it keeps
+them where Linux does not grant our kernel the tiles. ``LLMSERVE_BF16_GEMM=onednn|native``
+forces the choice.
 
 The packed weight replaces the plain one (no second copy), except where the LM head
 shares its weight with the token embedding, whose lookups still need the plain rows.
@@ -29,11 +27,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from llmserve.kernels.cpu import gemm
+from llmserve.kernels.cpu import dispatch, gemm
 
 # oneDNN picks the packed layout for a batch of this many rows; the packed weight
-# serves any row count. 64 measured as fast as 256 and faster than 1 (a hint of 1
-# keeps the plain layout) from 1 to 128 rows, the decode range.
+# serves any row count. 64 measured as fast as larger hints and faster than 1 (a hint
+# of 1 keeps the plain layout) over the decode range.
 PACK_BATCH_HINT = 64
 
 
@@ -46,14 +44,15 @@ class PackedLinear(nn.Module):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         weight = linear.weight.detach()
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, batch_hint)
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, batch_hint)  # noqa: SLF001
         self.bias = None if linear.bias is None else linear.bias.detach()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.in_features:  # oneDNN's own error names no sizes
             raise ValueError(f"PackedLinear: input of {x.shape[-1]} features, weight of "
                              f"{self.in_features}")
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        # oneDNN's prepacked linear (no public name)
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")  # noqa: SLF001
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
@@ -96,11 +95,11 @@ class NativeLinear(nn.Module):
 def pack_linears(model: nn.Module) -> int:
     """Replace every dense ``nn.Linear`` of ``model`` (quantised ones are left as
     they are) by a ``NativeLinear`` or a ``PackedLinear``: native where
-    ``gemm_backend`` says so and the shape is on its grid and, unless forced, within
+    ``dispatch.gemm_backend`` says so and the shape is on its grid and, unless forced, within
     what was measured (``native_measured``); oneDNN otherwise. Returns how many were
     packed. Each original is dropped as soon as it is replaced, so that loading never
     holds two copies of all the weights."""
-    native = gemm.gemm_backend() == "native"
+    native = dispatch.gemm_backend() == "native"
     forced = native and gemm.forced_backend() == "native"
     threads = torch.get_num_threads()
     targets = [(parent, name) for parent in model.modules()

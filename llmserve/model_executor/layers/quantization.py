@@ -6,10 +6,15 @@ choice are ``llmserve.platforms.cpu``.
 
 from __future__ import annotations
 
+import bisect
+import functools
+
 import torch
 
-from llmserve.kernels.cpu.dequant import dequant_applies, int4_runs_in_float32, quant_dense_f32
-from llmserve.kernels.cpu.gemm import q8_rows, quant_tiled
+from llmserve.kernels.cpu import dispatch
+from llmserve.kernels.cpu.decoder import q4_matmul
+from llmserve.kernels.cpu.dequant import int4_runs_in_float32, q4_dequant_mm
+from llmserve.kernels.cpu.gemm import q8_rows, quant_gemm
 
 # --- weight-only quantisation ---------------------------------------------------------
 # GGUF types at 4 bits or fewer per weight: int4 groups of 32 hold them (nearly) exactly.
@@ -46,9 +51,9 @@ def bf16_storage_for_int4(requested: str, gguf_layer_types: dict[str, int] | Non
     so that ``--quantization auto`` serves a 4-bit GGUF in int4 there too: where the
     int4 kernels compute in float32 (``int4_runs_in_float32``: the C decoder stack for
     decode steps, the dequantised float32 GEMM for many rows), bf16 being only the
-    storage of activations and the KV cache. A decode step then streams ~100 MB of
-    int4 weights instead of 540 MB of float32 ones (docs/benchmarks.md, "int4 on CPUs
-    without bf16 arithmetic")."""
+    storage of activations and the KV cache. A decode step then streams an eighth of
+    the float32 weights' bytes (docs/benchmarks.md, "int4 on CPUs without bf16
+    arithmetic")."""
     return (requested == "auto" and is_4bit_gguf(gguf_layer_types) and device == "cpu"
             and tensor_parallel_size == 1 and int4_runs_in_float32())
 
@@ -58,9 +63,12 @@ INT4_GROUP = 32  # as GGUF Q4_0/Q4_1: a Q4_1 checkpoint re-encodes (nearly) exac
 
 class QuantizedLinear(torch.nn.Module):
     """A Linear whose weight is stored as int8 (per output channel, symmetric) or int4
-    (groups of 32 inputs, asymmetric), multiplied by ATen's weight-only CPU kernels.
+    (groups of 32 inputs, asymmetric), multiplied by ATen's weight-only CPU kernels or
+    our C kernels: which one for each class of row counts is bound when the layer is
+    built (``bind_kernels``, from ``kernels/cpu/dispatch.py``'s table), so a forward
+    looks its row count up once.
 
-    Those kernels are vectorised (AVX2 / AVX-512) only for bf16 activations, so inputs
+    The kernels are vectorised (AVX2 / AVX-512) only for bf16 activations, so inputs
     are computed in bf16 and the output is returned in the input's dtype. Reading a
     quarter (int8) or an eighth (int4) of the fp32 bytes is what makes a single stream
     fast: decoding one token reads every weight once.
@@ -79,43 +87,80 @@ class QuantizedLinear(torch.nn.Module):
         else:
             q, scales_zeros = _quantize_int4(w, INT4_GROUP)
             self.register_buffer("qweight",
-                                 torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 2))
+                                 # ATen's own int4 pack (no public name)
+                                 torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 2))  # noqa: SLF001
             self.register_buffer("scales", scales_zeros)
         bias = linear.bias
         self.register_buffer("bias", None if bias is None else bias.detach().to(torch.bfloat16))
+        self.bind_kernels()
+
+    def bind_kernels(self, facts: dispatch.CpuFacts | None = None) -> None:
+        """This CPU's kernel for each class of row counts (``facts``: the CPU now)."""
+        self.row_kernels = dispatch.bind(self.bits, self.in_features, self.out_features,
+                                         facts)
+        self._starts = self.row_kernels.starts
+        self._kernels = tuple(KERNELS[name] for name in self.row_kernels.names)
+        self._product = self._routed
+
+    def bind_backend(self, backends) -> None:
+        """Inside a compiled graph ATen's kernel alone; else the kernels bound when the
+        layer was built stay."""
+        if backends.compiled:
+            self.bind_compiled()
+
+    def bind_compiled(self) -> None:
+        """ATen's kernel alone, for a layer inside a torch.compile'd graph: a choice by
+        row count there would be a guard on it (each layer compiled twice)."""
+        self.row_kernels = dispatch.ATEN_ONLY
+        self._product = self._aten
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x16 = x.to(torch.bfloat16)
-        # Many rows, eagerly: dequantised into bf16 tiles where that is the fastest
-        # (quant_tiled), else an int4 weight by the C kernel's int8 panels with x rounded
-        # to int8, or on a CPU without bf16 arithmetic its float32 panel GEMM (or, for long
-        # prefill chunks, into float32 for MKL's GEMM); an int8 weight (the LM head) by
-        # q8_rows: a few rows streamed once, and any number where it has its panel GEMMs.
-        # The checks stay out of compiled graphs: a guard on the row count there would
-        # compile each layer twice.
-        if not torch.compiler.is_compiling():
-            y = quant_tiled(x16, self)
-            if y is None and dequant_applies(x16, self):
-                y = quant_dense_f32(x16, self)
-            if y is None:
-                y = q8_rows(x16, self)
-            if y is not None:
-                return y.to(x.dtype)
-        y = weight_only_mm(x16, self.qweight, self.scales, self.bits)
-        if self.bias is not None:
-            y = y + self.bias
-        return y.to(x.dtype)
+        return self._product(x.to(torch.bfloat16)).to(x.dtype)
+
+    def kernel_for(self, x: torch.Tensor) -> str:
+        """The name of the kernel that computes ``self(x)`` (ATen's, which refuses it,
+        for an input of another width)."""
+        if x.shape[-1] != self.in_features:
+            return dispatch.ATEN
+        return self.row_kernels.name_for(x.numel() // self.in_features)
+
+    def _routed(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.in_features:
+            return aten_product(x, self)
+        rows = x.numel() // self.in_features
+        return self._kernels[bisect.bisect_right(self._starts, rows) - 1](x, self)
+
+    def _aten(self, x: torch.Tensor) -> torch.Tensor:
+        return aten_product(x, self)
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, int{self.bits}"
 
 
+def aten_product(x: torch.Tensor, linear: QuantizedLinear) -> torch.Tensor:
+    """ATen's weight-only kernel on the packed bytes, plus the bias (in bf16)."""
+    y = weight_only_mm(x, linear.qweight, linear.scales, linear.bits)
+    return y if linear.bias is None else y + linear.bias
+
+
+# The kernel functions behind the dispatch table's names: (bf16 x [..., K], layer) -> y.
+KERNELS = {
+    dispatch.ATEN: aten_product,
+    dispatch.QUANT_GEMM: quant_gemm,
+    dispatch.INT4_INT8X: functools.partial(q4_matmul, int8_x=True),
+    dispatch.INT4_F32: functools.partial(q4_matmul, int8_x=False),
+    dispatch.INT4_DEQUANT: q4_dequant_mm,
+    dispatch.Q8_ROWS_INT8X: functools.partial(q8_rows, int8_x=True),
+    dispatch.Q8_ROWS: functools.partial(q8_rows, int8_x=False),
+}
+
+
 def weight_only_mm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                    bits: int) -> torch.Tensor:
     """ATen's weight-only kernel, as an op opaque to torch.compile: inductor would
-    otherwise lower it its own way, measured slower than ATen's (int4 decode step 37 vs
-    19 ms). Eagerly the kernel is called directly (a custom op's dispatch costs more
-    than the int4 GEMM of a decode)."""
+    otherwise lower it its own way, measured slower than ATen's (docs/benchmarks.md).
+    Eagerly the kernel is called directly (a custom op's dispatch costs more than the
+    int4 GEMM of a decode)."""
     if torch.compiler.is_compiling():
         return torch.ops.llmserve.weight_only_mm(x, qweight, scales, bits)
     return _weight_only_mm_kernel(x, qweight, scales, bits)
@@ -124,8 +169,9 @@ def weight_only_mm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
 def _weight_only_mm_kernel(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                            bits: int) -> torch.Tensor:
     if bits == 8:
-        return torch.ops.aten._weight_int8pack_mm(x, qweight, scales)
-    return torch.ops.aten._weight_int4pack_mm_for_cpu(x, qweight, INT4_GROUP, scales)
+        return torch.ops.aten._weight_int8pack_mm(x, qweight, scales)  # noqa: SLF001
+    # ATen's weight-only int4 GEMM (no public name)
+    return torch.ops.aten._weight_int4pack_mm_for_cpu(x, qweight, INT4_GROUP, scales)  # noqa: SLF001
 
 
 # The op wraps the plain function, which eager calls keep calling directly.
@@ -159,7 +205,7 @@ def quantizable(linear: torch.nn.Linear, bits: int) -> bool:
 
 def quantize_model(model: torch.nn.Module, mode: str) -> int:
     """Replace the decoder's projections and the LM head by weight-only quantised ones
-    (the LM head is 21% of the built-in model's weights). The token embedding stays
+    (the LM head is a fifth of the built-in model's weights). The token embedding stays
     dense: a lookup reads a handful of rows. Returns how many layers were quantised."""
     if mode == "none":
         return 0
@@ -178,7 +224,7 @@ def quantize_model(model: torch.nn.Module, mode: str) -> int:
                 setattr(parent, name, QuantizedLinear(linear, bits))
                 count += 1
     # The LM head stays int8 even in int4 mode (as llama.cpp keeps Q8_0 outputs):
-    # int4 there costs more quality than it saves time (measured on the built-in model:
-    # perplexity 21.5 with an int4 head versus fp32's 20.3).
+    # int4 there costs more quality than it saves time (the built-in model's perplexity
+    # with an int4 head: docs/benchmarks.md).
     model.lm_head = QuantizedLinear(model.lm_head, 8)
     return count + 1

@@ -17,17 +17,18 @@ from typing import NamedTuple
 import torch
 
 from llmserve.core.request import Sequence
-from llmserve.kernels.cpu.native import argmax_rows, native_bf16_applies
+from llmserve.kernels.cpu.native import argmax_applies, argmax_rows
 from llmserve.model_executor.layers.token_controls import apply_token_controls
 
 # Top-k/top-p rows race over their CANDIDATES likeliest tokens (one topk) instead of a
 # sort of the whole vocabulary (49k-152k entries); a row whose kept set may reach past
 # them is sorted as before, so the result is exact either way. A topk rather than a
-# threshold bisection: one kernel on either device, where a bisection costs ~30 passes
-# over the vocabulary. 512: a real model's top-p set at temperature <= 1 almost always
-# lies within it, and topk grows slowly with k (CPU, 32 x 49k: 6 ms at 256, 9 at 512,
-# the sort 88). Fixed, not sized by the batch's largest top_k, so which path a row
-# takes depends on that row alone (seeded outputs stay batch-independent).
+# threshold bisection: one kernel on either device, where a bisection costs dozens of
+# passes over the vocabulary. 512: a real model's top-p set at temperature <= 1 almost
+# always lies within it, and topk grows slowly with k, far below the sort's cost
+# (docs/architecture.md, "Sampling"). Fixed, not sized by the batch's largest top_k, so
+# which path a row takes depends on that row alone (seeded outputs stay
+# batch-independent).
 CANDIDATES = 512
 NEG_INF = float("-inf")
 
@@ -327,8 +328,8 @@ def _exponentials(group: Weights, keys) -> torch.Tensor:
     seeded = [j for j, row in enumerate(group.rows) if keys[row] is not None]
     if len(seeded) == len(group.rows):
         return seeded_exponentials(_key_tensor(keys, group.rows, w.device), group.ids, w.shape[1])
-    # -log(U): on a CPU a uniform draw plus a vectorised log is ~6x cheaper than
-    # exponential_ (0.17 vs 1.05 ms per 49k-entry row).
+    # -log(U): on a CPU a uniform draw plus a vectorised log is several times cheaper
+    # than exponential_.
     q = torch.rand(w.shape, device=w.device).log_().neg_()
     if seeded:
         index = torch.tensor(seeded, device=w.device)
@@ -346,7 +347,7 @@ def _key_tensor(keys, rows, device) -> torch.Tensor:
 _M32 = 0xFFFFFFFF
 _M64 = (1 << 64) - 1
 # On a CPU, hash this many entries at a time so the int64 temporaries stay in cache
-# (a whole 32 x 152k batch at once took ~1.7x as long); a GPU takes every row in one go.
+# (a whole batch at once took markedly longer); a GPU takes every row in one go.
 _CPU_CHUNK = 1 << 16
 
 
@@ -408,7 +409,7 @@ def uniform_from_bits(h: torch.Tensor) -> torch.Tensor:
 
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     """The argmax of each row (the first, on ties), by the C kernel for bf16 CPU logits."""
-    if logits.dim() == 2 and native_bf16_applies(logits):
+    if argmax_applies(logits):
         return argmax_rows(logits)
     return logits.argmax(dim=-1)
 

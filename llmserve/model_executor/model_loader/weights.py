@@ -79,62 +79,70 @@ def load_weights(model: torch.nn.Module, path: Path, dtype: torch.dtype, device:
     """Copy every safetensors tensor into the parameter of the same name (a fused one,
     split, into the parameters it stacks: ``fused_parts``). A tensor-parallel rank's
     model (``model.shard``) reads only its shard of each."""
-    from safetensors import safe_open
-
-    shard = getattr(model, "shard", None)
-    sharded = shard is not None and shard.size > 1
     params = dict(model.named_parameters())
     tied = getattr(model.config, "tie_word_embeddings", False)
-    loaded: set[str] = set()
-    files = weight_files(path)
-    names = []
-    try:
-        handles = [safe_open(f, framework="pt") for f in files]
-        for h in handles:
-            names += [(h, n) for n in h.keys()]
-    except Exception as e:  # noqa: BLE001
-        raise ModelLoadError(f"cannot read safetensors in {path}: {e}") from e
+    names = _checkpoint_names(path)
     handle_of = dict((n, h) for h, n in names)
+    loaded: set[str] = set()
     for handle, checkpoint_name in tqdm(names, desc="loading weights", unit="tensor",
                                         leave=False):
         name = model.param_name(checkpoint_name)
-        parts = fused_parts(model, name)
-        if parts:
-            tensor = handle.get_tensor(checkpoint_name)
-            for part_name, part in split_fused(name, tensor, parts, shard,
-                                               model.config.head_dim):
-                _fill(params, part_name, part, dtype)
-                loaded.add(part_name)
-            continue
-        if name not in params and is_fused_experts(name):
-            parts = split_fused_experts(name, handle.get_tensor(checkpoint_name), shard)
-            for part_name, tensor in parts:
-                _fill(params, part_name, tensor, dtype)
-                loaded.add(part_name)
-            continue
-        if name not in params:
-            if tied and name == "lm_head.weight":
-                _check_tied_head(handle_of, path)
-                continue
-            if name.endswith("rotary_emb.inv_freq"):  # derived from the config
-                continue
+        if name in params or fused_parts(model, name) or is_fused_experts(name):
+            loaded.update(_load_tensor(model, params, handle, checkpoint_name, name, dtype))
+        elif tied and name == "lm_head.weight":
+            _check_tied_head(handle_of, path)
+        elif not name.endswith("rotary_emb.inv_freq"):  # (that one derives from the config)
             raise ModelLoadError(
                 f"unexpected tensor {checkpoint_name!r} in {path}: "
                 f"{type(model).__name__}, as its config.json configures it, has no such "
                 f"parameter, and serving without it would give wrong answers (does the "
                 f"config match the weights?)")
-        tensor = (read_shard(handle, checkpoint_name, shard, model.config.head_dim, name)
-                  if sharded else handle.get_tensor(checkpoint_name))
-        _fill(params, name, tensor, dtype)
-        loaded.add(name)
-    missing = set(params) - loaded - ({"lm_head.weight"} if tied else set())
+    _check_complete(set(params) - loaded - ({"lm_head.weight"} if tied else set()), path,
+                    tied)
+    model.to(device=device, dtype=dtype)
+
+
+def _checkpoint_names(path: Path) -> list[tuple]:
+    """(open safetensors file, tensor name) of every tensor of the checkpoint."""
+    from safetensors import safe_open
+    names, files = [], weight_files(path)
+    try:
+        for f in files:
+            h = safe_open(f, framework="pt")
+            names += [(h, n) for n in h.keys()]
+    except Exception as e:  # noqa: BLE001
+        raise ModelLoadError(f"cannot read safetensors in {path}: {e}") from e
+    return names
+
+
+def _load_tensor(model, params: dict, handle, checkpoint_name: str, name: str,
+                 dtype: torch.dtype) -> list[str]:
+    """One checkpoint tensor into its parameters (a fused tensor's parts, a layer's
+    fused experts, or this rank's shard of one parameter); the names filled."""
+    shard = getattr(model, "shard", None)
+    parts = fused_parts(model, name)
+    if parts:
+        filled = split_fused(name, handle.get_tensor(checkpoint_name), parts, shard,
+                             model.config.head_dim)
+    elif name not in params:  # is_fused_experts(name)
+        filled = split_fused_experts(name, handle.get_tensor(checkpoint_name), shard)
+    elif shard is not None and shard.size > 1:
+        filled = [(name, read_shard(handle, checkpoint_name, shard, model.config.head_dim,
+                                    name))]
+    else:
+        filled = [(name, handle.get_tensor(checkpoint_name))]
+    for part_name, tensor in filled:
+        _fill(params, part_name, tensor, dtype)
+    return [part_name for part_name, _ in filled]
+
+
+def _check_complete(missing: set[str], path: Path, tied: bool) -> None:
     if missing == {"lm_head.weight"}:
         raise ModelLoadError(f"checkpoint {path} has no lm_head.weight, and its config says "
                              f"tie_word_embeddings={tied}: the head is not tied to the "
                              f"embedding (set tie_word_embeddings to true if it is)")
     if missing:
         raise ModelLoadError(f"checkpoint {path} lacks tensors: {sorted(missing)[:4]}")
-    model.to(device=device, dtype=dtype)
 
 
 

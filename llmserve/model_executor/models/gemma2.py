@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llmserve.distributed import comm
+from llmserve.model_executor.layers.backends import Backends
 from llmserve.model_executor.models.llama import (
     MLP,
     Attention,
@@ -35,17 +35,15 @@ from llmserve.model_executor.models.llama import (
 
 class GemmaRMSNorm(RMSNorm):
     """transformers' Gemma2RMSNorm: ``x / rms(x) * (1 + w)`` in float32, then rounded.
-    (llama's C and Triton norms multiply by ``w`` itself, so none of them is used.)"""
+    Torch's ops only: llama's C and Triton norms multiply by ``w`` itself."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def bind_backend(self, backends: Backends) -> None:
+        super().bind_backend(Backends())
+
+    def _norm_torch(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
         normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return (normed * (1.0 + self.weight.float())).type_as(x)
-
-    def add_and_norm(self, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor,
-                                                                           torch.Tensor]:
-        x = x + delta
-        return x, self(x)
 
 
 class GemmaAttention(Attention):
@@ -58,12 +56,14 @@ class GemmaAttention(Attention):
 
 class GemmaMLP(MLP):
     """gate/up/down as llama's, the gate through GELU's tanh approximation
-    (``gelu_pytorch_tanh``); the Triton and C SiLU kernels do not apply."""
+    (``gelu_pytorch_tanh``): torch's ops only (the Triton and C kernels are SiLU's)."""
 
-    def forward(self, x):
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        out = self.down_proj(F.gelu(gate, approximate="tanh") * up)
-        return comm.all_reduce(out) if self.tp_size > 1 else out
+    def bind_backend(self, backends: Backends) -> None:
+        super().bind_backend(Backends())
+
+    def _act_torch(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.split(self.intermediate, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up
 
 
 def gemma_mlp(config, layer_idx: int, shard) -> nn.Module:

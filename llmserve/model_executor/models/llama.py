@@ -18,18 +18,14 @@ from torch import nn
 
 from llmserve.distributed import comm
 from llmserve.distributed.shapes import RankShape, rank_shape
-from llmserve.kernels.cpu.native import (
-    add_rms_norm,
-    native_bf16_applies,
-    native_norm_applies,
-    silu_and_mul,
-)
+from llmserve.kernels.cpu.native import add_rms_norm, silu_and_mul
 from llmserve.model_executor.layers.attention import (
+    c_rope_attention,
     fused_rope_attention,
-    native_rope_attention,
     paged_attention,
     step_metadata,
 )
+from llmserve.model_executor.layers.backends import COMPILED, Backend, Backends, bind_backends
 from llmserve.model_executor.models.supported import (
     layer_sliding_window,
     rope_params,
@@ -38,32 +34,57 @@ from llmserve.model_executor.models.supported import (
 
 
 class RMSNorm(nn.Module):
+    """Llama's RMSNorm, and the residual add fused into it (``add_and_norm``), by the
+    implementation bound at load (``bind_backend``): torch's, the C kernel's (one call
+    instead of ~8 ops) or Triton's."""
+
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
-        self.fused = False  # the Triton kernel (enable_fused_kernels)
+        self.bind_backend(Backends())
+
+    def bind_backend(self, backends: Backends) -> None:
+        self.backend = backends.norm(self.weight)
+        self._norm, self._add_and_norm = {
+            Backend.TORCH: (self._norm_torch, self._add_and_norm_torch),
+            Backend.C: (self._norm_c, self._add_and_norm_c),
+            Backend.TRITON: (self._norm_triton, self._add_and_norm_triton),
+        }[self.backend]
+
+    @property
+    def fused(self) -> bool:
+        return self.backend is Backend.TRITON
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fused:
-            from llmserve.kernels.triton.fused import rms_norm
-            return rms_norm(x, self.weight, self.eps)
-        if native_norm_applies(x, self.weight):  # one C call instead of ~8 ops
-            return add_rms_norm(x, self.weight, self.eps)[1]
-        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        return self._norm(x)
 
     def add_and_norm(self, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor,
                                                                            torch.Tensor]:
-        """(x + delta, its norm): the residual add and the next norm, in one C call
-        where it applies."""
-        if self.fused:
-            from llmserve.kernels.triton.fused import add_rms_norm as triton_add_rms_norm
-            normed, x = triton_add_rms_norm(delta, x, self.weight, self.eps)
-            return x, normed
-        if native_norm_applies(x, self.weight):
-            return add_rms_norm(x, self.weight, self.eps, delta)
+        """(x + delta, its norm): the residual add and the next norm."""
+        return self._add_and_norm(x, delta)
+
+    def _norm_torch(self, x):
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+    def _add_and_norm_torch(self, x, delta):
         x = x + delta
-        return x, self(x)
+        return x, self._norm_torch(x)
+
+    def _norm_c(self, x):
+        return add_rms_norm(x, self.weight, self.eps)[1]
+
+    def _add_and_norm_c(self, x, delta):
+        return add_rms_norm(x, self.weight, self.eps, delta)
+
+    def _norm_triton(self, x):
+        from llmserve.kernels.triton import fused
+        return fused.rms_norm(x, self.weight, self.eps)
+
+    def _add_and_norm_triton(self, x, delta):
+        from llmserve.kernels.triton import fused
+        normed, x = fused.add_rms_norm(delta, x, self.weight, self.eps)
+        return x, normed
 
 
 def rotary_dim(config) -> int:
@@ -212,7 +233,19 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.kv_cache: torch.Tensor | None = None  # [2, blocks, block_size, kv_heads, d]
-        self.fused = False  # Triton rotary + KV write (enable_fused_kernels)
+        self.bind_backend(Backends())
+
+    def bind_backend(self, backends: Backends) -> None:
+        """Rotary, K/V store and attention: torch's ops (Triton's attention on CUDA),
+        the C kernels where the step's CPU plan is theirs, or --fused-kernels' Triton
+        rotary + KV write."""
+        self.backend = backends.attention()
+        self._attend = {Backend.TORCH: self._attend_torch, Backend.C: self._attend_c,
+                        Backend.TRITON: self._attend_triton}[self.backend]
+
+    @property
+    def fused(self) -> bool:
+        return self.backend is Backend.TRITON
 
     def fuse(self) -> None:
         self.qkv_proj = fuse_linears(self.q_proj, self.k_proj, self.v_proj)
@@ -223,19 +256,26 @@ class Attention(nn.Module):
         qkv = self.qkv_proj(x).view(t, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             qkv = self._norm_heads(qkv)
-        variants = dict(window=self.sliding_window, sinks=self.sinks, softcap=self.softcap)
-        if self.fused:
-            o = fused_rope_attention(qkv, cos, sin, self.kv_cache, self.scale, self.num_heads,
-                                     **variants)
-            return self._output(o, t)
-        o = native_rope_attention(qkv, cos, sin, self.kv_cache, self.scale, self.num_heads,
-                                  **variants)
-        if o is None:
-            qk = apply_rotary(qkv[:, :self.num_heads + self.num_kv_heads], cos, sin)
-            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
-            v = qkv[:, self.num_heads + self.num_kv_heads:]
-            o = paged_attention(q, k, v, self.kv_cache, self.scale, **variants)
-        return self._output(o, t)
+        return self._output(self._attend(qkv, cos, sin), t)
+
+    def _variants(self) -> dict:
+        return dict(window=self.sliding_window, sinks=self.sinks, softcap=self.softcap)
+
+    def _attend_torch(self, qkv, cos, sin):
+        qk = apply_rotary(qkv[:, :self.num_heads + self.num_kv_heads], cos, sin)
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        v = qkv[:, self.num_heads + self.num_kv_heads:]
+        return paged_attention(q, k, v, self.kv_cache, self.scale, **self._variants())
+
+    def _attend_c(self, qkv, cos, sin):
+        if not step_metadata().plan.native:  # no row of this step is the C kernel's
+            return self._attend_torch(qkv, cos, sin)
+        return c_rope_attention(qkv, cos, sin, self.kv_cache, self.scale, self.num_heads,
+                                **self._variants())
+
+    def _attend_triton(self, qkv, cos, sin):
+        return fused_rope_attention(qkv, cos, sin, self.kv_cache, self.scale, self.num_heads,
+                                    **self._variants())
 
     def _norm_heads(self, qkv: torch.Tensor) -> torch.Tensor:
         """qkv with its query and key heads normalised (the paths below take it whole)."""
@@ -262,24 +302,37 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(h, i, bias=False)
         self.gate_up_proj: nn.Linear | None = None
         self.down_proj = nn.Linear(i, h, bias=False)
-        self.fused = False  # the Triton SiLU x up (enable_fused_kernels)
+        self.bind_backend(Backends())
+
+    def bind_backend(self, backends: Backends) -> None:
+        """SiLU(gate) x up: torch's split and two ops, the C kernel's one pass, or
+        --fused-kernels' Triton kernel."""
+        self.backend = backends.activation()
+        self._activation = {Backend.TORCH: self._act_torch, Backend.C: self._act_c,
+                            Backend.TRITON: self._act_triton}[self.backend]
+
+    @property
+    def fused(self) -> bool:
+        return self.backend is Backend.TRITON
 
     def fuse(self) -> None:
         self.gate_up_proj = fuse_linears(self.gate_proj, self.up_proj)
         del self.gate_proj, self.up_proj
 
     def forward(self, x):
-        gate_up = self.gate_up_proj(x)
-        if self.fused:
-            from llmserve.kernels.triton.fused import silu_and_mul as triton_silu_and_mul
-            act = triton_silu_and_mul(gate_up, self.intermediate)
-        elif native_bf16_applies(gate_up):  # one C pass instead of a split and two ops
-            act = silu_and_mul(gate_up, self.intermediate)
-        else:
-            gate, up = gate_up.split(self.intermediate, dim=-1)
-            act = F.silu(gate) * up
-        out = self.down_proj(act)
+        out = self.down_proj(self._activation(self.gate_up_proj(x)))
         return comm.all_reduce(out) if self.tp_size > 1 else out
+
+    def _act_torch(self, gate_up):
+        gate, up = gate_up.split(self.intermediate, dim=-1)
+        return F.silu(gate) * up
+
+    def _act_c(self, gate_up):
+        return silu_and_mul(gate_up, self.intermediate)
+
+    def _act_triton(self, gate_up):
+        from llmserve.kernels.triton import fused
+        return fused.silu_and_mul(gate_up, self.intermediate)
 
 
 def fuse_linears(*linears: nn.Linear) -> nn.Linear:
@@ -374,8 +427,10 @@ class LlamaModel(nn.Module):
 
     def compile_layers(self) -> None:
         """One compiled graph for a decoder layer, shared by every layer (their weights
-        and caches are the graph's inputs), with the token count dynamic. (One graph for
-        the whole stack was tried: 158 s to compile cold, no faster a step.)"""
+        and caches are the graph's inputs), with the token count dynamic; the layers
+        take torch's ops, which the compiler can trace. (One graph for the whole stack
+        was tried: far longer to compile cold, no faster a step.)"""
+        bind_backends(self.layers, COMPILED)
         self.run_layer = torch.compile(_run_layer, dynamic=True)
 
 
@@ -418,18 +473,6 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.model.layers:
             layer.self_attn.fuse()
             layer.mlp.fuse()
-
-    def enable_fused_kernels(self) -> None:
-        """``--fused-kernels``: every norm, attention and MLP takes its Triton kernels
-        (kernels/triton/fused.py): add+RMSNorm, rotary+KV write, SiLU x up. Fewer
-        launches and HBM passes a decode step. They round as Hugging Face does (so in
-        float32 they agree with the default path to the last ulps; in 16-bit, the norm
-        can differ by one unit from torch's F.rms_norm, which rounds the weight product
-        once). The default path stays as it is for models that never call this."""
-        from llmserve.kernels.triton import fused  # noqa: F401 - fail here, not mid-step
-        for module in self.modules():
-            if isinstance(module, (RMSNorm, Attention, MLP)):
-                module.fused = True
 
     def forward(self, input_ids, positions) -> torch.Tensor:
         """Hidden states of every new token, ``[num_tokens, hidden]``; the attention

@@ -7,10 +7,11 @@ where the model keeps them (no second copy) and the paged KV cache where the eng
 keeps it. A projection is int4 (ATen's pack) or dense bf16 packed for ``gemm.c``
 (``NativeLinear``: AMX and AVX512-BF16 CPUs). A bf16 projection is the per-op path's
 own ``bf16_gemm`` call, and so are an int4 projection's products of many rows where the
-per-op path takes ``quant_gemm`` for them (``quant_gemm_rows``): such stacks run steps
+per-op path binds ``quant_gemm`` for them (``quant_gemm_rows``): such stacks run steps
 of any size. Elsewhere an int4 stack computes with its own kernels, and only up to
 ``max_native_tokens`` rows. Long prefills and every model it does not cover keep the
-per-op path.
+per-op path. Every choice is the layers' own, read once when the stack is built: both
+paths compute a product with the same kernel.
 """
 
 from __future__ import annotations
@@ -27,65 +28,44 @@ from llmserve.kernels.cpu.decoder import (
     int4_pack_block_n,
     q4_struct,
 )
+from llmserve.kernels.cpu.dispatch import QUANT_GEMM
 from llmserve.kernels.cpu.gemm import (
-    forced_backend,
     native_gemm_available,
-    native_measured,
     quant_tiled_available,
-    quant_tiled_rows,
     rounds_x_to_int8,
 )
-from llmserve.kernels.cpu.native import decode_kernel, panel_gemms_built
+from llmserve.kernels.cpu.native import cpu_library, panel_gemms_built
 from llmserve.model_executor.layers.cpu_linear import NativeLinear
 from llmserve.model_executor.layers.quantization import INT4_GROUP, QuantizedLinear
 from llmserve.model_executor.models.llama import DecoderLayer
 
 log = logging.getLogger(__name__)
 
-# Where an int4 stack's products are all its own (quant_gemm_rows 0) and x is not
-# rounded to int8 on a CPU with quant_gemm (LLMSERVE_CPU_INT8_ACTIVATIONS=0 on AMX or
-# Zen 4), steps of at most this many rows run in C: its kernel dequantises each weight
-# chunk once per 8 tokens (4 on AVX2), where the per-op path's quant_gemm dequantises
-# each block once for all rows (benchmarks/cpu/cpu_decoder.py measures the crossover). With
-# the 8-token tiles, Zen 4, 2 cores, quiet, context 200, op by op / C: 1.57 at 4 rows,
-# 1.42 at 8, 1.26 at 12, 1.10 at 16, 0.94 at 24. 16 lets two or three streams' drafted
-# steps (1 + k rows each) run in C too.
+# The most rows of a step the stack runs where its int4 products are all its own, by
+# what the per-op path it replaces computes them with (benchmarks/cpu/cpu_decoder.py
+# measures each crossover; docs/benchmarks.md has the figures):
+# - quant_gemm there, x not rounded (LLMSERVE_CPU_INT8_ACTIVATIONS=0 on AMX or Zen 4):
+#   the stack dequantises each weight chunk once per 8 tokens, the per-op path's
+#   quant_gemm each block once for all rows; 16 lets two or three streams' drafted
+#   steps (1 + k rows each) run in C too.
 MAX_NATIVE_TOKENS = 16
-# Where ATen packs for AVX2 (32-column blocks) the kernel is built for AVX2 too and
-# dequantises once per 2 tokens: the crossover measured there was 8, before the panel
-# GEMM (a library built without it keeps that limit).
+# - ATen's AVX2 pack (32-column blocks) with a library built without the panel GEMM:
+#   the tiles dequantise once per 2 tokens.
 MAX_NATIVE_TOKENS_AVX2 = 8
-# With the panel GEMM (emulated AVX2 on an Ice Lake Xeon, 2 cores,
-# benchmarks/cpu/cpu_decoder.py, context 200), op by op / C: 1.91 at 1 row, 1.53 at 4,
-# 1.22 at 8, 1.13 at 16, 1.16 at 32; past 32 C seemed to lose (0.85 at 64, 0.32 at
-# 128), but the script's op-by-op runs had had fewer rows than asked. Fixed, emulated
-# AVX2 on an AMX Xeon, x rounded to int8 in both paths: 1.29 at 8, 1.15 at 32, 1.09 at
-# 64, 1.07 at 128. Past 128 (long prefill chunks) the per-op path's float32 GEMM of
-# dequantised weights (from 384 rows) is the faster.
+# - the AVX2 pack with the panel GEMM: past 128 rows (long prefill chunks) the per-op
+#   path's float32 GEMM of dequantised weights is the faster.
 MAX_NATIVE_TOKENS_AVX2_PANELS = 128
-# Where quant_gemm does not run (AVX-512 without BF16: no bf16 arithmetic) and x is not
-# rounded to int8 (LLMSERVE_CPU_INT8_ACTIVATIONS=0, or no VNNI), the C
-# stack's products of 16 rows and more are a GEMM over dequantised panels (decoder.c),
-# and it stays ahead of the per-op path up to the engine's default max_num_seqs. Ice
-# Lake Xeon, 2 cores, the default engine, decode steps at context ~200 alternating in
-# one process, op by op / C: 1.55 at 32 rows, 1.45 at 64, 1.25 at 128 (before the panels,
-# 0.87 at 48: the limit was 32).
+# - no quant_gemm (AVX-512 without BF16) and x not rounded: the stack's products of 16
+#   rows and more are a GEMM over dequantised panels, ahead of the per-op path up to the
+#   engine's default max_num_seqs.
 MAX_NATIVE_TOKENS_WITHOUT_BF16 = 128
-# The same CPUs with a library built without the panel GEMM (its 8-row tiles only):
-# 0.87 at 48 rows, 1.47 at 32 (the limit before the panels).
+# - the same CPUs with a library built without the panel GEMM (its 8-row tiles only).
 MAX_NATIVE_TOKENS_TILES_ONLY = 32
-# Where x is rounded to int8 (gemm.rounds_x_to_int8: AVX2, or AVX-512 VNNI without AMX
-# tiles in use, with or without bf16 arithmetic), the stack's products are the same int8
-# panels as the per-op path's (from 1 row on AVX2, 3 on VNNI), so the stack runs whole
-# prompt steps in C too: it saves the per-op path's ~25 calls a layer and their
-# intermediates. AMX Xeon with its tiles off (as Zen 4), benchmarks/cpu/cpu_decoder.py
-# --quantization int4, op by op / C: 1.36 at 8 rows, 1.27 at 32, 1.10 at 128
-# (docs/benchmarks.md, "int8 products on CPUs with bf16 arithmetic"). Whole prompts
-# (64 of 70-210 tokens, one output token each), C over op by op past 128 rows: AVX2
-# 1.05x in 512-row steps, 1.01x in 2048-row ones; Zen 4 (emulated) 1.08x and 1.04x
-# (twelfth slice). Not past the largest measured: the stack holds every intermediate of
-# all its rows at once (~240 KB a row for an 8B model), which the KV budget does not
-# count.
+# - x rounded to int8 (AVX2, or AVX-512 VNNI without AMX tiles in use): the stack's
+#   products are the same int8 panels as the per-op path's, so it runs whole prompt
+#   steps in C too, saving the per-op path's ~25 calls a layer and their intermediates.
+#   Not past the largest measured: the stack holds every intermediate of all its rows at
+#   once (hundreds of KB a row for an 8B model), which the KV budget does not count.
 MAX_NATIVE_TOKENS_INT8_X = 2048
 
 
@@ -118,13 +98,13 @@ class NativeDecoder:
         layers = model.model.layers
         first = layers[0].self_attn
         cache = first.kv_cache
-        self._int4 = int4_projections(model)
-        self._int4_measured: dict[int, bool] = {}  # thread count -> int4_takes_quant_gemm
+        int4 = int4_projections(model)
         self.dims = StackDims(c.hidden_size, first.num_heads, first.num_kv_heads,
                               first.head_dim, layers[0].mlp.intermediate, block_n,
                               layers[0].input_layernorm.eps, first.scale, cache.shape[1],
-                              cache.shape[2], 0, 0)
-        self.refresh_dims()
+                              cache.shape[2], int(rounds_int4_x(int4)),
+                              quant_gemm_rows(int4))
+        self.row_limit = max_native_tokens(block_n)
         # The tensors the pointers point into: kept alive as long as this is.
         self._keep = [t for layer in layers for t in layer_tensors(layer)]
         self.layers = (StackLayer * len(layers))(*(
@@ -134,7 +114,7 @@ class NativeDecoder:
                        layer.self_attn.kv_cache.data_ptr())
             for layer in layers))
         self.num_layers = len(layers)
-        self._lib = decode_kernel()
+        self._lib = cpu_library()
 
     @classmethod
     def try_build(cls, model) -> NativeDecoder | None:
@@ -154,31 +134,19 @@ class NativeDecoder:
         return None
 
     def quant_gemm_rows(self) -> int:
-        """From how many rows the stack's int4 products are quant_gemm's now: where the
-        per-op path's are for every projection (``gemm.quant_tiled``, which decides on
-        every call: the AMX state and the thread count may change), else 0."""
-        threads = torch.get_num_threads()
-        if threads not in self._int4_measured:
-            self._int4_measured[threads] = int4_takes_quant_gemm(self._int4, threads)
-        return quant_tiled_rows() if self._int4_measured[threads] else 0
-
-    def refresh_dims(self) -> None:
-        """The choices the per-op path makes on every call (the AMX state, the thread
-        count, ``LLMSERVE_CPU_INT8_ACTIVATIONS``), for the stack's next call: the two
-        paths then compute a product with the same kernel."""
-        self.dims.quant_gemm_rows = self.quant_gemm_rows()
-        self.dims.int8_x = int(rounds_x_to_int8())
+        """From how many rows the stack's int4 products are quant_gemm's (0: none)."""
+        return self.dims.quant_gemm_rows
 
     def applies(self, num_tokens: int, meta) -> bool:
         """A step whose rows are all C-kernel rows in order (``all_rows_native``: row i
         is query i, with its own block-table row and causal context length, which is
         how the C side reads them: decodes, drafted decodes' 1 + k rows, short
-        prompts), of at most ``max_native_tokens`` rows, or of any number where every
+        prompts), of at most ``row_limit`` rows, or of any number where every
         product is the per-op path's own (bf16; int4 from ``quant_gemm_rows``)."""
         plan = meta.plan if meta is not None else None
         if self.lora_state is not None and self.lora_state.step is not None:
             return False  # an adapter runs in this step: the per-op path applies it
-        limit, tiled = max_native_tokens(self.dims.block_n), self.quant_gemm_rows()
+        limit, tiled = self.row_limit, self.quant_gemm_rows()
         return (plan is not None and plan.all_rows_native
                 and (limit is None or num_tokens <= limit or 0 < tiled <= num_tokens))
 
@@ -189,7 +157,6 @@ class NativeDecoder:
         cos = cos.reshape(tokens, -1).float().contiguous()  # the C side reads float32
         sin = sin.reshape(tokens, -1).float().contiguous()
         plan = meta.plan
-        self.refresh_dims()
         rc = self._lib.stack_decode_layers(
             torch.get_num_threads(), ctypes.byref(self.dims), self.layers, self.num_layers,
             x.data_ptr(), tokens, cos.data_ptr(), sin.data_ptr(), meta.slot_mapping.data_ptr(),
@@ -200,6 +167,20 @@ class NativeDecoder:
         if rc != 0:
             raise RuntimeError(f"stack_decode_layers failed with code {rc}")
         return x
+
+
+def quant_gemm_rows(int4: list) -> int:
+    """From how many rows the per-op path's int4 products are quant_gemm's for every
+    projection in ``int4`` (their bound kernels), so that the stack takes it too and
+    any number of rows; 0 where one of them never takes it, or with no int4 projection."""
+    starts = {lin.row_kernels.trailing(QUANT_GEMM) for lin in int4}
+    return starts.pop() if len(starts) == 1 and None not in starts else 0
+
+
+def rounds_int4_x(int4: list) -> bool:
+    """Whether the per-op path's int4 products round x to int8 (their bound kernels):
+    the stack's then do too, from the same row count."""
+    return bool(int4) and int4[0].row_kernels.x == "int8"
 
 
 def projections(layer) -> tuple:
@@ -228,17 +209,6 @@ def linear_struct(linear, keep: list[torch.Tensor]):
     return lin
 
 
-def int4_takes_quant_gemm(int4: list, threads: int) -> bool:
-    """Whether the per-op path's int4 products of many rows are ``gemm.c``'s
-    quant_gemm for every projection in ``int4`` (``gemm.quant_tiled``: where it is
-    built, on the shapes measured for ``threads``), so that the C stack may take it too
-    and any number of rows; False with no int4 projection."""
-    if not int4 or not quant_tiled_available(4):
-        return False
-    return forced_backend() == "native" or all(
-        native_measured(lin.out_features, lin.in_features, threads) for lin in int4)
-
-
 def layer_tensors(layer) -> list[torch.Tensor]:
     """Every tensor of ``layer`` the C stack holds a pointer into."""
     tensors = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
@@ -251,7 +221,7 @@ def layer_tensors(layer) -> list[torch.Tensor]:
 
 def unsupported(model) -> str | None:
     """Why the native stack cannot run ``model`` (None: it can, kernel permitting)."""
-    if decode_kernel() is None:
+    if cpu_library() is None:
         return "the C kernels are not built"
     if model.shard.size > 1:
         return "tensor parallelism"

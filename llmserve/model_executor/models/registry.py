@@ -4,6 +4,7 @@ whose arithmetic it computes (``supported.py`` refuses the config variants it do
 
 from __future__ import annotations
 
+from llmserve.errors import ModelLoadError
 from llmserve.model_executor.models.gemma2 import Gemma2ForCausalLM
 from llmserve.model_executor.models.gemma3 import Gemma3ForCausalLM
 from llmserve.model_executor.models.gpt_oss import GptOssForCausalLM
@@ -26,3 +27,11 @@ SUPPORTED_ARCHITECTURES = {
     # refused at start-up (supported.TEXT_ONLY_CLASSES), naming Gemma3ForCausalLM
     "Gemma3ForConditionalGeneration": Gemma3ForCausalLM,
 }
+
+
+def check_architecture(config) -> None:
+    """ModelLoadError unless one of ``config``'s architectures is served here."""
+    archs = getattr(config, "architectures", None) or []
+    if not any(a in SUPPORTED_ARCHITECTURES for a in archs):
+        raise ModelLoadError(f"unsupported architecture {archs}; supported: "
+                             f"{', '.join(SUPPORTED_ARCHITECTURES)}")
