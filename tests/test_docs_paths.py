@@ -24,13 +24,6 @@ TOP_FOLDERS = ("llmserve", "benchmarks", "tests", "e2e", "charts", "crds", "exam
 SEARCHED = ("llmserve", "benchmarks", "tests", "e2e")
 # Written by the benchmark scripts and ignored by git, so absent from a clean clone.
 OUTPUTS = ("benchmarks/results/",)
-# Modules the engine-core rewrite creates, which docs/architecture.md's "Engine core"
-# already describes. Once they exist the xfail below turns into a failure: then empty
-# this set and re-read that section against the code.
-PLANNED = {
-    "llmserve/kernels/cpu/dispatch.py",
-}
-
 TOP_PATH = re.compile(r"(?<![\w./-])((?:" + "|".join(TOP_FOLDERS) + r")/[\w.*/{},-]*[\w*}])")
 SOURCE_PATH = re.compile(r"`([\w./-]+\.(?:py|c|h))`")
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
@@ -57,12 +50,12 @@ def tree_files() -> list[str]:
 
 def top_paths(text: str) -> set[str]:
     found = {p for match in TOP_PATH.findall(text) for p in expand_braces(match)}
-    return {p for p in found if not p.startswith(OUTPUTS)} - PLANNED
+    return {p for p in found if not p.startswith(OUTPUTS)}
 
 
 def source_paths(text: str) -> set[str]:
     found = set(SOURCE_PATH.findall(text))
-    return {p for p in found if not p.startswith(TOP_FOLDERS) and p not in PLANNED}
+    return {p for p in found if not p.startswith(TOP_FOLDERS)}
 
 
 def slug(heading: str) -> str:
@@ -132,9 +125,3 @@ def test_the_checks_see_what_they_check():
     assert broken_link(scheduling, "architecture.md#the-layer-map") is None
     assert broken_link(scheduling, "architecture.md#no-such-heading") is not None
     assert broken_link(scheduling, "no-such-file.md") is not None
-
-
-@pytest.mark.parametrize("path", sorted(PLANNED))
-@pytest.mark.xfail(strict=True, reason="written by the engine-core rewrite")
-def test_planned_module_exists(path):
-    assert (ROOT / path).exists()
