@@ -156,7 +156,9 @@ def test_a_started_stream_that_loses_a_prompt_ends_with_an_error_event(overloade
     async def main():
         async with aiohttp.ClientSession() as s, s.post(
                 overloaded.url + "/v1/completions", json={
-                    "model": "tiny", "prompt": ["first", "second"], "max_tokens": 1000,
+                    # as long as the model allows: the first must outlast the second's
+                    # queue delay, on a fast machine too
+                    "model": "tiny", "prompt": ["first", "second"], "max_tokens": 2040,
                     "stream": True, "ignore_eos": True}) as r:
             assert r.status == 200
             return [line[6:].strip() async for line in r.content
