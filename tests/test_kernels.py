@@ -17,7 +17,7 @@ from tests.benchmark_script import benchmark_script  # noqa: E402
 from tests.kernel_reference import unified_attention_ref, write_kv_cache_ref  # noqa: E402
 
 triton_attention = pytest.importorskip("llmserve.kernels.triton.attention")
-with benchmark_script("bench_kernels") as _bench:  # the rule before issue 27, compared there
+with benchmark_script("gpu/bench_kernels") as _bench:  # the rule before issue 27, compared there
     legacy_splits = _bench.legacy_splits
 
 INTERPRETED = triton_attention.INTERPRETED
