@@ -74,7 +74,7 @@ test:
 	$(VENV)/bin/python -m pytest -q -ra --durations=10 -n $(E2E_WORKERS) --dist loadfile \
 		--no-loadscope-reorder e2e/tests
 
-# Debian's chromium for the dashboard's browser test (tests/test_dashboard.py), when it
+# Debian's chromium for the dashboard's browser test (tests/gateway/test_dashboard.py), when it
 # is missing and apt-get can run (as root, or sudo without a password); else that test
 # skips and says why. Present already: nothing runs.
 .PHONY: chromium
@@ -82,7 +82,7 @@ chromium:
 	@command -v chromium >/dev/null 2>&1 || ! command -v apt-get >/dev/null 2>&1 || \
 	  { S=$$([ "$$(id -u)" = 0 ] || echo sudo -n); export DEBIAN_FRONTEND=noninteractive; \
 	    $$S apt-get update -qq && $$S apt-get install -y -qq --no-install-recommends chromium; } \
-	  || echo "chromium could not be installed: tests/test_dashboard.py will skip its browser test"
+	  || echo "chromium could not be installed: tests/gateway/test_dashboard.py will skip its browser test"
 
 e2e: $(STAMP) controlplane
 	$(VENV)/bin/python -m pytest -q -ra --durations=10 -n $(E2E_WORKERS) --dist loadfile \

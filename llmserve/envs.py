@@ -1,6 +1,6 @@
 """Every environment variable llmserve reads, declared once: its name, type, default and
 what it does (as vLLM's ``envs.py``). Code reads one as ``envs.NAME``; nothing else in
-llmserve reads ``os.environ`` (tests/test_envs.py checks both ways).
+llmserve reads ``os.environ`` (tests/entrypoints/test_envs.py checks both ways).
 
 A value is read when it is asked for, not at import, so a pod's environment, a child
 process's, or a test's ``monkeypatch.setenv`` applies from the next read on. Unset, a

@@ -1,8 +1,8 @@
 """Mutation sensitivity of the differential fuzz tests: how many random workloads it
 takes to catch realistic scheduler / block-manager bugs (the evidence for sizing
 NUM_WORKLOADS in CI). Each mutant injects one bug by monkeypatching llmserve, then runs
-the loop of tests/test_differential_fuzz.py (or, ``--harness async``, the sync-vs-async
-test of tests/test_async_scheduling.py) exactly as CI does, in a process of its own, up
+the loop of tests/engine/test_differential_fuzz.py (or, ``--harness async``, the sync-vs-async
+test of tests/engine/test_async_scheduling.py) exactly as CI does, in a process of its own, up
 to the first failure. Reported: the 1-based workload that caught it (0: while building
 the references) and "hits", how often the bug changed what the code did (0: never
 reached, so the run says nothing). ``none`` is the control and must pass.
@@ -236,7 +236,7 @@ def _workload(rng, pool):
 
 
 def fuzz_harness(model, seed: str, workloads: int):
-    """tests/test_differential_fuzz.py::test_random_workloads_match_their_runs_alone"""
+    """tests/engine/test_differential_fuzz.py::test_random_workloads_match_their_runs_alone"""
     differential = diff.Differential(_engine(model, check_kv_integrity=True), ample_blocks=256)
     rng = random.Random(seed)
     vocab = differential.engine.hf_config.vocab_size
@@ -253,7 +253,7 @@ def fuzz_harness(model, seed: str, workloads: int):
 
 
 def async_harness(model, seed: str, workloads: int):
-    """tests/test_async_scheduling.py::test_random_workloads_match_the_synchronous_engine
+    """tests/engine/test_async_scheduling.py::test_random_workloads_match_the_synchronous_engine
     (its closing assertion less the count of rows read on the device)"""
     sync = diff.Differential(_engine(model), ample_blocks=256)
     overlapped = diff.Differential(_engine(model, async_scheduling=True), ample_blocks=256)

@@ -4,7 +4,7 @@ run (machines here are noisy and shared: compare ratios, not absolute times).
 New: top-k/top-p over a topk of CANDIDATES tokens (a full sort only for rows whose kept
 set may reach past them), seeded rows drawn by a counter-based hash on the logits'
 device. Reference: one sort of the whole vocabulary per row (the copy kept in
-tests/test_sampler_filters.py), a race over every token, seeded rows drawn from a CPU
+tests/model_executor/test_sampler_filters.py), a race over every token, seeded rows drawn from a CPU
 torch.Generator row by row and copied over.
 
 Cases per (batch, vocab), rows alternating top_p=0.9 and top_k=50 on LM-like logits
@@ -35,7 +35,7 @@ if not __package__:  # run as a file: the repository root, so that `benchmarks` 
 from llmserve import SamplingParams
 from llmserve.core.request import Request
 from llmserve.model_executor.layers.sampler import Sampler
-from tests.test_sampler_filters import reference_filtered_probs
+from tests.model_executor.test_sampler_filters import reference_filtered_probs
 
 CASES = ("filters", "seeded", "flat")
 

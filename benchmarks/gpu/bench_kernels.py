@@ -160,7 +160,7 @@ def decode_rules(args, device, dtype) -> list[dict]:
     """Decode attention time per variant of DECODE_VARIANTS; bytes/s = the K/V bytes one
     step reads / its time, against the H200's 4.8 TB/s. Smoke: a 2-head model and one
     short context, which no rule splits (the interpreter runs each program in Python;
-    tests/test_kernels.py checks the split path)."""
+    tests/kernels/test_kernels.py checks the split path)."""
     import torch
 
     from llmserve.kernels.triton.attention import _choose_splits, num_sms, unified_attention

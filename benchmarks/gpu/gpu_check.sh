@@ -139,8 +139,8 @@ step models 60 300 bash -c "\"$PY\" ${RUN[*]} benchmarks/gpu/random_llama.py $SM
 # the built-in model needs its package, which this machine lacks: engine_bf16 covers it.
 if "$PY" -c "import pytest" 2>/dev/null; then
     # The fused kernels' own cases too (their engine tests need the built-in model).
-    TESTS=(tests/test_kernels.py tests/test_fused_kernels.py
-           --deselect tests/test_kernels.py::test_engine_greedy_output_same_with_triton_and_reference
+    TESTS=(tests/kernels/test_kernels.py tests/kernels/test_fused_kernels.py
+           --deselect tests/kernels/test_kernels.py::test_engine_greedy_output_same_with_triton_and_reference
            -k "not engine_greedy_tokens_are_the_same and not routes_every_layer")
     # (a second -k replaces the first: the dry run's subset has no engine test either)
     [ "$MODE" = dry-run ] && TESTS+=(-k "warm_up_launches or check_supported or choose_splits or rms_norm_without")

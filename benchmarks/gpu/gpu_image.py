@@ -8,7 +8,7 @@ and nothing can be installed there (no registry access). What this project depen
 beyond that is refused here:
 
     python benchmarks/gpu/gpu_image.py benchmarks/gpu/engine_gpu_smoke.py --smoke
-    python benchmarks/gpu/gpu_image.py -m pytest -q tests/test_kernels.py
+    python benchmarks/gpu/gpu_image.py -m pytest -q tests/kernels/test_kernels.py
 """
 
 from __future__ import annotations

@@ -42,7 +42,7 @@ def test_template_renders_labelled_least_privilege_objects():
     role = next(d for d in docs if d["kind"] == "ClusterRole")
     verbs = {v for rule in role["rules"] for v in rule["verbs"]}
     assert "*" not in verbs
-    # delete: only the kinds of child the operator prunes (tests/test_chart_static.py
+    # delete: only the kinds of child the operator prunes (tests/operator/test_chart_static.py
     # checks they are exactly kube.CHILD_KINDS and kube.NAMED_CHILD_KINDS)
     deletable = {r for rule in role["rules"] if "delete" in rule["verbs"]
                  for r in rule["resources"]}

@@ -14,7 +14,7 @@ import yaml
 
 from e2e.cluster import free_port
 from e2e.tests.conftest import OperatorProcess, get_json, wait_for
-from tests.test_chart_monitoring import (
+from tests.operator.test_chart_monitoring import (
     ALL_ON,
     dashboard_exprs,
     exported_names,

@@ -3,7 +3,7 @@ rules accept and refuse what docs/operator.md says, a live operator renders
 --speculative-config into the engine Deployment (and mounts a pvc:// draft model), and a
 spec the engines could not serve goes Degraded with the reason, rolling nothing out.
 Zero engine replicas: the rendered objects are the point, no engine process starts.
-The pure translation and refusals are unit tested in tests/test_operator_speculative.py."""
+The pure translation and refusals are unit tested in tests/operator/test_operator_speculative.py."""
 
 from __future__ import annotations
 

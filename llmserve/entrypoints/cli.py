@@ -248,7 +248,7 @@ def cmd_operator(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """Every subcommand and its flags (tests/test_cli_flags.py pins the flag sets)."""
+    """Every subcommand and its flags (tests/entrypoints/test_cli_flags.py pins the flag sets)."""
     parser = argparse.ArgumentParser(prog="llmserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="offline chat generation, printed to stdout")

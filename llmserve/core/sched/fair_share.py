@@ -16,7 +16,7 @@ across replicas without a shared store. The engine charges every token it comput
 for a tenant; requests without a tenant share the tenant "".
 
 This module imports nothing that pulls in torch: the gateway, which runs without
-it, imports it (``tests/test_fair_share.py`` checks).
+it, imports it (``tests/core/test_fair_share.py`` checks).
 """
 
 from __future__ import annotations

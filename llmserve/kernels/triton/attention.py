@@ -153,7 +153,7 @@ def _finish(acc, m_i, l_i, sinks_ptr, head, row_mask, HAS_SINKS: tl.constexpr):
 # (equal to 1, divisible by 16, other). ``num_seqs`` and the block tables' row stride
 # (the step's longest table) change with every batch, so specialising on them would
 # make early requests of a new shape wait for a compile the warm-up never saw; they are
-# plain runtime integers instead (tests/test_kernels.py checks every integer argument).
+# plain runtime integers instead (tests/kernels/test_kernels.py checks every integer argument).
 @triton.jit(do_not_specialize=["num_seqs", "stride_bt", "window"])
 def _unified_attention_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, query_start_loc_ptr, seq_lens_ptr,

@@ -12,7 +12,7 @@ launches and re-reads the same rows from HBM. Three groups are fused here:
 
 Each rounds as the op-by-op path it replaces does (comments below say where), so
 float32 outputs match it to the last few ulps and 16-bit ones to one unit. The tests
-(tests/test_fused_kernels.py) compare them under ``TRITON_INTERPRET=1`` on a CPU.
+(tests/kernels/test_fused_kernels.py) compare them under ``TRITON_INTERPRET=1`` on a CPU.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ launches. Here, as vLLM's fused_moe does (without its tuned configurations):
 A block runs gate/up over the tokens (one row per pair), SiLU x up, down over the pairs
 (weighted), and sums each token's top-k rows. The experts' weights are stacked once
 (``[experts, 2I, H]`` and ``[experts, H, I]``). PyTorch's reference is the per-expert
-loop it replaces (tests/test_fused_moe.py, in the interpreter in float32).
+loop it replaces (tests/kernels/test_fused_moe.py, in the interpreter in float32).
 """
 
 from __future__ import annotations
