@@ -5,8 +5,8 @@ A step's ``CPUAttentionPlan`` is built once and read by every layer:
 
 - Decodes (one new token each) run together in the compiled C kernel
   (``decode.c`` via ``native.py``) when the plan is ``native``: straight from
-  the paged cache, each KV block read once for its GQA group, 8-35x faster than the
-  torch path below (batches of 1-64, ``benchmarks/cpu/cpu_attention.py``). Otherwise (no C
+  the paged cache, each KV block read once for its GQA group, many times faster than
+  the torch path below (``benchmarks/cpu/cpu_attention.py``). Otherwise (no C
   compiler, fp16, ``LLMSERVE_CPU_KERNELS=torch``) they run together in torch: Their
   block ids, padded to the longest context, are gathered with one ``index_select``
   per layer (K and V rows together, from the layer's contiguous cache viewed as one
@@ -33,8 +33,8 @@ runs ``_attention_with_extras`` (the arithmetic SDPA does, written out, since SD
 has neither) and a layer with neither keeps SDPA.
 
 Softmax and accumulation are in float32 whatever the cache dtype: CPU SDPA in bf16 with
-a mask is several times slower than in fp32 (measured: 32 decodes of ~200 tokens, 9.0
-vs 0.6 ms per layer), and converting the gathered K/V costs less than that.
+a mask is several times slower than in fp32, and converting the gathered K/V costs less
+than that.
 """
 
 from __future__ import annotations
@@ -99,11 +99,9 @@ class CPUAttentionPlan:
 # With the C kernel, a prefill chunk whose context (cached prefix + chunk) is at most
 # this many tokens attends row by row, each row a query over its own causal prefix
 # (what a decode is): no gathered float32 copy of the context and no SDPA call per
-# chunk. Measured on the built-in model in bf16, whole prefills: 64 prompts of 16-128
-# tokens 3.6 -> 3.1 s; one prompt of 128 to 2,000 tokens 15-20% faster. Each row
-# re-reads its context, so the cost grows with chunk x context: past ~2k tokens of
-# context (a later chunk of a long prompt, a long cached prefix) SDPA's blocked kernel
-# is faster (32 heads of 128, 512-token chunk after a 4k prefix: 754 vs 659 ms).
+# chunk, which makes whole prefills faster. Each row re-reads its context, so the cost
+# grows with chunk x context: past about this much context (a later chunk of a long
+# prompt, a long cached prefix) SDPA's blocked kernel is the faster.
 MAX_ROWWISE_CONTEXT = 2048
 
 
@@ -121,13 +119,6 @@ def make_cpu_plan(query_start_loc: list[int], seq_lens: list[int],
     if native and device.type != "cpu":
         raise ValueError(f"the C attention kernel reads CPU caches only, not {device}")
 
-    def tensor(values) -> torch.Tensor:
-        return torch.tensor(values, device=device)
-
-    def kv_rows(blocks: list[int]) -> torch.Tensor:
-        ids = tensor(blocks)
-        return torch.cat([ids, ids + num_cache_blocks])
-
     plan = CPUAttentionPlan()
     query_lens = [query_start_loc[i + 1] - query_start_loc[i] for i in range(len(seq_lens))]
     decodes = [i for i, n in enumerate(query_lens) if n == 1]
@@ -139,26 +130,52 @@ def make_cpu_plan(query_start_loc: list[int], seq_lens: list[int],
         _native_rows(plan, rowwise, query_start_loc, query_lens, seq_lens, block_tables,
                      block_size)
     elif decodes:
-        num_blocks = max(cdiv(seq_lens[i], block_size) for i in decodes)
-        padded = [block_tables[i][:num_blocks] + [0] * (num_blocks - len(block_tables[i]))
-                  for i in decodes]
-        plan.decode_rows = tensor([query_start_loc[i] for i in decodes])
-        plan.decode_rows_kv = kv_rows([b for row in padded for b in row])
-        lens = plan.decode_lens = tensor([seq_lens[i] for i in decodes])
-        keys = torch.arange(num_blocks * block_size, device=device)
-        plan.decode_mask = (keys.unsqueeze(0) < lens.unsqueeze(1))[:, None, None, :]
+        _torch_decodes(plan, decodes, query_start_loc, seq_lens, block_tables, block_size,
+                       num_cache_blocks, device)
+    _prefill_chunks(plan, query_start_loc, seq_lens, block_tables, block_size,
+                    num_cache_blocks, device)
+    return plan
+
+
+def _kv_rows(blocks: list[int], num_cache_blocks: int, device) -> torch.Tensor:
+    """The cache rows of ``blocks``' K, then of their V (V rows follow the K rows)."""
+    ids = torch.tensor(blocks, device=device)
+    return torch.cat([ids, ids + num_cache_blocks])
+
+
+def _torch_decodes(plan: CPUAttentionPlan, decodes: list[int], query_start_loc: list[int],
+                   seq_lens: list[int], block_tables: list[list[int]], block_size: int,
+                   num_cache_blocks: int, device) -> None:
+    """The torch path's decodes: their blocks padded to the longest context, gathered
+    in one go, and the mask of each row's keys."""
+    num_blocks = max(cdiv(seq_lens[i], block_size) for i in decodes)
+    padded = [block_tables[i][:num_blocks] + [0] * (num_blocks - len(block_tables[i]))
+              for i in decodes]
+    plan.decode_rows = torch.tensor([query_start_loc[i] for i in decodes], device=device)
+    plan.decode_rows_kv = _kv_rows([b for row in padded for b in row], num_cache_blocks,
+                                   device)
+    lens = plan.decode_lens = torch.tensor([seq_lens[i] for i in decodes], device=device)
+    keys = torch.arange(num_blocks * block_size, device=device)
+    plan.decode_mask = (keys.unsqueeze(0) < lens.unsqueeze(1))[:, None, None, :]
+
+
+def _prefill_chunks(plan: CPUAttentionPlan, query_start_loc: list[int], seq_lens: list[int],
+                    block_tables: list[list[int]], block_size: int, num_cache_blocks: int,
+                    device) -> None:
+    """Each prefill chunk the C kernel does not take row by row: one SDPA over its
+    gathered context, causal with the offset of its cached prefix."""
     for i in range(len(seq_lens)):
         start, end, seq_len = query_start_loc[i], query_start_loc[i + 1], seq_lens[i]
         n = end - start
         if n <= 1 or (plan.native and seq_len <= MAX_ROWWISE_CONTEXT):
             continue
-        blocks = kv_rows(block_tables[i][:cdiv(seq_len, block_size)])
+        blocks = _kv_rows(block_tables[i][:cdiv(seq_len, block_size)], num_cache_blocks,
+                          device)
         mask = None
         if seq_len > n:  # causal over a cached prefix: row r sees keys <= context + r
             rows = torch.arange(n, device=device).unsqueeze(1) + (seq_len - n)
             mask = torch.arange(seq_len, device=device).unsqueeze(0) <= rows
         plan.prefills.append((start, end, seq_len, blocks, mask))
-    return plan
 
 
 def _native_rows(plan: CPUAttentionPlan, seqs: list[int], query_start_loc: list[int],
