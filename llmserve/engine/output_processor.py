@@ -9,9 +9,10 @@ and, unless the caller streams, the tokens and logprobs so far. Each step it
   scheduled;
 - builds the request's output in the kind the caller asked for
   (``SamplingParams.output_kind``): CUMULATIVE (everything so far: the lists are the
-  live ones, not copies), DELTA (only what is new; text that might still turn out to
-  be the start of a stop string is held back until the next token or the end, so a
-  stop string is never half-sent) or FINAL_ONLY (one output, when it finishes);
+  live ones, not copies), DELTA (only what is new, and nothing kept of what was sent;
+  text that might still turn out to be the start of a stop string is held back until
+  the next token or the end, so a stop string is never half-sent) or FINAL_ONLY (one
+  output, when it finishes);
 - counts what the metrics need (``IterationStats``).
 
 Precedence, as a token is appended: EOS and stop token ids (the core's) end a sequence
@@ -61,9 +62,11 @@ class ChoiceState:
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.num_tokens = 0
-        self.sent = 0  # DELTA: characters of text already sent
+        self.sent = 0  # DELTA: characters of the text kept that were already sent
         stops, include = req.params.stop, req.params.include_stop_str_in_output
-        self.hold = 0 if include or not stops else max(map(len, stops)) - 1
+        # What a stop string may still start in: the text's last so many characters.
+        self.tail = max(map(len, stops)) - 1 if stops else 0
+        self.hold = 0 if include else self.tail
 
     @property
     def finished(self) -> bool:
@@ -74,9 +77,15 @@ class ChoiceState:
                                 self.stop_reason, self.logprobs)
 
     def delta_output(self, token_ids: list[int], logprobs) -> CompletionOutput:
+        """What is new since the last delta. The text sent is then dropped, but for the
+        tail a stop string could still start in, so a long stream keeps no copy of its
+        text and appends to a short string."""
         text = self.text.text
         end = len(text) if self.finished else max(self.sent, len(text) - self.hold)
         new_text, self.sent = text[self.sent:end], end
+        if self.sent > self.tail:
+            cut = self.sent - self.tail
+            self.text.text, self.sent = text[cut:], self.tail
         return CompletionOutput(self.index, new_text, token_ids, self.finish_reason,
                                 self.stop_reason, logprobs)
 
